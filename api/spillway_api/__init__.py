@@ -1,0 +1,1 @@
+"""Spillway's API service and the `spillway` command (top layer: may import operator and runtime)."""

@@ -1,0 +1,1 @@
+"""Spillway's Kubernetes operator (kopf). Imports runtime (spec, planner), never api."""

@@ -1,0 +1,278 @@
+"""Atomic, verified checkpoints on a shared directory.
+
+A checkpoint is written into `.staging-<name>/`, every file fsynced, a manifest
+with each file's sha256 written last, the directory renamed into place and only
+then the `latest` pointer replaced. A crash or ENOSPC at any point leaves the
+previous good checkpoint and pointer untouched. On load a checksum mismatch
+rejects that checkpoint and falls back to the previous good one, saying so.
+
+Every rank writes its own shard (DeepSpeed does this inside `save_fn`); rank 0
+writes the manifest, renames and prunes. Torch-free: callers pass `barrier`
+and `broadcast` for multi-process runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+PREFIX = "step-"
+STAGING = ".staging-"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+@dataclass
+class CheckpointInfo:
+    name: str
+    step: int
+    loss: float | None
+    time: float
+    size_bytes: int
+    sha256: str  # digest of the manifest's file table: identifies the checkpoint as a whole
+    path: Path
+
+    def public(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "step": self.step,
+            "loss": self.loss,
+            "time": self.time,
+            "sizeBytes": self.size_bytes,
+            "sha256": self.sha256,
+        }
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{PREFIX}{step:08d}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` so that readers see the old or the new content, never half."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _noop() -> None:
+    return None
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+class CheckpointStore:
+    def __init__(
+        self,
+        root: Path,
+        keep: int,
+        *,
+        rank: int = 0,
+        barrier: Callable[[], None] = _noop,
+        broadcast: Callable[[Any], Any] = _identity,
+        first_failure: Callable[[str | None], str | None] = _identity,
+        log: Callable[[str], None] = print,
+    ):
+        self.root = Path(root)
+        self.keep = keep
+        self.rank = rank
+        self.barrier = barrier
+        self.broadcast = broadcast  # rank 0's value to every rank
+        self.first_failure = first_failure  # the first non-None value across ranks, to every rank
+        self.log = log
+
+    # --- writing ----------------------------------------------------------------------
+
+    def save(self, step: int, save_fn: Callable[[Path], None], meta: dict[str, Any]) -> CheckpointInfo:
+        """`save_fn(staging_dir)` writes this rank's files; returns the committed checkpoint."""
+        name = checkpoint_name(step)
+        staging = self.root / f"{STAGING}{name}"
+        final = self.root / name
+        failure: str | None = None
+        if self.rank == 0:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.mkdir()
+            except OSError as err:
+                failure = self._describe(err)
+        failure = self.broadcast(failure)
+        if failure is None:
+            try:
+                save_fn(staging)
+            except (OSError, RuntimeError) as err:  # torch.save reports ENOSPC as RuntimeError
+                failure = self._describe(err)
+            failure = self.first_failure(failure)
+        public: dict[str, Any] | None = None
+        if self.rank == 0 and failure is None:
+            try:
+                public = self._commit(name, step, staging, final, meta).public()
+            except OSError as err:
+                failure = self._describe(err)
+        if self.rank == 0 and failure is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        failure, public = self.broadcast((failure, public))
+        if failure is not None:
+            raise CheckpointError(f"checkpoint {name} was not written: {failure}; the last good checkpoint is intact")
+        if self.rank == 0:
+            self._prune()
+        self.barrier()
+        return self._info_from(public, final)
+
+    def _describe(self, err: BaseException) -> str:
+        code = getattr(err, "errno", None)
+        with contextlib.suppress(OSError):
+            if code is None and shutil.disk_usage(self.root).free < (1 << 20):
+                code = errno.ENOSPC
+        if code == errno.ENOSPC:
+            return f"no space left on {self.root}: free space or point the checkpoint path at a larger volume"
+        if code in (errno.EACCES, errno.EROFS, errno.EPERM):
+            return f"cannot write to {self.root} ({os.strerror(code)}): make it writable or change the checkpoint path"
+        return str(err)
+
+    def _commit(self, name: str, step: int, staging: Path, final: Path, meta: dict[str, Any]) -> CheckpointInfo:
+        files: dict[str, dict[str, Any]] = {}
+        size = 0
+        for path in sorted(p for p in staging.rglob("*") if p.is_file()):
+            rel = str(path.relative_to(staging))
+            nbytes = path.stat().st_size
+            files[rel] = {"sha256": _sha256(path), "size": nbytes}
+            size += nbytes
+        _fsync_tree(staging)
+        digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+        manifest = {"name": name, "step": step, "time": time.time(), "sizeBytes": size, "sha256": digest,
+                    "files": files, **meta}
+        write_atomic(staging / MANIFEST, json.dumps(manifest, indent=1).encode())
+        if final.exists():
+            # Re-saving the same step (after a rollback) replaces the old copy.
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        _fsync_dir(self.root)
+        write_atomic(self.root / LATEST, name.encode())
+        return CheckpointInfo(name, step, meta.get("loss"), manifest["time"], size, digest, final)
+
+    def _prune(self) -> None:
+        good = self.list()
+        for info in good[: max(0, len(good) - self.keep)]:
+            shutil.rmtree(info.path, ignore_errors=True)
+        for stale in self.root.glob(f"{STAGING}*"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+    # --- reading ----------------------------------------------------------------------
+
+    def _info_from(self, public: dict[str, Any] | None, path: Path) -> CheckpointInfo:
+        if public is None:
+            raise CheckpointError(f"checkpoint at {path} has no manifest")
+        return CheckpointInfo(
+            public["name"], public["step"], public.get("loss"), public["time"], public["sizeBytes"],
+            public["sha256"], path,
+        )
+
+    def read_manifest(self, path: Path) -> dict[str, Any] | None:
+        try:
+            data = json.loads((path / MANIFEST).read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def list(self) -> list[CheckpointInfo]:
+        """Committed checkpoints (manifest present), oldest first. Not verified."""
+        out = []
+        if not self.root.is_dir():
+            return out
+        for path in self.root.glob(f"{PREFIX}*"):
+            manifest = self.read_manifest(path)
+            if manifest:
+                out.append(self._info_from(manifest, path))
+        return sorted(out, key=lambda c: c.step)
+
+    def verify(self, path: Path) -> str | None:
+        """None when every file matches its manifest entry, else what is wrong."""
+        manifest = self.read_manifest(path)
+        if manifest is None:
+            return "manifest missing or unreadable"
+        for rel, entry in manifest["files"].items():
+            file = path / rel
+            if not file.is_file():
+                return f"{rel} is missing"
+            if file.stat().st_size != entry["size"] or _sha256(file) != entry["sha256"]:
+                return f"{rel} does not match its sha256"
+        return None
+
+    def find_good(self, name: str | None = None) -> CheckpointInfo | None:
+        """The named checkpoint, or the newest good one; verified on rank 0, agreed by all."""
+        chosen: dict[str, Any] | None = None
+        if self.rank == 0:
+            candidates = self.list()
+            if name is not None:
+                candidates = [c for c in candidates if c.name == name]
+                if not candidates:
+                    known = ", ".join(c.name for c in self.list()) or "none"
+                    raise CheckpointError(f"resumeFrom: no checkpoint named {name!r} (have: {known})")
+            else:
+                latest = self._latest_name()
+                if latest:
+                    # the pointer wins over directory order, newer dirs without it are ignored
+                    candidates = [c for c in candidates if c.name <= latest] or candidates
+            for info in reversed(candidates):
+                problem = self.verify(info.path)
+                if problem is None:
+                    chosen = info.public()
+                    break
+                self.log(f"checkpoint {info.name} rejected: {problem}; falling back to the previous one")
+                if name is not None:
+                    raise CheckpointError(f"resumeFrom: checkpoint {name} is damaged ({problem})")
+        chosen = self.broadcast(chosen)
+        if chosen is None:
+            return None
+        return self._info_from(chosen, self.root / chosen["name"])
+
+    def _latest_name(self) -> str | None:
+        with contextlib.suppress(OSError):
+            return (self.root / LATEST).read_text().strip() or None
+        return None

@@ -1,0 +1,235 @@
+"""The runtime's commands for the `spillway` CLI: probe, plan, run, make-tiny.
+
+`spillway_api.cli` assembles the full command from this and the other packages.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from spillway_runtime.hardware import NodeHardware
+from spillway_runtime.planner import ModelShape, OffloadPlan, plan_tiers
+from spillway_runtime.spec import FineTuneJob, SpecError, Training, load_job
+from spillway_runtime.units import format_bytes, format_count, parse_count, parse_size
+
+EXIT_BAD_INPUT = 2
+EXIT_PLAN_INFEASIBLE = 3
+
+err_console = Console(stderr=True)
+
+
+def _fail(message: str, code: int = EXIT_BAD_INPUT) -> typer.Exit:
+    err_console.print(f"[red]error:[/red] {message}", highlight=False)
+    return typer.Exit(code)
+
+
+def probe(
+    nvme_path: Annotated[Path | None, typer.Option(help="Directory on the NVMe drive to measure")] = None,
+    output: Annotated[Literal["json", "table"], typer.Option(help="json or table")] = "table",
+    quick: Annotated[bool, typer.Option(help="Capacities only, skip the speed measurements")] = False,
+    aio_seconds: Annotated[float, typer.Option(help="Budget for the async I/O sweep")] = 30.0,
+    annotate_node: Annotated[bool, typer.Option(help="Write the figures onto this Kubernetes node")] = False,
+) -> None:
+    """Measure this machine: GPUs, RAM, cores, NVMe capacity and speed, CPU optimizer speed."""
+    from spillway_runtime.probe import probe as run_probe
+
+    hw = run_probe(nvme_path, quick=quick, aio_budget_seconds=aio_seconds)
+    if annotate_node:
+        raise _fail("--annotate-node runs inside a cluster pod; it is provided by the operator's node probe")
+    if output == "json":
+        print(hw.model_dump_json(indent=2))
+        return
+    table = Table(title="Node hardware", show_header=False)
+    rows = {
+        "GPUs": f"{hw.gpu_count} x {hw.gpu_product} ({format_bytes(hw.gpu_memory_bytes)})" if hw.gpu_count else "none",
+        "CPU cores": str(hw.cpu_cores),
+        "CPU RAM": f"{format_bytes(hw.cpu_memory_bytes)} ({format_bytes(hw.cpu_memory_available_bytes or 0)} available)",
+        "NVMe": f"{hw.nvme_path}: {format_bytes(hw.nvme_free_bytes)} free of {format_bytes(hw.nvme_capacity_bytes)}"
+        if hw.nvme_path else "not given (--nvme-path)",
+    }
+    if hw.nvme_read_bytes_per_s and hw.nvme_write_bytes_per_s and hw.aio:
+        rows["NVMe speed"] = (
+            f"read {hw.nvme_read_bytes_per_s / 1e9:.2f} GB/s, write {hw.nvme_write_bytes_per_s / 1e9:.2f} GB/s "
+            f"(block {hw.aio.block_size >> 20} MiB, depth {hw.aio.queue_depth}, parallel {hw.aio.intra_op_parallelism})"
+        )
+    if hw.cpu_adam_params_per_s or hw.torch_adamw_params_per_s:
+        rows["CPU Adam"] = (
+            f"DeepSpeedCPUAdam {(hw.cpu_adam_params_per_s or 0) / 1e9:.2f} G params/s, "
+            f"torch fused AdamW {(hw.torch_adamw_params_per_s or 0) / 1e9:.2f} G params/s"
+        )
+    if hw.host_device_bytes_per_s:
+        rows["Host->GPU"] = f"{hw.host_device_bytes_per_s / 1e9:.1f} GB/s"
+    for k, v in rows.items():
+        table.add_row(k, v)
+    Console().print(table)
+
+
+def _print_plan(plan: OffloadPlan) -> None:
+    console = Console()
+    status = "[green]fits[/green]" if plan.feasible else "[red]does not fit[/red]"
+    console.print(f"[bold]{plan.label}[/bold] on {plan.node}: {status}")
+    table = Table("tier", "planned", "capacity", "headroom")
+    for tier in ("gpu", "cpu", "nvme"):
+        planned = getattr(plan.bytes, tier)
+        extra = ""
+        if tier == "cpu":
+            extra = f" (pinned {format_bytes(plan.bytes.cpu_pinned)})"
+        table.add_row(
+            tier.upper(), format_bytes(planned) + extra, format_bytes(getattr(plan.capacity, tier)),
+            format_bytes(getattr(plan.headroom, tier)),
+        )
+    console.print(table)
+    console.print(
+        f"activations {format_bytes(plan.activation_bytes)} per process, checkpointing "
+        f"{'on' if plan.activation_checkpointing else 'off'}; sub-group {plan.swap.sub_group_size:,}; "
+        f"predicted {plan.predicted_step_seconds:.3g} s/step, "
+        f"{plan.predicted_total_seconds / 3600:.2f} h for the run"
+        + (f", ${plan.predicted_cost_usd:,.2f}" if plan.predicted_cost_usd is not None else "")
+    )
+    for reason in plan.reasons:
+        console.print(f"  - {reason}", highlight=False)
+    for s in plan.shortfalls:
+        console.print(f"  [red]short:[/red] {s.describe()}", highlight=False)
+    for r in plan.rejected:
+        console.print(f"  [dim]rejected {r.placement}: {r.why}[/dim]", highlight=False)
+
+
+def plan(
+    job_file: Annotated[Path | None, typer.Argument(help="finetune.yaml")] = None,
+    params: Annotated[str | None, typer.Option(help="Parameter count: 13B, 13e9, 350M")] = None,
+    gpus_per_node: Annotated[int | None, typer.Option(help="GPUs per node")] = None,
+    gpu_memory: Annotated[str | None, typer.Option(help="Memory of one GPU: 24GiB")] = None,
+    cpu_memory: Annotated[str | None, typer.Option(help="CPU RAM: 64GiB")] = None,
+    nvme: Annotated[str | None, typer.Option(help="Free NVMe space: 2TB, 0 for none")] = None,
+    hardware: Annotated[Path | None, typer.Option(help="NodeHardware JSON from `spillway probe --output json`")] = None,
+    nodes: Annotated[int, typer.Option(help="Nodes")] = 1,
+    price_per_hour: Annotated[float | None, typer.Option(help="Node price in USD/hour for the cost figure")] = None,
+    output: Annotated[Literal["table", "json"], typer.Option(help="table or json")] = "table",
+) -> None:
+    """Decide where training state lives; exit 3 when nothing fits, naming the short tier."""
+    try:
+        job: FineTuneJob | None = load_job(job_file) if job_file else None
+        if hardware:
+            hw = NodeHardware.model_validate_json(hardware.read_text())
+        elif gpu_memory or cpu_memory or gpus_per_node is not None or nvme is not None:
+            hw = NodeHardware(
+                name="given",
+                gpu_count=gpus_per_node if gpus_per_node is not None else (1 if gpu_memory else 0),
+                gpu_memory_bytes=parse_size(gpu_memory or 0),
+                cpu_cores=16,
+                cpu_memory_bytes=parse_size(cpu_memory or "64GiB"),
+                nvme_capacity_bytes=parse_size(nvme or 0),
+                nvme_free_bytes=parse_size(nvme or 0),
+            )
+        else:
+            from spillway_runtime.probe import probe_basic
+            from spillway_runtime.runconfig import resolve_uri
+
+            nvme_dir = None
+            if job is not None and job_file is not None and job.spec.offload.nvme.path:
+                nvme_dir = resolve_uri(job.spec.offload.nvme.path, job_file.resolve().parent)
+            hw = probe_basic(nvme_dir)
+        if params:
+            shape = ModelShape.from_param_count(parse_count(params))
+        elif job is not None and job_file is not None:
+            from spillway_runtime.modelinfo import shape_from_config
+            from spillway_runtime.runconfig import resolve_uri
+
+            shape = shape_from_config(resolve_uri(job.spec.model.uri, job_file.resolve().parent))
+        else:
+            raise _fail("give a job file with a local model directory, or --params N")
+        spec = job.spec if job else None
+        result = plan_tiers(
+            shape, hw,
+            spec.training if spec else Training(),
+            spec.offload if spec else None,
+            dtype=spec.model.dtype if spec else "bf16",
+            gpus_per_node=gpus_per_node if gpus_per_node is not None else None,
+            nodes=nodes,
+            price_per_hour=price_per_hour,
+        )
+    except SpecError as err:
+        raise _fail(str(err)) from None
+    except ValueError as err:
+        raise _fail(str(err)) from None
+    if output == "json":
+        print(json.dumps(result.model_dump(mode="json"), indent=2))
+    else:
+        _print_plan(result)
+    if not result.feasible:
+        shorts = "; ".join(s.describe() for s in result.shortfalls)
+        err_console.print(
+            f"[red]error:[/red] {format_count(shape.params)} parameters do not fit on {hw.name}: {shorts}",
+            highlight=False,
+        )
+        raise typer.Exit(EXIT_PLAN_INFEASIBLE)
+
+
+def run(
+    job_file: Annotated[Path, typer.Argument(help="finetune.yaml")],
+    run_dir: Annotated[Path | None, typer.Option(help="Where checkpoints, events and the export go")] = None,
+    processes: Annotated[int, typer.Option(help="Training processes (torchrun) on a CPU-only machine")] = 1,
+) -> None:
+    """Fine-tune on this machine with the plan's offload; no cluster needed."""
+    from spillway_runtime.local import launch, prepare_local_run
+    from spillway_runtime.modelinfo import ModelConfigError
+    from spillway_runtime.planner import PlanningError
+
+    try:
+        config = prepare_local_run(job_file, run_dir=run_dir, processes=processes)
+    except (SpecError, ModelConfigError) as err:
+        raise _fail(str(err)) from None
+    except PlanningError as err:
+        _print_plan(err.plan)
+        raise _fail(str(err), EXIT_PLAN_INFEASIBLE) from None
+    except ValueError as err:
+        raise _fail(str(err)) from None
+    _print_plan(config.plan)
+    Console().print(f"run directory: {config.run_dir}")
+    code = launch(config, processes)
+    if code == 0:
+        Console().print(f"[green]done[/green]: model exported to {config.export_dir}")
+    raise typer.Exit(code)
+
+
+def make_tiny(
+    out_dir: Annotated[Path, typer.Argument(help="Directory for the model and tokenizer")],
+    dataset: Annotated[Path | None, typer.Option(help="Also write a synthetic JSONL dataset here")] = None,
+    hidden_size: int = 128,
+    layers: int = 4,
+) -> None:
+    """Build a tiny Llama model, tokenizer and dataset locally (nothing is downloaded)."""
+    from spillway_runtime.tiny import build_tiny_model, write_dataset
+
+    if (out_dir / "config.json").exists():
+        Console().print(f"{out_dir} already holds a model; kept")
+    else:
+        build_tiny_model(out_dir, hidden_size=hidden_size, layers=layers)
+        Console().print(f"tiny model written to {out_dir}")
+    if dataset is not None and not dataset.exists():
+        write_dataset(dataset)
+        Console().print(f"dataset written to {dataset}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(probe)
+    app.command()(plan)
+    app.command()(run)
+    app.command("make-tiny")(make_tiny)
+
+
+def main() -> None:  # `python -m spillway_runtime.cli` without the other packages
+    app = typer.Typer(no_args_is_help=True, add_completion=False)
+    register(app)
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""DeepSpeed config from an `OffloadPlan`, with the user's raw overrides merged last.
+
+The known traps are handled here rather than left to users:
+- `aio` is a top-level block (nested inside `zero_optimization` it fails validation);
+- current DeepSpeed reads `aio.intra_op_parallelism`; `thread_count` is silently ignored,
+  so an override that uses it is translated;
+- `offload_param.buffer_size` must cover the largest parameter or the swapper fails;
+- NVMe offload (and any parameter offload) needs ZeRO stage 3.
+Pure apart from `validate_deepspeed_config`, which imports DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from spillway_runtime.planner import OffloadPlan
+from spillway_runtime.spec import FineTuneJobSpec
+
+
+class DeepSpeedConfigError(ValueError):
+    pass
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _offload_block(device: str, nvme_path: str | None, plan: OffloadPlan) -> dict[str, Any]:
+    block: dict[str, Any] = {"device": device, "pin_memory": plan.swap.pin_memory}
+    if device == "nvme":
+        if not nvme_path:
+            raise DeepSpeedConfigError("the plan puts state on NVMe but no NVMe directory was given (offload.nvme.path)")
+        block["nvme_path"] = nvme_path
+    return block
+
+
+def build_deepspeed_config(
+    plan: OffloadPlan, spec: FineTuneJobSpec, *, nvme_path: str | None = None, world_size: int = 1
+) -> dict[str, Any]:
+    training = spec.training
+    dtype = spec.model.dtype
+    zero: dict[str, Any] = {
+        "stage": plan.zero_stage,
+        "contiguous_gradients": True,
+        "overlap_comm": plan.accelerator == "cuda",
+        "sub_group_size": plan.swap.sub_group_size,
+    }
+    h = plan.model.hidden_size
+    if plan.zero_stage == 3:
+        # Hugging Face's "auto" values, derived from the hidden size (0.9 h^2, 10 h, h^2).
+        zero.update(
+            {
+                "reduce_bucket_size": h * h,
+                "stage3_prefetch_bucket_size": int(0.9 * h * h),
+                "stage3_param_persistence_threshold": 10 * h,
+                "stage3_gather_16bit_weights_on_model_save": False,
+            }
+        )
+    else:
+        zero.update({"reduce_bucket_size": max(h * h, 5 * 10**7), "allgather_bucket_size": max(h * h, 5 * 10**7)})
+    if plan.optimizer != "gpu":
+        block = _offload_block(plan.optimizer, nvme_path, plan)
+        if plan.optimizer == "nvme":
+            block.update(
+                {
+                    "buffer_count": plan.swap.optimizer_buffer_count,
+                    "pipeline_read": plan.swap.pipeline,
+                    "pipeline_write": plan.swap.pipeline,
+                }
+            )
+        zero["offload_optimizer"] = block
+    if plan.parameters != "gpu":
+        block = _offload_block(plan.parameters, nvme_path, plan)
+        if plan.parameters == "nvme":
+            block.update({"buffer_count": plan.swap.param_buffer_count, "buffer_size": plan.swap.param_buffer_size})
+        zero["offload_param"] = block
+
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": training.micro_batch_size,
+        "gradient_accumulation_steps": training.gradient_accumulation,
+        "train_batch_size": training.micro_batch_size * training.gradient_accumulation * world_size,
+        "gradient_clipping": training.gradient_clipping,
+        "steps_per_print": 10**9,  # progress is ours to report
+        "wall_clock_breakdown": False,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == "bf16"},
+        "fp16": {"enabled": dtype == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": training.learning_rate,
+                "betas": [0.9, 0.95],
+                "eps": 1e-8,
+                "weight_decay": training.weight_decay,
+            },
+        },
+        "aio": {
+            "block_size": plan.aio.block_size,
+            "queue_depth": plan.aio.queue_depth,
+            "intra_op_parallelism": plan.aio.intra_op_parallelism,
+            "single_submit": plan.aio.single_submit,
+            "overlap_events": plan.aio.overlap_events,
+        },
+    }
+    return apply_overrides(config, spec.offload.deepspeed, plan)
+
+
+def apply_overrides(config: dict[str, Any], overrides: dict[str, Any], plan: OffloadPlan) -> dict[str, Any]:
+    """Merge raw overrides, then repair or refuse what DeepSpeed would trip over."""
+    overrides = copy.deepcopy(overrides)
+    zero_override = overrides.get("zero_optimization", {})
+    if isinstance(zero_override, dict) and "aio" in zero_override:
+        # Nested aio fails DeepSpeed's validation; the user meant the top-level block.
+        overrides["aio"] = _merge(overrides.get("aio", {}), zero_override.pop("aio"))
+    aio_override = overrides.get("aio")
+    if isinstance(aio_override, dict) and "thread_count" in aio_override:
+        aio_override.setdefault("intra_op_parallelism", aio_override.pop("thread_count"))
+        aio_override.pop("thread_count", None)
+    merged = _merge(config, overrides)
+
+    zero = merged.get("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    for key in ("offload_optimizer", "offload_param"):
+        device = (zero.get(key) or {}).get("device", "none")
+        if device == "nvme" and stage != 3:
+            raise DeepSpeedConfigError(
+                f"offload.deepspeed: zero_optimization.{key}.device is nvme but stage is {stage}; "
+                "NVMe offload needs zero_optimization.stage 3"
+            )
+    if (zero.get("offload_param") or {}).get("device", "none") != "none" and stage != 3:
+        raise DeepSpeedConfigError(
+            f"offload.deepspeed: parameter offload needs zero_optimization.stage 3, got {stage}"
+        )
+    param_block = zero.get("offload_param") or {}
+    if param_block.get("device") == "nvme":
+        need = plan.model.largest_param_numel
+        if int(param_block.get("buffer_size", 0)) < need:
+            raise DeepSpeedConfigError(
+                f"offload.deepspeed: zero_optimization.offload_param.buffer_size "
+                f"{param_block.get('buffer_size')} is smaller than the largest parameter ({need:,} elements); "
+                f"set it to at least {need}"
+            )
+    opt_block = zero.get("offload_optimizer") or {}
+    if opt_block.get("device") == "nvme" and int(opt_block.get("buffer_count", 4)) < 4:
+        raise DeepSpeedConfigError(
+            "offload.deepspeed: zero_optimization.offload_optimizer.buffer_count must be >= 4 "
+            "(one per Adam state plus the gradient)"
+        )
+    return merged
+
+
+def validate_deepspeed_config(config: dict[str, Any]) -> None:
+    """Run DeepSpeed's own pydantic validation of the zero and aio blocks."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    try:
+        DeepSpeedZeroConfig(**config.get("zero_optimization", {}))
+    except Exception as err:  # DeepSpeed raises pydantic.ValidationError; keep the message
+        raise DeepSpeedConfigError(f"offload.deepspeed: DeepSpeed rejects zero_optimization: {err}") from None
+    allowed_aio = {"block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events", "use_gds"}
+    unknown = set(config.get("aio", {})) - allowed_aio
+    if unknown:
+        raise DeepSpeedConfigError(f"offload.deepspeed: unknown aio keys {sorted(unknown)}; allowed {sorted(allowed_aio)}")

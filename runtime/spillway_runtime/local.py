@@ -1,0 +1,151 @@
+"""Local mode: plan a job against this machine and run the runtime as a child process.
+
+`prepare_local_run` turns a finetune.yaml into a `RuntimeConfig` (paths resolved
+relative to the job file, hardware probed, model shape read from config.json,
+plan made, DeepSpeed config generated and validated) and writes it into the run
+directory; `launch` starts `python -m spillway_runtime` (or torchrun for several
+processes), forwards SIGTERM/SIGINT so the run checkpoints before it stops, and
+returns its exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from spillway_runtime.dsconfig import build_deepspeed_config, validate_deepspeed_config
+from spillway_runtime.hardware import NodeHardware
+from spillway_runtime.planner import OffloadPlan, PlanningError, plan_tiers
+from spillway_runtime.runconfig import FaultInjection, RuntimeConfig, resolve_uri
+from spillway_runtime.spec import FineTuneJob, SpecError, load_job
+
+EXIT_PLAN_INFEASIBLE = 3
+
+
+def _require(path: Path, field: str, what: str) -> Path:
+    if not path.exists():
+        raise SpecError(field, [f"{path}: no such {what}; fix {field}"])
+    return path
+
+
+def plan_for_job(job: FineTuneJob, hw: NodeHardware, model_dir: Path, processes: int = 1,
+                 price_per_hour: float | None = None) -> OffloadPlan:
+    from spillway_runtime.modelinfo import shape_from_config
+
+    spec = job.spec
+    shape = shape_from_config(model_dir)
+    gpus = min(hw.gpu_count, spec.resources.gpus_per_node or hw.gpu_count)
+    plan = plan_tiers(
+        shape, hw, spec.training, spec.offload, dtype=spec.model.dtype, gpus_per_node=gpus,
+        nodes=spec.resources.nodes, price_per_hour=price_per_hour, cpu_processes=processes,
+    )
+    if not plan.feasible:
+        raise PlanningError(plan)
+    return plan
+
+
+def prepare_local_run(
+    job_path: Path,
+    *,
+    run_dir: Path | None = None,
+    hardware: NodeHardware | None = None,
+    processes: int = 1,
+    faults: FaultInjection | None = None,
+    job: FineTuneJob | None = None,
+) -> RuntimeConfig:
+    from spillway_runtime.probe import probe_basic
+
+    job = job or load_job(job_path)
+    spec = job.spec
+    base = job_path.resolve().parent
+    model_dir = _require(resolve_uri(spec.model.uri, base), "spec.model.uri", "model directory")
+    tokenizer_dir = (
+        _require(resolve_uri(spec.model.tokenizer_uri, base), "spec.model.tokenizerUri", "tokenizer directory")
+        if spec.model.tokenizer_uri else model_dir
+    )
+    dataset_path = _require(resolve_uri(spec.dataset.uri, base), "spec.dataset.uri", "dataset file or directory")
+    run_dir = (run_dir or Path.cwd() / "runs" / job.metadata.name).resolve()
+    checkpoint_dir = resolve_uri(spec.checkpoint.path, base) if spec.checkpoint.path else run_dir / "checkpoints"
+    nvme_dir = resolve_uri(spec.offload.nvme.path, base) if spec.offload.nvme.path else run_dir / "nvme"
+    if hardware is None:
+        _check_writable_dir(nvme_dir, "spec.offload.nvme.path")
+        hardware = probe_basic(nvme_dir)
+    plan = plan_for_job(job, hardware, model_dir, processes)
+    uses_nvme = "nvme" in (plan.optimizer, plan.parameters)
+    if uses_nvme:
+        _check_writable_dir(nvme_dir, "spec.offload.nvme.path")
+    ds_config = build_deepspeed_config(plan, spec, nvme_path=str(nvme_dir) if uses_nvme else None,
+                                       world_size=processes if not hardware.gpu_count else plan.gpus_per_node)
+    validate_deepspeed_config(ds_config)
+    config = RuntimeConfig(
+        job=job,
+        plan=plan,
+        model_dir=str(model_dir),
+        tokenizer_dir=str(tokenizer_dir),
+        dataset_path=str(dataset_path),
+        run_dir=str(run_dir),
+        checkpoint_dir=str(checkpoint_dir),
+        nvme_dir=str(nvme_dir) if uses_nvme else None,
+        export_dir=str(run_dir / "final"),
+        events_path=str(run_dir / "events.jsonl"),
+        deepspeed=ds_config,
+        faults=faults or FaultInjection(),
+    )
+    config.write(run_dir / "runtime.json")
+    return config
+
+
+def _check_writable_dir(path: Path, field: str) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".spillway-write-test-{os.getpid()}"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as err:
+        raise SpecError(field, [f"{path} is not writable ({err.strerror}); choose a writable directory"]) from None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def runtime_command(config_path: Path, processes: int) -> list[str]:
+    if processes <= 1:
+        return [sys.executable, "-m", "spillway_runtime", "--config", str(config_path)]
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
+        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        "-m", "spillway_runtime", "--config", str(config_path),
+    ]
+
+
+def runtime_env(config: RuntimeConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    if config.plan.accelerator == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+        # Each process gets its share of the cores; oversubscription makes gloo crawl.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.plan.processes_per_node)))
+    return env
+
+
+def launch(config: RuntimeConfig, processes: int = 1, **popen: Any) -> int:
+    """Run the training process(es) to completion; SIGTERM/SIGINT are forwarded."""
+    config_path = Path(config.run_dir) / "runtime.json"
+    child = subprocess.Popen(runtime_command(config_path, processes), env=runtime_env(config), **popen)
+
+    def forward(signum: int, _frame: Any) -> None:
+        child.send_signal(signal.SIGTERM if processes > 1 else signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -1,0 +1,648 @@
+"""The tier planner: where each piece of training state lives, and what that costs.
+
+Given a model's shape, a node's hardware and the job's training settings, it
+scores every ZeRO placement (stage, optimizer tier, parameter tier), keeps the
+fastest one that fits and the user allows, and explains the rest. Pure
+arithmetic: no torch, no I/O. The runtime's DeepSpeed config, the operator's
+pod sizing and the API's dry-run all read the `OffloadPlan` it returns.
+
+Model-state bytes follow DeepSpeed's estimators
+(`estimate_zero2_model_states_mem_needs`, `estimate_zero3_model_states_mem_needs`)
+with `additional_buffer_factor=1.0`; what they leave out (activations, NVMe swap
+files, pinned swap buffers, runtime overhead, headroom) is added on top, each as
+a named term below.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from spillway_runtime.hardware import (
+    DEFAULT_CPU_ADAM_PARAMS_PER_S,
+    DEFAULT_HOST_DEVICE_BPS,
+    DEFAULT_NVME_READ_BPS,
+    DEFAULT_NVME_WRITE_BPS,
+    AioSettings,
+    NodeHardware,
+)
+from spillway_runtime.spec import DType, Offload, Tier, Training
+from spillway_runtime.units import GiB, MiB, format_bytes, format_count
+
+# --- Constants, each with its reason -------------------------------------------------
+
+# CUDA context, cuBLAS workspaces and allocator fragmentation on each GPU.
+GPU_RESERVED_BYTES = 1 * GiB
+GPU_RESERVED_FRACTION = 0.05
+# Host memory of one training process before any model state: Python, torch, DeepSpeed,
+# CUDA host allocations. Measured ~0.6 GiB on CPU-only torch; CUDA adds ~1 GiB.
+CPU_PROCESS_OVERHEAD_GPU = int(1.5 * GiB)
+CPU_PROCESS_OVERHEAD_CPU = int(0.75 * GiB)
+# Kept free for the OS, page cache and the kubelet.
+CPU_RESERVED_FRACTION = 0.08
+CPU_RESERVED_MIN = 1 * GiB
+# Swap files are block-aligned and written per sub-group; leave slack on the volume.
+NVME_SLACK_FRACTION = 0.10
+# Share of peak FLOPs a fine-tune reaches on one GPU (dense decoder, bf16, good kernels).
+MODEL_FLOPS_UTILISATION = 0.35
+# CPU "accelerator" (DS_ACCELERATOR=cpu): achieved FLOP/s per core for bf16/fp32 matmuls.
+CPU_FLOPS_PER_CORE = 25e9
+# Swap files per parameter with the optimizer on NVMe: fp32 master, exp_avg and exp_avg_sq
+# (measured: three files of 4 B/param per sub-group). Each is read and written once per step.
+OPTIMIZER_SWAP_BYTES_PER_PARAM = 12
+# DeepSpeed swaps a sub-group only when it holds at least max(1 MiB, aio block) bytes of fp32
+# (OptimizerSwapper.swappable_tensor); smaller sub-groups stay in CPU RAM.
+MIN_AIO_BYTES = 1 << 20
+# DeepSpeed's default tile of the CPU optimizer step, in elements.
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
+MIN_SUB_GROUP_SIZE = 10_000_000
+# The optimizer swapper needs one pinned buffer per swapped tensor (param, 2 moments, grad);
+# the pipelined swapper overlaps reads and writes and needs twice that.
+OPTIMIZER_SWAP_BUFFERS = 4
+OPTIMIZER_SWAP_BUFFERS_PIPELINED = 8
+# Parameter swapper: DeepSpeed's defaults (5 buffers of 1e8 elements).
+PARAM_SWAP_BUFFER_COUNT = 5
+PARAM_SWAP_BUFFER_SIZE = 100_000_000
+# Pinning more than this share of RAM risks memlock limits and starves the page cache.
+MAX_PINNED_FRACTION = 0.5
+
+OffloadTier = Literal["gpu", "cpu", "nvme"]
+DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+class ModelShape(BaseModel):
+    """What the planner needs to know about a model; from config.json or a parameter count."""
+
+    name: str = "model"
+    params: int = Field(gt=0)
+    largest_layer_params: int = Field(gt=0, description="Parameters of the largest module (DeepSpeed's L)")
+    largest_param_numel: int = Field(gt=0, description="Elements of the largest single tensor")
+    hidden_size: int = Field(gt=0)
+    num_layers: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+
+    @classmethod
+    def from_param_count(cls, params: int, vocab_size: int = 32000) -> ModelShape:
+        """A Llama-shaped decoder of about `params` parameters (num_layers = hidden/128).
+
+        Used when only a count is known (`--params 13B`): P = 12 L h^2 + 2 V h.
+        """
+        hidden = 128
+        for h in range(128, 65536 + 1, 128):
+            if 12 * (h // 128) * h * h + 2 * vocab_size * h > params:
+                break
+            hidden = h
+        layers = max(1, hidden // 128)
+        embed = vocab_size * hidden
+        mlp = 3 * hidden * int(hidden * 8 / 3)
+        return cls(
+            name=format_count(params),
+            params=params,
+            largest_layer_params=max(embed, mlp + 4 * hidden * hidden),
+            largest_param_numel=max(embed, hidden * int(hidden * 8 / 3)),
+            hidden_size=hidden,
+            num_layers=layers,
+            vocab_size=vocab_size,
+            num_attention_heads=max(1, hidden // 128),
+        )
+
+
+class TierBytes(BaseModel):
+    gpu: int = Field(0, description="Per GPU")
+    cpu: int = Field(0, description="Per node, pinned + pageable")
+    cpu_pinned: int = 0
+    cpu_pageable: int = 0
+    nvme: int = Field(0, description="Per node")
+
+
+class StepTime(BaseModel):
+    """Predicted seconds per optimizer step, and its parts."""
+
+    compute: float
+    host_device: float
+    nvme: float
+    cpu_optimizer: float
+    total: float
+
+
+class Shortfall(BaseModel):
+    tier: OffloadTier
+    need_bytes: int
+    have_bytes: int
+
+    @property
+    def short_bytes(self) -> int:
+        return max(0, self.need_bytes - self.have_bytes)
+
+    def describe(self) -> str:
+        label = {"gpu": "GPU memory per GPU", "cpu": "CPU RAM", "nvme": "NVMe space"}[self.tier]
+        return (
+            f"{label} is short by {self.short_bytes / GiB:.1f} GiB "
+            f"(needs {format_bytes(self.need_bytes)}, has {format_bytes(self.have_bytes)})"
+        )
+
+
+class Rejection(BaseModel):
+    placement: str
+    why: str
+
+
+class SwapSettings(BaseModel):
+    sub_group_size: int
+    optimizer_buffer_count: int = OPTIMIZER_SWAP_BUFFERS
+    pipeline: bool = False
+    param_buffer_count: int = PARAM_SWAP_BUFFER_COUNT
+    param_buffer_size: int = PARAM_SWAP_BUFFER_SIZE
+    pin_memory: bool = True
+
+
+class OffloadPlan(BaseModel):
+    feasible: bool
+    node: str
+    accelerator: Literal["cuda", "cpu"]
+    nodes: int
+    gpus_per_node: int
+    processes_per_node: int = Field(1, description="Training processes per node: one per GPU, or CPU processes")
+    zero_stage: int
+    optimizer: Tier
+    parameters: Tier
+    activation_checkpointing: bool
+    bytes: TierBytes
+    capacity: TierBytes
+    activation_bytes: int = Field(description="Per GPU (or per process on a CPU accelerator)")
+    headroom: TierBytes
+    swap: SwapSettings
+    aio: AioSettings
+    step: StepTime
+    predicted_step_seconds: float
+    tokens_per_step: int
+    predicted_total_seconds: float
+    predicted_cost_usd: float | None = None
+    shortfalls: list[Shortfall] = Field(default_factory=list)
+    reasons: list[str] = Field(default_factory=list)
+    rejected: list[Rejection] = Field(default_factory=list)
+    model: ModelShape
+
+    @property
+    def label(self) -> str:
+        """Short form for printer columns: 'Z3 opt:nvme par:cpu'."""
+        return f"Z{self.zero_stage} opt:{self.optimizer} par:{self.parameters}"
+
+
+class PlanningError(ValueError):
+    """No placement fits; `plan` holds the closest one and its shortfalls."""
+
+    def __init__(self, plan: OffloadPlan):
+        self.plan = plan
+        shorts = "; ".join(s.describe() for s in plan.shortfalls) or "no placement is allowed"
+        super().__init__(f"no placement fits on {plan.node}: closest is {plan.label}: {shorts}")
+
+
+# --- Model-state bytes ---------------------------------------------------------------
+
+
+def model_state_bytes(
+    stage: int, optimizer: Tier, parameters: Tier, params: int, largest_layer: int, gpus_per_node: int, nodes: int
+) -> tuple[int, int]:
+    # gpus_per_node counts training processes: GPUs, or processes on a CPU accelerator.
+    """(GPU bytes per GPU, CPU bytes per node) for model states, as DeepSpeed's estimators
+    compute them with additional_buffer_factor=1.0 and zero.Init. NVMe placements extend
+    them: what moves to NVMe leaves the CPU figure (see `nvme_state_bytes`)."""
+    total_gpus = gpus_per_node * nodes
+    per_node = gpus_per_node
+    large = 4 * largest_layer
+    if stage == 2:
+        if optimizer == "gpu":
+            return 2 * params + 18 * params // total_gpus, 4 * params * per_node
+        return 2 * params, params * max(4 * total_gpus, 16)
+    if optimizer == "gpu":
+        return large + 18 * params // total_gpus, 4 * largest_layer * per_node
+    if parameters == "gpu":
+        gpu = large + 2 * params // total_gpus
+        cpu_states = 16 * params // nodes
+    else:
+        gpu = large
+        cpu_states = 18 * params // nodes
+    # Optimizer on NVMe: the fp32 master and both moments (12 B/param) go to swap files; the
+    # 16-bit gradient partition (stage3.grad_partitions_flat_buffer) and an fp32 gradient
+    # staging buffer stay in CPU RAM.
+    if optimizer == "nvme":
+        cpu_states -= OPTIMIZER_SWAP_BYTES_PER_PARAM * params // nodes
+        cpu_states -= 4 * params // nodes
+        cpu_states += 2 * params // nodes
+    # Parameters on NVMe: the 16-bit partition (2 B/param) leaves RAM for swap files.
+    if parameters == "nvme":
+        cpu_states -= 2 * params // nodes
+    return gpu, cpu_states
+
+
+def nvme_state_bytes(optimizer: Tier, parameters: Tier, params: int, nodes: int) -> int:
+    per_node = 0
+    if optimizer == "nvme":
+        per_node += OPTIMIZER_SWAP_BYTES_PER_PARAM * params // nodes
+    if parameters == "nvme":
+        per_node += 2 * params // nodes
+    return per_node
+
+
+def activation_bytes(shape: ModelShape, training: Training, dtype: DType, checkpointing: bool) -> int:
+    """Peak activation memory of one micro-batch on one GPU.
+
+    Per layer without recomputation 34*s*b*h elements (Korthikanti et al. 2022, with
+    fused/flash attention so the s^2 term vanishes); with full recomputation only each
+    layer's input (s*b*h) is kept plus one layer's full set. Logits add s*b*V in the
+    training dtype, plus fp32 copies for the loss and its gradient.
+    """
+    s, b, h = training.sequence_length, training.micro_batch_size, shape.hidden_size
+    elem = DTYPE_BYTES[dtype]
+    per_layer_full = 34 * s * b * h * elem
+    layers = (2 * s * b * h * elem) * shape.num_layers + per_layer_full if checkpointing else (
+        per_layer_full * shape.num_layers
+    )
+    logits = s * b * shape.vocab_size * (elem + 8)
+    return int(layers + logits)
+
+
+# --- Placement scoring ---------------------------------------------------------------
+
+_PLACEMENTS: list[tuple[int, Tier, Tier]] = [
+    (2, "gpu", "gpu"),
+    (3, "gpu", "gpu"),
+    (2, "cpu", "gpu"),
+    (3, "cpu", "gpu"),
+    (3, "cpu", "cpu"),
+    (3, "nvme", "gpu"),
+    (3, "nvme", "cpu"),
+    (3, "cpu", "nvme"),
+    (3, "nvme", "nvme"),
+]
+
+
+def _label(stage: int, optimizer: Tier, parameters: Tier) -> str:
+    return f"Z{stage} opt:{optimizer} par:{parameters}"
+
+
+def _allowed(offload: Offload, optimizer: Tier, parameters: Tier) -> str | None:
+    """Why the user's offload settings exclude this placement, or None."""
+    tiers = {optimizer, parameters}
+    if offload.policy == "none" and tiers != {"gpu"}:
+        return "offload.policy is none"
+    if offload.policy == "cpu" and "nvme" in tiers:
+        return "offload.policy is cpu (no NVMe)"
+    if offload.optimizer != "auto" and offload.optimizer != optimizer:
+        return f"offload.optimizer is {offload.optimizer}"
+    if offload.parameters != "auto" and offload.parameters != parameters:
+        return f"offload.parameters is {offload.parameters}"
+    return None
+
+
+def _choose_swap(
+    hw: NodeHardware, shape: ModelShape, optimizer: Tier, parameters: Tier, ranks: int, cpu_spare: int
+) -> SwapSettings:
+    """Size sub-groups and swap buffers to the RAM that is left.
+
+    The optimizer swapper pins buffer_count x sub_group x 4 B per rank; DeepSpeed's default
+    sub-group of 1e9 elements pins 16 GB per rank and exhausts host RAM (#3000), so the
+    sub-group is lowered until the buffers take at most half of the spare RAM, and the
+    read/write pipeline is switched on only when its double buffers also fit.
+    """
+    partition = max(1, shape.params // ranks)
+    sub_group = min(DEFAULT_SUB_GROUP_SIZE, max(MIN_SUB_GROUP_SIZE, partition))
+    param_size = max(PARAM_SWAP_BUFFER_SIZE, shape.largest_param_numel)
+    if optimizer != "nvme":
+        return SwapSettings(sub_group_size=sub_group, param_buffer_size=param_size)
+    budget = max(0, cpu_spare) // 2 // ranks
+    pipeline = False
+    for buffers in (OPTIMIZER_SWAP_BUFFERS_PIPELINED, OPTIMIZER_SWAP_BUFFERS):
+        # +1 for the fp32 gradient staging buffer of the largest sub-group.
+        fits = budget // ((buffers + 1) * 4)
+        if fits >= min(sub_group, 100_000_000) or buffers == OPTIMIZER_SWAP_BUFFERS:
+            pipeline = buffers == OPTIMIZER_SWAP_BUFFERS_PIPELINED
+            sub_group = max(MIN_SUB_GROUP_SIZE, min(sub_group, fits))
+            break
+    return SwapSettings(
+        sub_group_size=int(sub_group),
+        optimizer_buffer_count=OPTIMIZER_SWAP_BUFFERS_PIPELINED if pipeline else OPTIMIZER_SWAP_BUFFERS,
+        pipeline=pipeline,
+        param_buffer_size=param_size,
+    )
+
+
+def _pinned_bytes(swap: SwapSettings, optimizer: Tier, parameters: Tier, ranks_per_node: int) -> int:
+    per_rank = 0
+    if optimizer == "nvme":
+        per_rank += (swap.optimizer_buffer_count + 1) * swap.sub_group_size * 4
+    if parameters == "nvme":
+        per_rank += swap.param_buffer_count * swap.param_buffer_size * 2
+    return per_rank * ranks_per_node
+
+
+def _step_time(
+    shape: ModelShape,
+    hw: NodeHardware,
+    training: Training,
+    stage: int,
+    optimizer: Tier,
+    parameters: Tier,
+    checkpointing: bool,
+    gpus_per_node: int,
+    nodes: int,
+    swap: SwapSettings,
+    ranks_per_node: int,
+) -> StepTime:
+    """Seconds per optimizer step. Transfers of parameters overlap with compute (prefetch);
+    the optimizer phase (CPU step plus NVMe swapping of optimizer state) follows the
+    backward pass, and its NVMe I/O overlaps with the CPU step only when pipelined."""
+    p = shape.params
+    ranks = ranks_per_node * nodes
+    micro_steps = training.gradient_accumulation
+    tokens_per_rank = training.micro_batch_size * training.sequence_length * micro_steps
+    flops = (8 if checkpointing else 6) * p * tokens_per_rank
+    if gpus_per_node:
+        compute = flops / (hw.peak_tflops * 1e12 * MODEL_FLOPS_UTILISATION)
+        pcie = hw.host_device_bytes_per_s or DEFAULT_HOST_DEVICE_BPS
+    else:
+        # every process computes its own micro-batches on a share of the cores
+        compute = flops * ranks_per_node / (CPU_FLOPS_PER_CORE * hw.cpu_cores)
+        pcie = math.inf  # device memory is host memory
+    host_device = 0.0
+    if optimizer != "gpu":
+        # grads down and updated 16-bit params up, each rank its own partition
+        host_device += 4 * p / ranks / pcie
+    if parameters != "gpu":
+        # fetch for forward and backward, grads down, every micro-step
+        host_device += 3 * 2 * p / ranks * micro_steps / pcie
+    read_bps = hw.nvme_read_bytes_per_s or DEFAULT_NVME_READ_BPS
+    write_bps = hw.nvme_write_bytes_per_s or DEFAULT_NVME_WRITE_BPS
+    param_nvme = 0.0
+    if parameters == "nvme":
+        param_nvme = (2 * 2 * p / nodes * micro_steps) / read_bps + (2 * p / nodes) / write_bps
+    opt_nvme = 0.0
+    if optimizer == "nvme":
+        half = OPTIMIZER_SWAP_BYTES_PER_PARAM * p / nodes
+        opt_nvme = half / read_bps + half / write_bps
+    if optimizer == "gpu":
+        # fused Adam on the GPU streams ~16 B/param three times at HBM speed (~2 TB/s)
+        cpu_opt = 48 * p / ranks / 2e12 if gpus_per_node else p / nodes / (
+            hw.cpu_adam_params_per_s or DEFAULT_CPU_ADAM_PARAMS_PER_S
+        )
+    else:
+        cpu_opt = p / nodes / (hw.cpu_adam_params_per_s or DEFAULT_CPU_ADAM_PARAMS_PER_S)
+    forward_backward = max(compute, host_device, param_nvme)
+    optimizer_phase = max(cpu_opt, opt_nvme) if swap.pipeline else cpu_opt + opt_nvme
+    return StepTime(
+        compute=compute,
+        host_device=host_device,
+        nvme=param_nvme + opt_nvme,
+        cpu_optimizer=cpu_opt,
+        total=forward_backward + optimizer_phase,
+    )
+
+
+def _evaluate(
+    shape: ModelShape,
+    hw: NodeHardware,
+    training: Training,
+    dtype: DType,
+    stage: int,
+    optimizer: Tier,
+    parameters: Tier,
+    gpus_per_node: int,
+    nodes: int,
+    checkpointing_choice: str,
+    price_per_hour: float | None,
+    ranks_per_node: int,
+) -> OffloadPlan:
+    ranks = ranks_per_node * nodes
+    on_gpu = gpus_per_node > 0
+    gpu_state, cpu_state = model_state_bytes(
+        stage, optimizer, parameters, shape.params, shape.largest_layer_params, ranks_per_node, nodes
+    )
+    if dtype == "fp32":
+        # fp32 training keeps 4-byte weights and grads where the estimators assume 2.
+        gpu_state += gpu_state // 2 if optimizer == "gpu" else 0
+    nvme = nvme_state_bytes(optimizer, parameters, shape.params, nodes)
+    overhead = ranks_per_node * (CPU_PROCESS_OVERHEAD_GPU if on_gpu else CPU_PROCESS_OVERHEAD_CPU)
+
+    gpu_capacity = hw.gpu_memory_bytes if on_gpu else 0
+    gpu_usable = max(0, int(gpu_capacity * (1 - GPU_RESERVED_FRACTION)) - GPU_RESERVED_BYTES)
+    cpu_capacity = hw.usable_cpu_bytes
+    cpu_usable = max(0, cpu_capacity - max(CPU_RESERVED_MIN, int(cpu_capacity * CPU_RESERVED_FRACTION)))
+
+    reasons: list[str] = []
+    if checkpointing_choice == "auto":
+        act_off = activation_bytes(shape, training, dtype, checkpointing=False)
+        device_room = gpu_usable - gpu_state if on_gpu else cpu_usable - cpu_state - overhead - gpu_state
+        checkpointing = act_off > device_room
+        if checkpointing:
+            reasons.append(
+                f"activation checkpointing on: activations without it need {format_bytes(act_off)}, "
+                f"{format_bytes(max(0, device_room))} is free beside the model state"
+            )
+    else:
+        checkpointing = checkpointing_choice == "on"
+    act = activation_bytes(shape, training, dtype, checkpointing)
+
+    cpu_spare_before_buffers = cpu_usable - cpu_state - overhead - ((gpu_state + act) * ranks_per_node if not on_gpu else 0)
+    swap = _choose_swap(hw, shape, optimizer, parameters, ranks, cpu_spare_before_buffers)
+    aio = hw.aio or AioSettings()
+    if optimizer == "nvme":
+        swap_unit = min(shape.params // ranks, swap.sub_group_size) * 4
+        if swap_unit < max(MIN_AIO_BYTES, aio.block_size):
+            # Below DeepSpeed's minimum swap size the state never leaves RAM.
+            back = OPTIMIZER_SWAP_BYTES_PER_PARAM * shape.params // nodes
+            nvme -= back
+            cpu_state += back + 2 * shape.params // nodes
+            reasons.append(
+                f"optimizer sub-groups of {format_bytes(swap_unit)} are below DeepSpeed's minimum swap size "
+                f"({format_bytes(max(MIN_AIO_BYTES, aio.block_size))}): the state stays in CPU RAM"
+            )
+    pinned = _pinned_bytes(swap, optimizer, parameters, ranks_per_node)
+    if optimizer == "cpu" and on_gpu:
+        # With pin_memory DeepSpeed pins the CPU optimizer partitions themselves.
+        pinned_state = cpu_state
+    else:
+        pinned_state = 0
+    if pinned + pinned_state > MAX_PINNED_FRACTION * cpu_capacity:
+        swap.pin_memory = False
+        reasons.append(
+            f"pin_memory off: pinning {format_bytes(pinned + pinned_state)} would exceed "
+            f"{int(MAX_PINNED_FRACTION * 100)}% of RAM"
+        )
+        pinned_state = 0
+
+    if on_gpu:
+        gpu_total = gpu_state + act
+        cpu_total = cpu_state + overhead + pinned
+    else:
+        # CPU accelerator: "device" memory is host memory; report it all under cpu.
+        gpu_total = 0
+        cpu_total = cpu_state + (gpu_state + act) * ranks_per_node + overhead + pinned
+    pinned_total = pinned + (pinned_state if swap.pin_memory else 0)
+    tier_bytes = TierBytes(
+        gpu=gpu_total,
+        cpu=cpu_total,
+        cpu_pinned=pinned_total,
+        cpu_pageable=max(0, cpu_total - pinned_total),
+        nvme=nvme,
+    )
+    nvme_need = int(nvme * (1 + NVME_SLACK_FRACTION))
+    capacity = TierBytes(gpu=gpu_capacity, cpu=cpu_capacity, nvme=hw.nvme_free_bytes)
+    shortfalls: list[Shortfall] = []
+    if on_gpu and gpu_total > gpu_usable:
+        shortfalls.append(Shortfall(tier="gpu", need_bytes=gpu_total, have_bytes=gpu_usable))
+    if cpu_total > cpu_usable:
+        shortfalls.append(Shortfall(tier="cpu", need_bytes=cpu_total, have_bytes=cpu_usable))
+    if nvme and nvme_need > hw.nvme_free_bytes:
+        shortfalls.append(Shortfall(tier="nvme", need_bytes=nvme_need, have_bytes=hw.nvme_free_bytes))
+
+    step = _step_time(
+        shape, hw, training, stage, optimizer, parameters, checkpointing, gpus_per_node, nodes, swap, ranks_per_node
+    )
+    total_seconds = step.total * training.max_steps
+    cost = None if price_per_hour is None else round(total_seconds / 3600 * price_per_hour * nodes, 4)
+    return OffloadPlan(
+        feasible=not shortfalls,
+        node=hw.name,
+        accelerator="cuda" if on_gpu else "cpu",
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        processes_per_node=ranks_per_node,
+        zero_stage=stage,
+        optimizer=optimizer,
+        parameters=parameters,
+        activation_checkpointing=checkpointing,
+        bytes=tier_bytes,
+        capacity=capacity,
+        activation_bytes=act,
+        headroom=TierBytes(
+            gpu=max(0, gpu_usable - gpu_total) if on_gpu else 0,
+            cpu=max(0, cpu_usable - cpu_total),
+            nvme=max(0, hw.nvme_free_bytes - nvme_need) if nvme else hw.nvme_free_bytes,
+        ),
+        swap=swap,
+        aio=aio,
+        step=step,
+        predicted_step_seconds=step.total,
+        tokens_per_step=training.micro_batch_size * training.sequence_length * training.gradient_accumulation * ranks,
+        predicted_total_seconds=total_seconds,
+        predicted_cost_usd=cost,
+        shortfalls=shortfalls,
+        reasons=reasons,
+        model=shape,
+    )
+
+
+def plan_tiers(
+    shape: ModelShape,
+    hw: NodeHardware,
+    training: Training | None = None,
+    offload: Offload | None = None,
+    *,
+    dtype: DType = "bf16",
+    gpus_per_node: int | None = None,
+    nodes: int = 1,
+    price_per_hour: float | None = None,
+    cpu_processes: int = 1,
+) -> OffloadPlan:
+    """Choose the fastest placement that fits and is allowed; explain the others.
+
+    Returns an infeasible plan (feasible=False, shortfalls set) when nothing fits: the
+    candidate with the smallest total shortfall, so the caller can say what is missing.
+    """
+    training = training or Training()
+    offload = offload or Offload()
+    gpus = hw.gpu_count if gpus_per_node is None else gpus_per_node
+    if gpus > hw.gpu_count:
+        raise ValueError(f"resources.gpusPerNode is {gpus} but {hw.name} has {hw.gpu_count} GPUs")
+    if nodes > 1 and gpus == 0:
+        raise ValueError("multi-node training needs GPUs: set resources.nodes to 1 on CPU-only nodes")
+    ranks_per_node = gpus if gpus else max(1, cpu_processes)
+
+    candidates: list[OffloadPlan] = []
+    rejected: list[Rejection] = []
+    for stage, optimizer, parameters in _PLACEMENTS:
+        label = _label(stage, optimizer, parameters)
+        why = _allowed(offload, optimizer, parameters)
+        if why:
+            rejected.append(Rejection(placement=label, why=f"excluded: {why}"))
+            continue
+        if "nvme" in (optimizer, parameters) and hw.nvme_free_bytes <= 0:
+            rejected.append(Rejection(placement=label, why="node has no NVMe volume"))
+            continue
+        plan = _evaluate(
+            shape, hw, training, dtype, stage, optimizer, parameters, gpus, nodes,
+            training.activation_checkpointing, price_per_hour, ranks_per_node,
+        )
+        candidates.append(plan)
+    if not candidates:
+        raise ValueError(
+            "the offload settings exclude every placement on this node: "
+            + "; ".join(f"{r.placement}: {r.why}" for r in rejected)
+        )
+
+    feasible = [c for c in candidates if c.feasible]
+    if feasible:
+        # Fastest first; on a tie prefer less offload (the order of _PLACEMENTS).
+        best = min(feasible, key=lambda c: (round(c.predicted_step_seconds, 6), candidates.index(c)))
+    else:
+        best = min(candidates, key=lambda c: sum(s.short_bytes for s in c.shortfalls))
+    for c in candidates:
+        if c is best:
+            continue
+        if not c.feasible:
+            why = "; ".join(s.describe() for s in c.shortfalls)
+        elif round(c.predicted_step_seconds, 6) <= round(best.predicted_step_seconds, 6):
+            why = f"no faster ({c.predicted_step_seconds:.3g} s/step) and offloads more"
+        else:
+            why = f"slower: {c.predicted_step_seconds:.3g} s/step vs {best.predicted_step_seconds:.3g} s/step"
+        rejected.append(Rejection(placement=c.label, why=why))
+    best.rejected = rejected
+    best.reasons = [*_explain(best), *best.reasons]
+    return best
+
+
+def _explain(plan: OffloadPlan) -> Iterable[str]:
+    p = plan.model.params
+    yield (
+        f"{format_count(p)} parameters; {plan.label} on {plan.node} "
+        f"({plan.gpus_per_node} GPU x {plan.nodes} node, accelerator {plan.accelerator})"
+    )
+    if plan.optimizer != "gpu":
+        where = "CPU RAM" if plan.optimizer == "cpu" else "NVMe swap files"
+        yield f"Adam moments and fp32 master weights in {where}; the optimizer step runs on the CPU"
+    if plan.parameters != "gpu":
+        yield f"16-bit parameters partitioned to {plan.parameters.upper()} and prefetched layer by layer"
+    if plan.bytes.nvme:
+        yield (
+            f"NVMe: {format_bytes(plan.bytes.nvme)} of swap files, sub-group "
+            f"{plan.swap.sub_group_size:,} elements, pipelined I/O {'on' if plan.swap.pipeline else 'off'}"
+        )
+    s = plan.step
+    yield (
+        f"step {s.total:.3g} s = max(compute {s.compute:.3g}, host-device {s.host_device:.3g}) "
+        f"+ CPU optimizer {s.cpu_optimizer:.3g} + NVMe {s.nvme:.3g}"
+    )
+
+
+def minimum_cpu_for(plan: OffloadPlan) -> int:
+    """RAM a node needs for this placement (model state + overhead + reserve)."""
+    need = plan.bytes.cpu
+    return int(max(need + CPU_RESERVED_MIN, need / (1 - CPU_RESERVED_FRACTION)))
+
+
+__all__ = [
+    "MiB",
+    "ModelShape",
+    "OffloadPlan",
+    "PlanningError",
+    "Shortfall",
+    "TierBytes",
+    "activation_bytes",
+    "model_state_bytes",
+    "plan_tiers",
+]

@@ -1,0 +1,222 @@
+"""Measure the hardware of the machine this runs on, as a `NodeHardware`.
+
+Counts and capacities are read (GPUs, RAM, cores, NVMe space); speeds are
+measured: NVMe read/write with DeepSpeed's async I/O over a short sweep of
+block size, queue depth and parallelism (the best settings are kept for the
+plan's `aio` block), the CPU optimizer step of DeepSpeedCPUAdam and torch's
+fused AdamW, and host-device copies when a GPU is present. Every measurement
+is bounded in time; `quick=True` skips the speed measurements.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from spillway_runtime.hardware import AioSettings, NodeHardware
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return psutil.cpu_count() or 1
+
+
+def _cgroup_memory_limit() -> int | None:
+    """A container's memory limit (cgroup v2 or v1), which bounds what we may use."""
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            raw = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if raw.isdigit() and int(raw) < (1 << 60):
+            return int(raw)
+    return None
+
+
+def probe_gpus() -> tuple[int, str | None, int]:
+    """(count, product, memory per GPU in bytes); (0, None, 0) without GPUs."""
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            props = torch.cuda.get_device_properties(0)
+            return torch.cuda.device_count(), props.name, int(props.total_memory)
+        return 0, None, 0
+    except ImportError:
+        pass
+    if shutil.which("nvidia-smi"):
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20, check=False,
+        ).stdout.strip().splitlines()
+        if out:
+            name, mib = out[0].rsplit(",", 1)
+            return len(out), name.strip(), int(float(mib)) * 2**20
+    return 0, None, 0
+
+
+def probe_basic(nvme_path: str | Path | None = None, name: str = "local") -> NodeHardware:
+    """Capacities only: fast, no benchmarks."""
+    vm = psutil.virtual_memory()
+    total, available = vm.total, vm.available
+    limit = _cgroup_memory_limit()
+    if limit is not None:
+        total, available = min(total, limit), min(available, limit)
+    gpus, product, gpu_mem = probe_gpus()
+    hw = NodeHardware(
+        name=name,
+        gpu_count=gpus,
+        gpu_product=product,
+        gpu_memory_bytes=gpu_mem,
+        cpu_cores=_cores(),
+        cpu_memory_bytes=total,
+        cpu_memory_available_bytes=available,
+    )
+    if nvme_path is not None:
+        path = Path(nvme_path)
+        path.mkdir(parents=True, exist_ok=True)
+        usage = shutil.disk_usage(path)
+        hw.nvme_path = str(path.resolve())
+        hw.nvme_capacity_bytes = usage.total
+        hw.nvme_free_bytes = usage.free
+    return hw
+
+
+def _time_best(fn: Callable[[], None], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _drop_page_cache(path: str) -> None:
+    """So that reads come from the device, not from pages the write just left in RAM."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def measure_aio(
+    directory: Path, budget_seconds: float = 30.0, io_bytes: int = 256 << 20, cores: int | None = None
+) -> tuple[float, float, AioSettings]:
+    """Sweep DeepSpeed async I/O settings on `directory`: (read B/s, write B/s, best settings).
+
+    The grid follows `ds_nvme_tune` (block 1M/8M x queue depth 8/32/128 x parallelism),
+    in an order that tries the usually-best settings first, and stops when the budget
+    is spent. The scored figure is the harmonic mean of read and write, since optimizer
+    swapping does both every step.
+    """
+    import torch
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    aio = AsyncIOBuilder().load()
+    cores = cores or _cores()
+    parallelism = sorted({1, min(2, cores), min(4, cores), min(8, cores)})
+    grid = [
+        (block, depth, par)
+        for par in parallelism
+        for block in (1 << 20, 8 << 20)
+        for depth in (32, 128, 8)
+    ]
+    deadline = time.monotonic() + budget_seconds
+    directory.mkdir(parents=True, exist_ok=True)
+    path = str(directory / f".spillway-aio-probe-{os.getpid()}")
+    best: tuple[float, float, float, AioSettings] | None = None
+    try:
+        for block, depth, par in grid:
+            if best is not None and time.monotonic() > deadline:
+                break
+            handle = aio.aio_handle(block, depth, False, True, par)
+            buf = handle.new_cpu_locked_tensor(io_bytes, torch.empty(0, dtype=torch.uint8))
+            buf.random_(0, 127)
+
+            def write(handle: Any = handle, buf: Any = buf) -> None:
+                handle.pwrite(buf, path, False, True)
+                handle.wait()
+
+            def read(handle: Any = handle, buf: Any = buf) -> None:
+                handle.pread(buf, path, False, True)
+                handle.wait()
+
+            write_s = _time_best(write, 2)
+            _drop_page_cache(path)
+            read_s = _time_best(read, 2)
+            handle.free_cpu_locked_tensor(buf)
+            r_bps, w_bps = io_bytes / read_s, io_bytes / write_s
+            score = 2 / (1 / r_bps + 1 / w_bps)
+            if best is None or score > best[0]:
+                best = (score, r_bps, w_bps, AioSettings(block_size=block, queue_depth=depth, intra_op_parallelism=par))
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+    assert best is not None
+    return best[1], best[2], best[3]
+
+
+def measure_cpu_adam(params: int = 20_000_000, steps: int = 3) -> tuple[float | None, float | None]:
+    """Params/s of one optimizer step: (DeepSpeedCPUAdam, torch fused AdamW)."""
+    import torch
+
+    p = torch.nn.Parameter(torch.randn(params))
+    p.grad = torch.randn(params)
+    ds_rate: float | None = None
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        ds_opt = DeepSpeedCPUAdam([p], lr=1e-3)
+        ds_opt.step()  # state allocation and JIT outside the timing
+        ds_rate = params / _time_best(ds_opt.step, steps)
+    except Exception as err:  # the op may fail to build; the torch figure still stands
+        print(f"probe: DeepSpeedCPUAdam unavailable ({err})")
+    q = torch.nn.Parameter(torch.randn(params))
+    q.grad = torch.randn(params)
+    torch_opt = torch.optim.AdamW([q], lr=1e-3, fused=True)
+    torch_opt.step()
+    torch_rate = params / _time_best(torch_opt.step, steps)
+    return ds_rate, torch_rate
+
+
+def measure_host_device(num_bytes: int = 256 << 20) -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    host = torch.empty(num_bytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+
+    def copy() -> None:
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+
+    copy()
+    return num_bytes / _time_best(copy, 5)
+
+
+def probe(nvme_path: str | Path | None = None, *, quick: bool = False, aio_budget_seconds: float = 30.0,
+          name: str = "local") -> NodeHardware:
+    started = time.monotonic()
+    hw = probe_basic(nvme_path, name)
+    if quick:
+        return hw
+    if hw.nvme_path:
+        hw.nvme_read_bytes_per_s, hw.nvme_write_bytes_per_s, hw.aio = measure_aio(
+            Path(hw.nvme_path), aio_budget_seconds, cores=hw.cpu_cores
+        )
+    hw.cpu_adam_params_per_s, hw.torch_adamw_params_per_s = measure_cpu_adam()
+    hw.host_device_bytes_per_s = measure_host_device()
+    hw.probe_seconds = round(time.monotonic() - started, 2)
+    return hw

@@ -1,0 +1,460 @@
+"""The training run: one recipe with setup / train / save_checkpoint / cleanup.
+
+Runs in each training process (one per GPU, or one on a CPU accelerator),
+single or under torchrun. DeepSpeed carries the offload; this module owns the
+policy around it: the learning-rate schedule, checkpoint cadence, exact resume
+(step, data position, RNG, rollback state), divergence rollback and preemption.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from spillway_runtime.checkpoint import CheckpointError, CheckpointInfo, CheckpointStore
+from spillway_runtime.data import PackedDataset, read_texts
+from spillway_runtime.reporting import Reporter
+from spillway_runtime.runconfig import RuntimeConfig
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_DIVERGED = 4
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request after a checkpoint; restartable
+
+STATE_FILE = "spillway_state.pt"
+DS_TAG = "ds"
+
+
+class RunFailed(RuntimeError):
+    def __init__(self, message: str, exit_code: int = EXIT_FAILED):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class DivergencePolicy:
+    """Decides whether a step's loss means the run has diverged."""
+
+    def __init__(self, spike_factor: float, window: int):
+        self.spike_factor = spike_factor
+        self.history: deque[float] = deque(maxlen=window)
+
+    def check(self, loss: float) -> str | None:
+        if not math.isfinite(loss):
+            return f"loss is {loss}"
+        if len(self.history) >= 3:
+            average = sum(self.history) / len(self.history)
+            if loss > self.spike_factor * average:
+                return f"loss {loss:.4g} is above {self.spike_factor} x the running average {average:.4g}"
+        return None
+
+    def record(self, loss: float) -> None:
+        self.history.append(loss)
+
+
+def learning_rate(step: int, base: float, warmup: int, total: int, floor_ratio: float) -> float:
+    """Linear warmup, then cosine decay to floor_ratio * base at the last step."""
+    if warmup and step < warmup:
+        return base * (step + 1) / warmup
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    floor = base * floor_ratio
+    return floor + (base - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class FineTuneRecipe:
+    def __init__(self, config: RuntimeConfig):
+        self.cfg = config
+        self.spec = config.job.spec
+        self.plan = config.plan
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.step = 0
+        self.data_position = 0  # global micro-batch index
+        self.skip_ranges: list[tuple[int, int]] = []
+        self.rollbacks = 0
+        self.lr_scale = 1.0
+        self.stop_requested = False
+        self.last_saved_step = -1
+        self.reporter = Reporter(
+            Path(config.events_path), self.spec.training.max_steps, enabled=self.rank == 0
+        )
+        self.divergence = DivergencePolicy(self.spec.rollback.spike_factor, self.spec.rollback.window)
+
+    # --- setup ---------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        self._setup_distributed()
+        self._setup_data()
+        self._setup_engine()
+        self._setup_checkpoints()
+        signal.signal(signal.SIGTERM, self._on_stop_signal)
+        signal.signal(signal.SIGINT, self._on_stop_signal)
+
+    def _log(self, message: str) -> None:
+        self.reporter.event("log", message=message)
+
+    def _setup_distributed(self) -> None:
+        if self.plan.accelerator == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        import deepspeed
+        import torch
+
+        deepspeed.init_distributed(dist_backend="gloo" if self.plan.accelerator == "cpu" else "nccl")
+        self.torch = torch
+        self.dist = torch.distributed
+        seed = self.spec.training.seed
+        random.seed(seed)
+        torch.manual_seed(seed)
+        self._log(f"rank {self.rank}/{self.world_size} on {self.plan.accelerator}, plan {self.plan.label}")
+
+    def _setup_data(self) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.tokenizer_dir)
+        except (OSError, ValueError) as err:
+            raise RunFailed(
+                f"model.tokenizerUri/model.uri {self.cfg.tokenizer_dir}: cannot load a tokenizer ({err})",
+                EXIT_BAD_INPUT,
+            ) from None
+        texts = read_texts(self.spec.dataset, Path(self.cfg.dataset_path))
+        self.dataset = PackedDataset.build(texts, self.tokenizer, self.spec.training.sequence_length)
+        self._log(f"dataset: {len(texts)} texts, {self.dataset.tokens} tokens in {len(self.dataset)} sequences")
+
+    def _setup_engine(self) -> None:
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        ds_config = dict(self.cfg.deepspeed)
+        torch_dtype = {"bf16": self.torch.bfloat16, "fp16": self.torch.float16, "fp32": self.torch.float32}[
+            self.spec.model.dtype
+        ]
+        self._hf_ds_config = None
+        if self.plan.zero_stage == 3:
+            # Keeps transformers' zero.Init path on: from_pretrained partitions each layer as it
+            # loads, so the whole model never sits in one process's RAM.
+            from transformers.integrations import HfDeepSpeedConfig
+
+            self._hf_ds_config = HfDeepSpeedConfig(ds_config)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(self.cfg.model_dir, dtype=torch_dtype)
+        except (OSError, ValueError) as err:
+            raise RunFailed(f"model.uri {self.cfg.model_dir}: cannot load the model ({err})", EXIT_BAD_INPUT) from None
+        if self.spec.training.activation_checkpointing == "on" or self.plan.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
+        )
+        self._log(
+            f"engine: ZeRO-{self.plan.zero_stage}, optimizer {type(self.engine.optimizer).__name__}"
+            f"/{type(getattr(self.engine.optimizer, 'optimizer', None)).__name__}"
+        )
+
+    def _setup_checkpoints(self) -> None:
+        self.store = CheckpointStore(
+            Path(self.cfg.checkpoint_dir),
+            self.spec.checkpoint.keep,
+            rank=self.rank,
+            barrier=self._barrier,
+            broadcast=self._broadcast,
+            first_failure=self._first_failure,
+            log=self._log,
+        )
+        if self.rank == 0:
+            self._check_writable(Path(self.cfg.checkpoint_dir), "checkpoint.path")
+        try:
+            info = self.store.find_good(self.spec.resume_from)
+        except CheckpointError as err:
+            raise RunFailed(str(err), EXIT_BAD_INPUT) from None
+        if info is not None:
+            self._load(info)
+            self.reporter.event("resumed", checkpoint=info.name, step=self.step)
+
+    def _check_writable(self, directory: Path, field: str) -> None:
+        """Fail before training, not hours in, when a checkpoint could never be written."""
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            probe = directory / f".write-test-{os.getpid()}"
+            probe.write_bytes(b"x")
+            probe.unlink()
+        except OSError as err:
+            raise RunFailed(
+                f"{field} {directory} is not writable ({err.strerror}); choose a writable directory", EXIT_BAD_INPUT
+            ) from None
+
+    # --- collectives -----------------------------------------------------------------------
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            self.dist.barrier()
+
+    def _broadcast(self, value: Any) -> Any:
+        if self.world_size == 1:
+            return value
+        box = [value]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _first_failure(self, value: str | None) -> str | None:
+        if self.world_size == 1:
+            return value
+        gathered: list[Any] = [None] * self.world_size
+        self.dist.all_gather_object(gathered, value)
+        return next((v for v in gathered if v is not None), None)
+
+    def _mean_across_ranks(self, value: float) -> float:
+        if self.world_size == 1:
+            return value
+        t = self.torch.tensor([value], dtype=self.torch.float64)
+        self.dist.all_reduce(t)
+        return float(t.item()) / self.world_size
+
+    def _any_rank(self, flag: bool) -> bool:
+        if self.world_size == 1:
+            return flag
+        t = self.torch.tensor([1 if flag else 0], dtype=self.torch.int64)
+        self.dist.all_reduce(t)
+        return bool(t.item())
+
+    # --- training --------------------------------------------------------------------------
+
+    def _on_stop_signal(self, signum: int, _frame: Any) -> None:
+        self.stop_requested = True
+
+    def _next_position(self) -> int:
+        for start, end in self.skip_ranges:
+            if start <= self.data_position < end:
+                self.data_position = end
+        return self.data_position
+
+    def _micro_loss(self, position: int) -> Any:
+        t = self.spec.training
+        batch = self.dataset.micro_batch(position, self.rank, self.world_size, t.micro_batch_size, t.seed)
+        batch = batch.to(self.engine.device)
+        loss = self.engine(input_ids=batch, labels=batch).loss
+        faults = self.cfg.faults
+        if position in faults.nan_micro_batches:
+            loss = loss * float("nan")
+        elif position in faults.spike_micro_batches:
+            loss = loss * 1000.0
+        return loss
+
+    def train_step(self) -> tuple[float, int, int]:
+        """One optimizer step; returns (mean loss across ranks, first, end data position)."""
+        t = self.spec.training
+        lr = self.lr_scale * learning_rate(
+            self.step, t.learning_rate, t.warmup_steps, t.max_steps, t.min_learning_rate_ratio
+        )
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+        first = self._next_position()
+        total = 0.0
+        for _ in range(t.gradient_accumulation):
+            position = self._next_position()
+            loss = self._micro_loss(position)
+            self.engine.backward(loss)
+            self.engine.step()
+            total += float(loss.detach().float().item())
+            self.data_position = position + 1
+        self.current_lr = lr
+        return self._mean_across_ranks(total / t.gradient_accumulation), first, self.data_position
+
+    def train(self) -> int:
+        t = self.spec.training
+        every = self.spec.checkpoint.every_steps
+        tokens_per_step = t.micro_batch_size * t.sequence_length * t.gradient_accumulation * self.world_size
+        self.reporter.event("started", step=self.step, total_steps=t.max_steps, plan=self.plan.label,
+                            world_size=self.world_size)
+        started = time.monotonic()
+        start_step = self.step
+        while self.step < t.max_steps:
+            if self._any_rank(self.stop_requested):
+                return self._preempt()
+            step_started = time.monotonic()
+            loss, first, end = self.train_step()
+            problem = self.divergence.check(loss) if self.spec.rollback.on_divergence else None
+            if problem is not None:
+                self._rollback(problem, first, end)
+                continue
+            self.divergence.record(loss)
+            self.step += 1
+            elapsed = time.monotonic() - step_started
+            done = self.step - start_step
+            rate = (time.monotonic() - started) / max(1, done)
+            self.reporter.step(
+                self.step,
+                loss=round(loss, 6),
+                lr=self.current_lr,
+                step_seconds=round(elapsed, 4),
+                tokens_per_s=round(tokens_per_step / max(elapsed, 1e-9), 1),
+                eta_seconds=round(rate * (t.max_steps - self.step), 1),
+                data_position=self.data_position,
+                bytes=self._tier_bytes(),
+            )
+            self.last_loss = loss
+            if self.step % every == 0 or self.step == t.max_steps:
+                self.save_checkpoint(loss)
+        self.export()
+        self.reporter.event("finished", step=self.step, loss=getattr(self, "last_loss", None),
+                            rollbacks=self.rollbacks)
+        return EXIT_OK
+
+    def _preempt(self) -> int:
+        if self.last_saved_step != self.step:
+            self.save_checkpoint(getattr(self, "last_loss", None))
+        self.reporter.event("preempted", step=self.step)
+        return EXIT_PREEMPTED
+
+    def _rollback(self, problem: str, first: int, end: int) -> None:
+        policy = self.spec.rollback
+        self.rollbacks += 1
+        if self.rollbacks > policy.max_rollbacks:
+            self.reporter.event("diverged", step=self.step, reason=problem, rollbacks=self.rollbacks - 1)
+            raise RunFailed(
+                f"training diverged at step {self.step + 1} ({problem}) after {self.rollbacks - 1} rollbacks; "
+                f"rollback.maxRollbacks is {policy.max_rollbacks}: lower training.learningRate or inspect the data",
+                EXIT_DIVERGED,
+            )
+        info = self.store.find_good()
+        if info is None:
+            raise RunFailed(
+                f"training diverged at step {self.step + 1} ({problem}) before the first checkpoint; "
+                "lower checkpoint.everySteps so there is one to roll back to",
+                EXIT_DIVERGED,
+            )
+        rollbacks, skips = self.rollbacks, [*self.skip_ranges, (first, end)]
+        lr_scale = self.lr_scale * policy.lr_backoff
+        bad_step = self.step + 1
+        self._load(info)
+        # What happened since the checkpoint is kept: the count, the skipped batches, the lower LR.
+        self.rollbacks, self.skip_ranges, self.lr_scale = rollbacks, skips, lr_scale
+        self.reporter.event(
+            "rollback", step=bad_step, reason=problem, checkpoint=info.name, to_step=self.step,
+            skipped_micro_batches=[first, end], lr_scale=self.lr_scale, rollbacks=self.rollbacks,
+        )
+
+    def _tier_bytes(self) -> dict[str, int]:
+        import psutil
+
+        out = {"cpu": psutil.Process().memory_info().rss}
+        if self.plan.accelerator == "cuda":
+            out["gpu"] = int(self.torch.cuda.memory_allocated())
+        if self.cfg.nvme_dir and self.plan.bytes.nvme:
+            out["nvme"] = _dir_bytes(Path(self.cfg.nvme_dir))
+        return out
+
+    # --- checkpoints -----------------------------------------------------------------------
+
+    def _state(self) -> dict[str, Any]:
+        import numpy as np
+
+        return {
+            "step": self.step,
+            "data_position": self.data_position,
+            "skip_ranges": self.skip_ranges,
+            "rollbacks": self.rollbacks,
+            "lr_scale": self.lr_scale,
+            "loss_history": list(self.divergence.history),
+            "rng": {
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+                "torch": self.torch.get_rng_state(),
+                "cuda": self.torch.cuda.get_rng_state_all() if self.plan.accelerator == "cuda" else None,
+            },
+        }
+
+    def save_checkpoint(self, loss: float | None) -> CheckpointInfo:
+        def write(staging: Path) -> None:
+            self.engine.save_checkpoint(str(staging), tag=DS_TAG, save_latest=False)
+            self.torch.save(self._state(), staging / f"rank{self.rank}-{STATE_FILE}")
+
+        meta = {"loss": loss, "worldSize": self.world_size, "plan": self.plan.label,
+                "dataPosition": self.data_position, "config": self.spec.model_dump(mode="json")}
+        try:
+            info = self.store.save(self.step, write, meta)
+        except CheckpointError as err:
+            self.reporter.event("checkpoint_failed", step=self.step, reason=str(err))
+            raise RunFailed(str(err)) from None
+        self.last_saved_step = self.step
+        self.reporter.event("checkpoint", **info.public())
+        return info
+
+    def _load(self, info: CheckpointInfo) -> None:
+        import numpy as np
+
+        load_path, _ = self.engine.load_checkpoint(
+            str(info.path), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
+        if load_path is None:
+            raise RunFailed(f"DeepSpeed could not load checkpoint {info.name} from {info.path}")
+        state_file = info.path / f"rank{self.rank}-{STATE_FILE}"
+        if not state_file.exists():
+            written_by = (self.store.read_manifest(info.path) or {}).get("worldSize")
+            raise RunFailed(
+                f"checkpoint {info.name} was written by {written_by} processes and holds no state for rank "
+                f"{self.rank}; resume with the same number of processes",
+                EXIT_BAD_INPUT,
+            )
+        state = self.torch.load(state_file, weights_only=False)
+        self.step = state["step"]
+        self.data_position = state["data_position"]
+        self.skip_ranges = [tuple(r) for r in state["skip_ranges"]]
+        self.rollbacks = state["rollbacks"]
+        self.lr_scale = state["lr_scale"]
+        self.divergence.history.clear()
+        self.divergence.history.extend(state["loss_history"])
+        rng = state["rng"]
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        self.torch.set_rng_state(rng["torch"])
+        if rng.get("cuda") is not None and self.plan.accelerator == "cuda":
+            self.torch.cuda.set_rng_state_all(rng["cuda"])
+        self.last_saved_step = self.step
+
+    # --- export and cleanup ----------------------------------------------------------------
+
+    def export(self) -> None:
+        """Consolidate ZeRO shards into a Hugging Face directory (safetensors)."""
+        if self.plan.zero_stage == 3:
+            state_dict = self.engine._zero3_consolidated_16bit_state_dict()
+        else:
+            state_dict = self.engine.module.state_dict()
+        if self.rank == 0:
+            out = Path(self.cfg.export_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            self.engine.module.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+            self.tokenizer.save_pretrained(out)
+            self.reporter.event("exported", path=str(out), bytes=_dir_bytes(out))
+        self._barrier()
+
+    def cleanup(self) -> None:
+        self.reporter.close()
+        engine = getattr(self, "engine", None)
+        if engine is not None and hasattr(engine, "destroy"):
+            engine.destroy()
+        if getattr(self, "dist", None) is not None and self.dist.is_initialized():
+            self.dist.destroy_process_group()
+
+
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError:
+                continue
+    return total

@@ -1,0 +1,103 @@
+"""Progress and events from the training process (rank 0 only).
+
+Every event is appended as one JSON line to the run's events file, which the
+local launcher and the API read. On a terminal a rich progress bar shows step,
+loss, tokens/s, ETA and bytes per tier; elsewhere the JSON lines also go to
+stdout, so `kubectl logs` reads the same record.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from spillway_runtime.units import format_bytes
+
+
+class Reporter:
+    def __init__(
+        self,
+        events_path: Path | None,
+        total_steps: int,
+        *,
+        enabled: bool = True,
+        interactive: bool | None = None,
+        sink: Callable[[dict[str, Any]], None] | None = None,
+    ):
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.sink = sink
+        self.interactive = sys.stdout.isatty() if interactive is None else interactive
+        self._fh = None
+        if enabled and events_path is not None:
+            events_path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = events_path.open("a", buffering=1)
+        self._progress: Any = None
+        self._task: Any = None
+
+    def event(self, kind: str, **fields: Any) -> None:
+        if not self.enabled:
+            return
+        record = {"time": round(time.time(), 3), "event": kind, **fields}
+        line = json.dumps(record, default=str)
+        if self._fh is not None:
+            self._fh.write(line + "\n")
+        if self.sink is not None:
+            self.sink(record)
+        if self.interactive:
+            if kind != "step":
+                self._console_print(f"[bold]{kind}[/bold] " + " ".join(f"{k}={v}" for k, v in fields.items()))
+        else:
+            print(line, flush=True)
+
+    def _console_print(self, text: str) -> None:
+        if self._progress is not None:
+            self._progress.console.print(text)
+        else:
+            from rich.console import Console
+
+            Console().print(text)
+
+    def step(self, step: int, **fields: Any) -> None:
+        self.event("step", step=step, **fields)
+        if not (self.enabled and self.interactive):
+            return
+        if self._progress is None:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(
+                TextColumn("[bold blue]train"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
+            )
+            self._progress.start()
+            self._task = self._progress.add_task("train", total=self.total_steps, info="")
+        tiers = fields.get("bytes", {})
+        info = (
+            f"loss {fields.get('loss', float('nan')):.4f}  {fields.get('tokens_per_s', 0):,.0f} tok/s  "
+            + "  ".join(f"{k} {format_bytes(v)}" for k, v in tiers.items())
+        )
+        self._progress.update(self._task, completed=step, info=info)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill mid-write
+    return out

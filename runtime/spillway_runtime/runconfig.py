@@ -1,0 +1,64 @@
+"""What the training process is told: the job, its plan and resolved local paths.
+
+The operator writes a `RuntimeConfig` into the pod's ConfigMap; `spillway run`
+writes one into the run directory. `python -m spillway_runtime --config FILE`
+reads it. Torch-free.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from spillway_runtime.planner import OffloadPlan
+from spillway_runtime.spec import FineTuneJob
+
+PVC_MOUNT_ROOT = Path("/mnt/pvc")
+
+
+class FaultInjection(BaseModel):
+    """Test hooks, never set by users: make chosen micro-batches produce a NaN loss."""
+
+    nan_micro_batches: list[int] = Field(default_factory=list)
+    spike_micro_batches: list[int] = Field(default_factory=list)
+
+
+class RuntimeConfig(BaseModel):
+    job: FineTuneJob
+    plan: OffloadPlan
+    model_dir: str
+    tokenizer_dir: str
+    dataset_path: str
+    run_dir: str
+    checkpoint_dir: str
+    nvme_dir: str | None = None
+    export_dir: str
+    events_path: str
+    deepspeed: dict[str, object] = Field(default_factory=dict, description="Generated DeepSpeed config")
+    faults: FaultInjection = Field(default_factory=FaultInjection)
+
+    def write(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.model_dump_json(indent=1))
+
+    @classmethod
+    def read(cls, path: Path) -> RuntimeConfig:
+        return cls.model_validate_json(Path(path).read_text())
+
+
+def resolve_uri(uri: str, base_dir: Path) -> Path:
+    """Map a spec URI to a local path: file://PATH, pvc://CLAIM/PATH (mounted under /mnt/pvc), or a path
+    relative to the job file's directory."""
+    if uri.startswith("file://"):
+        return Path(uri[len("file://") :])
+    if uri.startswith("pvc://"):
+        return PVC_MOUNT_ROOT / uri[len("pvc://") :]
+    if "://" in uri:
+        scheme = uri.split("://", 1)[0]
+        raise ValueError(
+            f"unsupported URI scheme {scheme!r} in {uri!r}: use a local path, file:// or pvc:// "
+            "(nothing is downloaded at run time)"
+        )
+    path = Path(uri).expanduser()
+    return path if path.is_absolute() else (base_dir / path).resolve()

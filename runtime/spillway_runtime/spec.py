@@ -1,0 +1,259 @@
+"""The FineTuneJob spec: the single source of truth for what a user may ask for.
+
+The CRD's OpenAPI schema is generated from these models, the REST API validates
+submissions with them, and the runtime reads its job from them. Field names are
+camelCase on the wire (Kubernetes convention) and snake_case in Python.
+Importable without torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+from spillway_runtime.units import parse_size
+
+API_GROUP = "spillway.dev"
+API_VERSION = "v1alpha1"
+KIND = "FineTuneJob"
+
+Tier = Literal["gpu", "cpu", "nvme"]
+TierChoice = Literal["auto", "gpu", "cpu", "nvme"]
+OffloadPolicy = Literal["auto", "none", "cpu", "nvme"]
+DType = Literal["bf16", "fp16", "fp32"]
+ActivationCheckpointing = Literal["auto", "on", "off"]
+
+
+class SpecModel(BaseModel):
+    """Base for every spec model: camelCase aliases, unknown fields rejected."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        validate_by_name=True,
+        validate_by_alias=True,
+        serialize_by_alias=True,
+        extra="forbid",
+    )
+
+
+Size = Annotated[int, Field(ge=0, description="Bytes; accepts units such as 24GiB, 512Mi, 2TB")]
+
+
+def _size_or_none(value: Any) -> Any:
+    if value is None or value == "auto":
+        return None
+    return parse_size(value)
+
+
+class ModelSource(SpecModel):
+    uri: str = Field(
+        description="Hugging Face model directory: a local path, file://PATH, or pvc://CLAIM/PATH in a cluster",
+        min_length=1,
+    )
+    dtype: DType = Field("bf16", description="Training precision of the weights and activations")
+    tokenizer_uri: str | None = Field(None, description="Tokenizer directory when it differs from the model's")
+
+
+class DatasetSource(SpecModel):
+    uri: str = Field(description="A .jsonl or .txt file, or a directory of them", min_length=1)
+    format: Literal["auto", "jsonl", "text"] = Field("auto", description="auto picks by file extension")
+    text_field: str = Field("text", description="Field of each JSON line that holds the text", min_length=1)
+
+
+class Training(SpecModel):
+    max_steps: int = Field(100, ge=1, description="Optimizer steps to run")
+    micro_batch_size: int = Field(1, ge=1, le=4096, description="Sequences per GPU per forward pass")
+    gradient_accumulation: int = Field(1, ge=1, le=4096, description="Micro-batches per optimizer step")
+    sequence_length: int = Field(512, ge=8, le=1_048_576, description="Tokens per packed sequence")
+    learning_rate: float = Field(2e-5, gt=0, le=1.0)
+    min_learning_rate_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor as a fraction of learningRate")
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    gradient_clipping: float = Field(1.0, ge=0, description="Max gradient norm; 0 disables clipping")
+    activation_checkpointing: ActivationCheckpointing = Field(
+        "auto", description="auto turns it on when activations would not fit next to the model state"
+    )
+    seed: int = Field(1234, ge=0)
+
+    @model_validator(mode="after")
+    def _warmup_within_run(self) -> Training:
+        if self.warmup_steps > self.max_steps:
+            raise ValueError(
+                f"warmupSteps ({self.warmup_steps}) exceeds maxSteps ({self.max_steps}); lower warmupSteps"
+            )
+        return self
+
+
+class NvmeVolume(SpecModel):
+    path: str | None = Field(None, description="Local mode: directory on a local NVMe drive for swap files")
+    host_path: str | None = Field(None, description="Cluster mode: node directory mounted as a hostPath volume")
+    storage_class_name: str | None = Field(
+        None, description="Cluster mode: StorageClass of a generic ephemeral volume (local, WaitForFirstConsumer)"
+    )
+    size: int | None = Field(None, description="Volume size (e.g. 500Gi); omitted or 'auto' sizes it from the plan")
+
+    _parse_size = field_validator("size", mode="before")(_size_or_none)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> NvmeVolume:
+        if self.host_path and self.storage_class_name:
+            raise ValueError("set either hostPath or storageClassName, not both")
+        return self
+
+
+class Offload(SpecModel):
+    policy: OffloadPolicy = Field(
+        "auto", description="auto: the planner picks; none: keep everything on GPU; cpu: never use NVMe; nvme: allow NVMe"
+    )
+    optimizer: TierChoice = Field("auto", description="Where Adam moments and fp32 master weights live")
+    parameters: TierChoice = Field("auto", description="Where the (partitioned) model parameters live")
+    nvme: NvmeVolume = Field(default_factory=lambda: NvmeVolume())
+    deepspeed: dict[str, Any] = Field(
+        default_factory=dict, description="Raw DeepSpeed config overrides, merged last and validated"
+    )
+
+    @model_validator(mode="after")
+    def _consistent_with_policy(self) -> Offload:
+        allowed: dict[str, set[str]] = {
+            "none": {"auto", "gpu"},
+            "cpu": {"auto", "gpu", "cpu"},
+            "nvme": {"auto", "gpu", "cpu", "nvme"},
+            "auto": {"auto", "gpu", "cpu", "nvme"},
+        }
+        for field in ("optimizer", "parameters"):
+            choice = getattr(self, field)
+            if choice not in allowed[self.policy]:
+                raise ValueError(
+                    f"{field}: {choice!r} contradicts policy {self.policy!r}; "
+                    f"with that policy {field} may be one of {sorted(allowed[self.policy])}"
+                )
+        if self.optimizer == "gpu" and self.parameters in ("cpu", "nvme"):
+            raise ValueError(
+                "parameters offloaded while the optimizer stays on GPU is not a useful placement: "
+                "set optimizer to cpu or nvme, or parameters to gpu"
+            )
+        return self
+
+
+class Toleration(SpecModel):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class Resources(SpecModel):
+    nodes: int = Field(1, ge=1, le=1024)
+    gpus_per_node: int | None = Field(None, ge=0, le=64, description="Omitted: every GPU of the chosen node")
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    placement: Literal["cheapest", "fastest"] = Field(
+        "cheapest", description="How to choose among node shapes that fit"
+    )
+
+
+class CheckpointPolicy(SpecModel):
+    every_steps: int = Field(50, ge=1, description="Checkpoint every N optimizer steps (and on SIGTERM)")
+    keep: int = Field(3, ge=1, le=1000, description="Keep the last K good checkpoints")
+    path: str | None = Field(None, description="Local mode: checkpoint directory (default: <run dir>/checkpoints)")
+    size: int | None = Field(None, description="Cluster mode: checkpoint PVC size; auto from the plan")
+    storage_class_name: str | None = None
+
+    _parse_size = field_validator("size", mode="before")(_size_or_none)
+
+
+class RollbackPolicy(SpecModel):
+    on_divergence: bool = Field(True, description="Reload the last good checkpoint on NaN/Inf or a loss spike")
+    max_rollbacks: int = Field(3, ge=0, le=100)
+    spike_factor: float = Field(
+        4.0, gt=1, description="A loss above this multiple of the running average counts as divergence"
+    )
+    window: int = Field(20, ge=2, le=10_000, description="Steps in the running loss average")
+    lr_backoff: float = Field(0.5, gt=0, le=1, description="Learning rate multiplier applied after each rollback")
+
+
+class Budget(SpecModel):
+    max_cost_usd: float | None = Field(None, gt=0, alias="maxCostUSD")
+
+
+class FineTuneJobSpec(SpecModel):
+    model: ModelSource
+    dataset: DatasetSource
+    training: Training = Field(default_factory=lambda: Training())
+    offload: Offload = Field(default_factory=lambda: Offload())
+    resources: Resources = Field(default_factory=lambda: Resources())
+    checkpoint: CheckpointPolicy = Field(default_factory=lambda: CheckpointPolicy())
+    rollback: RollbackPolicy = Field(default_factory=lambda: RollbackPolicy())
+    resume_from: str | None = Field(None, description="Checkpoint name to restart from; setting it rolls the job back")
+    budget: Budget = Field(default_factory=lambda: Budget())
+    suspend: bool = False
+    ttl_seconds_after_finished: int | None = Field(None, ge=0)
+    backoff_limit: int = Field(3, ge=0, le=100)
+
+
+class ObjectMeta(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
+    namespace: str = "default"
+
+
+class FineTuneJob(SpecModel):
+    api_version: Literal["spillway.dev/v1alpha1"] = Field(f"{API_GROUP}/{API_VERSION}")
+    kind: Literal["FineTuneJob"] = KIND
+    metadata: ObjectMeta
+    spec: FineTuneJobSpec
+    status: dict[str, Any] | None = None
+
+
+class SpecError(ValueError):
+    """A job description that cannot be used, with one line per problem naming the field."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.source = source
+        self.problems = problems
+        super().__init__(f"{source}: invalid FineTuneJob\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def describe_validation_error(err: ValidationError) -> list[str]:
+    """One line per error: dotted camelCase field path, the message, and the rejected value."""
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "(document)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field; check the spelling against the FineTuneJob reference"
+        got = e.get("input")
+        shown = "" if e["type"] in ("missing", "extra_forbidden") or isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"{path}: {msg}{shown}")
+    return lines
+
+
+def parse_job(document: dict[str, Any], source: str = "<job>") -> FineTuneJob:
+    if not isinstance(document, dict):
+        raise SpecError(source, ["(document): expected a mapping with apiVersion, kind, metadata and spec"])
+    try:
+        return FineTuneJob.model_validate(document)
+    except ValidationError as err:
+        raise SpecError(source, describe_validation_error(err)) from None
+
+
+def load_job(path: str | Path) -> FineTuneJob:
+    """Read a finetune.yaml (the same file works with kubectl apply and spillway run)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise SpecError(str(path), [f"cannot read the file: {err.strerror}"]) from None
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as err:
+        raise SpecError(str(path), [f"not valid YAML: {err}"]) from None
+    jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
+    if len(jobs) != 1:
+        raise SpecError(str(path), [f"expected exactly one document of kind {KIND}, found {len(jobs)}"])
+    return parse_job(jobs[0], str(path))

@@ -1,0 +1,482 @@
+"""Fixtures for end-to-end tests against a real Kubernetes control plane.
+
+Where this sits: tests/e2e only. ``hack/cluster`` builds (once, into a cache
+outside the repository) and runs etcd, kube-apiserver,
+kube-controller-manager, kube-scheduler and kwok on 127.0.0.1; see
+hack/CLUSTER.md. The ``cluster`` fixture starts one such control plane per
+pytest session and stops it afterwards, or uses an existing one when
+``SPILLWAY_E2E_USE_EXISTING=1`` and ``KUBECONFIG`` point at it. Nothing here
+mocks Kubernetes: tests talk to the API server through ``kubectl``, ``helm``
+or the ``kubernetes`` Python client.
+
+Fixtures:
+    cluster        session  Cluster: kubeconfig, env, kubectl/helm runners,
+                            node and pod helpers, wait_for.
+    kubeconfig     session  str: path of an admin kubeconfig.
+    kube_api       session  kubernetes.client.ApiClient for that kubeconfig.
+    namespace      function str: a fresh namespace, deleted after the test.
+    make_node      function make_node(profile, name=None) -> node name; a kwok
+                            node from hack/kwok/nodes/<profile>.yaml, Ready;
+                            deleted after the test.
+    set_pod_phase  function set_pod_phase(namespace, pod, phase, exit_code=None)
+                            -> pod dict; ends a Running pod on a kwok node.
+    delete_node    function delete_node(name): simulate losing a node.
+
+If the control plane cannot be built or started, the session fails with the
+reason; e2e tests are never skipped for want of a cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+HACK_CLUSTER = REPO_ROOT / "hack" / "cluster"
+NODE_PROFILES_DIR = REPO_ROOT / "hack" / "kwok" / "nodes"
+FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
+
+# A cold build compiles Kubernetes from source: ~30-40 minutes on 2 cores.
+BUILD_TIMEOUT_S = 90 * 60
+UP_TIMEOUT_S = 180
+# The annotation kwok's spillway-pod-exit-* stages act on (hack/kwok/stages.yaml).
+EXIT_CODE_ANNOTATION = "spillway.dev/kwok-exit-code"
+EXIT_REASON_ANNOTATION = "spillway.dev/kwok-exit-reason"
+NODE_PROFILES = tuple(sorted(p.stem for p in NODE_PROFILES_DIR.glob("*.yaml")))
+
+T = TypeVar("T")
+_BUILD_FAILURE = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "e2e: needs a real Kubernetes control plane (hack/cluster); "
+        "slow the first time, when it builds the binaries",
+    )
+
+
+class ClusterError(RuntimeError):
+    """A kubectl/helm command failed; the message carries its output."""
+
+
+@dataclass
+class Cluster:
+    """A running control plane and the means to drive it from tests."""
+
+    kubeconfig: Path
+    # KUBECONFIG and PATH (kubectl, helm, etcd, ...) for subprocesses.
+    env: dict[str, str]
+    # Where hack/cluster keeps certs, logs and pid files; None when the
+    # cluster was not started by this session.
+    state_dir: Path | None = None
+    started_here: bool = False
+
+    # -- commands ---------------------------------------------------------
+
+    def run(
+        self,
+        *args: str,
+        input: str | None = None,
+        check: bool = True,
+        timeout: float = 60,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a command with the cluster's environment; raise on failure."""
+        proc = subprocess.run(
+            list(args),
+            input=input,
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=timeout,
+            check=False,
+        )
+        if check and proc.returncode != 0:
+            raise ClusterError(
+                f"`{' '.join(args)}` exited {proc.returncode}\n"
+                f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}{self._log_hint()}"
+            )
+        return proc
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
+        return self.run(
+            "kubectl",
+            "--kubeconfig",
+            str(self.kubeconfig),
+            *args,
+            input=input,
+            check=check,
+            timeout=timeout,
+        )
+
+    def kubectl_json(self, *args: str, input: str | None = None) -> Any:
+        """`kubectl ... -o json`, parsed."""
+        return json.loads(self.kubectl(*args, "-o", "json", input=input).stdout)
+
+    def apply(self, manifest: dict[str, Any] | str, namespace: str | None = None) -> Any:
+        """`kubectl apply` a manifest (a dict, or YAML/JSON text); returns the object."""
+        text = manifest if isinstance(manifest, str) else json.dumps(manifest)
+        ns = ["-n", namespace] if namespace else []
+        return self.kubectl_json("apply", *ns, "-f", "-", input=text)
+
+    def helm(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+        return self.run("helm", "--kubeconfig", str(self.kubeconfig), *args, timeout=timeout)
+
+    def get(self, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+        """The object, or None when it does not exist."""
+        ns = ["-n", namespace] if namespace else []
+        proc = self.kubectl("get", kind, name, *ns, "-o", "json", "--ignore-not-found")
+        return json.loads(proc.stdout) if proc.stdout.strip() else None
+
+    # -- waiting ----------------------------------------------------------
+
+    @staticmethod
+    def wait_for(
+        condition: Callable[[], T | None],
+        timeout: float = 30,
+        interval: float = 0.25,
+        what: str = "condition",
+    ) -> T:
+        """Poll ``condition`` until it returns something truthy; return it."""
+        deadline = time.monotonic() + timeout
+        last: T | None = None
+        while True:
+            last = condition()
+            if last:
+                return last
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+            time.sleep(interval)
+
+    def wait_for_pod_phase(
+        self, namespace: str, pod: str, phases: str | tuple[str, ...], timeout: float = 30
+    ) -> dict[str, Any]:
+        wanted = (phases,) if isinstance(phases, str) else phases
+
+        def reached() -> dict[str, Any] | None:
+            obj = self.get("pod", pod, namespace)
+            if obj is not None and obj.get("status", {}).get("phase") in wanted:
+                return obj
+            return None
+
+        return self.wait_for(reached, timeout, what=f"pod {namespace}/{pod} to reach {'/'.join(wanted)}")
+
+    # -- kwok nodes and pods ----------------------------------------------
+
+    def node_manifest(self, profile: str, name: str) -> dict[str, Any]:
+        """The Node object for a profile in hack/kwok/nodes/, renamed."""
+        path = NODE_PROFILES_DIR / f"{profile}.yaml"
+        if not path.is_file():
+            raise ValueError(f"unknown node profile {profile!r}; known: {', '.join(NODE_PROFILES)}")
+        node: dict[str, Any] = yaml.safe_load(path.read_text())
+        node["metadata"]["name"] = name
+        node["metadata"]["labels"]["kubernetes.io/hostname"] = name
+        return node
+
+    def make_node(self, profile: str, name: str | None = None, timeout: float = 30) -> str:
+        """Create a kwok-managed node from a profile and wait until it is Ready."""
+        name = name or f"{profile}-{secrets.token_hex(3)}"
+        self.kubectl("create", "-f", "-", input=json.dumps(self.node_manifest(profile, name)))
+
+        def ready() -> bool:
+            node = self.get("node", name)
+            conditions = (node or {}).get("status", {}).get("conditions", [])
+            return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+        self.wait_for(ready, timeout, what=f"kwok to mark node {name} Ready")
+        return name
+
+    def delete_node(self, name: str, timeout: float = 30) -> None:
+        """Delete a node, as when a machine is lost.
+
+        Its pods stay bound to the vanished node until kube-controller-manager's
+        pod garbage collector deletes them (it waits ~40 s to be sure the node
+        is gone, then checks every 20 s), as in a real cluster.
+        """
+        self.kubectl("delete", "node", name, "--ignore-not-found", f"--timeout={int(timeout)}s")
+
+    def set_pod_phase(
+        self,
+        namespace: str,
+        pod: str,
+        phase: str,
+        exit_code: int | None = None,
+        reason: str | None = None,
+        timeout: float = 30,
+    ) -> dict[str, Any]:
+        """End a pod that runs on a kwok node: Succeeded (exit 0) or Failed.
+
+        Waits for the pod to be Running, then annotates it with
+        spillway.dev/kwok-exit-code; kwok writes the terminated container
+        states and the phase, as a kubelet would. Returns the final pod.
+        """
+        if phase == "Succeeded":
+            code = 0 if exit_code is None else exit_code
+            if code != 0:
+                raise ValueError("a Succeeded pod exits 0")
+        elif phase == "Failed":
+            code = 1 if exit_code is None else exit_code
+            if code == 0:
+                raise ValueError("a Failed pod exits non-zero")
+        else:
+            raise ValueError(f"phase must be Succeeded or Failed, not {phase!r}")
+        self.wait_for_pod_phase(namespace, pod, "Running", timeout)
+        annotations = [f"{EXIT_CODE_ANNOTATION}={code}"]
+        if reason:
+            annotations.append(f"{EXIT_REASON_ANNOTATION}={reason}")
+        self.kubectl("annotate", "pod", pod, "-n", namespace, "--overwrite", *annotations)
+        return self.wait_for_pod_phase(namespace, pod, phase, timeout)
+
+    # -- diagnostics ------------------------------------------------------
+
+    def _log_hint(self) -> str:
+        if self.state_dir is None:
+            return ""
+        return f"\n(control-plane logs: {self.state_dir / 'logs'})"
+
+
+# ---------------------------------------------------------------- startup --
+
+
+def _hack_cluster(
+    command: str, state_dir: Path | None, timeout: float, log_file: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    if state_dir is not None:
+        env["SPILLWAY_CLUSTER_DIR"] = str(state_dir)
+    try:
+        if log_file is None:
+            return subprocess.run(
+                [str(HACK_CLUSTER), command],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=timeout,
+                check=False,
+            )
+        with log_file.open("w") as out:
+            proc = subprocess.run(
+                [str(HACK_CLUSTER), command],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+                timeout=timeout,
+                check=False,
+            )
+        return subprocess.CompletedProcess(proc.args, proc.returncode, log_file.read_text(), "")
+    except subprocess.TimeoutExpired as exc:
+        partial = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout
+        output = log_file.read_text() if log_file else (partial or "")
+        return subprocess.CompletedProcess(exc.cmd, -1, f"{output}\n(timed out after {timeout}s)", "")
+
+
+def _tail(text: str, lines: int = 60) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _parse_env(script: str) -> dict[str, str]:
+    """Read `hack/cluster env` output: export KUBECONFIG=...; export PATH=a:b:"$PATH"."""
+    env = dict(os.environ)
+    for line in script.splitlines():
+        m = re.fullmatch(r"export (\w+)=(.*)", line.strip())
+        if not m:
+            continue
+        key, value = m.groups()
+        value = value.replace('"$PATH"', env.get("PATH", ""))
+        env[key] = value.strip("'")
+    return env
+
+
+def _needs_cluster(items: list[pytest.Item]) -> bool:
+    return any(item.get_closest_marker("e2e") for item in items)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Build the binaries before the first e2e test starts, outside any
+    per-test timeout: a cold build compiles Kubernetes (~30-40 min on 2
+    cores), a warm one returns at once. The output is shown on the terminal
+    so that a first run does not look hung. A failure is recorded and
+    reported by the ``cluster`` fixture, so every e2e test fails with it."""
+    if not _needs_cluster(session.items) or session.config.option.collectonly:
+        return
+    probe = _hack_cluster("status", None, timeout=60)
+    if "missing" not in probe.stdout:
+        return
+    cache = Path(os.environ.get("SPILLWAY_CACHE") or Path.home() / ".cache" / "spillway")
+    log_file = cache / "k8s-bin" / "build.log"
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    capture = session.config.pluginmanager.getplugin("capturemanager")
+    ctx = capture.global_and_fixture_disabled() if capture else contextlib.nullcontext()
+    with ctx:
+        print(f"\n[e2e] building the control plane (hack/cluster build); log: {log_file}", flush=True)
+        started = time.monotonic()
+        proc = _hack_cluster("build", None, timeout=BUILD_TIMEOUT_S, log_file=log_file)
+        took = time.monotonic() - started
+        print(f"[e2e] hack/cluster build: exit {proc.returncode} after {took:.0f}s", flush=True)
+    if proc.returncode != 0:
+        session.config.stash[_BUILD_FAILURE] = (
+            f"hack/cluster build failed (exit {proc.returncode}); the e2e tests need it. "
+            f"Log: {log_file}\n{_tail(proc.stdout)}"
+        )
+
+
+def _env_with_tools(kubeconfig: Path) -> dict[str, str]:
+    proc = _hack_cluster("env", None, timeout=30)
+    if proc.returncode != 0:
+        pytest.fail(f"hack/cluster env failed:\n{proc.stdout}{proc.stderr}", pytrace=False)
+    env = _parse_env(proc.stdout)
+    env["KUBECONFIG"] = str(kubeconfig)
+    return env
+
+
+def _start_cluster(state_dir: Path) -> None:
+    proc = _hack_cluster("up", state_dir, timeout=UP_TIMEOUT_S)
+    if proc.returncode != 0:
+        _hack_cluster("down", state_dir, timeout=60)
+        pytest.fail(
+            f"hack/cluster up failed (exit {proc.returncode}); logs in {state_dir / 'logs'}\n"
+            f"{_tail(proc.stdout + proc.stderr)}",
+            pytrace=False,
+        )
+
+
+@pytest.fixture(scope="session")
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A control plane for the whole session (see module docstring)."""
+    failure = request.config.stash.get(_BUILD_FAILURE, None)
+    if failure:
+        pytest.fail(failure, pytrace=False)
+    # Normally a no-op: pytest_collection_finish built what was missing.
+    build = _hack_cluster("build", None, timeout=BUILD_TIMEOUT_S)
+    if build.returncode != 0:
+        pytest.fail(f"hack/cluster build failed:\n{_tail(build.stdout + build.stderr)}", pytrace=False)
+    work = tmp_path_factory.mktemp("e2e")
+
+    if os.environ.get("SPILLWAY_E2E_USE_EXISTING") == "1":
+        if not os.environ.get("KUBECONFIG"):
+            pytest.fail(
+                "SPILLWAY_E2E_USE_EXISTING=1 needs KUBECONFIG set to the cluster's kubeconfig", pytrace=False
+            )
+        kubeconfig = Path(os.environ["KUBECONFIG"])
+        state_dir: Path | None = None
+    else:
+        # A state dir of our own: a cluster someone started by hand with
+        # `hack/cluster up` is neither reused nor stopped by the tests.
+        state_dir = work / "cluster"
+        _start_cluster(state_dir)
+        kubeconfig = state_dir / "kubeconfig"
+
+    env = _env_with_tools(kubeconfig)
+    # helm keeps repositories and caches under these; keep them out of $HOME.
+    for var in ("HELM_CACHE_HOME", "HELM_CONFIG_HOME", "HELM_DATA_HOME"):
+        env[var] = str(work / "helm" / var.split("_")[1].lower())
+    c = Cluster(kubeconfig=kubeconfig, env=env, state_dir=state_dir, started_here=state_dir is not None)
+
+    ready = c.kubectl("get", "--raw", "/readyz", check=False)
+    if ready.returncode != 0:
+        if state_dir is not None:
+            _hack_cluster("down", state_dir, timeout=60)
+        pytest.fail(f"the API server at {kubeconfig} is not ready:\n{ready.stderr}", pytrace=False)
+
+    # Code under test that reads KUBECONFIG/PATH itself (the kubernetes client,
+    # an operator subprocess) finds this cluster and its tools too.
+    saved = {k: os.environ.get(k) for k in ("KUBECONFIG", "PATH")}
+    os.environ["KUBECONFIG"] = str(kubeconfig)
+    os.environ["PATH"] = env["PATH"]
+    try:
+        yield c
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if state_dir is not None:
+            down = _hack_cluster("down", state_dir, timeout=120)
+            if down.returncode != 0:
+                print(f"hack/cluster down failed:\n{down.stdout}{down.stderr}")
+
+
+@pytest.fixture(scope="session")
+def kubeconfig(cluster: Cluster) -> str:
+    return str(cluster.kubeconfig)
+
+
+@pytest.fixture(scope="session")
+def kube_api(cluster: Cluster) -> Iterator[Any]:
+    """A ``kubernetes.client.ApiClient`` logged in as the cluster admin."""
+    from kubernetes import config as k8s_config
+
+    api = k8s_config.new_client_from_config(config_file=str(cluster.kubeconfig))  # type: ignore[no-untyped-call]
+    try:
+        yield api
+    finally:
+        api.close()
+
+
+def _namespace_name(nodeid: str) -> str:
+    test = re.sub(r"[^a-z0-9]+", "-", nodeid.rsplit("::", 1)[-1].lower()).strip("-")
+    return f"e2e-{test[:40].rstrip('-')}-{secrets.token_hex(3)}"
+
+
+@pytest.fixture
+def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace, with its default service account, deleted afterwards."""
+    name = _namespace_name(request.node.nodeid)
+    cluster.kubectl("create", "namespace", name)
+    cluster.kubectl("label", "namespace", name, "spillway.dev/e2e=true")
+    # Pods are rejected until the serviceaccount controller has made `default`.
+    cluster.wait_for(
+        lambda: cluster.get("serviceaccount", "default", name),
+        timeout=30,
+        what=f"service account {name}/default",
+    )
+    try:
+        yield name
+    finally:
+        cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
+
+
+@pytest.fixture
+def make_node(cluster: Cluster) -> Iterator[Callable[..., str]]:
+    """make_node(profile, name=None) -> name; nodes are deleted after the test."""
+    created: list[str] = []
+
+    def _make(profile: str, name: str | None = None) -> str:
+        node = cluster.make_node(profile, name)
+        created.append(node)
+        return node
+
+    try:
+        yield _make
+    finally:
+        for node in created:
+            cluster.delete_node(node)
+
+
+@pytest.fixture
+def set_pod_phase(cluster: Cluster) -> Callable[..., dict[str, Any]]:
+    """set_pod_phase(namespace, pod, "Succeeded"|"Failed", exit_code=None) -> pod."""
+    return cluster.set_pod_phase
+
+
+@pytest.fixture
+def delete_node(cluster: Cluster) -> Callable[[str], None]:
+    """delete_node(name): the node disappears, as when a machine is lost."""
+    return cluster.delete_node
