@@ -346,6 +346,7 @@ def test_kwok_runs_pods_and_tests_decide_how_they_end(
     assert cluster.wait_for_pod_phase(namespace, "trainer-big", "Running")["spec"]["nodeName"] == node
 
 
+@pytest.mark.slow  # the pod GC waits 40 s before it trusts that a node is gone
 def test_pods_of_a_lost_node_are_garbage_collected(
     cluster: Cluster, namespace: str, make_node: Any, delete_node: Any
 ) -> None:
