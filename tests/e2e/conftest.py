@@ -28,7 +28,9 @@ reason; e2e tests are never skipped for want of a cluster.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -185,6 +187,13 @@ class Cluster:
         node: dict[str, Any] = yaml.safe_load(path.read_text())
         node["metadata"]["name"] = name
         node["metadata"]["labels"]["kubernetes.io/hostname"] = name
+        # An address of its own, as real nodes have; kwok reports it as the
+        # hostIP of the node's pods. Derived from the name: no state to keep.
+        digest = hashlib.sha256(name.encode()).digest()
+        node["status"]["addresses"] = [
+            {"type": "InternalIP", "address": f"10.250.{digest[0]}.{digest[1] % 254 + 1}"},
+            {"type": "Hostname", "address": name},
+        ]
         return node
 
     def make_node(self, profile: str, name: str | None = None, timeout: float = 30) -> str:
@@ -379,6 +388,9 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         # A state dir of our own: a cluster someone started by hand with
         # `hack/cluster up` is neither reused nor stopped by the tests.
         state_dir = work / "cluster"
+        # Backstop for a session that dies without running fixture teardown;
+        # `down` is a no-op once the teardown below has run it.
+        atexit.register(_hack_cluster, "down", state_dir, 120)
         _start_cluster(state_dir)
         kubeconfig = state_dir / "kubeconfig"
 

@@ -325,6 +325,8 @@ def test_kwok_runs_pods_and_tests_decide_how_they_end(
     running = cluster.wait_for_pod_phase(namespace, "trainer-ok", "Running")
     assert running["spec"]["nodeName"] == node
     assert running["status"]["podIP"]
+    addresses = cluster.kubectl_json("get", "node", node)["status"]["addresses"]
+    assert running["status"]["hostIP"] == next(a["address"] for a in addresses if a["type"] == "InternalIP")
     assert running["status"]["containerStatuses"][0]["state"]["running"]["startedAt"]
     # Without a word from the test, a simulated pod keeps running.
     time.sleep(2)

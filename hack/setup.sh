@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Installs everything Spillway needs on a fresh Debian machine, idempotently:
+# system packages (libaio-dev for DeepSpeed's async I/O, PostgreSQL for the DB tests),
+# a virtual environment outside the repository (so clones share the multi-GB torch
+# install), the pinned Python dependencies, and DeepSpeed's CPU ops built once.
+# A second run that finds everything in place takes a few seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SPILLWAY_CACHE=${SPILLWAY_CACHE:-$HOME/.cache/spillway}
+VENV=${SPILLWAY_VENV:-$SPILLWAY_CACHE/venv}
+PYTHON=${PYTHON:-python3}
+
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+
+need_pkgs=()
+for pkg in libaio-dev postgresql; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need_pkgs+=("$pkg")
+done
+if [ ${#need_pkgs[@]} -gt 0 ]; then
+  log "installing system packages: ${need_pkgs[*]}"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_pkgs[@]}" >/dev/null
+fi
+
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "Python 3.11 or newer is required (found $("$PYTHON" --version))" >&2; exit 1
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating virtual environment $VENV"
+  mkdir -p "$(dirname "$VENV")"
+  "$PYTHON" -m venv "$VENV"
+fi
+
+# Re-install only when the pins, the project metadata or this checkout's path change.
+stamp_key=$(cat requirements.lock pyproject.toml | sha256sum | cut -c1-16)-$(pwd | sha256sum | cut -c1-8)
+stamp="$VENV/.spillway-$stamp_key"
+if [ ! -f "$stamp" ]; then
+  log "installing pinned Python dependencies (first time: several GB for torch)"
+  "$VENV/bin/pip" install -q --upgrade pip
+  "$VENV/bin/pip" install -q -r requirements.lock
+  "$VENV/bin/pip" install -q --no-deps -e ".[runtime,operator,api,dev]"
+  rm -f "$VENV"/.spillway-*
+  touch "$stamp"
+fi
+
+# DeepSpeed JIT-compiles its CPU Adam and async I/O ops on first use (several minutes
+# on 2 cores); build them here, once, so that no test or run pays for it.
+ops_stamp="$SPILLWAY_CACHE/.ds-ops-$(grep -E '^(deepspeed|torch)==' requirements.lock | sha256sum | cut -c1-16)"
+if [ ! -f "$ops_stamp" ]; then
+  log "building DeepSpeed CPU ops (cpu_adam, async_io, shm comm): first time only, ~5-10 minutes"
+  DS_ACCELERATOR=cpu "$VENV/bin/python" - <<'PY'
+from deepspeed.accelerator import get_accelerator
+accelerator = get_accelerator()
+for name in ("CPUAdamBuilder", "AsyncIOBuilder", "ShareMemCommBuilder", "PinMemoryBuilder"):
+    builder = accelerator.create_op_builder(name)
+    if builder is None:
+        continue
+    builder.load()
+    print(f"built {name}")
+PY
+  touch "$ops_stamp"
+fi
+log "ready: $VENV"
