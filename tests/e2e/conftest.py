@@ -15,9 +15,11 @@ Fixtures:
     kubeconfig     session  str: path of an admin kubeconfig.
     kube_api       session  kubernetes.client.ApiClient for that kubeconfig.
     namespace      function str: a fresh namespace, deleted after the test.
-    make_node      function make_node(profile, name=None) -> node name; a kwok
-                            node from hack/kwok/nodes/<profile>.yaml, Ready;
-                            deleted after the test.
+    make_node      function make_node(profile, name=None, nvme_volume=False)
+                            -> node name; a kwok node from
+                            hack/kwok/nodes/<profile>.yaml, Ready, optionally
+                            with a local NVMe PersistentVolume; deleted after
+                            the test.
     set_pod_phase  function set_pod_phase(namespace, pod, phase, exit_code=None)
                             -> pod dict; ends a Running pod on a kwok node.
     delete_node    function delete_node(name): simulate losing a node.
@@ -57,6 +59,9 @@ UP_TIMEOUT_S = 180
 # The annotation kwok's spillway-pod-exit-* stages act on (hack/kwok/stages.yaml).
 EXIT_CODE_ANNOTATION = "spillway.dev/kwok-exit-code"
 EXIT_REASON_ANNOTATION = "spillway.dev/kwok-exit-reason"
+LOCAL_NVME_STORAGE_CLASS = REPO_ROOT / "hack" / "kwok" / "local-nvme.yaml"
+# Label on the local PersistentVolumes a test made for a node, for cleanup.
+KWOK_NODE_LABEL = "spillway.dev/e2e-node"
 NODE_PROFILES = tuple(sorted(p.stem for p in NODE_PROFILES_DIR.glob("*.yaml")))
 
 T = TypeVar("T")
@@ -197,8 +202,13 @@ class Cluster:
         ]
         return node
 
-    def make_node(self, profile: str, name: str | None = None, timeout: float = 30) -> str:
-        """Create a kwok-managed node from a profile and wait until it is Ready."""
+    def make_node(
+        self, profile: str, name: str | None = None, nvme_volume: bool = False, timeout: float = 30
+    ) -> str:
+        """Create a kwok-managed node from a profile and wait until it is Ready.
+
+        ``nvme_volume=True`` also gives it a local NVMe PersistentVolume
+        (see add_local_nvme_volume)."""
         name = name or f"{profile}-{secrets.token_hex(3)}"
         self.kubectl("create", "-f", "-", input=json.dumps(self.node_manifest(profile, name)))
 
@@ -208,7 +218,51 @@ class Cluster:
             return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
         self.wait_for(ready, timeout, what=f"kwok to mark node {name} Ready")
+        if nvme_volume:
+            self.add_local_nvme_volume(name)
         return name
+
+    def add_local_nvme_volume(self, node: str, size_bytes: int | None = None) -> str:
+        """Create a local PersistentVolume on ``node``'s NVMe; returns its name.
+
+        Class ``spillway-local-nvme`` (hack/kwok/local-nvme.yaml, applied here):
+        no provisioner, WaitForFirstConsumer, so a claim of that class, e.g. a
+        generic ephemeral volume, binds when its pod is scheduled and only
+        where a volume fits. Path and default size come from the node's
+        spillway.dev/nvme-path and spillway.dev/nvme-free-bytes annotations.
+        Reclaim policy Retain: each volume serves one claim; add more for more.
+        """
+        annotations = self.kubectl_json("get", "node", node)["metadata"].get("annotations", {})
+        if "spillway.dev/nvme-path" not in annotations:
+            raise ValueError(f"node {node} has no spillway.dev/nvme-path annotation (no NVMe)")
+        size = size_bytes or int(annotations["spillway.dev/nvme-free-bytes"])
+        self.kubectl("apply", "-f", str(LOCAL_NVME_STORAGE_CLASS))
+        pv_name = f"{node}-nvme-{secrets.token_hex(3)}"
+        pv = {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": pv_name, "labels": {KWOK_NODE_LABEL: node}},
+            "spec": {
+                "capacity": {"storage": str(size)},
+                "accessModes": ["ReadWriteOnce"],
+                "persistentVolumeReclaimPolicy": "Retain",
+                "storageClassName": "spillway-local-nvme",
+                "local": {"path": annotations["spillway.dev/nvme-path"]},
+                "nodeAffinity": {
+                    "required": {
+                        "nodeSelectorTerms": [
+                            {
+                                "matchExpressions": [
+                                    {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}
+                                ]
+                            }
+                        ]
+                    }
+                },
+            },
+        }
+        self.kubectl("create", "-f", "-", input=json.dumps(pv))
+        return pv_name
 
     def delete_node(self, name: str, timeout: float = 30) -> None:
         """Delete a node, as when a machine is lost.
@@ -468,11 +522,12 @@ def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]
 
 @pytest.fixture
 def make_node(cluster: Cluster) -> Iterator[Callable[..., str]]:
-    """make_node(profile, name=None) -> name; nodes are deleted after the test."""
+    """make_node(profile, name=None, nvme_volume=False) -> name; the nodes,
+    and local volumes made for them, are deleted after the test."""
     created: list[str] = []
 
-    def _make(profile: str, name: str | None = None) -> str:
-        node = cluster.make_node(profile, name)
+    def _make(profile: str, name: str | None = None, nvme_volume: bool = False) -> str:
+        node = cluster.make_node(profile, name, nvme_volume=nvme_volume)
         created.append(node)
         return node
 
@@ -481,6 +536,9 @@ def make_node(cluster: Cluster) -> Iterator[Callable[..., str]]:
     finally:
         for node in created:
             cluster.delete_node(node)
+            cluster.kubectl(
+                "delete", "pv", "-l", f"{KWOK_NODE_LABEL}={node}", "--wait=false", "--ignore-not-found"
+            )
 
 
 @pytest.fixture

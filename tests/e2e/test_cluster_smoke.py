@@ -35,6 +35,7 @@ def pod_manifest(
     gpus: int = 0,
     cpu: str = "100m",
     nodes: list[str] | None = None,
+    scratch: str | None = None,
 ) -> dict[str, Any]:
     """A bare pod; ``nodes`` pins it to those node names with a hostname
     affinity (which says nothing about GPUs), so other tests' nodes or a
@@ -46,6 +47,16 @@ def pod_manifest(
         "restartPolicy": "Never",
         "containers": [{"name": "main", "image": IMAGE, "resources": resources}],
     }
+    if scratch:
+        # Node-local NVMe scratch the way the operator asks for it: a generic
+        # ephemeral volume of the e2e cluster's local-NVMe class.
+        spec["containers"][0]["volumeMounts"] = [{"name": "scratch", "mountPath": "/scratch"}]
+        claim = {
+            "accessModes": ["ReadWriteOnce"],
+            "storageClassName": "spillway-local-nvme",
+            "resources": {"requests": {"storage": scratch}},
+        }
+        spec["volumes"] = [{"name": "scratch", "ephemeral": {"volumeClaimTemplate": {"spec": claim}}}]
     if nodes:
         spec["affinity"] = {
             "nodeAffinity": {
@@ -206,6 +217,32 @@ def test_scheduler_puts_gpu_pods_on_gpu_nodes_only(cluster: Cluster, namespace: 
     # Freeing the GPU lets it in, on the GPU node.
     cluster.kubectl("delete", "pod", "gpu-pod-1", "-n", namespace, "--timeout=30s")
     assert bound_node(cluster, namespace, "gpu-pod-2", timeout=60) == gpu_node
+
+
+def test_generic_ephemeral_volumes_bind_local_nvme_volumes(
+    cluster: Cluster, namespace: str, make_node: Any
+) -> None:
+    nvme_node = make_node("gpu-48g-nvme", nvme_volume=True)
+    bare_node = make_node("gpu-24g")  # GPUs and NVMe annotations, but no volume
+    nodes = [nvme_node, bare_node]
+
+    cluster.apply(pod_manifest("scratch-1", gpus=1, nodes=nodes, scratch="1Ti"), namespace)
+    assert bound_node(cluster, namespace, "scratch-1") == nvme_node
+
+    def bound_claim() -> dict[str, Any] | None:
+        # The ephemeral volume controller names the claim <pod>-<volume>.
+        claim = cluster.get("pvc", "scratch-1-scratch", namespace)
+        return claim if claim and claim["status"].get("phase") == "Bound" else None
+
+    claim = cluster.wait_for(bound_claim, what="the ephemeral volume's claim to bind")
+    volume = cluster.kubectl_json("get", "pv", claim["spec"]["volumeName"])
+    assert volume["spec"]["local"]["path"] == "/mnt/nvme-raid0"
+    affinity = volume["spec"]["nodeAffinity"]["required"]["nodeSelectorTerms"][0]["matchExpressions"][0]
+    assert affinity["values"] == [nvme_node]
+
+    # The only volume is taken: the next claimant waits, although GPUs are free.
+    cluster.apply(pod_manifest("scratch-2", gpus=1, nodes=nodes, scratch="1Ti"), namespace)
+    assert "persistent volumes to bind" in unschedulable_message(cluster, namespace, "scratch-2")
 
 
 def test_deleting_an_owner_garbage_collects_its_dependents(cluster: Cluster, namespace: str) -> None:
