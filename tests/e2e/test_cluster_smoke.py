@@ -94,13 +94,20 @@ def unschedulable_message(cluster: Cluster, namespace: str, pod: str, timeout: f
     return cluster.wait_for(message, timeout, what=f"{namespace}/{pod} to be reported Unschedulable")
 
 
-def test_control_plane_runs_the_pinned_kubernetes(cluster: Cluster) -> None:
+def test_control_plane_runs_the_pinned_kubernetes(cluster: Cluster, kube_api: Any) -> None:
     version = json.loads(cluster.kubectl("version", "-o", "json").stdout)
     assert version["serverVersion"]["gitVersion"].startswith("v1.")
     assert int(version["serverVersion"]["minor"].rstrip("+")) >= 33
     # The components it needs are all healthy and RBAC is on.
     assert cluster.kubectl("get", "--raw", "/readyz").stdout.strip() == "ok"
     assert cluster.get("clusterrole", "system:kube-scheduler") is not None
+
+    # The Python client logs in with the same kubeconfig (token, CA data).
+    from kubernetes import client
+
+    assert client.VersionApi(kube_api).get_code().git_version == version["serverVersion"]["gitVersion"]
+    namespaces = {ns.metadata.name for ns in client.CoreV1Api(kube_api).list_namespace().items if ns.metadata}
+    assert {"default", "kube-system"} <= namespaces
 
 
 @pytest.mark.parametrize("profile", NODE_PROFILES)
