@@ -21,3 +21,7 @@ def build_app() -> typer.Typer:
 
 def main() -> None:
     build_app()()
+
+
+if __name__ == "__main__":
+    main()

@@ -79,7 +79,10 @@ def build_deepspeed_config(
     if plan.parameters != "gpu":
         block = _offload_block(plan.parameters, nvme_path, plan)
         if plan.parameters == "nvme":
-            block.update({"buffer_count": plan.swap.param_buffer_count, "buffer_size": plan.swap.param_buffer_size})
+            # max_in_cpu=0: DeepSpeed's default keeps up to 1e9 parameters' 16-bit copy in RAM
+            # as well, which is what putting parameters on NVMe was meant to avoid.
+            block.update({"buffer_count": plan.swap.param_buffer_count, "buffer_size": plan.swap.param_buffer_size,
+                          "max_in_cpu": 0})
         zero["offload_param"] = block
 
     config: dict[str, Any] = {

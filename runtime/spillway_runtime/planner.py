@@ -50,9 +50,12 @@ NVME_SLACK_FRACTION = 0.10
 MODEL_FLOPS_UTILISATION = 0.35
 # CPU "accelerator" (DS_ACCELERATOR=cpu): achieved FLOP/s per core for bf16/fp32 matmuls.
 CPU_FLOPS_PER_CORE = 25e9
-# Swap files per parameter with the optimizer on NVMe: fp32 master, exp_avg and exp_avg_sq
-# (measured: three files of 4 B/param per sub-group). Each is read and written once per step.
-OPTIMIZER_SWAP_BYTES_PER_PARAM = 12
+# Swap files per parameter with the optimizer on NVMe: fp32 master, exp_avg, exp_avg_sq and
+# the fp32 gradient (measured on DeepSpeed 0.19.8: 16.0 B/param on a 6.5M-parameter model).
+# Each is read and written once per step. Gradient fragments under the minimum swap size stay
+# in CPU RAM, which on tiny models leaves 12 B/param (measured on a 0.75M-parameter model).
+OPTIMIZER_SWAP_BYTES_PER_PARAM = 16
+OPTIMIZER_SWAP_BYTES_PER_PARAM_NO_GRADS = 12
 # DeepSpeed swaps a sub-group only when it holds at least max(1 MiB, aio block) bytes of fp32
 # (OptimizerSwapper.swappable_tensor); smaller sub-groups stay in CPU RAM.
 MIN_AIO_BYTES = 1 << 20
@@ -63,8 +66,10 @@ MIN_SUB_GROUP_SIZE = 10_000_000
 # the pipelined swapper overlaps reads and writes and needs twice that.
 OPTIMIZER_SWAP_BUFFERS = 4
 OPTIMIZER_SWAP_BUFFERS_PIPELINED = 8
-# Parameter swapper: DeepSpeed's defaults (5 buffers of 1e8 elements).
-PARAM_SWAP_BUFFER_COUNT = 5
+# Parameter swapper: buffers of 1e8 elements (DeepSpeed's default size), but 16 of them, not
+# DeepSpeed's 5: a Llama layer gathers 7 swappable matrices at once and prefetches the next
+# layer's, and with 5 the swapper fails ("Not enough buffers 0 for swapping 1").
+PARAM_SWAP_BUFFER_COUNT = 16
 PARAM_SWAP_BUFFER_SIZE = 100_000_000
 # Pinning more than this share of RAM risks memlock limits and starves the page cache.
 MAX_PINNED_FRACTION = 0.5
@@ -227,12 +232,11 @@ def model_state_bytes(
     else:
         gpu = large
         cpu_states = 18 * params // nodes
-    # Optimizer on NVMe: the fp32 master and both moments (12 B/param) go to swap files; the
-    # 16-bit gradient partition (stage3.grad_partitions_flat_buffer) and an fp32 gradient
-    # staging buffer stay in CPU RAM.
+    # Optimizer on NVMe: the fp32 master, both moments and the fp32 gradient (16 B/param) go
+    # to swap files; the 16-bit gradient partition (stage3.grad_partitions_flat_buffer) stays
+    # in CPU RAM, and the fp32 staging buffers are counted with the pinned swap buffers.
     if optimizer == "nvme":
         cpu_states -= OPTIMIZER_SWAP_BYTES_PER_PARAM * params // nodes
-        cpu_states -= 4 * params // nodes
         cpu_states += 2 * params // nodes
     # Parameters on NVMe: the 16-bit partition (2 B/param) leaves RAM for swap files.
     if parameters == "nvme":
@@ -286,8 +290,17 @@ def _label(stage: int, optimizer: Tier, parameters: Tier) -> str:
     return f"Z{stage} opt:{optimizer} par:{parameters}"
 
 
-def _allowed(offload: Offload, optimizer: Tier, parameters: Tier) -> str | None:
+def _forced_stage(offload: Offload) -> int | None:
+    zero = offload.deepspeed.get("zero_optimization")
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    return int(stage) if isinstance(stage, int) else None
+
+
+def _allowed(offload: Offload, stage: int, optimizer: Tier, parameters: Tier) -> str | None:
     """Why the user's offload settings exclude this placement, or None."""
+    forced = _forced_stage(offload)
+    if forced is not None and forced != stage:
+        return f"offload.deepspeed sets zero_optimization.stage {forced}"
     tiers = {optimizer, parameters}
     if offload.policy == "none" and tiers != {"gpu"}:
         return "offload.policy is none"
@@ -450,17 +463,27 @@ def _evaluate(
     cpu_spare_before_buffers = cpu_usable - cpu_state - overhead - ((gpu_state + act) * ranks_per_node if not on_gpu else 0)
     swap = _choose_swap(hw, shape, optimizer, parameters, ranks, cpu_spare_before_buffers)
     aio = hw.aio or AioSettings()
+    min_swap = max(MIN_AIO_BYTES, aio.block_size)
+    per_node_params = shape.params // nodes
     if optimizer == "nvme":
         swap_unit = min(shape.params // ranks, swap.sub_group_size) * 4
-        if swap_unit < max(MIN_AIO_BYTES, aio.block_size):
+        if swap_unit < min_swap:
             # Below DeepSpeed's minimum swap size the state never leaves RAM.
-            back = OPTIMIZER_SWAP_BYTES_PER_PARAM * shape.params // nodes
-            nvme -= back
-            cpu_state += back + 2 * shape.params // nodes
+            nvme -= OPTIMIZER_SWAP_BYTES_PER_PARAM * per_node_params
+            cpu_state += (OPTIMIZER_SWAP_BYTES_PER_PARAM - 2) * per_node_params
             reasons.append(
                 f"optimizer sub-groups of {format_bytes(swap_unit)} are below DeepSpeed's minimum swap size "
-                f"({format_bytes(max(MIN_AIO_BYTES, aio.block_size))}): the state stays in CPU RAM"
+                f"({format_bytes(min_swap)}): the state stays in CPU RAM"
             )
+        elif shape.largest_param_numel // ranks * 4 < min_swap:
+            # every gradient fragment is too small to swap: fp32 grads stay in RAM
+            moved = (OPTIMIZER_SWAP_BYTES_PER_PARAM - OPTIMIZER_SWAP_BYTES_PER_PARAM_NO_GRADS) * per_node_params
+            nvme -= moved
+            cpu_state += moved
+    if parameters == "nvme" and shape.largest_param_numel // ranks * 2 < min_swap:
+        nvme -= 2 * per_node_params
+        cpu_state += 2 * per_node_params
+        reasons.append("parameter partitions are below DeepSpeed's minimum swap size: they stay in CPU RAM")
     pinned = _pinned_bytes(swap, optimizer, parameters, ranks_per_node)
     if optimizer == "cpu" and on_gpu:
         # With pin_memory DeepSpeed pins the CPU optimizer partitions themselves.
@@ -567,7 +590,7 @@ def plan_tiers(
     rejected: list[Rejection] = []
     for stage, optimizer, parameters in _PLACEMENTS:
         label = _label(stage, optimizer, parameters)
-        why = _allowed(offload, optimizer, parameters)
+        why = _allowed(offload, stage, optimizer, parameters)
         if why:
             rejected.append(Rejection(placement=label, why=f"excluded: {why}"))
             continue

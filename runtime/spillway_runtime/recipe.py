@@ -285,6 +285,8 @@ class FineTuneRecipe:
                 return self._preempt()
             step_started = time.monotonic()
             loss, first, end = self.train_step()
+            if self.cfg.faults.step_sleep_seconds:
+                time.sleep(self.cfg.faults.step_sleep_seconds)
             problem = self.divergence.check(loss) if self.spec.rollback.on_divergence else None
             if problem is not None:
                 self._rollback(problem, first, end)

@@ -22,6 +22,7 @@ class FaultInjection(BaseModel):
 
     nan_micro_batches: list[int] = Field(default_factory=list)
     spike_micro_batches: list[int] = Field(default_factory=list)
+    step_sleep_seconds: float = Field(0.0, description="Slow each step so a test can signal mid-run")
 
 
 class RuntimeConfig(BaseModel):

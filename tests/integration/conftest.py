@@ -1,0 +1,118 @@
+"""Fixtures for real DeepSpeed training on the CPU: a tiny model built locally, job files,
+and a launcher that runs the runtime as the pod would (a child process), with a way to
+SIGKILL or SIGTERM it at a chosen step."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from spillway_runtime.local import prepare_local_run, runtime_command, runtime_env
+from spillway_runtime.reporting import read_events
+from spillway_runtime.runconfig import FaultInjection, RuntimeConfig
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> dict[str, Path]:
+    from spillway_runtime.tiny import build_tiny_model, write_dataset
+
+    root = tmp_path_factory.mktemp("tiny")
+    model = build_tiny_model(root / "model")
+    # Wide enough that every matrix (>= 589,824 elements) is above DeepSpeed's 1 MiB minimum
+    # swap size, so parameters and gradients really go through NVMe.
+    wide = build_tiny_model(root / "wide", hidden_size=768, layers=1, heads=6)
+    data = write_dataset(root / "data" / "train.jsonl", count=600)
+    return {"model": model, "wide": wide, "data": data}
+
+
+def job_document(name: str, model: Path, data: Path, *, training: dict[str, Any] | None = None,
+                 offload: dict[str, Any] | None = None, checkpoint: dict[str, Any] | None = None,
+                 rollback: dict[str, Any] | None = None, dtype: str = "bf16") -> dict[str, Any]:
+    train = {"maxSteps": 8, "microBatchSize": 2, "gradientAccumulation": 2, "sequenceLength": 32,
+             "learningRate": 3e-3, "warmupSteps": 2}
+    train.update(training or {})
+    spec: dict[str, Any] = {
+        "model": {"uri": str(model), "dtype": dtype},
+        "dataset": {"uri": str(data)},
+        "training": train,
+        "offload": offload or {},
+        "checkpoint": {"everySteps": 3, "keep": 5, **(checkpoint or {})},
+    }
+    if rollback:
+        spec["rollback"] = rollback
+    return {"apiVersion": "spillway.dev/v1alpha1", "kind": "FineTuneJob", "metadata": {"name": name}, "spec": spec}
+
+
+@pytest.fixture
+def make_job(tmp_path, tiny_model):
+    def make(name: str = "job", model: str = "model", **kwargs: Any) -> Path:
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(job_document(name, tiny_model[model], tiny_model["data"], **kwargs)))
+        return path
+    return make
+
+
+@dataclass
+class Run:
+    config: RuntimeConfig
+    returncode: int
+    log: str
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.config.run_dir)
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return read_events(self.run_dir / "events.jsonl")
+
+    def losses(self) -> dict[int, float]:
+        """Per-step loss; a step logged twice (after a resume) keeps its last value."""
+        return {e["step"]: e["loss"] for e in self.events if e["event"] == "step"}
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] == kind]
+
+
+def _last_step(events_path: Path) -> int:
+    steps = [e["step"] for e in read_events(events_path) if e["event"] == "step"]
+    return max(steps, default=0)
+
+
+def run_job(job_path: Path, run_dir: Path, *, processes: int = 1, faults: FaultInjection | None = None,
+            signal_at_step: int | None = None, sig: int = signal.SIGKILL, timeout: float = 600) -> Run:
+    """Run the runtime to completion, or send `sig` once the events show `signal_at_step`."""
+    config = prepare_local_run(job_path, run_dir=run_dir, processes=processes, faults=faults)
+    log_path = run_dir / f"runtime-{int(time.time() * 1000)}.log"
+    events = run_dir / "events.jsonl"
+    seen_before = _last_step(events)
+    with log_path.open("w") as log:
+        child = subprocess.Popen(runtime_command(run_dir / "runtime.json", processes), env=runtime_env(config),
+                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        try:
+            while child.poll() is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"runtime did not finish in {timeout} s; log: {log_path}")
+                if signal_at_step is not None and _last_step(events) >= max(signal_at_step, seen_before + 1):
+                    if sig == signal.SIGKILL:  # the whole group: torchrun and its workers, as a node loss would
+                        os.killpg(child.pid, sig)
+                    else:
+                        child.send_signal(sig)
+                    signal_at_step = None
+                time.sleep(0.05)
+        finally:
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+    return Run(config, child.returncode, log_path.read_text())

@@ -1,0 +1,112 @@
+"""Divergence rollback, preemption, damaged checkpoints and a full disk, on real DeepSpeed."""
+
+import signal
+import subprocess
+
+import pytest
+
+from spillway_runtime.checkpoint import CheckpointStore
+from spillway_runtime.recipe import EXIT_DIVERGED, EXIT_PREEMPTED
+from spillway_runtime.runconfig import FaultInjection
+
+from .conftest import run_job
+
+pytestmark = pytest.mark.integration
+
+
+def test_nan_batch_rolls_back_lowers_lr_and_skips_the_batch(tmp_path, make_job):
+    job = make_job(training={"maxSteps": 10}, checkpoint={"everySteps": 2},
+                   offload={"optimizer": "nvme", "nvme": {"path": str(tmp_path / "nvme")}})
+    # micro-batch 10 belongs to step 6 (two micro-batches per step)
+    run = run_job(job, tmp_path / "run", faults=FaultInjection(nan_micro_batches=[10]))
+    assert run.returncode == 0, run.log[-3000:]
+    [rollback] = run.of("rollback")
+    assert rollback["step"] == 6 and rollback["checkpoint"] == "step-00000004" and rollback["to_step"] == 4
+    assert "loss is nan" in rollback["reason"]
+    assert rollback["skipped_micro_batches"] == [10, 12]
+    assert rollback["lr_scale"] == 0.5
+    steps = run.of("step")
+    assert all(s["loss"] == s["loss"] for s in steps)  # no NaN was ever reported as a step
+    assert [s["step"] for s in steps][-1] == 10
+    after = [s for s in steps if s["step"] == 6][-1]
+    assert after["data_position"] == 14  # steps 5 and 6 replayed, batches 10-11 skipped
+    assert run.of("finished")[0]["rollbacks"] == 1
+
+
+def test_loss_spike_counts_as_divergence(tmp_path, make_job):
+    job = make_job(training={"maxSteps": 8}, checkpoint={"everySteps": 2})
+    run = run_job(job, tmp_path / "run", faults=FaultInjection(spike_micro_batches=[12]))
+    assert run.returncode == 0, run.log[-3000:]
+    [rollback] = run.of("rollback")
+    assert "running average" in rollback["reason"]
+
+
+def test_too_many_rollbacks_fail_with_the_reason(tmp_path, make_job):
+    job = make_job(training={"maxSteps": 10}, checkpoint={"everySteps": 2}, rollback={"maxRollbacks": 1})
+    run = run_job(job, tmp_path / "run", faults=FaultInjection(nan_micro_batches=[8, 14]))
+    assert run.returncode == EXIT_DIVERGED
+    [failed] = run.of("failed")
+    assert "rollback.maxRollbacks is 1" in failed["reason"]
+    assert len(run.of("rollback")) == 1 and run.of("diverged")
+
+
+def test_sigterm_checkpoints_the_current_step_and_exits_preempted(tmp_path, make_job):
+    job = make_job(training={"maxSteps": 12}, checkpoint={"everySteps": 100})
+    run = run_job(job, tmp_path / "run", faults=FaultInjection(step_sleep_seconds=0.4), signal_at_step=3,
+                  sig=signal.SIGTERM)
+    assert run.returncode == EXIT_PREEMPTED, run.log[-3000:]
+    [preempted] = run.of("preempted")
+    [checkpoint] = run.of("checkpoint")
+    assert checkpoint["step"] == preempted["step"] >= 3
+    resumed = run_job(job, tmp_path / "run")
+    assert resumed.returncode == 0
+    assert resumed.of("resumed")[-1]["step"] == preempted["step"]
+    assert max(resumed.losses()) == 12
+
+
+def test_damaged_latest_checkpoint_falls_back_to_previous(tmp_path, make_job):
+    job = make_job(training={"maxSteps": 6}, checkpoint={"everySteps": 2})
+    first = run_job(job, tmp_path / "run")
+    assert first.returncode == 0
+    ckpts = tmp_path / "run" / "checkpoints"
+    shard = next((ckpts / "step-00000006" / "ds").glob("*model_states.pt"))
+    shard.write_bytes(shard.read_bytes()[:-7] + b"garbage")
+    job2 = make_job(training={"maxSteps": 8}, checkpoint={"everySteps": 2})
+    again = run_job(job2, tmp_path / "run")
+    assert again.returncode == 0, again.log[-3000:]
+    assert again.of("resumed")[-1]["checkpoint"] == "step-00000004"
+    assert any("step-00000006 rejected" in e.get("message", "") for e in again.of("log"))
+
+
+def test_malformed_dataset_names_file_and_line(tmp_path, make_job, tiny_model):
+    data = tmp_path / "broken.jsonl"
+    data.write_text('{"text": "fine"}\n{"text": "fine"}\nnot json at all\n')
+    job = make_job()
+    text = job.read_text().replace(str(tiny_model["data"]), str(data))
+    job.write_text(text)
+    run = run_job(job, tmp_path / "run")
+    assert run.returncode == 2
+    assert f"{data}:3: not valid JSON" in run.of("failed")[0]["reason"]
+
+
+def test_full_disk_during_checkpoint_keeps_the_last_good_one(tmp_path, make_job):
+    small = tmp_path / "small"
+    small.mkdir()
+    # one Z2 checkpoint of the tiny model is ~11 MB: the first fits, the second cannot
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(small)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        job = make_job(training={"maxSteps": 6}, checkpoint={"everySteps": 2, "path": str(small)},
+                       offload={"deepspeed": {"zero_optimization": {"stage": 2}}})
+        run = run_job(job, tmp_path / "run")
+        assert run.returncode == 1
+        [failed] = run.of("checkpoint_failed")
+        assert "no space left" in failed["reason"] and "last good checkpoint is intact" in failed["reason"]
+        store = CheckpointStore(small, keep=5)
+        assert (small / "latest").read_text() == "step-00000002"
+        assert [c.name for c in store.list()] == ["step-00000002"]
+        assert store.verify(small / "step-00000002") is None
+        assert not list(small.glob(".staging-*"))
+    finally:
+        subprocess.run(["umount", str(small)], check=False)

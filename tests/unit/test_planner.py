@@ -1,0 +1,147 @@
+"""The tier planner against the reference points users care about."""
+
+import pytest
+
+from spillway_runtime.hardware import NodeHardware, hardware_from_node
+from spillway_runtime.planner import (
+    ModelShape,
+    activation_bytes,
+    minimum_cpu_for,
+    model_state_bytes,
+    plan_tiers,
+)
+from spillway_runtime.spec import Offload, Training
+from spillway_runtime.units import GiB
+
+P13 = ModelShape.from_param_count(13_000_000_000)
+TRAIN = Training(sequence_length=2048, micro_batch_size=1, gradient_accumulation=8, max_steps=1000)
+
+
+def rtx4090(ram_gib: int, nvme_tb: float = 2.0) -> NodeHardware:
+    return NodeHardware(
+        name=f"rtx4090-{ram_gib}g", gpu_count=1, gpu_product="NVIDIA GeForce RTX 4090",
+        gpu_memory_bytes=24564 * 2**20, cpu_cores=16, cpu_memory_bytes=ram_gib * GiB,
+        nvme_capacity_bytes=int(nvme_tb * 1e12), nvme_free_bytes=int(nvme_tb * 1e12),
+        nvme_read_bytes_per_s=3.5e9, nvme_write_bytes_per_s=3.0e9,
+    )
+
+
+def test_param_count_shape_is_llama_like():
+    assert P13.hidden_size == 5120 and P13.num_layers == 40
+    assert P13.largest_param_numel == 32000 * 5120
+
+
+def test_13b_on_one_24gb_gpu_fits_with_state_in_cpu_ram():
+    plan = plan_tiers(P13, rtx4090(256), TRAIN)
+    assert plan.feasible
+    assert (plan.zero_stage, plan.optimizer, plan.parameters) == (3, "cpu", "cpu")
+    assert plan.bytes.nvme == 0
+    # 18 B/param of model state (DeepSpeed's ZeRO-3 estimate) sits in CPU RAM ...
+    assert plan.bytes.cpu >= 18 * 13e9
+    # ... and fits in 256 GiB but needs more than 220 GiB of it.
+    assert 220 * GiB < minimum_cpu_for(plan) < 256 * GiB
+    assert plan.bytes.gpu < 24 * GiB
+
+
+def test_13b_with_only_64gb_ram_spills_the_optimizer_to_nvme():
+    plan = plan_tiers(P13, rtx4090(64), TRAIN)
+    assert plan.feasible
+    assert plan.optimizer == "nvme"
+    # fp32 master weights, both Adam moments and the fp32 gradient: 16 B/param in swap files
+    assert plan.bytes.nvme == 16 * 13_000_000_000
+    assert any("NVMe" in r for r in plan.reasons)
+    rejected = {r.placement: r.why for r in plan.rejected}
+    assert "CPU RAM is short" in rejected["Z3 opt:cpu par:cpu"]
+
+
+def test_nothing_fits_names_the_short_tier_and_gib():
+    plan = plan_tiers(P13, rtx4090(64, nvme_tb=0), TRAIN)
+    assert not plan.feasible
+    tiers = {s.tier for s in plan.shortfalls}
+    assert "cpu" in tiers
+    text = "; ".join(s.describe() for s in plan.shortfalls)
+    assert "CPU RAM is short by" in text and "GiB" in text
+
+
+def test_small_model_on_big_gpu_needs_no_offload():
+    shape = ModelShape.from_param_count(350_000_000)
+    hw = NodeHardware(name="a100", gpu_count=1, gpu_product="NVIDIA A100-SXM4-80GB",
+                      gpu_memory_bytes=80 * GiB, cpu_cores=32, cpu_memory_bytes=512 * GiB)
+    plan = plan_tiers(shape, hw, TRAIN)
+    assert (plan.optimizer, plan.parameters) == ("gpu", "gpu")
+    assert plan.zero_stage == 2
+
+
+def test_policy_none_on_a_small_gpu_is_infeasible_on_gpu():
+    plan = plan_tiers(P13, rtx4090(512), TRAIN, Offload(policy="none"))
+    assert not plan.feasible
+    assert [s.tier for s in plan.shortfalls] == ["gpu"]
+
+
+def test_user_pinned_tier_is_respected_and_others_explained():
+    plan = plan_tiers(P13, rtx4090(512), TRAIN, Offload(optimizer="nvme", parameters="nvme"))
+    assert (plan.optimizer, plan.parameters) == ("nvme", "nvme")
+    assert any("excluded: offload.optimizer is nvme" in r.why for r in plan.rejected)
+
+
+def test_forced_stage_from_deepspeed_overrides():
+    shape = ModelShape.from_param_count(350_000_000)
+    hw = rtx4090(64)
+    plan = plan_tiers(shape, hw, TRAIN, Offload(deepspeed={"zero_optimization": {"stage": 3}}))
+    assert plan.zero_stage == 3
+
+
+def test_swap_buffers_shrink_to_fit_host_ram():
+    big = plan_tiers(P13, rtx4090(64), TRAIN)
+    # DeepSpeed's default sub-group of 1e9 would pin 16 GB per buffer set; the planner lowers it
+    assert big.swap.sub_group_size < 1_000_000_000
+    assert big.bytes.cpu_pinned <= 0.5 * 64 * GiB
+    assert big.bytes.cpu <= 64 * GiB
+
+
+def test_activation_checkpointing_turns_on_when_activations_do_not_fit():
+    long = Training(sequence_length=8192, micro_batch_size=4, max_steps=10)
+    plan = plan_tiers(P13, rtx4090(512), long)
+    assert plan.activation_checkpointing
+    assert plan.activation_bytes == activation_bytes(P13, long, "bf16", checkpointing=True)
+    assert activation_bytes(P13, long, "bf16", True) < activation_bytes(P13, long, "bf16", False)
+
+
+def test_more_gpus_partition_the_state():
+    one_gpu, _ = model_state_bytes(3, "gpu", "gpu", 10**9, 10**7, 1, 1)
+    eight_gpu, _ = model_state_bytes(3, "gpu", "gpu", 10**9, 10**7, 8, 1)
+    assert eight_gpu < one_gpu / 4
+
+
+def test_step_time_and_cost_are_predicted():
+    plan = plan_tiers(P13, rtx4090(64), TRAIN, price_per_hour=0.7)
+    s = plan.step
+    assert s.nvme > 0 and s.cpu_optimizer > 0 and s.compute > 0
+    assert plan.predicted_step_seconds == pytest.approx(s.total)
+    assert plan.predicted_cost_usd == pytest.approx(plan.predicted_total_seconds / 3600 * 0.7, rel=1e-3)
+    assert plan.tokens_per_step == 2048 * 8
+
+
+def test_gpus_requested_beyond_the_node_are_refused():
+    with pytest.raises(ValueError, match="gpusPerNode is 4"):
+        plan_tiers(P13, rtx4090(64), TRAIN, gpus_per_node=4)
+
+
+def test_node_hardware_from_labels_and_annotations_round_trips():
+    hw = rtx4090(64)
+    hw.cpu_adam_params_per_s = 2.0e9
+    node = {
+        "metadata": {
+            "name": "gpu-1",
+            "labels": {"nvidia.com/gpu.product": "NVIDIA GeForce RTX 4090", "nvidia.com/gpu.memory": "24564",
+                       "nvidia.com/gpu.count": "1"},
+            "annotations": hw.to_annotations(),
+        },
+        "status": {"allocatable": {"nvidia.com/gpu": "1", "cpu": "16", "memory": "64Gi"}},
+    }
+    back = hardware_from_node(node)
+    assert back.gpu_count == 1 and back.gpu_memory_bytes == hw.gpu_memory_bytes
+    assert back.cpu_memory_bytes == 64 * GiB
+    assert back.nvme_free_bytes == hw.nvme_free_bytes
+    assert back.cpu_adam_params_per_s == 2.0e9
+    assert plan_tiers(P13, back, TRAIN).label == plan_tiers(P13, hw, TRAIN).label

@@ -1,0 +1,78 @@
+from pathlib import Path
+
+import pytest
+
+from spillway_runtime.spec import SpecError, load_job, parse_job
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def minimal(**spec_overrides):
+    spec = {"model": {"uri": "/models/x"}, "dataset": {"uri": "/data/train.jsonl"}}
+    spec.update(spec_overrides)
+    return {"apiVersion": "spillway.dev/v1alpha1", "kind": "FineTuneJob", "metadata": {"name": "job"}, "spec": spec}
+
+
+def test_minimal_job_gets_defaults_and_camel_case_round_trip():
+    job = parse_job(minimal())
+    assert job.spec.training.max_steps == 100
+    assert job.spec.offload.policy == "auto"
+    dumped = job.model_dump(mode="json")
+    assert dumped["spec"]["training"]["maxSteps"] == 100
+    assert dumped["spec"]["checkpoint"]["everySteps"] == 50
+    assert parse_job(dumped) == job
+
+
+def test_error_names_the_field_path_and_the_value():
+    with pytest.raises(SpecError) as err:
+        parse_job(minimal(training={"maxSteps": 0, "sequenceLength": 4}))
+    text = str(err.value)
+    assert "spec.training.maxSteps: Input should be greater than or equal to 1 (got 0)" in text
+    assert "spec.training.sequenceLength" in text
+
+
+def test_unknown_field_is_rejected_by_name():
+    with pytest.raises(SpecError, match=r"spec\.training\.maxStep: unknown field"):
+        parse_job(minimal(training={"maxStep": 10}))
+
+
+def test_enum_error_lists_valid_choices():
+    with pytest.raises(SpecError, match=r"spec\.offload\.optimizer: .*'auto', 'gpu', 'cpu' or 'nvme'"):
+        parse_job(minimal(offload={"optimizer": "disk"}))
+
+
+def test_offload_choices_must_agree_with_policy():
+    with pytest.raises(SpecError, match="optimizer: 'nvme' contradicts policy 'cpu'"):
+        parse_job(minimal(offload={"policy": "cpu", "optimizer": "nvme"}))
+
+
+def test_parameters_offloaded_with_optimizer_on_gpu_is_refused():
+    with pytest.raises(SpecError, match="set optimizer to cpu or nvme"):
+        parse_job(minimal(offload={"optimizer": "gpu", "parameters": "cpu"}))
+
+
+def test_sizes_accept_units_and_auto():
+    job = parse_job(minimal(offload={"nvme": {"storageClassName": "local", "size": "500Gi"}},
+                            checkpoint={"size": "auto"}))
+    assert job.spec.offload.nvme.size == 500 * 2**30
+    assert job.spec.checkpoint.size is None
+
+
+def test_warmup_longer_than_run_is_refused():
+    with pytest.raises(SpecError, match="warmupSteps"):
+        parse_job(minimal(training={"maxSteps": 5, "warmupSteps": 10}))
+
+
+def test_load_job_reports_yaml_errors_and_missing_files(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("spec: [unclosed")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_job(bad)
+    with pytest.raises(SpecError, match="cannot read the file"):
+        load_job(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
+def test_examples_are_valid(name):
+    job = load_job(EXAMPLES / name)
+    assert job.metadata.name
