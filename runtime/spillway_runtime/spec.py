@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from spillway_runtime.units import parse_size
+from spillway_runtime.units import parse_count, parse_size
 
 API_GROUP = "spillway.dev"
 API_VERSION = "v1alpha1"
@@ -56,6 +56,15 @@ class ModelSource(SpecModel):
     )
     dtype: DType = Field("bf16", description="Training precision of the weights and activations")
     tokenizer_uri: str | None = Field(None, description="Tokenizer directory when it differs from the model's")
+    parameter_count: int | None = Field(
+        None,
+        description="Parameters, e.g. 13B: lets the operator plan before the model's config.json is readable",
+    )
+
+    @field_validator("parameter_count", mode="before")
+    @classmethod
+    def _parse_count(cls, value: Any) -> Any:
+        return None if value is None else parse_count(value)
 
 
 class DatasetSource(SpecModel):
