@@ -1,10 +1,103 @@
-"""The `spillway` command, assembled from the commands each package defines beside its code."""
+"""The `spillway` command, assembled from the commands each package defines beside its code.
+
+The runtime contributes `probe`, `plan` and `make-tiny`; this package adds `api`
+and `run`, which goes through the API's local launcher so the job is recorded in
+the database and shows up in `spillway api` like any other.
+"""
 
 from __future__ import annotations
 
-import typer
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated, Any
 
-from spillway_runtime.cli import register as register_runtime
+import typer
+from rich.console import Console
+from spillway_runtime.cli import EXIT_BAD_INPUT, EXIT_PLAN_INFEASIBLE, make_tiny, plan, probe
+
+err_console = Console(stderr=True)
+
+
+def api(
+    host: Annotated[str, typer.Option(help="Address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port")] = 8080,
+    no_auth: Annotated[bool, typer.Option("--no-auth", help="No token; forces --host 127.0.0.1")] = False,
+    kubernetes: Annotated[bool, typer.Option(
+        "--kubernetes", help="Cluster mode: jobs become FineTuneJobs, callers are checked with TokenReview")] = False,
+) -> None:
+    """Serve the REST API (jobs, history, rollback, cost, plan dry-run)."""
+    import uvicorn
+
+    from spillway_api.main import create_app
+    from spillway_api.settings import Settings
+
+    overrides: dict[str, Any] = {}
+    if no_auth:
+        overrides["auth"] = "none"
+        if host != "127.0.0.1":
+            err_console.print(f"--no-auth binds to 127.0.0.1 only (not {host})")
+        host = "127.0.0.1"
+    if kubernetes:
+        overrides.setdefault("auth", "kubernetes")
+        overrides["launcher"] = "kubernetes"
+    settings = Settings(**overrides)
+    if settings.auth == "none" and host != "127.0.0.1":
+        err_console.print("SPILLWAY_AUTH=none binds to 127.0.0.1 only")
+        host = "127.0.0.1"
+    app = create_app(settings)
+    if settings.auth == "token":
+        err_console.print(f"bearer token in {settings.resolved_token_file} (mode 0600)", highlight=False)
+    uvicorn.run(app, host=host, port=port, log_level="info")
+
+
+def run(
+    job_file: Annotated[Path, typer.Argument(help="finetune.yaml")],
+    run_dir: Annotated[Path | None, typer.Option(help="Where checkpoints, events and the export go")] = None,
+    processes: Annotated[int, typer.Option(help="Training processes (torchrun) on a CPU-only machine")] = 1,
+) -> None:
+    """Fine-tune on this machine with the plan's offload; the job is recorded for `spillway api`."""
+    from spillway_runtime.cli import _print_plan
+    from spillway_runtime.planner import PlanningError
+    from spillway_runtime.spec import SpecError, load_job
+
+    from spillway_api.launchers.local import LocalRun, record_local_job
+    from spillway_api.settings import Settings
+
+    try:
+        job = load_job(job_file)
+    except SpecError as err:
+        err_console.print(f"[red]error:[/red] {err}", highlight=False)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    settings = Settings()
+    run_dir = (run_dir or Path.cwd() / "runs" / job.metadata.name).resolve()
+    sessions, job_id = record_local_job(settings, job, job_file.resolve(), run_dir)
+    local = LocalRun(sessions, job_id, processes=processes, price_per_hour=settings.local_price_per_hour,
+                     poll_seconds=settings.local_poll_seconds, foreground=True)
+
+    def forward(signum: int, _frame: Any) -> None:
+        if local.child is not None and local.child.poll() is None:
+            local.child.send_signal(signal.SIGTERM if processes > 1 else signum)
+        local._stop_requested.set()
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        local.on_planned = lambda config: (_print_plan(config.plan),
+                                           Console().print(f"run directory: {config.run_dir}"))
+        code = local.run()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    error = getattr(local, "error", None)
+    if error is not None:
+        if isinstance(error, PlanningError):
+            _print_plan(error.plan)
+        err_console.print(f"[red]error:[/red] {error}", highlight=False)
+        raise typer.Exit(EXIT_PLAN_INFEASIBLE if isinstance(error, PlanningError) else EXIT_BAD_INPUT)
+    if code == 0 and local.config is not None:
+        Console().print(f"[green]done[/green]: model exported to {local.config.export_dir}")
+    raise typer.Exit(code)
 
 
 def build_app() -> typer.Typer:
@@ -15,7 +108,11 @@ def build_app() -> typer.Typer:
         add_completion=False,
         pretty_exceptions_enable=False,
     )
-    register_runtime(app)
+    app.command()(probe)
+    app.command()(plan)
+    app.command()(run)
+    app.command("make-tiny")(make_tiny)
+    app.command()(api)
     return app
 
 
@@ -24,4 +121,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

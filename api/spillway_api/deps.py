@@ -1,0 +1,87 @@
+"""Dependencies as `Annotated` aliases: a session per request, the job service, the caller.
+
+`SessionDep` commits when the handler returns and then runs what launchers queued
+for after the commit (starting a local run), so nothing starts for a request that
+did not commit. `Allowed(verb)` authenticates and authorizes for the path's namespace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
+
+from spillway_api.auth import Authenticator
+from spillway_api.service import Caller, JobService
+from spillway_api.settings import Settings
+
+bearer = HTTPBearer(auto_error=False, description="Local token file, or a Kubernetes token in cluster mode")
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    session: Session = request.app.state.sessions()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        actions: list[Callable[[], Any]] = session.info.pop("after_commit", [])
+        session.close()
+    for action in actions:
+        action()
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+
+
+def get_settings_dep(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
+
+
+def get_service(request: Request, session: SessionDep) -> JobService:
+    return JobService(session, request.app.state.launchers, request.app.state.settings.launcher)
+
+
+ServiceDep = Annotated[JobService, Depends(get_service)]
+
+
+def _token(credentials: HTTPAuthorizationCredentials | None) -> str | None:
+    return credentials.credentials if credentials else None
+
+
+def allowed(verb: str) -> Callable[..., Caller]:
+    def check(request: Request,
+              credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Caller:
+        auth: Authenticator = request.app.state.auth
+        token = _token(credentials)
+        caller = auth.authenticate(token)
+        auth.authorize(caller, token, verb, request.path_params.get("namespace"))
+        return caller
+
+    return check
+
+
+CanList = Annotated[Caller, Depends(allowed("list"))]
+CanGet = Annotated[Caller, Depends(allowed("get"))]
+CanCreate = Annotated[Caller, Depends(allowed("create"))]
+CanPatch = Annotated[Caller, Depends(allowed("patch"))]
+CanDelete = Annotated[Caller, Depends(allowed("delete"))]
+
+
+def authenticated(request: Request,
+                  credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Caller:
+    auth: Authenticator = request.app.state.auth
+    caller: Caller = auth.authenticate(_token(credentials))
+    return caller
+
+
+CurrentUser = Annotated[Caller, Depends(authenticated)]

@@ -1,0 +1,1 @@
+"""Where jobs run: `local` (a child process on this machine) and `kubernetes` (a FineTuneJob object)."""

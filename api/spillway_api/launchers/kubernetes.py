@@ -1,0 +1,256 @@
+"""The Kubernetes launcher: jobs are FineTuneJob objects; a watch keeps their history.
+
+`KubernetesLauncher` creates, patches and deletes the objects (the operator does the
+rest). `FineTuneJobWatch` lists and watches FineTuneJobs in every namespace and
+records each change through `JobService.record_object`. The resourceVersion it has
+recorded is stored in `watch_bookmarks` in the same transaction as the change, so
+after an API restart it resumes where it stopped; when the server has compacted
+that version (410 Gone) it lists again, and the source keys keep replays from
+duplicating history.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from spillway_runtime.spec import API_GROUP, API_VERSION
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from spillway_api.errors import ApiError
+from spillway_api.models import Checkpoint, CostEntry, Job, ProgressPoint, WatchBookmark, utcnow
+from spillway_api.service import JobService, _insert_once, _iso
+from spillway_api.settings import Settings
+
+log = logging.getLogger(__name__)
+PLURAL = "finetunejobs"
+BOOKMARK = "finetunejobs"
+
+
+def load_kube_client() -> Any:
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+        return client.ApiClient()
+    except config.ConfigException:
+        return config.new_client_from_config()  # type: ignore[no-untyped-call]
+
+
+def _api_error(err: Any, namespace: str, name: str) -> ApiError:
+    status = getattr(err, "status", 500)
+    if status == 404:
+        return ApiError(503, "crd_missing", "the FineTuneJob CRD is not installed in the cluster (helm install "
+                        "spillway, or kubectl apply -f crds/)")
+    if status == 409:
+        return ApiError(409, "job_exists", f"a FineTuneJob {name!r} already exists in {namespace!r}")
+    if status == 422:
+        return ApiError(422, "rejected_by_cluster", f"the API server rejected the FineTuneJob: {err.body}")
+    return ApiError(502, "cluster_error", f"the Kubernetes API server answered {status}: {getattr(err, 'reason', err)}")
+
+
+class KubernetesLauncher:
+    name = "kubernetes"
+
+    def __init__(self, api_client: Any):
+        from kubernetes import client
+
+        self.custom = client.CustomObjectsApi(api_client)
+
+    def submit(self, session: Session, job: Job) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        body = {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": "FineTuneJob",
+                "metadata": {"name": job.name, "namespace": job.namespace}, "spec": job.spec}
+        try:
+            created = self.custom.create_namespaced_custom_object(API_GROUP, API_VERSION, job.namespace, PLURAL, body)
+        except ApiException as err:
+            raise _api_error(err, job.namespace, job.name) from None
+        job.uid = created["metadata"].get("uid")
+
+    def update_spec(self, session: Session, job: Job) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        patch = {"spec": {"resumeFrom": job.spec.get("resumeFrom"), "suspend": bool(job.spec.get("suspend"))}}
+        try:
+            self.custom.patch_namespaced_custom_object(API_GROUP, API_VERSION, job.namespace, PLURAL, job.name, patch)
+        except ApiException as err:
+            raise _api_error(err, job.namespace, job.name) from None
+
+    def delete(self, session: Session, job: Job) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self.custom.delete_namespaced_custom_object(API_GROUP, API_VERSION, job.namespace, PLURAL, job.name)
+        except ApiException as err:
+            if err.status != 404:
+                raise _api_error(err, job.namespace, job.name) from None
+
+
+def record_object(session: Session, obj: dict[str, Any], event_type: str, price_per_gpu_hour: float) -> None:
+    """One watch event: upsert the job row and add what changed to its history."""
+    meta = obj.get("metadata", {})
+    namespace, name, rv = meta.get("namespace", "default"), meta["name"], str(meta.get("resourceVersion", ""))
+    job = session.scalars(select(Job).where(Job.namespace == namespace, Job.name == name)).one_or_none()
+    service = JobService(session, {}, "kubernetes")
+    if job is None:
+        if event_type == "DELETED":
+            return
+        job = Job(namespace=namespace, name=name, launcher="kubernetes", phase="Pending", spec=obj.get("spec") or {},
+                  uid=meta.get("uid"), events_read=0)
+        session.add(job)
+        session.flush()
+        service.transition(job, "Pending", "created in the cluster", f"created:{meta.get('uid')}",
+                           _iso(meta.get("creationTimestamp")))
+    elif job.uid and meta.get("uid") and job.uid != meta.get("uid"):
+        return  # an older object of the same name; its successor is what the row describes
+    job.uid = meta.get("uid") or job.uid
+    job.resource_version = rv
+    if event_type == "DELETED":
+        service.transition(job, "Deleted", "deleted from the cluster", f"deleted:{job.uid}")
+        return
+    job.spec = obj.get("spec") or job.spec
+    status: dict[str, Any] = obj.get("status") or {}
+    job.status = status
+    if status.get("plan"):
+        job.plan = status["plan"]
+    phase = status.get("phase")
+    if phase and phase != job.phase:
+        conditions = status.get("conditions") or []
+        reason = next((c.get("message") or c.get("reason") for c in reversed(conditions) if c.get("message")
+                       or c.get("reason")), None)
+        service.transition(job, str(phase), reason, f"phase:{rv}:{phase}")
+    progress = status.get("progress") or {}
+    if progress.get("step") is not None:
+        job.progress = progress
+        _insert_once(session, ProgressPoint(
+            job_id=job.id, step=int(progress["step"]), loss=progress.get("loss"),
+            tokens_per_second=progress.get("tokensPerSecond"), eta_seconds=_float(progress.get("eta")),
+            source_key=f"progress:{progress['step']}:{progress.get('loss')}"))
+    for ckpt in status.get("checkpoints") or []:
+        if ckpt.get("name"):
+            service.add_checkpoint(job, ckpt)
+    if job.spec.get("resumeFrom") is None or any(
+        c.name == job.spec.get("resumeFrom") and (progress.get("step") or 0) > c.step
+        for c in session.scalars(select(Checkpoint).where(Checkpoint.job_id == job.id))
+    ):
+        service.complete_rollbacks(job)
+    cost = status.get("cost") or {}
+    if cost.get("usd") is not None or cost.get("gpuHours") is not None:
+        _record_cost(session, job, float(cost.get("usd") or 0.0), float(cost.get("gpuHours") or 0.0), rv,
+                     price_per_gpu_hour)
+
+
+def _float(value: Any) -> float | None:
+    try:
+        return None if value is None else float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _record_cost(session: Session, job: Job, usd: float, gpu_hours: float, rv: str, price: float) -> None:
+    """status.cost is cumulative; the ledger stores what it grew by since the last entry."""
+    from sqlalchemy import func
+
+    seen_usd, seen_hours = session.execute(
+        select(func.coalesce(func.sum(CostEntry.usd), 0.0), func.coalesce(func.sum(CostEntry.gpu_hours), 0.0))
+        .where(CostEntry.job_id == job.id)).one()
+    if not usd and gpu_hours:
+        usd = gpu_hours * price
+    d_usd, d_hours = usd - seen_usd, gpu_hours - seen_hours
+    if d_usd > 1e-9 or d_hours > 1e-9:
+        _insert_once(session, CostEntry(job_id=job.id, namespace=job.namespace, at=utcnow(),
+                                        seconds=max(0.0, d_hours) * 3600, gpu_hours=max(0.0, d_hours),
+                                        usd=max(0.0, d_usd), source_key=f"cost:{rv}"))
+
+
+class FineTuneJobWatch:
+    """Background thread: list+watch FineTuneJobs cluster-wide into the database."""
+
+    def __init__(self, api_client: Any, sessions: sessionmaker[Session], settings: Settings):
+        from kubernetes import client
+
+        self.custom = client.CustomObjectsApi(api_client)
+        self.sessions = sessions
+        self.settings = settings
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="finetunejob-watch", daemon=True)
+        self.synced = threading.Event()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _bookmark(self) -> str | None:
+        with self.sessions() as session:
+            row = session.get(WatchBookmark, BOOKMARK)
+            return row.resource_version if row else None
+
+    def _apply(self, obj: dict[str, Any], event_type: str) -> None:
+        with self.sessions.begin() as session:
+            record_object(session, obj, event_type, self.settings.kube_price_per_gpu_hour)
+            rv = obj.get("metadata", {}).get("resourceVersion")
+            if rv:
+                row = session.get(WatchBookmark, BOOKMARK)
+                if row is None:
+                    session.add(WatchBookmark(name=BOOKMARK, resource_version=str(rv)))
+                else:
+                    row.resource_version = str(rv)
+
+    def _list(self) -> str:
+        listed = self.custom.list_cluster_custom_object(API_GROUP, API_VERSION, PLURAL)
+        for obj in listed.get("items", []):
+            self._apply(obj, "MODIFIED")
+        rv = str(listed.get("metadata", {}).get("resourceVersion", ""))
+        with self.sessions.begin() as session:
+            row = session.get(WatchBookmark, BOOKMARK)
+            if row is None:
+                session.add(WatchBookmark(name=BOOKMARK, resource_version=rv))
+            else:
+                row.resource_version = rv
+        return rv
+
+    def _loop(self) -> None:
+        from kubernetes import watch
+        from kubernetes.client.exceptions import ApiException
+
+        rv = self._bookmark()
+        while not self._stop.is_set():
+            try:
+                if not rv:
+                    rv = self._list()
+                self.synced.set()
+                w = watch.Watch()  # type: ignore[no-untyped-call]
+                for event in w.stream(self.custom.list_cluster_custom_object, API_GROUP, API_VERSION, PLURAL,
+                                      resource_version=rv, timeout_seconds=5, allow_watch_bookmarks=True):
+                    if self._stop.is_set():
+                        w.stop()  # type: ignore[no-untyped-call]
+                        break
+                    obj, kind = event["object"], event["type"]
+                    if kind == "ERROR":
+                        if obj.get("code") == 410:
+                            rv = None
+                            break
+                        continue
+                    new_rv = obj.get("metadata", {}).get("resourceVersion")
+                    if kind == "BOOKMARK":
+                        rv = new_rv or rv
+                        continue
+                    self._apply(obj, kind)
+                    rv = new_rv or rv
+            except ApiException as err:
+                if err.status == 410:
+                    rv = None
+                    continue
+                log.warning("FineTuneJob watch: %s; retrying", err.reason)
+                self._stop.wait(2)
+            except Exception:  # the watch must outlive a bad event or a dropped connection
+                log.exception("FineTuneJob watch failed; retrying")
+                self._stop.wait(2)
+            time.sleep(0)

@@ -1,0 +1,78 @@
+"""POST /v1/plan: the tier planner as a dry run, against given hardware or the cluster's node shapes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from spillway_runtime.hardware import NodeHardware, hardware_from_node
+from spillway_runtime.planner import ModelShape, plan_tiers
+from spillway_runtime.spec import Training
+from spillway_runtime.units import parse_count
+
+from spillway_api.deps import CurrentUser
+from spillway_api.errors import PROBLEM_RESPONSES, ApiError
+from spillway_api.schemas import PlanPublic, PlanRequest, PlansPublic
+
+router = APIRouter(prefix="/v1", tags=["plan"], responses=PROBLEM_RESPONSES)
+
+
+def _node_hardware(request: Request, body: PlanRequest) -> list[NodeHardware]:
+    if body.hardware is not None:
+        return [body.hardware]
+    if body.nodes:
+        try:
+            return [hardware_from_node(n.model_dump()) for n in body.nodes]
+        except (ValueError, TypeError) as err:
+            raise ApiError(422, "invalid_node", f"a node's allocatable resources cannot be read: {err}",
+                           errors=[f"nodes: {err}"]) from None
+    kube = getattr(request.app.state, "kube", None)
+    if kube is None:
+        raise ApiError(422, "no_hardware", "give `hardware` or `nodes`: this API runs in local mode, "
+                       "without a cluster to read node shapes from", errors=["hardware: required in local mode"])
+    from kubernetes import client
+
+    nodes = client.CoreV1Api(kube).list_node().items
+    return [hardware_from_node(kube.sanitize_for_serialization(n)) for n in nodes]
+
+
+@router.post("/plan", response_model=PlansPublic)
+def plan(_caller: CurrentUser, request: Request, body: PlanRequest) -> PlansPublic:
+    """Where training state would live on each node shape, the predicted step time and cost,
+    and for shapes that do not fit, which tier is short and by how much."""
+    raw = body.parameter_count if body.parameter_count is not None else (
+        body.spec.model.parameter_count if body.spec else None)
+    if raw is None:
+        raise ApiError(422, "no_model_size", "give parameterCount (e.g. 13B) or spec.model.parameterCount",
+                       errors=["parameterCount: required"])
+    try:
+        params = parse_count(raw)
+        if params <= 0:
+            raise ValueError("must be positive")
+        shape = ModelShape.from_param_count(params)
+    except (ValueError, TypeError) as err:
+        raise ApiError(422, "invalid_parameter_count", f"parameterCount {raw!r}: {err}",
+                       errors=[f"parameterCount: {err}"]) from None
+    training = body.training or (body.spec.training if body.spec else Training())
+    offload = body.offload or (body.spec.offload if body.spec else None)
+    dtype = body.dtype or (body.spec.model.dtype if body.spec else "bf16")
+    plans: list[PlanPublic] = []
+    seen: set[str] = set()
+    best: tuple[float, str] | None = None
+    for hw in _node_hardware(request, body):
+        key = hw.shape_key()
+        if key in seen:  # identical shapes plan identically
+            continue
+        seen.add(key)
+        try:
+            result = plan_tiers(shape, hw, training, offload, dtype=dtype, gpus_per_node=body.gpus_per_node,
+                                nodes=body.node_count, price_per_hour=body.price_per_hour)
+        except ValueError as err:
+            plans.append(PlanPublic(node=hw.name, feasible=False, label="-", plan={}, shortfalls=[str(err)]))
+            continue
+        dumped: dict[str, Any] = result.model_dump(mode="json")
+        plans.append(PlanPublic(node=hw.name, feasible=result.feasible, label=result.label, plan=dumped,
+                                shortfalls=[s.describe() for s in result.shortfalls]))
+        if result.feasible and (best is None or result.predicted_step_seconds < best[0]):
+            best = (result.predicted_step_seconds, hw.name)
+    return PlansPublic(data=plans, count=len(plans), best=best[1] if best else None)

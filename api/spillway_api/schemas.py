@@ -1,0 +1,191 @@
+"""What goes over the wire: request and response schemas, separate from the ORM classes.
+
+camelCase on the wire, as in the FineTuneJob itself. `JobCreate` validates the spec
+with the same pydantic models the CRD is generated from.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+from spillway_runtime.hardware import NodeHardware
+from spillway_runtime.spec import FineTuneJobSpec, Offload, Training
+
+
+class WireModel(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, validate_by_name=True, validate_by_alias=True, serialize_by_alias=True,
+        from_attributes=True,
+    )
+
+
+class JobMetadata(WireModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
+    namespace: str | None = Field(None, description="Must match the path's namespace when given")
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class JobCreate(WireModel):
+    """A FineTuneJob document; apiVersion and kind may be omitted."""
+
+    model_config = ConfigDict(extra="forbid")
+    api_version: Literal["spillway.dev/v1alpha1"] = "spillway.dev/v1alpha1"
+    kind: Literal["FineTuneJob"] = "FineTuneJob"
+    metadata: JobMetadata
+    spec: FineTuneJobSpec
+
+
+class JobPublic(WireModel):
+    namespace: str
+    name: str
+    uid: str | None
+    launcher: Literal["local", "kubernetes"]
+    phase: str
+    message: str | None
+    spec: dict[str, Any]
+    plan: dict[str, Any] | None
+    progress: dict[str, Any] | None
+    exit_code: int | None
+    run_dir: str | None
+    created_at: datetime
+    updated_at: datetime
+    version: int
+
+
+class JobsPublic(WireModel):
+    data: list[JobPublic]
+    count: int = Field(description="Jobs matching the filters, across all pages")
+
+
+class TransitionPublic(WireModel):
+    from_phase: str | None
+    to_phase: str
+    reason: str | None
+    at: datetime
+
+
+class ProgressPointPublic(WireModel):
+    step: int
+    loss: float | None
+    learning_rate: float | None
+    step_seconds: float | None
+    tokens_per_second: float | None
+    eta_seconds: float | None
+    gpu_bytes: int | None
+    cpu_bytes: int | None
+    nvme_bytes: int | None
+    at: datetime
+
+
+class RollbackPublic(WireModel):
+    checkpoint: str | None
+    reason: str
+    requested_by: str
+    at: datetime
+    origin: Literal["api", "runtime"]
+    from_step: int | None
+    to_step: int | None
+    completed_at: datetime | None
+
+
+class JobHistory(WireModel):
+    transitions: list[TransitionPublic]
+    progress: list[ProgressPointPublic]
+    rollbacks: list[RollbackPublic]
+    progress_count: int = Field(description="Progress points recorded in all; `progress` holds one page")
+
+
+class CheckpointPublic(WireModel):
+    name: str
+    step: int
+    loss: float | None
+    time: datetime | None
+    size_bytes: int | None
+    sha256: str | None
+
+
+class CheckpointsPublic(WireModel):
+    data: list[CheckpointPublic]
+    count: int
+
+
+class RollbackRequest(WireModel):
+    model_config = ConfigDict(extra="forbid")
+    checkpoint: str = Field(min_length=1, max_length=128, description="A checkpoint name from /checkpoints")
+    reason: str = Field(min_length=1, max_length=2000, description="Why: kept in the job's history")
+
+
+class CostPublic(WireModel):
+    usd: float
+    gpu_hours: float
+    seconds: float
+    entries: int
+
+
+class JobCost(CostPublic):
+    namespace: str
+    name: str
+
+
+class NamespaceCost(CostPublic):
+    namespace: str
+    since: datetime | None
+    until: datetime | None
+    jobs: list[JobCost]
+
+
+class NodeShape(WireModel):
+    """A Kubernetes Node object's hardware-relevant parts (labels, annotations, allocatable)."""
+
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    status: dict[str, Any] = Field(default_factory=dict)
+
+
+class PlanRequest(WireModel):
+    model_config = ConfigDict(extra="forbid")
+    parameter_count: int | str | None = Field(None, description="e.g. 13B; or give spec.model.parameterCount")
+    spec: FineTuneJobSpec | None = Field(None, description="Training and offload settings of the job to plan")
+    training: Training | None = None
+    offload: Offload | None = None
+    dtype: Literal["bf16", "fp16", "fp32"] | None = None
+    hardware: NodeHardware | None = Field(None, description="One machine's hardware, as `spillway probe` prints")
+    nodes: list[NodeShape] | None = Field(
+        None, description="Kubernetes Node objects; omitted with no hardware: the cluster's nodes (cluster mode)"
+    )
+    node_count: int = Field(1, ge=1, le=1024)
+    gpus_per_node: int | None = Field(None, ge=0, le=64)
+    price_per_hour: float | None = Field(None, ge=0)
+
+
+class PlanPublic(WireModel):
+    node: str
+    feasible: bool
+    label: str
+    plan: dict[str, Any]
+    shortfalls: list[str]
+
+
+class PlansPublic(WireModel):
+    data: list[PlanPublic]
+    count: int
+    best: str | None = Field(description="Node of the fastest feasible plan, if any fits")
+
+
+class Problem(BaseModel):
+    """Every error response: HTTP status, a machine-readable code, and a sentence saying what to change."""
+
+    status: int
+    code: str
+    detail: str
+    errors: list[str] | None = Field(None, description="Invalid fields, one 'path: message' line each")
+    valid_checkpoints: list[str] | None = Field(None, alias="validCheckpoints")
+
+    model_config = ConfigDict(validate_by_name=True, serialize_by_alias=True)
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
