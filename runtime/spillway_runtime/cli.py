@@ -22,7 +22,7 @@ from spillway_runtime.units import format_bytes, format_count, parse_count, pars
 EXIT_BAD_INPUT = 2
 EXIT_PLAN_INFEASIBLE = 3
 
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)
 
 
 def _fail(message: str, code: int = EXIT_BAD_INPUT) -> typer.Exit:

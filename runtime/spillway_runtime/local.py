@@ -27,9 +27,9 @@ from spillway_runtime.spec import FineTuneJob, SpecError, load_job
 EXIT_PLAN_INFEASIBLE = 3
 
 
-def _require(path: Path, field: str, what: str) -> Path:
+def _require(path: Path, field: str, what: str, source: Path) -> Path:
     if not path.exists():
-        raise SpecError(field, [f"{path}: no such {what}; fix {field}"])
+        raise SpecError(str(source), [f"{field}: {path}: no such {what}"])
     return path
 
 
@@ -63,22 +63,24 @@ def prepare_local_run(
     job = job or load_job(job_path)
     spec = job.spec
     base = job_path.resolve().parent
-    model_dir = _require(resolve_uri(spec.model.uri, base), "spec.model.uri", "model directory")
+    model_dir = _require(resolve_uri(spec.model.uri, base), "spec.model.uri", "model directory", job_path)
     tokenizer_dir = (
-        _require(resolve_uri(spec.model.tokenizer_uri, base), "spec.model.tokenizerUri", "tokenizer directory")
+        _require(resolve_uri(spec.model.tokenizer_uri, base), "spec.model.tokenizerUri", "tokenizer directory",
+                 job_path)
         if spec.model.tokenizer_uri else model_dir
     )
-    dataset_path = _require(resolve_uri(spec.dataset.uri, base), "spec.dataset.uri", "dataset file or directory")
+    dataset_path = _require(resolve_uri(spec.dataset.uri, base), "spec.dataset.uri", "dataset file or directory",
+                            job_path)
     run_dir = (run_dir or Path.cwd() / "runs" / job.metadata.name).resolve()
     checkpoint_dir = resolve_uri(spec.checkpoint.path, base) if spec.checkpoint.path else run_dir / "checkpoints"
     nvme_dir = resolve_uri(spec.offload.nvme.path, base) if spec.offload.nvme.path else run_dir / "nvme"
     if hardware is None:
-        _check_writable_dir(nvme_dir, "spec.offload.nvme.path")
+        _check_writable_dir(nvme_dir, "spec.offload.nvme.path", job_path)
         hardware = probe_basic(nvme_dir)
     plan = plan_for_job(job, hardware, model_dir, processes)
     uses_nvme = "nvme" in (plan.optimizer, plan.parameters)
     if uses_nvme:
-        _check_writable_dir(nvme_dir, "spec.offload.nvme.path")
+        _check_writable_dir(nvme_dir, "spec.offload.nvme.path", job_path)
     ds_config = build_deepspeed_config(plan, spec, nvme_path=str(nvme_dir) if uses_nvme else None,
                                        world_size=processes if not hardware.gpu_count else plan.gpus_per_node)
     validate_deepspeed_config(ds_config)
@@ -100,14 +102,14 @@ def prepare_local_run(
     return config
 
 
-def _check_writable_dir(path: Path, field: str) -> None:
+def _check_writable_dir(path: Path, field: str, source: Path) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".spillway-write-test-{os.getpid()}"
         probe.write_bytes(b"x")
         probe.unlink()
     except OSError as err:
-        raise SpecError(field, [f"{path} is not writable ({err.strerror}); choose a writable directory"]) from None
+        raise SpecError(str(source), [f"{field}: {path} is not writable ({err.strerror}); choose a writable directory"]) from None
 
 
 def _free_port() -> int:

@@ -225,7 +225,7 @@ class SpecError(ValueError):
     def __init__(self, source: str, problems: list[str]):
         self.source = source
         self.problems = problems
-        super().__init__(f"{source}: invalid FineTuneJob\n" + "\n".join(f"  - {p}" for p in problems))
+        super().__init__(f"{source}: cannot use this FineTuneJob\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 def describe_validation_error(err: ValidationError) -> list[str]:

@@ -4,6 +4,7 @@ SIGKILL or SIGTERM it at a chosen step."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -84,6 +85,22 @@ class Run:
         return [e for e in self.events if e["event"] == kind]
 
 
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (torchrun starts workers in new sessions)."""
+    import psutil
+
+    try:
+        parent = psutil.Process(pid)
+        procs = [*parent.children(recursive=True), parent]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(signal.SIGKILL)
+    # the root is our Popen child: Popen.wait() reaps it and keeps its exit status
+    psutil.wait_procs(procs[:-1], timeout=30)
+
+
 def _last_step(events_path: Path) -> int:
     steps = [e["step"] for e in read_events(events_path) if e["event"] == "step"]
     return max(steps, default=0)
@@ -105,14 +122,14 @@ def run_job(job_path: Path, run_dir: Path, *, processes: int = 1, faults: FaultI
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"runtime did not finish in {timeout} s; log: {log_path}")
                 if signal_at_step is not None and _last_step(events) >= max(signal_at_step, seen_before + 1):
-                    if sig == signal.SIGKILL:  # the whole group: torchrun and its workers, as a node loss would
-                        os.killpg(child.pid, sig)
+                    if sig == signal.SIGKILL:
+                        _kill_tree(child.pid)  # torchrun and its workers at once, as a node loss would
                     else:
                         child.send_signal(sig)
                     signal_at_step = None
                 time.sleep(0.05)
         finally:
             if child.poll() is None:
-                os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
+                _kill_tree(child.pid)
+            child.wait()
     return Run(config, child.returncode, log_path.read_text())

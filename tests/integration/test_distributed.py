@@ -20,7 +20,7 @@ def test_two_processes_zero3_nvme_checkpoint_per_rank_and_resume(tmp_path, make_
     ckpt = tmp_path / "reference" / "checkpoints" / "step-00000006"
     for rank in (0, 1):
         assert (ckpt / f"rank{rank}-spillway_state.pt").is_file()
-        assert list((ckpt / "ds" / "offloaded_tensors" / f"rank{rank}").glob("exp_avg-*.tensor.swp"))
+        assert list((ckpt / "ds" / "offloaded_tensors" / f"rank{rank:02d}").glob("exp_avg-*.tensor.swp"))
         assert list((ckpt / "ds").glob(f"*zero_pp_rank_{rank}_*optim_states.pt"))
 
     killed = run_job(job, tmp_path / "run", processes=2, faults=FaultInjection(step_sleep_seconds=0.5),

@@ -1,0 +1,172 @@
+"""The REST API over HTTP against SQLite and PostgreSQL: submission, validation, listing,
+errors, auth and limits. Jobs here name a model that does not exist, so the local
+launcher refuses them at planning time (exit 2) without training."""
+
+from __future__ import annotations
+
+import stat
+import time
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from spillway_api.settings import Settings
+
+from .conftest import job_body
+
+pytestmark = pytest.mark.integration
+
+
+def wait_phase(client: Any, ns: str, name: str, phases: set[str], timeout: float = 60) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        job: dict[str, Any] = client.get(f"/v1/namespaces/{ns}/jobs/{name}").json()
+        if job.get("phase") in phases:
+            return job
+        if time.monotonic() > deadline:
+            raise AssertionError(f"job {ns}/{name} stayed {job.get('phase')}: {job}")
+        time.sleep(0.1)
+
+
+def test_submit_list_filter_paginate_get_delete(client: Any) -> None:
+    for i in range(5):
+        r = client.post("/v1/namespaces/team-a/jobs", json=job_body(f"job-{i}"))
+        assert r.status_code == 201, r.text
+        assert r.json()["spec"]["training"]["maxSteps"] == 10
+    client.post("/v1/namespaces/team-b/jobs", json=job_body("other"))
+    failed = wait_phase(client, "team-a", "job-4", {"Failed"})
+    assert failed["exitCode"] == 2 and "spec.model.uri" in failed["message"]
+    for i in range(4):
+        wait_phase(client, "team-a", f"job-{i}", {"Failed"})
+
+    page = client.get("/v1/namespaces/team-a/jobs", params={"limit": 2, "offset": 2}).json()
+    assert page["count"] == 5 and [j["name"] for j in page["data"]] == ["job-2", "job-3"]
+    assert client.get("/v1/namespaces/team-a/jobs", params={"phase": "Failed"}).json()["count"] == 5
+    assert client.get("/v1/namespaces/team-a/jobs", params={"phase": "Running"}).json()["count"] == 0
+    assert client.get("/v1/namespaces/team-b/jobs").json()["count"] == 1
+
+    history = client.get("/v1/namespaces/team-a/jobs/job-0/history").json()
+    assert [t["toPhase"] for t in history["transitions"]] == ["Pending", "Planning", "Failed"]
+
+    dup = client.post("/v1/namespaces/team-a/jobs", json=job_body("job-0"))
+    assert dup.status_code == 409 and dup.json()["code"] == "job_exists"
+
+    assert client.delete("/v1/namespaces/team-a/jobs/job-0").status_code == 204
+    gone = client.get("/v1/namespaces/team-a/jobs/job-0")
+    assert gone.status_code == 404 and gone.json() == {
+        "status": 404, "code": "job_not_found", "detail": gone.json()["detail"]}
+    assert client.delete("/v1/namespaces/team-a/jobs/job-0").status_code == 404
+    assert client.get("/v1/namespaces/team-a/jobs").json()["count"] == 4
+
+
+def test_bad_input_is_refused_with_field_paths(client: Any) -> None:
+    bad = job_body("bad", training={"maxSteps": 0, "warmupSteps": 1})
+    r = client.post("/v1/namespaces/ns/jobs", json=bad)
+    assert r.status_code == 422
+    assert r.json()["code"] == "invalid_request"
+    assert any(e.startswith("spec.training.maxSteps:") for e in r.json()["errors"]), r.json()
+
+    r = client.post("/v1/namespaces/ns/jobs", json=job_body("bad", offload={"policy": "none", "optimizer": "nvme"}))
+    assert r.status_code == 422 and any(e.startswith("spec.offload") for e in r.json()["errors"])
+    r = client.post("/v1/namespaces/ns/jobs", json=job_body("bad", modell={}))
+    assert r.status_code == 422 and any("spec.modell: unknown field" in e for e in r.json()["errors"])
+    r = client.post("/v1/namespaces/ns/jobs", json={"metadata": {"name": "UPPER"}, "spec": job_body()["spec"]})
+    assert r.status_code == 422 and r.json()["errors"][0].startswith("metadata.name")
+
+    r = client.post("/v1/namespaces/ns/jobs", content=b'{"metadata": ', headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["code"] == "malformed_json"
+
+    big = b'{"metadata": {"name": "x"}, "pad": "' + b"x" * (1 << 20) + b'"}'
+    r = client.post("/v1/namespaces/ns/jobs", content=big, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["code"] == "body_too_large"
+
+    def chunks() -> Any:
+        for _ in range(20):
+            yield b"x" * 100_000
+
+    r = client.post("/v1/namespaces/ns/jobs", content=chunks(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+
+    r = client.get("/v1/namespaces/ns/cost", params={"since": "2026-02-01T00:00:00Z", "until": "2026-01-01T00:00:00Z"})
+    assert r.status_code == 422
+    assert client.get("/v1/namespaces/ns/jobs", params={"limit": 0}).status_code == 422
+    # nothing of the refused requests was stored
+    assert client.get("/v1/namespaces/ns/jobs").json()["count"] == 0
+
+
+def test_auth_local_token(make_client: Any, settings: Settings) -> None:
+    client = make_client(settings, authenticated=False)
+    token_file = settings.resolved_token_file
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    token = token_file.read_text().strip()
+    assert len(token) >= 32
+    routes = [("get", "/v1/namespaces/ns/jobs"), ("post", "/v1/namespaces/ns/jobs"),
+              ("get", "/v1/namespaces/ns/jobs/x"), ("delete", "/v1/namespaces/ns/jobs/x"),
+              ("get", "/v1/namespaces/ns/jobs/x/history"), ("get", "/v1/namespaces/ns/jobs/x/checkpoints"),
+              ("post", "/v1/namespaces/ns/jobs/x/rollback"), ("post", "/v1/namespaces/ns/jobs/x/suspend"),
+              ("post", "/v1/namespaces/ns/jobs/x/resume"), ("get", "/v1/namespaces/ns/jobs/x/cost"),
+              ("get", "/v1/namespaces/ns/cost"), ("post", "/v1/plan")]
+    for method, path in routes:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = client.request(method, path, headers=headers, json={})
+            assert r.status_code == 401, (method, path, r.status_code)
+            assert r.json()["code"] == "unauthorized"
+    ok = client.get("/v1/namespaces/ns/jobs", headers={"Authorization": f"Bearer {token}"})
+    assert ok.status_code == 200
+    assert client.get("/healthz").status_code == 200 and client.get("/readyz").status_code == 200
+    # a second start reuses the token
+    make_client(settings, authenticated=False)
+    assert token_file.read_text().strip() == token
+
+
+def test_plan_dry_run(client: Any) -> None:
+    hw = {"name": "box", "gpu_count": 1, "gpu_product": "RTX 4090", "gpu_memory_bytes": 24 << 30,
+          "cpu_cores": 16, "cpu_memory_bytes": 64 << 30, "nvme_capacity_bytes": 2 * 10**12,
+          "nvme_free_bytes": 2 * 10**12}
+    r = client.post("/v1/plan", json={"parameterCount": "13B", "hardware": hw, "pricePerHour": 1.5})
+    assert r.status_code == 200, r.text
+    plan = r.json()["data"][0]
+    assert plan["feasible"] and plan["plan"]["optimizer"] == "nvme" and plan["plan"]["predicted_cost_usd"] > 0
+    short = client.post("/v1/plan", json={"parameterCount": "13B", "hardware": {**hw, "nvme_free_bytes": 0,
+                                                                                   "nvme_capacity_bytes": 0}})
+    assert not short.json()["data"][0]["feasible"]
+    assert any("CPU RAM is short by" in s for s in short.json()["data"][0]["shortfalls"])
+    node = {"metadata": {"name": "gpu-80g", "labels": {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB",
+                                                       "nvidia.com/gpu.memory": "81920"}},
+            "status": {"allocatable": {"cpu": "32", "memory": "256Gi", "nvidia.com/gpu": "8"}}}
+    small = {"metadata": {"name": "cpu-only"}, "status": {"allocatable": {"cpu": "8", "memory": "16Gi"}}}
+    r = client.post("/v1/plan", json={"parameterCount": "7B", "nodes": [node, small]}).json()
+    assert r["count"] == 2 and r["best"] == "gpu-80g"
+    assert client.post("/v1/plan", json={"parameterCount": "13B"}).status_code == 422
+    assert client.post("/v1/plan", json={"parameterCount": "lots", "hardware": hw}).status_code == 422
+
+
+def test_metrics_count_requests(client: Any) -> None:
+    client.get("/v1/namespaces/ns/jobs")
+    body = client.get("/metrics").text
+    assert 'spillway_api_requests_total{method="GET",route="/v1/namespaces/{namespace}/jobs",status="200"}' in body
+
+
+@pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
+def test_database_unreachable_is_503_and_nothing_half_written(client: Any, database_url: str) -> None:
+    assert client.post("/v1/namespaces/ns/jobs", json=job_body("before")).status_code == 201
+    server, name = database_url.rsplit("/", 1)
+    admin = create_engine(server + "/spillway", isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        # the server refuses new connections to the job database and drops the open ones
+        conn.execute(text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false'))
+        conn.execute(text(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'"))
+    try:
+        r = client.post("/v1/namespaces/ns/jobs", json=job_body("during"))
+        assert r.status_code == 503 and r.json()["code"] == "database_unavailable", r.text
+        assert client.get("/v1/namespaces/ns/jobs").status_code == 503
+        assert client.get("/readyz").status_code == 503
+        assert client.get("/healthz").status_code == 200
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))
+        admin.dispose()
+    assert client.get("/readyz").status_code == 200
+    names = [j["name"] for j in client.get("/v1/namespaces/ns/jobs").json()["data"]]
+    assert names == ["before"]

@@ -1,0 +1,130 @@
+"""The local launcher with real training: a tiny job submitted over HTTP trains on the CPU,
+its events become history, checkpoints and cost; a rollback restarts it from the chosen
+checkpoint; of two concurrent rollbacks one wins. And `spillway run` records its job in
+the database that `spillway api` serves."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from spillway_api.settings import Settings
+
+from ..conftest import job_document
+
+pytestmark = pytest.mark.integration
+
+
+def wait_for(predicate: Any, timeout: float = 180, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def test_local_job_history_checkpoints_cost_and_rollback(make_client: Any, database_url: str, tmp_path: Path,
+                                                          tiny_model: dict[str, Path]) -> None:
+    settings = Settings(database_url=database_url, data_dir=tmp_path / "data", auth="token",
+                        local_poll_seconds=0.1, local_price_per_hour=3.6)
+    client = make_client(settings)
+    doc = job_document("tiny", tiny_model["model"], tiny_model["data"],
+                       training={"maxSteps": 6, "warmupSteps": 1}, checkpoint={"everySteps": 2, "keep": 5})
+    r = client.post("/v1/namespaces/local/jobs", json={"metadata": doc["metadata"], "spec": doc["spec"]})
+    assert r.status_code == 201, r.text
+    base = "/v1/namespaces/local/jobs/tiny"
+    job = wait_for(lambda: (j := client.get(base).json())["phase"] in ("Succeeded", "Failed")
+                   and j["exitCode"] is not None and j, what="the job to finish")
+    assert job["phase"] == "Succeeded", job
+    assert job["exitCode"] == 0 and job["plan"]["accelerator"] == "cpu" and job["progress"]["step"] == 6
+
+    history = client.get(base + "/history").json()
+    assert [p["step"] for p in history["progress"]] == [1, 2, 3, 4, 5, 6]
+    assert all(p["loss"] > 0 and p["stepSeconds"] > 0 for p in history["progress"])
+    assert [t["toPhase"] for t in history["transitions"]] == ["Pending", "Planning", "Running", "Succeeded"]
+    checkpoints = [c["name"] for c in client.get(base + "/checkpoints").json()["data"]]
+    assert checkpoints == ["step-00000002", "step-00000004", "step-00000006"]
+    seconds = sum(p["stepSeconds"] for p in history["progress"])
+    cost = client.get(base + "/cost").json()
+    assert cost["entries"] == 6 and cost["usd"] == pytest.approx(seconds * 3.6 / 3600)
+    ns_cost = client.get("/v1/namespaces/local/cost", params={"since": "2000-01-01T00:00:00Z"}).json()
+    assert ns_cost["usd"] == pytest.approx(cost["usd"]) and [j["name"] for j in ns_cost["jobs"]] == ["tiny"]
+    assert client.get("/v1/namespaces/local/cost", params={"until": "2000-01-01T00:00:00Z"}).json()["usd"] == 0
+
+    unknown = client.post(base + "/rollback", json={"checkpoint": "step-00000099", "reason": "typo"})
+    assert unknown.status_code == 409
+    assert unknown.json()["validCheckpoints"] == checkpoints
+
+    # two rollbacks at once: exactly one is accepted
+    barrier = threading.Barrier(2)
+    answers: list[Any] = []
+
+    def roll(target: str) -> None:
+        barrier.wait()
+        answers.append(client.post(base + "/rollback", json={"checkpoint": target, "reason": f"loss spike, {target}"}))
+
+    threads = [threading.Thread(target=roll, args=(c,)) for c in ("step-00000002", "step-00000004")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    codes = sorted(a.status_code for a in answers)
+    assert codes == [202, 409], [a.text for a in answers]
+    winner = next(a.json() for a in answers if a.status_code == 202)
+    assert winner["requestedBy"] and winner["origin"] == "api"
+    assert client.get(base).json()["spec"]["resumeFrom"] == winner["checkpoint"]
+
+    def rolled_back() -> Any:
+        h = client.get(base + "/history").json()
+        done = [r for r in h["rollbacks"] if r["origin"] == "api" and r["completedAt"]]
+        job = client.get(base).json()
+        return done and job["phase"] == "Succeeded" and job["exitCode"] == 0 and h
+    history = wait_for(rolled_back, what="the rolled-back run to finish")
+    steps = [p["step"] for p in history["progress"]]
+    restart_from = int(winner["checkpoint"].rsplit("-", 1)[1])
+    assert steps == [1, 2, 3, 4, 5, 6, *range(restart_from + 1, 7)]
+    assert history["rollbacks"][0]["reason"] == f"loss spike, {winner['checkpoint']}"
+    assert "resumeFrom" not in client.get(base).json()["spec"] or client.get(base).json()["spec"]["resumeFrom"] is None
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_spillway_run_is_recorded_for_the_api(make_client: Any, database_url: str, tmp_path: Path,
+                                               tiny_model: dict[str, Path]) -> None:
+    doc = job_document("cli-run", tiny_model["model"], tiny_model["data"], training={"maxSteps": 4, "warmupSteps": 1},
+                       checkpoint={"everySteps": 2})
+    job_file = tmp_path / "cli-run.yaml"
+    job_file.write_text(yaml.safe_dump(doc))
+    env = {**os.environ, "SPILLWAY_DATABASE_URL": database_url, "SPILLWAY_DATA_DIR": str(tmp_path / "data"),
+           "SPILLWAY_LOCAL_PRICE_PER_HOUR": "1.0", "COLUMNS": "200"}
+    result = subprocess.run([sys.executable, "-m", "spillway_api.cli", "run", str(job_file), "--run-dir",
+                             str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "opt:" in result.stdout and "done" in result.stdout
+
+    settings = Settings(database_url=database_url, data_dir=tmp_path / "data", auth="token")
+    client = make_client(settings)
+    job = client.get("/v1/namespaces/default/jobs/cli-run").json()
+    assert job["phase"] == "Succeeded" and job["launcher"] == "local" and job["runDir"] == str(tmp_path / "run")
+    history = client.get("/v1/namespaces/default/jobs/cli-run/history").json()
+    assert [p["step"] for p in history["progress"]] == [1, 2, 3, 4]
+    assert client.get("/v1/namespaces/default/jobs/cli-run/cost").json()["usd"] > 0
+
+    # bad input keeps the runtime's exit code and still leaves a record
+    bad = job_document("cli-bad", tmp_path / "missing", tiny_model["data"])
+    job_file.write_text(yaml.safe_dump(bad))
+    result = subprocess.run([sys.executable, "-m", "spillway_api.cli", "run", str(job_file), "--run-dir",
+                             str(tmp_path / "run2")], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 2 and "spec.model.uri" in result.stderr
+    failed = client.get("/v1/namespaces/default/jobs/cli-bad").json()
+    assert failed["phase"] == "Failed" and failed["exitCode"] == 2
