@@ -222,7 +222,7 @@ class CheckpointStore:
 
     def list(self) -> list[CheckpointInfo]:
         """Committed checkpoints (manifest present), oldest first. Not verified."""
-        out = []
+        out: list[CheckpointInfo] = []
         if not self.root.is_dir():
             return out
         for path in self.root.glob(f"{PREFIX}*"):

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -232,4 +231,4 @@ def main() -> None:  # `python -m spillway_runtime.cli` without the other packag
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -64,7 +64,7 @@ def shape_from_config(model_dir: str | Path) -> ModelShape:
             ) else 0
         largest_layer = max(largest_layer, own)
     text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden = int(getattr(text_cfg, "hidden_size", 0) or raw.get("n_embd", 0) or 1)
+    hidden = int(getattr(text_cfg, "hidden_size", 0) or 1)
     return ModelShape(
         name=str(raw.get("_name_or_path") or path.name or "model"),
         params=total,

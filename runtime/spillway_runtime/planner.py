@@ -485,11 +485,8 @@ def _evaluate(
         cpu_state += 2 * per_node_params
         reasons.append("parameter partitions are below DeepSpeed's minimum swap size: they stay in CPU RAM")
     pinned = _pinned_bytes(swap, optimizer, parameters, ranks_per_node)
-    if optimizer == "cpu" and on_gpu:
-        # With pin_memory DeepSpeed pins the CPU optimizer partitions themselves.
-        pinned_state = cpu_state
-    else:
-        pinned_state = 0
+    # With pin_memory DeepSpeed pins the CPU optimizer partitions themselves.
+    pinned_state = cpu_state if optimizer == "cpu" and on_gpu else 0
     if pinned + pinned_state > MAX_PINNED_FRACTION * cpu_capacity:
         swap.pin_memory = False
         reasons.append(

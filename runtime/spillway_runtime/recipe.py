@@ -145,7 +145,7 @@ class FineTuneRecipe:
         if self.plan.zero_stage == 3:
             # Keeps transformers' zero.Init path on: from_pretrained partitions each layer as it
             # loads, so the whole model never sits in one process's RAM.
-            from transformers.integrations import HfDeepSpeedConfig
+            from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
             self._hf_ds_config = HfDeepSpeedConfig(ds_config)
         try:

@@ -212,8 +212,8 @@ class ObjectMeta(BaseModel):
 
 
 class FineTuneJob(SpecModel):
-    api_version: Literal["spillway.dev/v1alpha1"] = Field(f"{API_GROUP}/{API_VERSION}")
-    kind: Literal["FineTuneJob"] = KIND
+    api_version: Literal["spillway.dev/v1alpha1"] = "spillway.dev/v1alpha1"
+    kind: Literal["FineTuneJob"] = "FineTuneJob"
     metadata: ObjectMeta
     spec: FineTuneJobSpec
     status: dict[str, Any] | None = None

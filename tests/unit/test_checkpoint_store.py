@@ -55,7 +55,7 @@ def test_failed_write_leaves_last_good_checkpoint_and_pointer(tmp_path):
         (staging / "partial").write_bytes(b"half")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    with pytest.raises(CheckpointError, match="no space left.*last good checkpoint is intact"):
+    with pytest.raises(CheckpointError, match=r"no space left.*last good checkpoint is intact"):
         store.save(2, fails, {})
     assert (tmp_path / "latest").read_text() == "step-00000001"
     assert [c.name for c in store.list()] == ["step-00000001"]

@@ -36,7 +36,7 @@ def test_nvme_plan_becomes_stage3_config_with_top_level_aio():
 def test_nvme_without_a_path_is_refused():
     spec = job()
     plan = plan_tiers(SHAPE, HW, spec.training, spec.offload)
-    with pytest.raises(DeepSpeedConfigError, match="offload.nvme.path"):
+    with pytest.raises(DeepSpeedConfigError, match=r"offload\.nvme\.path"):
         build_deepspeed_config(plan, spec)
 
 
@@ -65,5 +65,5 @@ def test_nvme_offload_with_stage_2_override_is_refused():
     spec = job()
     plan = plan_tiers(SHAPE, HW, spec.training, spec.offload)
     cfg = build_deepspeed_config(plan, spec, nvme_path="/nvme")
-    with pytest.raises(DeepSpeedConfigError, match="NVMe offload needs zero_optimization.stage 3"):
+    with pytest.raises(DeepSpeedConfigError, match=r"NVMe offload needs zero_optimization\.stage 3"):
         apply_overrides(cfg, {"zero_optimization": {"stage": 2}}, plan)
