@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+
 from spillway_runtime.cli import EXIT_BAD_INPUT, EXIT_PLAN_INFEASIBLE, make_tiny, plan, probe
 
 err_console = Console(stderr=True)
@@ -58,12 +59,11 @@ def run(
     processes: Annotated[int, typer.Option(help="Training processes (torchrun) on a CPU-only machine")] = 1,
 ) -> None:
     """Fine-tune on this machine with the plan's offload; the job is recorded for `spillway api`."""
+    from spillway_api.launchers.local import LocalRun, record_local_job
+    from spillway_api.settings import Settings
     from spillway_runtime.cli import _print_plan
     from spillway_runtime.planner import PlanningError
     from spillway_runtime.spec import SpecError, load_job
-
-    from spillway_api.launchers.local import LocalRun, record_local_job
-    from spillway_api.settings import Settings
 
     try:
         job = load_job(job_file)

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
+
 from spillway_runtime.hardware import NodeHardware
 from spillway_runtime.spec import FineTuneJobSpec, Offload, Training
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
-from spillway_runtime.spec import FineTuneJob
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -31,6 +30,7 @@ from spillway_api.models import (
     utcnow,
 )
 from spillway_api.schemas import JobCreate
+from spillway_runtime.spec import FineTuneJob
 
 EXIT_PHASES = {0: "Succeeded", 1: "Failed", 2: "Failed", 3: "Failed", 4: "Diverged", 75: "Preempted"}
 
@@ -248,7 +248,8 @@ class JobService:
         kind = event.get("event")
         at = _iso(event.get("time")) or utcnow()
         if kind == "started":
-            job.plan = event.get("plan") or job.plan
+            if isinstance(event.get("plan"), dict):  # the runtime may send only the plan's label
+                job.plan = event["plan"]
             job.progress = {**(job.progress or {}), "step": event.get("step", 0),
                             "totalSteps": event.get("total_steps")}
             self.transition(job, "Running", f"started at step {event.get('step', 0)}", key, at)
@@ -262,7 +263,8 @@ class JobService:
             )
             if _insert_once(self.session, point):
                 seconds = float(event.get("step_seconds") or 0.0)
-                gpus = int((job.plan or {}).get("gpus_per_node") or 0) * int((job.plan or {}).get("nodes") or 1)
+                plan = job.plan if isinstance(job.plan, dict) else {}
+                gpus = int(plan.get("gpus_per_node") or 0) * int(plan.get("nodes") or 1)
                 self.session.add(CostEntry(job_id=job.id, namespace=job.namespace, at=at, seconds=seconds,
                                            gpu_hours=seconds * gpus / 3600, usd=seconds * price_per_hour / 3600,
                                            source_key=key))

@@ -16,7 +16,6 @@ import threading
 import time
 from typing import Any
 
-from spillway_runtime.spec import API_GROUP, API_VERSION
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -24,6 +23,7 @@ from spillway_api.errors import ApiError
 from spillway_api.models import Checkpoint, CostEntry, Job, ProgressPoint, WatchBookmark, utcnow
 from spillway_api.service import JobService, _insert_once, _iso
 from spillway_api.settings import Settings
+from spillway_runtime.spec import API_GROUP, API_VERSION
 
 log = logging.getLogger(__name__)
 PLURAL = "finetunejobs"

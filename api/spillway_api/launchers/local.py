@@ -23,14 +23,14 @@ from pathlib import Path
 from typing import IO, Any
 
 import yaml
-from spillway_runtime.local import prepare_local_run, runtime_command, runtime_env
-from spillway_runtime.spec import FineTuneJob, SpecError
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from spillway_api.models import TERMINAL_PHASES, Job
 from spillway_api.service import JobService, phase_for_exit
 from spillway_api.settings import Settings
+from spillway_runtime.local import prepare_local_run, runtime_command, runtime_env
+from spillway_runtime.spec import FineTuneJob, SpecError
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,8 @@ class LocalRun:
         self.foreground = foreground
         self.child: subprocess.Popen[bytes] | None = None
         self._stop_requested = threading.Event()
+        self.finished = threading.Event()
+        self._carried_out: int | None = None
         self.config: Any = None
         self.error: Exception | None = None
         self.on_planned: Any = None
@@ -81,15 +83,27 @@ class LocalRun:
 
     def run(self) -> int:
         code = 0
-        while True:
-            code, restart = self._attempt()
-            if not restart:
-                break
-        with self.sessions.begin() as session:
-            job = session.get(Job, self.job_id)
-            if job is not None and job.owner_pid == os.getpid():
-                job.owner_pid = None
+        try:
+            while True:
+                code, restart = self._attempt()
+                if not (restart or self._rollback_arrived_late(code)):
+                    break
+            with self.sessions.begin() as session:
+                job = session.get(Job, self.job_id)
+                if job is not None and job.owner_pid == os.getpid():
+                    job.owner_pid = None
+        finally:
+            self.finished.set()
         return code
+
+    def _rollback_arrived_late(self, code: int) -> bool:
+        """A rollback requested while the child was exiting: nobody else will start it, so we do."""
+        if self._stop_requested.is_set() or code not in (0, EXIT_PREEMPTED) or self.error is not None:
+            return False
+        with self.sessions() as session:
+            job = session.get(Job, self.job_id)
+            pending = self._service(session).pending_rollback(job) if job is not None else None
+            return pending is not None and pending.id != self._carried_out
 
     def _attempt(self) -> tuple[int, bool]:
         with self.sessions.begin() as session:
@@ -99,6 +113,9 @@ class LocalRun:
             job.owner_pid = os.getpid()
             job.exit_code = None
             service = self._service(session)
+            # rollbacks pending now are what this attempt carries out (spec.resumeFrom is already set)
+            pending = service.pending_rollback(job)
+            self._carried_out = pending.id if pending is not None else None
             service.transition(job, "Planning", "planning against this machine", f"plan:{job.version}:{time.time()}")
             document = FineTuneJob.model_validate(
                 {"metadata": {"name": job.name, "namespace": job.namespace}, "spec": job.spec})
@@ -185,7 +202,8 @@ class LocalRun:
                                        f"restart:{job.version}")
                 return None
             if acted is None and self.child is not None and self.child.poll() is None:
-                if service.pending_rollback(job) is not None:
+                pending = service.pending_rollback(job)
+                if pending is not None and pending.id != self._carried_out:
                     self.child.send_signal(signal.SIGTERM)
                     return "rollback"
                 if job.spec.get("suspend"):
@@ -247,7 +265,7 @@ class LocalLauncher:
         _after_commit(session, lambda: self.start(job_id))
 
     def update_spec(self, session: Session, job: Job) -> None:
-        if self.owned_elsewhere(job) or self.running_here(job.id):
+        if self.owned_elsewhere(job) or self.training_here(job.id):
             return  # the owner sees the request on its next poll
         if job.spec.get("suspend"):
             if job.phase not in TERMINAL_PHASES:
@@ -270,10 +288,17 @@ class LocalLauncher:
         entry = self.runs.get(job_id)
         return entry is not None and entry[1].is_alive()
 
+    def training_here(self, job_id: int) -> bool:
+        entry = self.runs.get(job_id)
+        return entry is not None and entry[1].is_alive() and not entry[0].finished.is_set()
+
     def start(self, job_id: int) -> None:
         with self._lock:
-            if self.running_here(job_id):
+            if self.training_here(job_id):
                 return
+            previous = self.runs.get(job_id)
+            if previous is not None:
+                previous[1].join(30)  # a run that has just finished is still clearing its ownership
             run = LocalRun(self.sessions, job_id, price_per_hour=self.price_per_hour, poll_seconds=self.poll_seconds)
             thread = threading.Thread(target=self._run, args=(run,), name=f"local-job-{job_id}", daemon=True)
             self.runs[job_id] = (run, thread)

@@ -5,14 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from spillway_runtime.hardware import NodeHardware, hardware_from_node
-from spillway_runtime.planner import ModelShape, plan_tiers
-from spillway_runtime.spec import Training
-from spillway_runtime.units import parse_count
 
 from spillway_api.deps import CurrentUser
 from spillway_api.errors import PROBLEM_RESPONSES, ApiError
 from spillway_api.schemas import PlanPublic, PlanRequest, PlansPublic
+from spillway_runtime.hardware import NodeHardware, hardware_from_node
+from spillway_runtime.planner import ModelShape, plan_tiers
+from spillway_runtime.spec import Training
+from spillway_runtime.units import parse_count
 
 router = APIRouter(prefix="/v1", tags=["plan"], responses=PROBLEM_RESPONSES)
 

@@ -90,7 +90,7 @@ def test_local_job_history_checkpoints_cost_and_rollback(make_client: Any, datab
         done = [r for r in h["rollbacks"] if r["origin"] == "api" and r["completedAt"]]
         job = client.get(base).json()
         return done and job["phase"] == "Succeeded" and job["exitCode"] == 0 and h
-    history = wait_for(rolled_back, what="the rolled-back run to finish")
+    history = wait_for(rolled_back, timeout=120, what="the rolled-back run to finish")
     steps = [p["step"] for p in history["progress"]]
     restart_from = int(winner["checkpoint"].rsplit("-", 1)[1])
     assert steps == [1, 2, 3, 4, 5, 6, *range(restart_from + 1, 7)]

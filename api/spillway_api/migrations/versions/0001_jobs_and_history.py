@@ -7,9 +7,10 @@ Create Date: 2026-11-30 04:08:31.153398
 
 from __future__ import annotations
 
-import spillway_api.models
 import sqlalchemy as sa
 from alembic import op
+
+import spillway_api.models
 
 revision = '0001'
 down_revision = None
