@@ -1,0 +1,817 @@
+"""Pure functions from a FineTuneJob (and the cluster facts read for it) to desired objects.
+
+Where this sits: below `reconciler` (which reads the cluster and applies what these
+functions return) and above nothing but the runtime's spec and planner. No client
+calls, no clock reads (the caller passes `now`), no kopf: every function here is
+unit-tested on plain dicts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from spillway_operator.settings import OperatorSettings
+from spillway_runtime.dsconfig import build_deepspeed_config
+from spillway_runtime.hardware import GPU_RESOURCE, NodeHardware, hardware_from_node
+from spillway_runtime.planner import ModelShape, OffloadPlan, plan_tiers
+from spillway_runtime.runconfig import PVC_MOUNT_ROOT, RuntimeConfig, resolve_uri
+from spillway_runtime.spec import API_GROUP, API_VERSION, KIND, FineTuneJob, FineTuneJobSpec, Toleration
+from spillway_runtime.units import GiB, format_bytes
+
+LABEL_JOB = "spillway.dev/job"
+LABEL_ATTEMPT = "spillway.dev/attempt"
+LABEL_RANK = "spillway.dev/rank"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGER = "spillway-operator"
+
+CONFIG_DIR = "/etc/spillway"
+CONFIG_FILE = "runtime.json"
+WORK_ROOT = "/var/lib/spillway"
+CHECKPOINT_DIR = f"{WORK_ROOT}/checkpoints"
+RUN_DIR = f"{WORK_ROOT}/run"
+NVME_DIR = f"{WORK_ROOT}/nvme"
+RENDEZVOUS_PORT = 29500
+
+# Runtime exit codes (spillway_runtime.recipe); repeated here as the operator's contract.
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_PLAN_INFEASIBLE = 3
+EXIT_DIVERGED = 4
+EXIT_PREEMPTED = 75
+
+PHASE_PENDING = "Pending"
+PHASE_PLANNED = "Planned"
+PHASE_SCHEDULED = "Scheduled"
+PHASE_RUNNING = "Running"
+PHASE_SUCCEEDED = "Succeeded"
+PHASE_FAILED = "Failed"
+PHASE_SUSPENDED = "Suspended"
+PHASE_BUDGET_EXCEEDED = "BudgetExceeded"
+FINISHED_PHASES = {PHASE_SUCCEEDED, PHASE_FAILED, PHASE_BUDGET_EXCEEDED}
+
+
+# ----------------------------------------------------------------- names --
+
+
+def child_name(job: str, suffix: str) -> str:
+    """Deterministic child names, so a restarted operator finds what it made before.
+    Long job names are shortened with a hash to stay within the 63-character DNS label."""
+    name = f"{job}-{suffix}"
+    if len(name) <= 63:
+        return name
+    digest = hashlib.sha256(job.encode()).hexdigest()[:8]
+    return f"{job[: 63 - len(suffix) - 10]}-{digest}-{suffix}"
+
+
+def pod_name(job: str, attempt: int, rank: int) -> str:
+    return child_name(job, f"a{attempt}-{rank}")
+
+
+def configmap_name(job: str) -> str:
+    return child_name(job, "runtime")
+
+
+def checkpoint_pvc_name(job: str) -> str:
+    return child_name(job, "checkpoints")
+
+
+def runtime_account_name(job: str) -> str:
+    return child_name(job, "runtime")
+
+
+def service_name(job: str) -> str:
+    return child_name(job, "ranks")
+
+
+# ------------------------------------------------------------ conditions --
+
+
+def rfc3339(now: datetime) -> str:
+    return now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(value: str | None) -> datetime | None:
+    if not value:
+        return None
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def set_condition(
+    conditions: list[dict[str, Any]],
+    type_: str,
+    status: bool,
+    reason: str,
+    message: str,
+    generation: int,
+    now: datetime,
+) -> list[dict[str, Any]]:
+    """metav1.Condition semantics: lastTransitionTime moves only when status flips."""
+    value = "True" if status else "False"
+    out = []
+    found = False
+    for c in conditions:
+        if c.get("type") != type_:
+            out.append(c)
+            continue
+        found = True
+        changed = c.get("status") != value
+        out.append(
+            {
+                "type": type_,
+                "status": value,
+                "reason": reason,
+                "message": message,
+                "observedGeneration": generation,
+                "lastTransitionTime": rfc3339(now) if changed else c.get("lastTransitionTime", rfc3339(now)),
+            }
+        )
+    if not found:
+        out.append(
+            {
+                "type": type_,
+                "status": value,
+                "reason": reason,
+                "message": message,
+                "observedGeneration": generation,
+                "lastTransitionTime": rfc3339(now),
+            }
+        )
+    return out
+
+
+def condition(conditions: list[dict[str, Any]], type_: str) -> dict[str, Any] | None:
+    return next((c for c in conditions if c.get("type") == type_), None)
+
+
+# ----------------------------------------------------------- node choice --
+
+
+def _node_ready(node: dict[str, Any]) -> bool:
+    if (node.get("spec") or {}).get("unschedulable"):
+        return False
+    conditions = (node.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def _tolerates(taint: dict[str, Any], tolerations: list[Toleration]) -> bool:
+    for t in tolerations:
+        if t.effect and t.effect != taint.get("effect"):
+            continue
+        if t.key is None and t.operator == "Exists":
+            return True
+        if t.key != taint.get("key"):
+            continue
+        if t.operator == "Exists" or t.value == taint.get("value"):
+            return True
+    return False
+
+
+def node_excluded(node: dict[str, Any], spec: FineTuneJobSpec) -> str | None:
+    """Why the scheduler would never place this job's pod on `node` (None: it may)."""
+    if not _node_ready(node):
+        return "not Ready or cordoned"
+    labels = (node.get("metadata") or {}).get("labels") or {}
+    for key, value in spec.resources.node_selector.items():
+        if labels.get(key) != value:
+            return f"nodeSelector {key}={value} does not match"
+    for taint in (node.get("spec") or {}).get("taints") or []:
+        if taint.get("effect") in ("NoSchedule", "NoExecute") and not _tolerates(taint, spec.resources.tolerations):
+            return f"taint {taint.get('key')}={taint.get('value', '')}:{taint.get('effect')} not tolerated"
+    return None
+
+
+def gpu_hour_price(hw: NodeHardware, pricing: dict[str, str], settings: OperatorSettings) -> tuple[float, str]:
+    """USD per GPU-hour (or per node-hour without GPUs) and where the figure came from."""
+    if not hw.gpu_count:
+        raw = pricing.get("cpu-node")
+        return (float(raw), "pricing:cpu-node") if raw else (settings.default_cpu_node_hour_usd, "default")
+    product = hw.gpu_product or ""
+    for key in (product, product.replace("-", " ")):
+        if key in pricing:
+            return float(pricing[key]), f"pricing:{key}"
+    if "default" in pricing:
+        return float(pricing["default"]), "pricing:default"
+    return settings.default_gpu_hour_usd, "default"
+
+
+@dataclass
+class ShapeChoice:
+    """The plan on one node shape, or why that shape cannot take the job."""
+
+    shape: str
+    nodes: list[str]
+    hardware: NodeHardware
+    price_per_hour: float = 0.0
+    plan: OffloadPlan | None = None
+    why_not: str | None = None
+
+
+@dataclass
+class Placement:
+    chosen: ShapeChoice | None
+    shapes: list[ShapeChoice] = field(default_factory=list)
+    excluded_nodes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def failure(self) -> str:
+        """One sentence for a job that fits nowhere: the short tier and by how much."""
+        if not self.shapes:
+            if self.excluded_nodes:
+                why = "; ".join(f"{n}: {w}" for n, w in sorted(self.excluded_nodes.items())[:5])
+                return f"no node is eligible ({why})"
+            return "the cluster has no nodes"
+        return "no node shape fits: " + "; ".join(f"{s.shape}: {s.why_not}" for s in self.shapes)
+
+
+def model_shape(spec: FineTuneJobSpec) -> ModelShape | None:
+    if spec.model.parameter_count is None:
+        return None
+    return ModelShape.from_param_count(spec.model.parameter_count)
+
+
+def choose_placement(
+    spec: FineTuneJobSpec,
+    nodes: list[dict[str, Any]],
+    pricing: dict[str, str],
+    settings: OperatorSettings,
+) -> Placement:
+    """Plan once per distinct node shape and pick the cheapest or fastest that fits."""
+    shape = model_shape(spec)
+    if shape is None:
+        raise ValueError("spec.model.parameterCount is required to plan in a cluster (e.g. 7B)")
+    groups: dict[str, ShapeChoice] = {}
+    excluded: dict[str, str] = {}
+    for node in nodes:
+        name = (node.get("metadata") or {}).get("name", "?")
+        why = node_excluded(node, spec)
+        if why:
+            excluded[name] = why
+            continue
+        hw = hardware_from_node(node)
+        key = hw.shape_key()
+        if key in groups:
+            groups[key].nodes.append(name)
+        else:
+            groups[key] = ShapeChoice(shape=key, nodes=[name], hardware=hw)
+    gpus_wanted = spec.resources.gpus_per_node
+    for choice in groups.values():
+        hw = choice.hardware
+        gpus = hw.gpu_count if gpus_wanted is None else gpus_wanted
+        choice.price_per_hour, _ = gpu_hour_price(hw, pricing, settings)
+        node_price = choice.price_per_hour * (gpus if hw.gpu_count else 1) * spec.resources.nodes
+        if gpus > hw.gpu_count:
+            choice.why_not = f"resources.gpusPerNode is {gpus} but the shape has {hw.gpu_count} GPUs"
+            continue
+        if len(choice.nodes) < spec.resources.nodes:
+            choice.why_not = f"resources.nodes is {spec.resources.nodes} but only {len(choice.nodes)} such nodes"
+            continue
+        try:
+            plan = plan_tiers(
+                shape,
+                hw,
+                spec.training,
+                spec.offload,
+                dtype=spec.model.dtype,
+                gpus_per_node=gpus,
+                nodes=spec.resources.nodes,
+                price_per_hour=node_price,
+            )
+        except ValueError as err:
+            choice.why_not = str(err)
+            continue
+        choice.plan = plan
+        if not plan.feasible:
+            shorts = "; ".join(s.describe() for s in plan.shortfalls) or "no allowed placement"
+            choice.why_not = f"closest {plan.label}: {shorts}"
+    fits = [c for c in groups.values() if c.plan is not None and c.plan.feasible]
+    chosen: ShapeChoice | None = None
+    if fits:
+        if spec.resources.placement == "fastest":
+            chosen = min(fits, key=lambda c: (_total_seconds(c), _cost(c), c.shape))
+        else:
+            chosen = min(fits, key=lambda c: (_cost(c), _total_seconds(c), c.shape))
+        for c in fits:
+            if c is not chosen:
+                c.why_not = (
+                    f"{spec.resources.placement} placement chose {chosen.shape}: this one costs "
+                    f"${_cost(c):.2f} in {_total_seconds(c) / 3600:.2f} h vs ${_cost(chosen):.2f} in "
+                    f"{_total_seconds(chosen) / 3600:.2f} h"
+                )
+    return Placement(chosen=chosen, shapes=sorted(groups.values(), key=lambda c: c.shape), excluded_nodes=excluded)
+
+
+def _cost(c: ShapeChoice) -> float:
+    assert c.plan is not None
+    return c.plan.predicted_cost_usd or 0.0
+
+
+def _total_seconds(c: ShapeChoice) -> float:
+    assert c.plan is not None
+    return c.plan.predicted_total_seconds
+
+
+def plan_status(placement: Placement) -> dict[str, Any]:
+    """status.plan: the chosen plan in brief, and every other shape with the reason it lost."""
+    chosen = placement.chosen
+    out: dict[str, Any] = {
+        "rejectedShapes": [
+            {"shape": c.shape, "nodes": len(c.nodes), "why": c.why_not or ""} for c in placement.shapes if c is not chosen
+        ],
+    }
+    if chosen is None or chosen.plan is None:
+        return out
+    plan = chosen.plan
+    out.update(
+        {
+            "label": plan.label,
+            "shape": chosen.shape,
+            "nodes": sorted(chosen.nodes),
+            "gpuProduct": chosen.hardware.gpu_product,
+            "zeroStage": plan.zero_stage,
+            "optimizer": plan.optimizer,
+            "parameters": plan.parameters,
+            "gpusPerNode": plan.gpus_per_node,
+            "nodeCount": plan.nodes,
+            "activationCheckpointing": plan.activation_checkpointing,
+            "bytes": {
+                "gpu": plan.bytes.gpu,
+                "cpu": plan.bytes.cpu,
+                "cpuPinned": plan.bytes.cpu_pinned,
+                "nvme": plan.bytes.nvme,
+            },
+            "predictedStepSeconds": round(plan.predicted_step_seconds, 4),
+            "predictedTotalSeconds": round(plan.predicted_total_seconds, 1),
+            "predictedCostUSD": round(plan.predicted_cost_usd or 0.0, 4),
+            "pricePerHourUSD": round(_hourly(chosen, plan), 4),
+            "reasons": list(plan.reasons),
+            "rejectedPlacements": [{"placement": r.placement, "why": r.why} for r in plan.rejected],
+        }
+    )
+    return out
+
+
+def _hourly(choice: ShapeChoice, plan: OffloadPlan) -> float:
+    units = plan.gpus_per_node if choice.hardware.gpu_count else 1
+    return choice.price_per_hour * units * plan.nodes
+
+
+# ---------------------------------------------------------------- children --
+
+
+def owner_reference(job: dict[str, Any]) -> dict[str, Any]:
+    meta = job["metadata"]
+    return {
+        "apiVersion": f"{API_GROUP}/{API_VERSION}",
+        "kind": KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _meta(job: dict[str, Any], name: str, component: str, extra: dict[str, str] | None = None) -> dict[str, Any]:
+    labels = {LABEL_JOB: job["metadata"]["name"], LABEL_COMPONENT: component, LABEL_MANAGED_BY: MANAGER}
+    labels.update(extra or {})
+    return {
+        "name": name,
+        "namespace": job["metadata"]["namespace"],
+        "labels": labels,
+        "ownerReferences": [owner_reference(job)],
+    }
+
+
+def _claims(spec: FineTuneJobSpec) -> list[str]:
+    uris = [spec.model.uri, spec.dataset.uri, spec.model.tokenizer_uri or ""]
+    claims = []
+    for uri in uris:
+        if uri.startswith("pvc://"):
+            claim = uri[len("pvc://") :].split("/", 1)[0]
+            if claim and claim not in claims:
+                claims.append(claim)
+    return claims
+
+
+def input_claims(spec: FineTuneJobSpec) -> list[str]:
+    """PersistentVolumeClaims named by pvc:// URIs (mounted read-only at /mnt/pvc/CLAIM)."""
+    return _claims(spec)
+
+
+def checkpoint_size_bytes(spec: FineTuneJobSpec, plan: OffloadPlan) -> int:
+    """Auto size: `keep` checkpoints of 16-bit weights plus fp32 master and Adam moments
+    (~14 B/param), plus one being written, plus 1 GiB for the data position and logs."""
+    if spec.checkpoint.size:
+        return spec.checkpoint.size
+    per = plan.model.params * 14
+    return per * (spec.checkpoint.keep + 1) + GiB
+
+
+def nvme_volume_bytes(spec: FineTuneJobSpec, plan: OffloadPlan, settings: OperatorSettings) -> int:
+    if spec.offload.nvme.size:
+        return spec.offload.nvme.size
+    return math.ceil(plan.bytes.nvme * (1 + settings.nvme_headroom_fraction) / GiB) * GiB
+
+
+def _quantity(n: int) -> str:
+    """Bytes as a Kubernetes quantity, rounded up to whole MiB (readable in kubectl)."""
+    return f"{-(-n // (1 << 20))}Mi"
+
+
+def build_runtime_config(job: dict[str, Any], spec: FineTuneJobSpec, plan: OffloadPlan, resume_from: str | None) -> RuntimeConfig:
+    """What the training process reads. resumeFrom is passed only on the attempt that applies a
+    rollback; later attempts resume from the latest good checkpoint."""
+    meta = job["metadata"]
+    wire_spec = spec.model_copy(update={"resume_from": resume_from})
+    ftj = FineTuneJob.model_validate(
+        {
+            "apiVersion": f"{API_GROUP}/{API_VERSION}",
+            "kind": KIND,
+            "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
+            "spec": wire_spec.model_dump(mode="json"),
+        }
+    )
+    nvme_dir = NVME_DIR if plan.bytes.nvme > 0 else None
+    world = plan.nodes * max(1, plan.gpus_per_node)
+    ds = build_deepspeed_config(plan, wire_spec, nvme_path=nvme_dir, world_size=world)
+    root = Path("/")
+    return RuntimeConfig(
+        job=ftj,
+        plan=plan,
+        model_dir=str(resolve_uri(spec.model.uri, root)),
+        tokenizer_dir=str(resolve_uri(spec.model.tokenizer_uri or spec.model.uri, root)),
+        dataset_path=str(resolve_uri(spec.dataset.uri, root)),
+        run_dir=RUN_DIR,
+        checkpoint_dir=CHECKPOINT_DIR,
+        nvme_dir=nvme_dir,
+        export_dir=f"{CHECKPOINT_DIR}/export",
+        events_path=f"{RUN_DIR}/events.jsonl",
+        deepspeed=ds,
+    )
+
+
+def build_configmap(job: dict[str, Any], config: RuntimeConfig, attempt: int) -> dict[str, Any]:
+    meta = _meta(job, configmap_name(job["metadata"]["name"]), "runtime-config")
+    meta["annotations"] = {LABEL_ATTEMPT: str(attempt)}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": meta,
+        "data": {
+            CONFIG_FILE: config.model_dump_json(indent=1),
+            "deepspeed.json": json.dumps(config.deepspeed, indent=1, sort_keys=True),
+        },
+    }
+
+
+def build_checkpoint_pvc(
+    job: dict[str, Any], spec: FineTuneJobSpec, plan: OffloadPlan, settings: OperatorSettings
+) -> dict[str, Any]:
+    pvc_spec: dict[str, Any] = {
+        "accessModes": ["ReadWriteOnce"] if plan.nodes == 1 else ["ReadWriteMany"],
+        "resources": {"requests": {"storage": _quantity(checkpoint_size_bytes(spec, plan))}},
+    }
+    storage_class = spec.checkpoint.storage_class_name or settings.checkpoint_storage_class
+    if storage_class:
+        pvc_spec["storageClassName"] = storage_class
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _meta(job, checkpoint_pvc_name(job["metadata"]["name"]), "checkpoints"),
+        "spec": pvc_spec,
+    }
+
+
+def build_runtime_rbac(job: dict[str, Any]) -> list[dict[str, Any]]:
+    """ServiceAccount, Role and RoleBinding that let the pods patch only their own job's status."""
+    name = job["metadata"]["name"]
+    account = runtime_account_name(name)
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _meta(job, account, "runtime-rbac"),
+        "rules": [
+            {
+                "apiGroups": [API_GROUP],
+                "resources": ["finetunejobs"],
+                "resourceNames": [name],
+                "verbs": ["get"],
+            },
+            {
+                "apiGroups": [API_GROUP],
+                "resources": ["finetunejobs/status"],
+                "resourceNames": [name],
+                "verbs": ["get", "patch"],
+            },
+        ],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _meta(job, account, "runtime-rbac"),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
+        "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": job["metadata"]["namespace"]}],
+    }
+    account_obj = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _meta(job, account, "runtime-rbac"),
+    }
+    return [account_obj, role, binding]
+
+
+def build_headless_service(job: dict[str, Any]) -> dict[str, Any]:
+    """DNS names for torchrun's rendezvous between the ranks of a multi-node job."""
+    name = job["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(job, service_name(name), "rendezvous"),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {LABEL_JOB: name},
+            "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT}],
+        },
+    }
+
+
+def _command(job: dict[str, Any], plan: OffloadPlan, attempt: int, rank: int) -> list[str]:
+    config = f"{CONFIG_DIR}/{CONFIG_FILE}"
+    name = job["metadata"]["name"]
+    gpus = max(1, plan.gpus_per_node)
+    if plan.nodes == 1 and gpus == 1:
+        return ["python", "-m", "spillway_runtime", "--config", config]
+    if plan.nodes == 1:
+        return [
+            "torchrun",
+            "--standalone",
+            f"--nproc-per-node={gpus}",
+            "-m",
+            "spillway_runtime",
+            "--config",
+            config,
+        ]
+    master = f"{pod_name(name, attempt, 0)}.{service_name(name)}.{job['metadata']['namespace']}.svc"
+    return [
+        "torchrun",
+        f"--nnodes={plan.nodes}",
+        f"--nproc-per-node={gpus}",
+        f"--node-rank={rank}",
+        f"--master-addr={master}",
+        f"--master-port={RENDEZVOUS_PORT}",
+        "-m",
+        "spillway_runtime",
+        "--config",
+        config,
+    ]
+
+
+def build_pod(
+    job: dict[str, Any],
+    spec: FineTuneJobSpec,
+    choice: ShapeChoice,
+    attempt: int,
+    rank: int,
+    settings: OperatorSettings,
+) -> dict[str, Any]:
+    """One training pod: pinned by node affinity to the chosen shape's nodes; the scheduler binds."""
+    plan = choice.plan
+    assert plan is not None
+    hw = choice.hardware
+    name = job["metadata"]["name"]
+    meta = _meta(job, pod_name(name, attempt, rank), "trainer", {LABEL_ATTEMPT: str(attempt), LABEL_RANK: str(rank)})
+    meta["annotations"] = {"spillway.dev/plan": plan.label, "spillway.dev/shape": choice.shape}
+    share = plan.gpus_per_node / hw.gpu_count if hw.gpu_count else 1.0
+    memory = min(plan.bytes.cpu + settings.memory_overhead_bytes, int(hw.cpu_memory_bytes * share))
+    memory = max(memory, plan.bytes.cpu)
+    cpu = max(1, int(hw.cpu_cores * share * 0.8))
+    requests: dict[str, str] = {"cpu": str(cpu), "memory": _quantity(memory)}
+    limits: dict[str, str] = {}
+    if plan.gpus_per_node:
+        requests[GPU_RESOURCE] = str(plan.gpus_per_node)
+        limits[GPU_RESOURCE] = str(plan.gpus_per_node)
+
+    mounts = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "checkpoints", "mountPath": CHECKPOINT_DIR},
+        {"name": "run", "mountPath": RUN_DIR},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": configmap_name(name)}},
+        {"name": "checkpoints", "persistentVolumeClaim": {"claimName": checkpoint_pvc_name(name)}},
+        {"name": "run", "emptyDir": {}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+    ]
+    if plan.bytes.nvme > 0:
+        mounts.append({"name": "nvme", "mountPath": NVME_DIR})
+        volumes.append(_nvme_volume(spec, plan, hw, settings))
+    for claim in input_claims(spec):
+        volume = f"input-{claim}"[:63]
+        mounts.append({"name": volume, "mountPath": str(PVC_MOUNT_ROOT / claim), "readOnly": True})
+        volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+
+    env = [
+        {"name": "SPILLWAY_JOB_NAME", "value": name},
+        {"name": "SPILLWAY_JOB_NAMESPACE", "value": job["metadata"]["namespace"]},
+        {"name": "SPILLWAY_ATTEMPT", "value": str(attempt)},
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    ]
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "serviceAccountName": runtime_account_name(name),
+        "terminationGracePeriodSeconds": settings.termination_grace_seconds,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": settings.run_as_user,
+            "runAsGroup": settings.run_as_user,
+            "fsGroup": settings.run_as_user,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": sorted(choice.nodes)}]}
+                    ]
+                }
+            }
+        },
+        "containers": [
+            {
+                "name": "trainer",
+                "image": settings.runtime_image,
+                "command": _command(job, plan, attempt, rank),
+                "env": env,
+                "resources": {"requests": requests, "limits": limits} if limits else {"requests": requests},
+                "volumeMounts": mounts,
+                "securityContext": {
+                    "allowPrivilegeEscalation": False,
+                    "readOnlyRootFilesystem": True,
+                    "capabilities": {"drop": ["ALL"]},
+                },
+            }
+        ],
+        "volumes": volumes,
+    }
+    if spec.resources.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.resources.node_selector)
+    if spec.resources.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(mode="json", exclude_none=True) for t in spec.resources.tolerations]
+    if plan.nodes > 1:
+        pod_spec["hostname"] = pod_name(name, attempt, rank)
+        pod_spec["subdomain"] = service_name(name)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def _nvme_volume(spec: FineTuneJobSpec, plan: OffloadPlan, hw: NodeHardware, settings: OperatorSettings) -> dict[str, Any]:
+    nvme = spec.offload.nvme
+    if nvme.storage_class_name:
+        return {
+            "name": "nvme",
+            "ephemeral": {
+                "volumeClaimTemplate": {
+                    "metadata": {"labels": {LABEL_COMPONENT: "nvme-swap"}},
+                    "spec": {
+                        "accessModes": ["ReadWriteOnce"],
+                        "storageClassName": nvme.storage_class_name,
+                        "resources": {"requests": {"storage": _quantity(nvme_volume_bytes(spec, plan, settings))}},
+                    },
+                }
+            },
+        }
+    host_path = nvme.host_path or f"{(hw.nvme_path or '/mnt/nvme').rstrip('/')}/spillway"
+    return {"name": "nvme", "hostPath": {"path": host_path, "type": "DirectoryOrCreate"}}
+
+
+# ------------------------------------------------------------ pod outcomes --
+
+OUTCOME_PENDING = "pending"
+OUTCOME_SCHEDULED = "scheduled"
+OUTCOME_RUNNING = "running"
+OUTCOME_SUCCEEDED = "succeeded"
+OUTCOME_PREEMPTED = "preempted"  # recreate, do not count
+OUTCOME_RETRYABLE = "retryable"  # count against backoffLimit
+OUTCOME_PERMANENT = "permanent"  # no retry can help
+
+
+@dataclass
+class PodOutcome:
+    kind: str
+    exit_code: int | None = None
+    reason: str = ""
+    message: str = ""
+
+
+def _exit_code(pod: dict[str, Any]) -> tuple[int | None, str, str]:
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        term = (cs.get("state") or {}).get("terminated")
+        if term is not None:
+            return term.get("exitCode"), term.get("reason") or "", term.get("message") or ""
+    return None, "", ""
+
+
+def classify_pod(pod: dict[str, Any], node_exists: bool) -> PodOutcome:
+    """What a training pod's state means for the job (exit-code policy lives here)."""
+    status = pod.get("status") or {}
+    phase = status.get("phase", "Pending")
+    node = (pod.get("spec") or {}).get("nodeName")
+    if node and not node_exists:
+        return PodOutcome(OUTCOME_PREEMPTED, reason="NodeLost", message=f"node {node} is gone")
+    disrupted = any(c.get("type") == "DisruptionTarget" and c.get("status") == "True" for c in status.get("conditions") or [])
+    if (status.get("reason") == "Evicted" or (disrupted and phase not in ("Succeeded",))) and (
+        phase in ("Failed",) or status.get("reason") == "Evicted" or (pod.get("metadata") or {}).get("deletionTimestamp")
+    ):
+        return PodOutcome(
+            OUTCOME_PREEMPTED,
+            reason=status.get("reason") or "Disrupted",
+            message=status.get("message", ""),
+        )
+    if phase == "Succeeded":
+        return PodOutcome(OUTCOME_SUCCEEDED, exit_code=0)
+    if phase == "Failed":
+        code, reason, message = _exit_code(pod)
+        reason = reason or status.get("reason") or "Error"
+        if code == EXIT_PREEMPTED:
+            return PodOutcome(OUTCOME_PREEMPTED, code, "Preempted", "runtime checkpointed and exited 75")
+        if code in (EXIT_BAD_INPUT,):
+            return PodOutcome(OUTCOME_PERMANENT, code, "BadInput", message or "the runtime rejected its input")
+        if code == EXIT_DIVERGED:
+            return PodOutcome(OUTCOME_PERMANENT, code, "Diverged", message or "loss diverged after all rollbacks")
+        return PodOutcome(OUTCOME_RETRYABLE, code, reason, message)
+    if phase == "Running":
+        return PodOutcome(OUTCOME_RUNNING)
+    if node:
+        return PodOutcome(OUTCOME_SCHEDULED)
+    return PodOutcome(OUTCOME_PENDING)
+
+
+def worst_outcome(outcomes: list[PodOutcome]) -> PodOutcome:
+    """A multi-node attempt is as good as its worst rank."""
+    order = [
+        OUTCOME_PERMANENT,
+        OUTCOME_RETRYABLE,
+        OUTCOME_PREEMPTED,
+        OUTCOME_PENDING,
+        OUTCOME_SCHEDULED,
+        OUTCOME_RUNNING,
+        OUTCOME_SUCCEEDED,
+    ]
+    return min(outcomes, key=lambda o: order.index(o.kind))
+
+
+def backoff_seconds(failures: int, settings: OperatorSettings) -> float:
+    """Delay before attempt N+1 after `failures` counted failures (doubling, capped)."""
+    if failures <= 0:
+        return 0.0
+    return float(min(settings.backoff_max_seconds, settings.backoff_base_seconds * 2 ** (failures - 1)))
+
+
+# ------------------------------------------------------------------- cost --
+
+
+def pod_run_seconds(pod: dict[str, Any], now: datetime) -> float:
+    """Seconds the pod has held its node: from startTime to termination (or now)."""
+    status = pod.get("status") or {}
+    start = parse_time(status.get("startTime"))
+    if start is None:
+        return 0.0
+    end: datetime | None = None
+    for cs in status.get("containerStatuses") or []:
+        term = (cs.get("state") or {}).get("terminated")
+        if term and term.get("finishedAt"):
+            t = parse_time(term["finishedAt"])
+            end = t if end is None or (t and t > end) else end
+    if end is None:
+        end = now
+    return max(0.0, (end - start).total_seconds())
+
+
+def cost_status(
+    settled_usd: float, settled_gpu_hours: float, live_seconds: float, price_per_hour: float, gpus: int
+) -> dict[str, Any]:
+    usd = settled_usd + live_seconds / 3600 * price_per_hour
+    gpu_hours = settled_gpu_hours + live_seconds / 3600 * max(gpus, 0)
+    return {
+        "usd": round(usd, 6),
+        "gpuHours": round(gpu_hours, 6),
+        "settledUSD": round(settled_usd, 6),
+        "settledGpuHours": round(settled_gpu_hours, 6),
+        "pricePerHourUSD": price_per_hour,
+        "display": f"${usd:,.2f}",
+    }
+
+
+def describe_bytes(n: int) -> str:
+    return format_bytes(n)

@@ -1,0 +1,87 @@
+"""The operator's commands for the `spillway` CLI: `operator` (run kopf) and `crds`.
+
+`spillway_api.cli` assembles the full command; wire it with
+`spillway_operator.cli.register(app)`. Also runnable alone:
+`python -m spillway_operator.cli operator --all-namespaces`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from spillway_operator.crd import CRD_FILE, render_crd_yaml
+
+
+def crds(
+    output_dir: Annotated[
+        Path | None,
+        typer.Option("--output-dir", "-o", help="Write <dir>/" + CRD_FILE + " instead of printing"),
+    ] = None,
+) -> None:
+    """Print (or write) the FineTuneJob CRD generated from the spec models."""
+    text = render_crd_yaml()
+    if output_dir is None:
+        sys.stdout.write(text)
+        return
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / CRD_FILE).write_text(text)
+    typer.echo(f"wrote {output_dir / CRD_FILE}")
+
+
+def operator(
+    namespace: Annotated[
+        list[str] | None,
+        typer.Option("--namespace", "-n", help="Watch only these namespaces (repeatable; globs)"),
+    ] = None,
+    all_namespaces: Annotated[bool, typer.Option("--all-namespaces", "-A", help="Watch the whole cluster")] = False,
+    liveness_port: Annotated[int | None, typer.Option(help="kopf /healthz port (0: off)")] = None,
+    metrics_port: Annotated[int | None, typer.Option(help="Prometheus /metrics port (0: off)")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Run the FineTuneJob operator (kopf) until interrupted."""
+    import logging
+    import os
+
+    if metrics_port is not None:
+        os.environ["SPILLWAY_OPERATOR_METRICS_PORT"] = str(metrics_port)
+    if liveness_port is not None:
+        os.environ["SPILLWAY_OPERATOR_LIVENESS_PORT"] = str(liveness_port)
+    if not namespace and not all_namespaces:
+        raise typer.BadParameter("pass --namespace NS (repeatable) or --all-namespaces")
+
+    import kopf
+
+    from spillway_operator import handlers
+    from spillway_operator.settings import get_settings
+
+    handlers.WATCHED_NAMESPACES = None if all_namespaces else list(namespace or ())
+    get_settings.cache_clear()
+    settings = get_settings()
+    kopf.configure(verbose=verbose, log_format=kopf.LogFormat.PLAIN)
+    logging.getLogger("kubernetes").setLevel(logging.WARNING)
+    liveness = f"http://0.0.0.0:{settings.liveness_port}/healthz" if settings.liveness_port else None
+    kopf.run(
+        standalone=True,
+        clusterwide=all_namespaces,
+        namespaces=namespace or (),
+        liveness_endpoint=liveness,
+    )
+
+
+def register(app: typer.Typer) -> None:
+    app.command("operator")(operator)
+    app.command("crds")(crds)
+
+
+def main() -> None:
+    app = typer.Typer(add_completion=False, no_args_is_help=True)
+    register(app)
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""The FineTuneJob CustomResourceDefinition, generated from the runtime's pydantic spec models.
+
+Where this sits: imported by the operator's `crds` command and by the test that
+keeps `crds/finetunejobs.spillway.dev.yaml` equal to what this module makes.
+The pydantic models stay the single source; this module only translates JSON
+Schema (draft 2020-12, as pydantic writes it) into the structural OpenAPI v3
+subset that the API server accepts, and adds what JSON Schema cannot say:
+CEL cross-field rules, immutable fields, printer columns, the status subresource.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import yaml
+
+from spillway_runtime.spec import API_GROUP, API_VERSION, KIND, FineTuneJobSpec
+
+PLURAL = "finetunejobs"
+SINGULAR = "finetunejob"
+SHORT_NAMES = ["ftj"]
+CRD_NAME = f"{PLURAL}.{API_GROUP}"
+CRD_FILE = f"{CRD_NAME}.yaml"
+
+# Fields that the spec models parse from strings too ("13B", "500Gi"): on the wire
+# they are integers or strings, which a structural schema spells int-or-string.
+INT_OR_STRING_PATHS = {
+    ("model", "parameterCount"),
+    ("offload", "nvme", "size"),
+    ("checkpoint", "size"),
+}
+# Raw maps whose keys we do not know: kept as written instead of pruned.
+PRESERVE_UNKNOWN_PATHS = {("offload", "deepspeed")}
+# Strings without a bound make CEL's cost estimator assume megabytes; URIs are short.
+MAX_LENGTHS = {("model", "uri"): 2048, ("dataset", "uri"): 2048, ("resumeFrom",): 253}
+
+# CEL rules, attached at a path inside spec. Messages name the field, as kubectl shows them.
+VALIDATIONS: dict[tuple[str, ...], list[dict[str, str]]] = {
+    ("training",): [
+        {
+            "rule": "!has(self.warmupSteps) || !has(self.maxSteps) || self.warmupSteps <= self.maxSteps",
+            "message": "training.warmupSteps must not exceed training.maxSteps",
+            "fieldPath": ".warmupSteps",
+        }
+    ],
+    ("model",): [
+        {
+            "rule": "self.uri == oldSelf.uri",
+            "message": "model.uri is immutable: create a new FineTuneJob to train another model",
+            "fieldPath": ".uri",
+        }
+    ],
+    ("resources",): [
+        {
+            "rule": "!has(self.gpusPerNode) || self.gpusPerNode > 0 || self.nodes == 1",
+            "message": "resources.nodes > 1 needs GPUs: set resources.gpusPerNode above 0",
+            "fieldPath": ".nodes",
+        }
+    ],
+}
+
+PRINTER_COLUMNS = [
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Model", "type": "string", "jsonPath": ".spec.model.uri", "priority": 0},
+    {"name": "Plan", "type": "string", "jsonPath": ".status.plan.label"},
+    {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
+    {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss"},
+    {"name": "Cost", "type": "string", "jsonPath": ".status.cost.display"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+_DROP_KEYS = {"title", "additionalProperties", "$defs", "examples"}
+
+
+def _resolve(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    ref = schema.get("$ref")
+    if ref is None:
+        return schema
+    target: dict[str, Any] = copy.deepcopy(defs[ref.rsplit("/", 1)[-1]])
+    extra = {k: v for k, v in schema.items() if k != "$ref"}
+    target.update(extra)
+    return target
+
+
+def _structural(schema: dict[str, Any], defs: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
+    """One pydantic JSON Schema node -> one structural OpenAPI v3 node."""
+    schema = _resolve(schema, defs)
+    if path in PRESERVE_UNKNOWN_PATHS:
+        out: dict[str, Any] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+        if "description" in schema:
+            out["description"] = schema["description"]
+        return out
+    nullable = False
+    if "anyOf" in schema:
+        options = [o for o in schema["anyOf"] if o.get("type") != "null"]
+        nullable = len(options) < len(schema["anyOf"])
+        if len(options) != 1:
+            raise ValueError(f"spec.{'.'.join(path)}: unions other than X | None have no structural form")
+        merged = {k: v for k, v in schema.items() if k != "anyOf"}
+        merged.update(_resolve(options[0], defs))
+        schema = merged
+
+    out = {}
+    if "description" in schema:
+        out["description"] = schema["description"]
+    if path in INT_OR_STRING_PATHS:
+        out["x-kubernetes-int-or-string"] = True
+    else:
+        out["type"] = schema["type"]
+    if nullable:
+        out["nullable"] = True
+    for key in ("enum", "minimum", "maximum", "minLength", "maxLength", "pattern", "minItems", "maxItems"):
+        if key in schema:
+            out[key] = schema[key]
+    # JSON Schema 2020-12 writes exclusive bounds as numbers; OpenAPI v3.0 as flags.
+    if "exclusiveMinimum" in schema:
+        out["minimum"] = schema["exclusiveMinimum"]
+        out["exclusiveMinimum"] = True
+    if "exclusiveMaximum" in schema:
+        out["maximum"] = schema["exclusiveMaximum"]
+        out["exclusiveMaximum"] = True
+    if path in MAX_LENGTHS:
+        out["maxLength"] = MAX_LENGTHS[path]
+    if "default" in schema and schema["default"] is not None and schema["default"] != {}:
+        out["default"] = schema["default"]
+
+    kind = schema.get("type")
+    if kind == "object":
+        props = schema.get("properties")
+        if props:
+            out["properties"] = {name: _structural(sub, defs, (*path, name)) for name, sub in props.items()}
+            # Optional sub-objects (pydantic's default_factory) default to {} so that the
+            # API server fills in their own defaults and `kubectl get -o yaml` shows them.
+            for name, sub in out["properties"].items():
+                optional = name not in schema.get("required", [])
+                structured = sub.get("type") == "object" and "properties" in sub
+                if optional and structured and not sub.get("nullable"):
+                    sub.setdefault("default", {})
+            if schema.get("required"):
+                out["required"] = list(schema["required"])
+        else:
+            extra = schema.get("additionalProperties")
+            if isinstance(extra, dict) and extra:
+                out["additionalProperties"] = _structural(extra, defs, (*path, "*"))
+            else:
+                out["x-kubernetes-preserve-unknown-fields"] = True
+    elif kind == "array":
+        out["items"] = _structural(schema["items"], defs, (*path, "[]"))
+    if path in VALIDATIONS:
+        out["x-kubernetes-validations"] = copy.deepcopy(VALIDATIONS[path])
+    return out
+
+
+def _status_schema() -> dict[str, Any]:
+    """The operator and the runtime own different parts of status; both are typed where
+    kubectl's printer columns and server-side apply need it, the rest is kept as written."""
+    condition = {
+        "type": "object",
+        "required": ["type", "status"],
+        "properties": {
+            "type": {"type": "string"},
+            "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
+            "reason": {"type": "string"},
+            "message": {"type": "string"},
+            "lastTransitionTime": {"type": "string", "format": "date-time"},
+            "observedGeneration": {"type": "integer"},
+        },
+    }
+    checkpoint = {
+        "type": "object",
+        "required": ["name"],
+        "properties": {
+            "name": {"type": "string"},
+            "step": {"type": "integer"},
+            "loss": {"type": "number", "nullable": True},
+            "time": {"type": "string"},
+            "sizeBytes": {"type": "integer"},
+            "sha256": {"type": "string"},
+        },
+    }
+    return {
+        "type": "object",
+        "x-kubernetes-preserve-unknown-fields": True,
+        "properties": {
+            "phase": {"type": "string"},
+            "observedGeneration": {"type": "integer"},
+            "conditions": {
+                "type": "array",
+                "items": condition,
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["type"],
+            },
+            "plan": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+            "cost": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+            "progress": {
+                "description": "Owned by the runtime (field manager spillway-runtime)",
+                "type": "object",
+                "x-kubernetes-preserve-unknown-fields": True,
+                "properties": {
+                    "step": {"type": "integer"},
+                    "totalSteps": {"type": "integer"},
+                    "loss": {"type": "number", "nullable": True},
+                    "tokensPerSecond": {"type": "number", "nullable": True},
+                    "etaSeconds": {"type": "number", "nullable": True},
+                },
+            },
+            "checkpoints": {
+                "description": "Owned by the runtime (field manager spillway-runtime)",
+                "type": "array",
+                "items": checkpoint,
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["name"],
+            },
+        },
+    }
+
+
+def spec_schema() -> dict[str, Any]:
+    raw = FineTuneJobSpec.model_json_schema(by_alias=True, mode="validation")
+    defs = raw.get("$defs", {})
+    return _structural(raw, defs, ())
+
+
+def build_crd() -> dict[str, Any]:
+    schema = {
+        "type": "object",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec_schema(),
+            "status": _status_schema(),
+        },
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": CRD_NAME, "labels": {"app.kubernetes.io/part-of": "spillway"}},
+        "spec": {
+            "group": API_GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": SHORT_NAMES,
+                "categories": ["spillway"],
+            },
+            "versions": [
+                {
+                    "name": API_VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": PRINTER_COLUMNS,
+                    "schema": {"openAPIV3Schema": schema},
+                }
+            ],
+        },
+    }
+
+
+def render_crd_yaml() -> str:
+    header = "# Generated by `spillway crds` from spillway_runtime.spec; do not edit by hand.\n"
+    return header + yaml.safe_dump(build_crd(), sort_keys=False, width=110)

@@ -1,0 +1,309 @@
+"""Kubernetes client calls, and nothing else: the operator's only door to the API server.
+
+Where this sits: below `reconciler` (which decides) and `builders` (which shape the
+objects); above `settings`. Reads use `_preload_content=False` and return plain
+dicts (the same shape as `kubectl get -o json`), which is what the builders take,
+and is ~5x cheaper than the client's model classes at hundreds of jobs.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, TypeVar
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from spillway_operator import metrics
+from spillway_operator.builders import rfc3339
+from spillway_runtime.spec import API_GROUP, API_VERSION, KIND
+
+PLURAL = "finetunejobs"
+FIELD_MANAGER = "spillway-operator"
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_api: client.ApiClient | None = None
+
+
+def api_client() -> client.ApiClient:
+    """One shared client: in-cluster credentials in a pod, else KUBECONFIG."""
+    global _api
+    with _lock:
+        if _api is None:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            cfg = client.Configuration.get_default_copy()
+            # Default urllib3 pool of 4 serializes kopf's worker threads at scale.
+            cfg.connection_pool_maxsize = 32
+            _api = client.ApiClient(cfg)
+        return _api
+
+
+def _call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    try:
+        metrics.API_REQUESTS.inc()
+        return fn(*args, **kwargs)
+    except ApiException as err:
+        metrics.API_ERRORS.labels(code=str(err.status)).inc()
+        raise
+
+
+def _json(response: Any) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(response.data)
+    return data
+
+
+def core() -> client.CoreV1Api:
+    return client.CoreV1Api(api_client())
+
+
+def custom() -> client.CustomObjectsApi:
+    return client.CustomObjectsApi(api_client())
+
+
+def rbac() -> client.RbacAuthorizationV1Api:
+    return client.RbacAuthorizationV1Api(api_client())
+
+
+def storage() -> client.StorageV1Api:
+    return client.StorageV1Api(api_client())
+
+
+# ----------------------------------------------------------------- reads --
+
+
+def get_job(namespace: str, name: str) -> dict[str, Any] | None:
+    try:
+        return _json(
+            _call(
+                custom().get_namespaced_custom_object,
+                API_GROUP,
+                API_VERSION,
+                namespace,
+                PLURAL,
+                name,
+                _preload_content=False,
+            )
+        )
+    except ApiException as err:
+        if err.status == 404:
+            return None
+        raise
+
+
+def list_jobs(namespaces: list[str] | None = None) -> list[dict[str, Any]]:
+    """Every FineTuneJob, cluster-wide (None) or in the given namespaces."""
+    custom_api = custom()
+    if namespaces is None:
+        data = _json(_call(custom_api.list_cluster_custom_object, API_GROUP, API_VERSION, PLURAL, _preload_content=False))
+        return list(data.get("items", []))
+    items: list[dict[str, Any]] = []
+    for ns in namespaces:
+        data = _json(_call(custom_api.list_namespaced_custom_object, API_GROUP, API_VERSION, ns, PLURAL, _preload_content=False))
+        items.extend(data.get("items", []))
+    return items
+
+
+def list_job_pods(namespace: str, job: str) -> list[dict[str, Any]]:
+    from spillway_operator.builders import LABEL_JOB
+
+    data = _json(_call(core().list_namespaced_pod, namespace, label_selector=f"{LABEL_JOB}={job}", _preload_content=False))
+    return list(data.get("items", []))
+
+
+def jobs_with_pods_on(node: str) -> set[tuple[str, str]]:
+    """(namespace, job) of every training pod bound to `node`."""
+    from spillway_operator.builders import LABEL_JOB
+
+    data = _json(
+        _call(
+            core().list_pod_for_all_namespaces,
+            field_selector=f"spec.nodeName={node}",
+            label_selector=LABEL_JOB,
+            _preload_content=False,
+        )
+    )
+    return {(p["metadata"]["namespace"], p["metadata"]["labels"][LABEL_JOB]) for p in data.get("items", [])}
+
+
+def list_nodes() -> list[dict[str, Any]]:
+    return list(_json(_call(core().list_node, _preload_content=False)).get("items", []))
+
+
+def node_exists(name: str) -> bool:
+    try:
+        _call(core().read_node, name, _preload_content=False)
+        return True
+    except ApiException as err:
+        if err.status == 404:
+            return False
+        raise
+
+
+def read_configmap_data(namespace: str, name: str) -> dict[str, str] | None:
+    try:
+        cm = _json(_call(core().read_namespaced_config_map, name, namespace, _preload_content=False))
+        return dict(cm.get("data") or {})
+    except ApiException as err:
+        if err.status in (403, 404):
+            return None
+        raise
+
+
+def pvc_exists(namespace: str, name: str) -> bool:
+    try:
+        _call(core().read_namespaced_persistent_volume_claim, name, namespace, _preload_content=False)
+        return True
+    except ApiException as err:
+        if err.status == 404:
+            return False
+        raise
+
+
+def storage_class_exists(name: str) -> bool:
+    try:
+        _call(storage().read_storage_class, name, _preload_content=False)
+        return True
+    except ApiException as err:
+        if err.status == 404:
+            return False
+        raise
+
+
+# ---------------------------------------------------------------- writes --
+
+
+def _creator(kind: str) -> Callable[..., Any]:
+    creators: dict[str, Callable[..., Any]] = {
+        "Pod": core().create_namespaced_pod,
+        "ConfigMap": core().create_namespaced_config_map,
+        "PersistentVolumeClaim": core().create_namespaced_persistent_volume_claim,
+        "ServiceAccount": core().create_namespaced_service_account,
+        "Service": core().create_namespaced_service,
+        "Role": rbac().create_namespaced_role,
+        "RoleBinding": rbac().create_namespaced_role_binding,
+    }
+    return creators[kind]
+
+
+def create_if_absent(obj: dict[str, Any]) -> bool:
+    """Create `obj`; an existing object of the same name counts as done (idempotent).
+    Returns True when this call created it."""
+    try:
+        _call(
+            _creator(obj["kind"]),
+            obj["metadata"]["namespace"],
+            obj,
+            field_manager=FIELD_MANAGER,
+            _preload_content=False,
+        )
+        return True
+    except ApiException as err:
+        if err.status == 409:
+            return False
+        raise
+
+
+def apply_configmap(obj: dict[str, Any]) -> None:
+    """Create the ConfigMap, or replace its data when it exists (the plan may change per attempt)."""
+    if create_if_absent(obj):
+        return
+    _call(
+        core().patch_namespaced_config_map,
+        obj["metadata"]["name"],
+        obj["metadata"]["namespace"],
+        {"data": obj["data"], "metadata": {"annotations": obj["metadata"].get("annotations", {})}},
+        field_manager=FIELD_MANAGER,
+        _preload_content=False,
+    )
+
+
+def delete_pod(namespace: str, name: str, grace_seconds: int | None = None) -> None:
+    body = client.V1DeleteOptions(grace_period_seconds=grace_seconds, propagation_policy="Background")
+    try:
+        _call(core().delete_namespaced_pod, name, namespace, body=body, _preload_content=False)
+    except ApiException as err:
+        if err.status != 404:
+            raise
+
+
+def delete_job(namespace: str, name: str) -> None:
+    try:
+        _call(
+            custom().delete_namespaced_custom_object,
+            API_GROUP,
+            API_VERSION,
+            namespace,
+            PLURAL,
+            name,
+            propagation_policy="Background",
+            _preload_content=False,
+        )
+    except ApiException as err:
+        if err.status != 404:
+            raise
+
+
+def patch_job_status(namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+    """JSON merge patch of status (the client picks merge-patch for a dict body). Put
+    metadata.resourceVersion in `patch` to make it conditional (409 when the job changed)."""
+    return _json(
+        _call(
+            custom().patch_namespaced_custom_object_status,
+            API_GROUP,
+            API_VERSION,
+            namespace,
+            PLURAL,
+            name,
+            patch,
+            field_manager=FIELD_MANAGER,
+            _preload_content=False,
+        )
+    )
+
+
+def post_event(job: dict[str, Any], type_: str, reason: str, message: str, now: datetime) -> None:
+    """A core/v1 Event on the job, as `kubectl describe ftj` shows them."""
+    meta = job["metadata"]
+    event = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"{meta['name']}.{secrets.token_hex(8)}", "namespace": meta["namespace"]},
+        "involvedObject": {
+            "apiVersion": f"{API_GROUP}/{API_VERSION}",
+            "kind": KIND,
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta.get("uid"),
+            "resourceVersion": meta.get("resourceVersion"),
+        },
+        "reason": reason,
+        "message": message[:1024],
+        "type": type_,
+        "source": {"component": FIELD_MANAGER},
+        "firstTimestamp": rfc3339(now),
+        "lastTimestamp": rfc3339(now),
+        "count": 1,
+        "reportingComponent": FIELD_MANAGER,
+    }
+    _call(core().create_namespaced_event, meta["namespace"], event, _preload_content=False)
+
+
+def is_conflict(err: BaseException) -> bool:
+    return isinstance(err, ApiException) and err.status == 409
+
+
+def is_transient(err: BaseException) -> bool:
+    """Worth retrying: conflicts, throttling, server errors, and no connection at all."""
+    if isinstance(err, ApiException):
+        return err.status in (0, 409, 429) or err.status >= 500
+    import urllib3
+
+    return isinstance(err, urllib3.exceptions.HTTPError | ConnectionError | TimeoutError)

@@ -1,0 +1,534 @@
+"""Level-triggered reconcile of one FineTuneJob: read everything, decide, act, write status.
+
+Where this sits: called by `handlers` (kopf events, timers), calls `builders` for
+every decision's shape and `k8s` for every effect. It keeps no state between
+calls except a per-job lock, so a restarted operator converges from whatever it
+finds: child names are deterministic (`<job>-a<attempt>-<rank>`), and every
+decision that moves the job to a new attempt (counting a failure or a
+preemption, applying a rollback, suspending) is first committed to status with a
+resourceVersion precondition and only then acted on. Killed between the two, the
+operator redoes nothing it had committed and commits nothing twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from spillway_operator import builders as b
+from spillway_operator import k8s, metrics
+from spillway_operator.settings import OperatorSettings
+from spillway_runtime.spec import FineTuneJobSpec, SpecError, parse_job
+
+log = logging.getLogger("spillway.operator")
+
+MAX_PASSES = 4  # decisions chained in one call (e.g. count a failure, then start the retry)
+INPUT_RETRY_SECONDS = 15.0
+
+_locks: dict[tuple[str, str], threading.Lock] = {}
+_locks_guard = threading.Lock()
+known_nodes: set[str] = set()
+
+
+def _job_lock(namespace: str, name: str) -> threading.Lock:
+    with _locks_guard:
+        return _locks.setdefault((namespace, name), threading.Lock())
+
+
+class PermanentFailure(Exception):
+    """Written into the job's status already; retrying cannot help."""
+
+
+@dataclass
+class Result:
+    requeue_after: float | None = None
+    again: bool = False
+
+
+@dataclass
+class StatusChange:
+    """Status fields to merge-patch, Events to post once the patch is stored."""
+
+    job: dict[str, Any]
+    now: datetime
+    status: dict[str, Any] = field(default_factory=dict)
+    conditions: list[dict[str, Any]] = field(default_factory=list)
+    events: list[tuple[str, str, str]] = field(default_factory=list)
+    conditional: bool = False
+
+    def __post_init__(self) -> None:
+        self.conditions = list((self.job.get("status") or {}).get("conditions") or [])
+        self._original_conditions = list(self.conditions)
+
+    @property
+    def old(self) -> dict[str, Any]:
+        return dict(self.job.get("status") or {})
+
+    @property
+    def generation(self) -> int:
+        return int(self.job["metadata"].get("generation", 1))
+
+    def cond(self, type_: str, status: bool, reason: str, message: str) -> None:
+        self.conditions = b.set_condition(self.conditions, type_, status, reason, message, self.generation, self.now)
+
+    def phase(self, phase: str, reason: str, message: str, warning: bool = False) -> None:
+        self.status["phase"] = phase
+        self.status["message"] = message
+        if self.old.get("phase") != phase:
+            self.events.append(("Warning" if warning else "Normal", reason, message))
+
+    def event(self, type_: str, reason: str, message: str) -> None:
+        self.events.append((type_, reason, message))
+
+    def commit(self) -> None:
+        old = self.old
+        patch_status = {k: v for k, v in self.status.items() if old.get(k) != v}
+        if self.conditions != self._original_conditions:
+            patch_status["conditions"] = self.conditions
+        if old.get("observedGeneration") != self.generation:
+            patch_status["observedGeneration"] = self.generation
+        meta = self.job["metadata"]
+        if patch_status:
+            patch: dict[str, Any] = {"status": patch_status}
+            if self.conditional:
+                patch["metadata"] = {"resourceVersion": meta["resourceVersion"]}
+            updated = k8s.patch_job_status(meta["namespace"], meta["name"], patch)
+            self.job = updated
+        metrics.record_phase(meta["namespace"], meta["name"], (self.job.get("status") or {}).get("phase"))
+        events, self.events = self.events, []
+        self.status = {}
+        self.conditional = False
+        self._original_conditions = list(self.conditions)
+        for type_, reason, message in events:
+            try:
+                k8s.post_event(self.job, type_, reason, message, self.now)
+            except Exception as err:  # an Event is best effort; the status already holds the truth
+                if not k8s.is_transient(err):
+                    raise
+                log.warning("event %s for %s/%s not posted: %s", reason, meta["namespace"], meta["name"], err)
+
+
+def reconcile(namespace: str, name: str, settings: OperatorSettings) -> Result:
+    """Bring one job one step closer to its spec; returns when to look again."""
+    started = time.monotonic()
+    try:
+        with _job_lock(namespace, name):
+            result = Result()
+            for _ in range(MAX_PASSES):
+                result = _reconcile_once(namespace, name, settings)
+                if not result.again:
+                    break
+            return result
+    except PermanentFailure:
+        metrics.RECONCILE_ERRORS.labels(kind="permanent").inc()
+        raise
+    except Exception:
+        metrics.RECONCILE_ERRORS.labels(kind="temporary").inc()
+        raise
+    finally:
+        metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+
+
+def node_exists(name: str) -> bool:
+    if name in known_nodes:
+        return True
+    return k8s.node_exists(name)
+
+
+def _active(pod: dict[str, Any]) -> bool:
+    return (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+
+
+def _attempt_of(pod: dict[str, Any]) -> int:
+    try:
+        return int(pod["metadata"]["labels"][b.LABEL_ATTEMPT])
+    except (KeyError, ValueError):
+        return -1
+
+
+def _reconcile_once(namespace: str, name: str, settings: OperatorSettings) -> Result:
+    job = k8s.get_job(namespace, name)
+    if job is None:
+        metrics.record_phase(namespace, name, None)
+        return Result()
+    if job["metadata"].get("deletionTimestamp"):
+        return Result()
+    now = datetime.now(UTC)
+    change = StatusChange(job, now)
+    try:
+        spec = parse_job(job, f"{namespace}/{name}").spec
+    except SpecError as err:
+        message = "; ".join(err.problems)
+        change.cond(b.PHASE_FAILED, True, "InvalidSpec", message)
+        change.phase(b.PHASE_FAILED, "InvalidSpec", message, warning=True)
+        change.commit()
+        raise PermanentFailure(message) from None
+
+    status = change.old
+    phase = status.get("phase") or b.PHASE_PENDING
+    attempt = int(status.get("attempt", 0))
+    uid = job["metadata"]["uid"]
+    pods = [
+        p
+        for p in k8s.list_job_pods(namespace, name)
+        if any(o.get("uid") == uid for o in p["metadata"].get("ownerReferences") or [])
+    ]
+    current = [p for p in pods if _attempt_of(p) == attempt]
+    for pod in pods:
+        # Older attempts' pods that still run (a kill between commit and delete) go now.
+        if _attempt_of(pod) != attempt and _active(pod) and not pod["metadata"].get("deletionTimestamp"):
+            k8s.delete_pod(namespace, pod["metadata"]["name"])
+
+    # Rollback: spec.resumeFrom names a checkpoint the runtime reported.
+    if spec.resume_from and spec.resume_from != status.get("appliedResumeFrom"):
+        known = [c.get("name") for c in status.get("checkpoints") or []]
+        if spec.resume_from not in known:
+            message = (
+                f"spec.resumeFrom {spec.resume_from!r} is not in status.checkpoints "
+                f"({', '.join(str(k) for k in known[-5:]) or 'none yet'}); nothing was restarted"
+            )
+            old = b.condition(change.conditions, "Rollback") or {}
+            if old.get("message") != message:
+                change.event("Warning", "UnknownCheckpoint", message)
+            change.cond("Rollback", False, "UnknownCheckpoint", message)
+        else:
+            return _start_new_attempt(
+                change,
+                spec,
+                current,
+                settings,
+                reason="RollingBack",
+                message=f"restarting from checkpoint {spec.resume_from}",
+                extra={"appliedResumeFrom": spec.resume_from, "resumeAttempt": attempt + 1},
+                rollback=True,
+            )
+
+    if phase in b.FINISHED_PHASES:
+        return _finished(change, spec, current)
+
+    if spec.suspend:
+        if phase == b.PHASE_SUSPENDED and not any(_active(p) for p in current):
+            change.commit()
+            return Result()
+        change.cond(b.PHASE_SUSPENDED, True, "Suspended", "spec.suspend is true: pods stopped after checkpointing")
+        change.cond(b.PHASE_RUNNING, False, "Suspended", "suspended")
+        change.phase(b.PHASE_SUSPENDED, "Suspended", "spec.suspend is true; pods checkpoint on SIGTERM and stop")
+        return _commit_attempt_end(change, current, settings, counted=None, grace=None)
+    if phase == b.PHASE_SUSPENDED:
+        change.cond(b.PHASE_SUSPENDED, False, "Resumed", "spec.suspend is false: resuming from the latest checkpoint")
+        change.phase(b.PHASE_PENDING, "Resumed", "resuming from the latest checkpoint")
+
+    ranks = int((status.get("plan") or {}).get("nodeCount") or spec.resources.nodes)
+    if current:
+        outcomes = [b.classify_pod(p, node_exists(p["spec"]["nodeName"]) if p["spec"].get("nodeName") else True) for p in current]
+        if len(current) < ranks:
+            outcomes.append(b.PodOutcome(b.OUTCOME_PENDING))
+        worst = b.worst_outcome(outcomes)
+        live = sum(b.pod_run_seconds(p, now) for p in current)
+        return _observe(change, spec, current, worst, live, ranks, settings)
+    return _start_pods(change, spec, settings, ranks)
+
+
+def _cost(change: StatusChange, live_seconds: float) -> dict[str, Any]:
+    old = change.old.get("cost") or {}
+    plan = change.status.get("plan") or change.old.get("plan") or {}
+    gpus = int(plan.get("gpusPerNode") or 0) * int(plan.get("nodeCount") or 1)
+    return b.cost_status(
+        float(old.get("settledUSD", 0.0)),
+        float(old.get("settledGpuHours", 0.0)),
+        live_seconds,
+        float(plan.get("pricePerHourUSD", 0.0)),
+        gpus,
+    )
+
+
+def _settle(change: StatusChange, pods: list[dict[str, Any]]) -> None:
+    """Fold this attempt's pod time into the settled cost (same patch as the attempt change)."""
+    live = sum(b.pod_run_seconds(p, change.now) for p in pods)
+    cost = _cost(change, live)
+    cost["settledUSD"] = cost["usd"]
+    cost["settledGpuHours"] = cost["gpuHours"]
+    change.status["cost"] = cost
+
+
+def _commit_attempt_end(
+    change: StatusChange,
+    pods: list[dict[str, Any]],
+    settings: OperatorSettings,
+    counted: str | None,
+    grace: int | None,
+    retry_after: float = 0.0,
+) -> Result:
+    """Settle cost and move to the next attempt in one conditional patch; then stop the pods."""
+    old = change.old
+    change.status["attempt"] = int(old.get("attempt", 0)) + 1
+    if counted:
+        change.status[counted] = int(old.get(counted, 0)) + 1
+    if retry_after > 0:
+        change.status["retryAfter"] = b.rfc3339(change.now + timedelta(seconds=retry_after))
+    _settle(change, pods)
+    suspended = change.status.get("phase") == b.PHASE_SUSPENDED
+    change.conditional = True
+    change.commit()
+    meta = change.job["metadata"]
+    for pod in pods:
+        if _active(pod):
+            k8s.delete_pod(meta["namespace"], pod["metadata"]["name"], grace)
+    return Result(again=retry_after <= 0 and not suspended, requeue_after=retry_after or None)
+
+
+def _start_new_attempt(
+    change: StatusChange,
+    spec: FineTuneJobSpec,
+    pods: list[dict[str, Any]],
+    settings: OperatorSettings,
+    reason: str,
+    message: str,
+    extra: dict[str, Any],
+    rollback: bool = False,
+) -> Result:
+    change.status.update(extra)
+    change.event("Normal", reason, message)
+    if rollback:
+        change.cond("Rollback", True, "Applied", message)
+        for type_ in (b.PHASE_SUCCEEDED, b.PHASE_FAILED, "BudgetExceeded", "Diverged"):
+            if b.condition(change.conditions, type_):
+                change.cond(type_, False, "RollingBack", message)
+        if change.old.get("phase") in b.FINISHED_PHASES:
+            change.status["phase"] = b.PHASE_PENDING
+            change.status["finishedAt"] = None
+            change.status["failures"] = 0
+    return _commit_attempt_end(change, pods, settings, counted=None, grace=None)
+
+
+def _finished(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[str, Any]]) -> Result:
+    meta = change.job["metadata"]
+    for pod in pods:
+        if _active(pod) and not pod["metadata"].get("deletionTimestamp"):
+            k8s.delete_pod(meta["namespace"], pod["metadata"]["name"])
+    change.commit()
+    ttl = spec.ttl_seconds_after_finished
+    finished = b.parse_time(change.old.get("finishedAt"))
+    if ttl is None or finished is None:
+        return Result()
+    remaining = (finished + timedelta(seconds=ttl) - change.now).total_seconds()
+    if remaining > 0:
+        return Result(requeue_after=remaining)
+    change.job = k8s.get_job(meta["namespace"], meta["name"]) or change.job
+    k8s.post_event(
+        change.job,
+        "Normal",
+        "Expired",
+        f"ttlSecondsAfterFinished={ttl} elapsed: deleting the job",
+        change.now,
+    )
+    k8s.delete_job(meta["namespace"], meta["name"])
+    metrics.record_phase(meta["namespace"], meta["name"], None)
+    return Result()
+
+
+def _finish(change: StatusChange, phase: str, reason: str, message: str, pods: list[dict[str, Any]]) -> None:
+    warning = phase != b.PHASE_SUCCEEDED
+    change.cond(phase, True, reason, message)
+    change.cond(b.PHASE_RUNNING, False, reason, message)
+    change.phase(phase, reason, message, warning=warning)
+    change.status["finishedAt"] = b.rfc3339(change.now)
+    change.status["retryAfter"] = None
+    _settle(change, pods)
+    change.conditional = True
+
+
+def _observe(
+    change: StatusChange,
+    spec: FineTuneJobSpec,
+    pods: list[dict[str, Any]],
+    worst: b.PodOutcome,
+    live: float,
+    ranks: int,
+    settings: OperatorSettings,
+) -> Result:
+    old = change.old
+    code = f" (exit code {worst.exit_code})" if worst.exit_code is not None else ""
+    if worst.kind == b.OUTCOME_SUCCEEDED:
+        _finish(change, b.PHASE_SUCCEEDED, "Completed", "training finished", pods)
+        change.commit()
+        return _finished(change, spec, [])
+    if worst.kind == b.OUTCOME_PERMANENT:
+        message = f"{worst.reason}{code}: {worst.message}".strip(": ")
+        if worst.exit_code == b.EXIT_DIVERGED:
+            change.cond("Diverged", True, "Diverged", message)
+        _finish(change, b.PHASE_FAILED, worst.reason, message, pods)
+        change.commit()
+        return _finished(change, spec, pods)
+    if worst.kind == b.OUTCOME_RETRYABLE:
+        failures = int(old.get("failures", 0)) + 1
+        if failures > spec.backoff_limit:
+            message = f"attempt failed{code} ({worst.reason}); backoffLimit {spec.backoff_limit} reached"
+            change.status["failures"] = failures
+            _finish(change, b.PHASE_FAILED, "BackoffLimitExceeded", message, pods)
+            change.commit()
+            return _finished(change, spec, pods)
+        delay = b.backoff_seconds(failures, settings)
+        message = (
+            f"attempt {old.get('attempt', 0)} failed{code} ({worst.reason}); retry {failures} of "
+            f"{spec.backoff_limit} in {delay:.0f} s from the latest checkpoint"
+        )
+        change.event("Warning", "AttemptFailed", message)
+        change.cond(b.PHASE_RUNNING, False, "BackingOff", message)
+        change.phase(b.PHASE_PENDING, "BackingOff", message, warning=True)
+        return _commit_attempt_end(change, pods, settings, counted="failures", grace=None, retry_after=delay)
+    if worst.kind == b.OUTCOME_PREEMPTED:
+        message = f"{worst.reason}{code}: {worst.message}; recreating from the latest checkpoint (not counted)"
+        change.event("Warning", "Preempted", message)
+        change.cond(b.PHASE_RUNNING, False, worst.reason, message)
+        change.phase(b.PHASE_PENDING, "Preempted", message, warning=True)
+        grace = 0 if worst.reason == "NodeLost" else None
+        return _commit_attempt_end(change, pods, settings, counted="preemptions", grace=grace)
+
+    cost = _cost(change, live)
+    change.status["cost"] = cost
+    budget = spec.budget.max_cost_usd
+    if budget is not None and cost["usd"] >= budget:
+        message = f"cost ${cost['usd']:.2f} reached budget.maxCostUSD ${budget:.2f}; pods stopped after checkpointing"
+        _finish(change, b.PHASE_BUDGET_EXCEEDED, "BudgetExceeded", message, pods)
+        change.commit()
+        return _finished(change, spec, pods)
+
+    if worst.kind == b.OUTCOME_RUNNING:
+        nodes = sorted({p["spec"].get("nodeName", "") for p in pods})
+        message = f"{len(pods)} pod(s) running on {', '.join(nodes)}"
+        change.cond(b.PHASE_SCHEDULED, True, "Scheduled", f"bound to {', '.join(nodes)}")
+        change.cond(b.PHASE_RUNNING, True, "Running", message)
+        change.phase(b.PHASE_RUNNING, "Running", message)
+    elif worst.kind == b.OUTCOME_SCHEDULED:
+        nodes = sorted({p["spec"].get("nodeName", "") for p in pods if p["spec"].get("nodeName")})
+        message = f"bound to {', '.join(nodes)}; waiting for the containers"
+        change.cond(b.PHASE_SCHEDULED, True, "Scheduled", message)
+        change.phase(b.PHASE_SCHEDULED, "Scheduled", message)
+    else:
+        unscheduled = _unschedulable_message(pods)
+        if len(pods) < ranks:
+            return _start_pods(change, spec, settings, ranks)
+        change.cond(
+            b.PHASE_SCHEDULED,
+            False,
+            "Unschedulable" if unscheduled else "Pending",
+            unscheduled or "waiting for the scheduler",
+        )
+        if old.get("phase") not in (b.PHASE_PLANNED,):
+            change.phase(b.PHASE_PLANNED, "Planned", unscheduled or "pods created, waiting for the scheduler")
+    change.commit()
+    return Result()
+
+
+def _unschedulable_message(pods: list[dict[str, Any]]) -> str:
+    for pod in pods:
+        for c in (pod.get("status") or {}).get("conditions") or []:
+            if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("message"):
+                return str(c["message"])
+    return ""
+
+
+def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorSettings, ranks: int) -> Result:
+    old = change.old
+    meta = change.job["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    retry_at = b.parse_time(old.get("retryAfter"))
+    if retry_at is not None and retry_at > change.now:
+        change.commit()
+        return Result(requeue_after=(retry_at - change.now).total_seconds())
+    budget = spec.budget.max_cost_usd
+    settled = float((old.get("cost") or {}).get("settledUSD", 0.0))
+    if budget is not None and settled >= budget:
+        _finish(change, b.PHASE_BUDGET_EXCEEDED, "BudgetExceeded", f"settled cost ${settled:.2f} >= budget", [])
+        change.commit()
+        return Result()
+
+    if spec.model.parameter_count is None:
+        message = "spec.model.parameterCount is required to plan in a cluster (e.g. parameterCount: 7B)"
+        change.cond(b.PHASE_PLANNED, False, "ParameterCountRequired", message)
+        change.cond(b.PHASE_FAILED, True, "ParameterCountRequired", message)
+        change.phase(b.PHASE_FAILED, "ParameterCountRequired", message, warning=True)
+        change.commit()
+        raise PermanentFailure(message)
+    pricing = k8s.read_configmap_data(settings.namespace, settings.pricing_configmap) or {}
+    placement = b.choose_placement(spec, k8s.list_nodes(), pricing, settings)
+    plan_status = b.plan_status(placement)
+    change.status["plan"] = plan_status
+    chosen = placement.chosen
+    if chosen is None or chosen.plan is None:
+        metrics.PLANNING_FAILURES.inc()
+        message = placement.failure
+        change.cond(b.PHASE_PLANNED, False, "NoFit", message)
+        change.cond(b.PHASE_FAILED, True, "NoFit", message)
+        change.phase(b.PHASE_FAILED, "NoFit", message, warning=True)
+        change.status["finishedAt"] = b.rfc3339(change.now)
+        change.commit()
+        raise PermanentFailure(message)
+    plan = chosen.plan
+
+    missing = _missing_inputs(namespace, spec, plan)
+    if missing:
+        message = "; ".join(missing)
+        old_cond = b.condition(change.conditions, "InputsReady") or {}
+        if old_cond.get("message") != message:
+            change.event("Warning", "InputsMissing", message)
+        change.cond("InputsReady", False, "InputsMissing", message)
+        change.commit()
+        return Result(requeue_after=INPUT_RETRY_SECONDS)
+    if b.condition(change.conditions, "InputsReady"):
+        change.cond("InputsReady", True, "Found", "every PVC and StorageClass the job names exists")
+
+    attempt = int(old.get("attempt", 0))
+    resume = spec.resume_from if int(old.get("resumeAttempt", -1)) == attempt else None
+    message = (
+        f"{plan.label} on {chosen.shape} ({len(chosen.nodes)} node(s)); predicted "
+        f"{plan.predicted_step_seconds:.3g} s/step, ${plan.predicted_cost_usd or 0:.2f}"
+    )
+    change.status["plan"]["attempt"] = attempt
+    change.cond(b.PHASE_PLANNED, True, "Planned", message)
+    change.cond(b.PHASE_SCHEDULED, False, "Pending", "pods created, waiting for the scheduler")
+    change.status["retryAfter"] = None
+    if old.get("phase") in (None, b.PHASE_PENDING):
+        change.phase(b.PHASE_PLANNED, "Planned", message)
+    change.status.setdefault("cost", _cost(change, 0.0))
+    # The plan is stored before any child exists: killed after this line, the next
+    # reconcile re-creates the same children under the same names.
+    change.commit()
+
+    for obj in b.build_runtime_rbac(change.job):
+        k8s.create_if_absent(obj)
+    k8s.create_if_absent(b.build_checkpoint_pvc(change.job, spec, plan, settings))
+    if plan.nodes > 1:
+        k8s.create_if_absent(b.build_headless_service(change.job))
+    config = b.build_runtime_config(change.job, spec, plan, resume)
+    k8s.apply_configmap(b.build_configmap(change.job, config, attempt))
+    created = []
+    for rank in range(plan.nodes):
+        if k8s.create_if_absent(b.build_pod(change.job, spec, chosen, attempt, rank, settings)):
+            created.append(b.pod_name(name, attempt, rank))
+            metrics.PODS_CREATED.inc()
+    if created:
+        change.event("Normal", "PodsCreated", f"attempt {attempt}: created {', '.join(created)}")
+        change.commit()
+    return Result()
+
+
+def _missing_inputs(namespace: str, spec: FineTuneJobSpec, plan: Any) -> list[str]:
+    missing = []
+    for claim in b.input_claims(spec):
+        if not k8s.pvc_exists(namespace, claim):
+            missing.append(f"PersistentVolumeClaim {claim!r} (from a pvc:// URI) does not exist in {namespace}")
+    classes = []
+    if plan.bytes.nvme > 0 and spec.offload.nvme.storage_class_name:
+        classes.append(("offload.nvme.storageClassName", spec.offload.nvme.storage_class_name))
+    if spec.checkpoint.storage_class_name:
+        classes.append(("checkpoint.storageClassName", spec.checkpoint.storage_class_name))
+    for field_name, cls in classes:
+        if not k8s.storage_class_exists(cls):
+            missing.append(f"StorageClass {cls!r} ({field_name}) does not exist")
+    return missing

@@ -1,0 +1,72 @@
+"""The operator's configuration: one typed object, read once from the environment.
+
+Where this sits: the bottom of the operator's layers (handlers -> builders -> k8s
+-> settings). Every field says its unit and why its default is what it is.
+Environment variables are the field names upper-cased with the prefix
+``SPILLWAY_OPERATOR_``, e.g. ``SPILLWAY_OPERATOR_RESYNC_SECONDS=5``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class OperatorSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPILLWAY_OPERATOR_", extra="ignore")
+
+    namespace: str = Field(
+        "spillway-system",
+        description="Namespace the operator runs in; the pricing ConfigMap is read from here",
+    )
+    pricing_configmap: str = Field(
+        "spillway-pricing",
+        description="ConfigMap with prices per GPU-hour keyed by GFD gpu.product (and 'default', 'cpu-node')",
+    )
+    default_gpu_hour_usd: float = Field(
+        2.0,
+        description="USD per GPU-hour when the pricing ConfigMap has no entry: a mid-range cloud list price",
+    )
+    default_cpu_node_hour_usd: float = Field(
+        0.5, description="USD per hour for a node without GPUs when the pricing ConfigMap has no entry"
+    )
+    runtime_image: str = Field(
+        "ghcr.io/spillway/runtime:0.1.0",
+        description="Image of the training pods (python -m spillway_runtime)",
+    )
+    resync_seconds: float = Field(
+        10.0,
+        description="Seconds between periodic reconciles of every job: cost accrual, TTL, backoff expiry. "
+        "Pod events reconcile at once; this only bounds how stale cost and TTL can be",
+    )
+    backoff_base_seconds: float = Field(
+        10.0, description="First retry delay after a failed attempt; doubles per failure (as Kubernetes Jobs)"
+    )
+    backoff_max_seconds: float = Field(360.0, description="Cap on the retry delay (Kubernetes Jobs cap at 6 min)")
+    termination_grace_seconds: int = Field(
+        600,
+        description="Pod terminationGracePeriodSeconds: the runtime checkpoints on SIGTERM, and writing "
+        "hundreds of GB of optimizer state takes minutes",
+    )
+    memory_overhead_bytes: int = Field(
+        4 << 30,
+        description="Added to the plan's CPU bytes for the pod's memory request: Python, CUDA context, "
+        "data loader and NCCL buffers live outside the model state the planner counts",
+    )
+    nvme_headroom_fraction: float = Field(
+        0.10,
+        description="Extra NVMe requested above the plan's swap bytes, for DeepSpeed's alignment padding",
+    )
+    checkpoint_storage_class: str | None = Field(
+        None, description="StorageClass of checkpoint PVCs when the job names none (None: cluster default)"
+    )
+    metrics_port: int = Field(8080, description="Port of the Prometheus /metrics endpoint (0 disables it)")
+    liveness_port: int = Field(8081, description="Port of kopf's /healthz liveness endpoint (0 disables it)")
+    run_as_user: int = Field(1000, description="UID of the training container; non-root by default")
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> OperatorSettings:
+    return OperatorSettings()
