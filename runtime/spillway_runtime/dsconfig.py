@@ -5,6 +5,8 @@ The known traps are handled here rather than left to users:
 - current DeepSpeed reads `aio.intra_op_parallelism`; `thread_count` is silently ignored,
   so an override that uses it is translated;
 - `offload_param.buffer_size` must cover the largest parameter or the swapper fails;
+- parameters on NVMe need enough swap buffers for every parameter alive at once: more
+  buffers than DeepSpeed's 5 and no reuse-distance caching (see `build_deepspeed_config`);
 - NVMe offload (and any parameter offload) needs ZeRO stage 3.
 Pure apart from `validate_deepspeed_config`, which imports DeepSpeed.
 """
@@ -83,6 +85,11 @@ def build_deepspeed_config(
             # as well, which is what putting parameters on NVMe was meant to avoid.
             block.update({"buffer_count": plan.swap.param_buffer_count, "buffer_size": plan.swap.param_buffer_size,
                           "max_in_cpu": 0})
+            # Every swapped-in parameter holds one whole pinned buffer until released; with the
+            # default reuse distance (1e9) nothing is released before the backward pass and the
+            # swapper runs dry ("Not enough buffers 0 for swapping 1") on any model deeper than
+            # buffer_count matrices. Release after use: the plan already counts the re-read.
+            zero["stage3_max_reuse_distance"] = 0
         zero["offload_param"] = block
 
     config: dict[str, Any] = {

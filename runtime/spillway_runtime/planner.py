@@ -40,7 +40,12 @@ GPU_RESERVED_FRACTION = 0.05
 # Host memory of one training process before any model state: Python, torch, DeepSpeed,
 # CUDA host allocations. Measured ~0.6 GiB on CPU-only torch; CUDA adds ~1 GiB.
 CPU_PROCESS_OVERHEAD_GPU = int(1.5 * GiB)
-CPU_PROCESS_OVERHEAD_CPU = int(0.75 * GiB)
+CPU_PROCESS_OVERHEAD_CPU = int(0.6 * GiB)
+# On a CPU accelerator the process's resident high-water mark carries ~16 B/param more than
+# the model-state formulas: the fp32 checkpoint pages and cast copy while loading, and the
+# "device" gradient buckets that live in host RAM (fitted on 0.75M-21M parameter runs,
+# benchmarks/bench_planner_fidelity.py).
+CPU_ACCELERATOR_EXTRA_BYTES_PER_PARAM = 16
 # Kept free for the OS, page cache and the kubelet.
 CPU_RESERVED_FRACTION = 0.08
 CPU_RESERVED_MIN = 1 * GiB
@@ -501,7 +506,8 @@ def _evaluate(
     else:
         # CPU accelerator: "device" memory is host memory; report it all under cpu.
         gpu_total = 0
-        cpu_total = cpu_state + (gpu_state + act) * ranks_per_node + overhead + pinned
+        extra = CPU_ACCELERATOR_EXTRA_BYTES_PER_PARAM * shape.params // nodes
+        cpu_total = cpu_state + (gpu_state + act) * ranks_per_node + overhead + pinned + extra
     pinned_total = pinned + (pinned_state if swap.pin_memory else 0)
     tier_bytes = TierBytes(
         gpu=gpu_total,

@@ -1,0 +1,41 @@
+"""Benchmark 4: offload overhead (report only).
+
+Median step time of each placement on the same model, as a ratio to ZeRO-2 with
+everything on the accelerator, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import BENCH_DIR, median_step_seconds, run_job, write_job  # noqa: E402
+
+PLACEMENTS = [(2, "gpu", "gpu"), (2, "cpu", "gpu"), (3, "gpu", "gpu"), (3, "cpu", "gpu"), (3, "cpu", "cpu"),
+              (3, "nvme", "gpu"), (3, "nvme", "cpu"), (3, "nvme", "nvme")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="wide", choices=["tiny", "wide", "small"])
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args()
+    results = []
+    for stage, optimizer, parameters in PLACEMENTS:
+        name = f"overhead-{args.model}-z{stage}-{optimizer}-{parameters}"
+        job = write_job(name, args.model, steps=args.steps, stage=stage,
+                        offload={"optimizer": optimizer, "parameters": parameters,
+                                 "nvme": {"path": str(BENCH_DIR / "nvme" / name)}})
+        config, events = run_job(job, BENCH_DIR / name)
+        results.append((config.plan.label, median_step_seconds(events)))
+    baseline = results[0][1]
+    print(f"model {args.model}, {args.steps} steps each, median step time (first 2 steps skipped)")
+    for label, seconds in results:
+        print(f"  {label:22s} {seconds * 1000:8.1f} ms   RATIO vs Z2 no offload = {seconds / baseline:.2f}")
+
+
+if __name__ == "__main__":
+    main()

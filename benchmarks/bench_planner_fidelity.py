@@ -1,0 +1,56 @@
+"""Benchmark 3: planner fidelity.
+
+For tiny and small models with the optimizer (and parameters) on NVMe, compares the
+plan's predicted bytes with what a real run used: NVMe = swap files on disk at their
+largest, CPU = peak resident memory of the training process (on a CPU accelerator the
+plan's CPU figure covers the whole process: model, activations, state, buffers and the
+runtime's own overhead). Target: within 10%.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import BENCH_DIR, run_job, write_job  # noqa: E402
+
+CASES = [
+    ("tiny", "nvme", "gpu"),
+    ("wide", "nvme", "gpu"),
+    ("wide", "nvme", "nvme"),
+    ("small", "nvme", "gpu"),
+    ("small", "nvme", "nvme"),
+    ("small", "cpu", "cpu"),
+]
+
+
+def main() -> None:
+    rows = []
+    for model, optimizer, parameters in CASES:
+        name = f"fidelity-{model}-{optimizer}-{parameters}"
+        job = write_job(name, model, steps=4, stage=3,
+                        offload={"optimizer": optimizer, "parameters": parameters,
+                                 "nvme": {"path": str(BENCH_DIR / "nvme" / name)}})
+        config, events = run_job(job, BENCH_DIR / name)
+        steps = [e for e in events if e["event"] == "step"]
+        nvme = max(e["bytes"].get("nvme", 0) for e in steps)
+        cpu = max(e["bytes"]["cpu"] for e in steps)
+        plan = config.plan
+        rows.append((model, plan.model.params, plan.label, plan.bytes.nvme, nvme, plan.bytes.cpu, cpu))
+
+    print(f"{'model':6s} {'params':>11s} {'plan':22s} {'NVMe pred':>10s} {'meas':>10s} {'ratio':>6s} "
+          f"{'CPU pred':>10s} {'meas':>10s} {'ratio':>6s}")
+    worst = 0.0
+    for model, params, label, nvme_p, nvme_m, cpu_p, cpu_m in rows:
+        nvme_ratio = nvme_m / nvme_p if nvme_p else (1.0 if nvme_m == 0 else float("inf"))
+        cpu_ratio = cpu_m / cpu_p
+        worst = max(worst, abs(nvme_ratio - 1), abs(cpu_ratio - 1))
+        print(f"{model:6s} {params:>11,} {label:22s} {nvme_p / 2**20:9.1f}M {nvme_m / 2**20:9.1f}M {nvme_ratio:6.2f} "
+              f"{cpu_p / 2**20:9.1f}M {cpu_m / 2**20:9.1f}M {cpu_ratio:6.2f}")
+    print(f"RATIO worst |measured/predicted - 1| = {worst:.2f}  (target <= 0.10)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Shared set-up for the benchmarks: locally built models, job files and runs.
+
+Every benchmark prints ratios against a baseline measured in the same run, because
+these machines are shared and noisy; absolute figures are printed for context only.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH_DIR = Path(os.environ.get("SPILLWAY_BENCH_DIR", ROOT / "runs" / "bench"))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+# name -> (hidden size, layers, heads): parameter counts 0.75M, 6.5M, 26M
+MODELS = {"tiny": (128, 4, 4), "wide": (768, 1, 6), "small": (512, 8, 8)}
+
+
+def model_dir(name: str) -> Path:
+    from spillway_runtime.tiny import build_tiny_model
+
+    path = BENCH_DIR / "models" / name
+    if not (path / "config.json").exists():
+        hidden, layers, heads = MODELS[name]
+        build_tiny_model(path, hidden_size=hidden, layers=layers, heads=heads)
+    return path
+
+
+def dataset() -> Path:
+    from spillway_runtime.tiny import write_dataset
+
+    path = BENCH_DIR / "data" / "train.jsonl"
+    if not path.exists():
+        write_dataset(path, count=2000)
+    return path
+
+
+def write_job(name: str, model: str, *, steps: int, offload: dict[str, Any], stage: int | None = None,
+              micro_batch: int = 4, sequence: int = 64) -> Path:
+    deepspeed = dict(offload.pop("deepspeed", {}))
+    if stage is not None:
+        deepspeed.setdefault("zero_optimization", {})["stage"] = stage
+    doc = {
+        "apiVersion": "spillway.dev/v1alpha1", "kind": "FineTuneJob", "metadata": {"name": name},
+        "spec": {
+            "model": {"uri": str(model_dir(model)), "dtype": "bf16"},
+            "dataset": {"uri": str(dataset())},
+            "training": {"maxSteps": steps, "microBatchSize": micro_batch, "gradientAccumulation": 1,
+                         "sequenceLength": sequence, "learningRate": 1e-3},
+            "offload": {**offload, "deepspeed": deepspeed},
+            "checkpoint": {"everySteps": 10_000, "keep": 1},
+        },
+    }
+    path = BENCH_DIR / "jobs" / f"{name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def run_job(job: Path, run_dir: Path) -> tuple[Any, list[dict[str, Any]]]:
+    """Run the job as `spillway run` would; returns (RuntimeConfig, events)."""
+    import shutil
+
+    from spillway_runtime.local import prepare_local_run, runtime_command, runtime_env
+    from spillway_runtime.reporting import read_events
+
+    shutil.rmtree(run_dir, ignore_errors=True)
+    config = prepare_local_run(job, run_dir=run_dir)
+    result = subprocess.run(runtime_command(run_dir / "runtime.json", 1), env=runtime_env(config),
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{job.name} failed ({result.returncode}):\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+    return config, read_events(run_dir / "events.jsonl")
+
+
+def median_step_seconds(events: list[dict[str, Any]], skip: int = 2) -> float:
+    times = [e["step_seconds"] for e in events if e["event"] == "step"][skip:]
+    return statistics.median(times)
