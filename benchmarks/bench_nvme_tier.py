@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import BENCH_DIR, write_job  # noqa: E402
+from common import BENCH_DIR, write_job
 
 
 def proc_io() -> tuple[int, int]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import BENCH_DIR, median_step_seconds, run_job, write_job  # noqa: E402
+from common import BENCH_DIR, median_step_seconds, run_job, write_job
 
 PLACEMENTS = [(2, "gpu", "gpu"), (2, "cpu", "gpu"), (3, "gpu", "gpu"), (3, "cpu", "gpu"), (3, "cpu", "cpu"),
               (3, "nvme", "gpu"), (3, "nvme", "cpu"), (3, "nvme", "nvme")]

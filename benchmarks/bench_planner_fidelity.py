@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import BENCH_DIR, run_job, write_job  # noqa: E402
+from common import BENCH_DIR, run_job, write_job
 
 CASES = [
     ("tiny", "nvme", "gpu"),
