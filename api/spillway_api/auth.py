@@ -104,7 +104,7 @@ class KubernetesAuth:
         if not status or not status.authenticated or not status.user:
             raise unauthorized("the Kubernetes API server did not accept this token")
         user = status.user
-        caller = Caller(user.username, tuple(user.groups or ()))
+        caller = Caller(user.username or "", tuple(user.groups or ()))
         extra = {k: list(v) for k, v in (user.extra or {}).items()}
         with self._lock:
             self._users[token] = (now, caller, {"uid": user.uid, "extra": extra})

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -83,8 +82,11 @@ def run(
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        local.on_planned = lambda config: (_print_plan(config.plan),
-                                           Console().print(f"run directory: {config.run_dir}"))
+        def planned(config: Any) -> None:
+            _print_plan(config.plan)
+            Console().print(f"run directory: {config.run_dir}")
+
+        local.on_planned = planned
         code = local.run()
     finally:
         for s, handler in previous.items():
@@ -122,4 +124,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(main())
+    main()

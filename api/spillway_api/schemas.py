@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, field_validator
 from pydantic.alias_generators import to_camel
 
 from spillway_runtime.hardware import NodeHardware
@@ -30,6 +30,16 @@ class JobMetadata(WireModel):
     labels: dict[str, str] = Field(default_factory=dict)
 
 
+def _type_errors_are_invalid(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """The spec's unit parsers raise TypeError for a non-string size or count (e.g. {}), which
+    pydantic does not turn into a validation error; make it one instead of a 500."""
+    try:
+        return handler(value)
+    except TypeError as err:
+        raise ValueError(f"a size or count field holds a value of the wrong type ({err}); use e.g. 13B or 500Gi") \
+            from None
+
+
 class JobCreate(WireModel):
     """A FineTuneJob document; apiVersion and kind may be omitted."""
 
@@ -38,6 +48,8 @@ class JobCreate(WireModel):
     kind: Literal["FineTuneJob"] = "FineTuneJob"
     metadata: JobMetadata
     spec: FineTuneJobSpec
+
+    _spec_types = field_validator("spec", mode="wrap")(_type_errors_are_invalid)
 
 
 class JobPublic(WireModel):
@@ -160,6 +172,8 @@ class PlanRequest(WireModel):
     node_count: int = Field(1, ge=1, le=1024)
     gpus_per_node: int | None = Field(None, ge=0, le=64)
     price_per_hour: float | None = Field(None, ge=0)
+
+    _spec_types = field_validator("spec", "offload", mode="wrap")(_type_errors_are_invalid)
 
 
 class PlanPublic(WireModel):

@@ -98,7 +98,7 @@ class JobService:
             raise not_found(namespace, name)
         return job
 
-    def list(self, namespace: str | None, phase: str | None, offset: int, limit: int) -> tuple[list[Job], int]:
+    def list_jobs(self, namespace: str | None, phase: str | None, offset: int, limit: int) -> tuple[list[Job], int]:
         stmt = select(Job)
         if namespace is not None:
             stmt = stmt.where(Job.namespace == namespace)

@@ -34,10 +34,10 @@ def load_kube_client() -> Any:
     from kubernetes import client, config
 
     try:
-        config.load_incluster_config()  # type: ignore[no-untyped-call]
+        config.load_incluster_config()
         return client.ApiClient()
     except config.ConfigException:
-        return config.new_client_from_config()  # type: ignore[no-untyped-call]
+        return config.new_client_from_config()
 
 
 def _api_error(err: Any, namespace: str, name: str) -> ApiError:
@@ -66,7 +66,7 @@ class KubernetesLauncher:
         body = {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": "FineTuneJob",
                 "metadata": {"name": job.name, "namespace": job.namespace}, "spec": job.spec}
         try:
-            created = self.custom.create_namespaced_custom_object(API_GROUP, API_VERSION, job.namespace, PLURAL, body)
+            created: Any = self.custom.create_namespaced_custom_object(API_GROUP, API_VERSION, job.namespace, PLURAL, body)
         except ApiException as err:
             raise _api_error(err, job.namespace, job.name) from None
         job.uid = created["metadata"].get("uid")
@@ -204,7 +204,7 @@ class FineTuneJobWatch:
                     row.resource_version = str(rv)
 
     def _list(self) -> str:
-        listed = self.custom.list_cluster_custom_object(API_GROUP, API_VERSION, PLURAL)
+        listed: Any = self.custom.list_cluster_custom_object(API_GROUP, API_VERSION, PLURAL)
         for obj in listed.get("items", []):
             self._apply(obj, "MODIFIED")
         rv = str(listed.get("metadata", {}).get("resourceVersion", ""))
@@ -226,11 +226,11 @@ class FineTuneJobWatch:
                 if not rv:
                     rv = self._list()
                 self.synced.set()
-                w = watch.Watch()  # type: ignore[no-untyped-call]
+                w = watch.Watch()
                 for event in w.stream(self.custom.list_cluster_custom_object, API_GROUP, API_VERSION, PLURAL,
                                       resource_version=rv, timeout_seconds=5, allow_watch_bookmarks=True):
                     if self._stop.is_set():
-                        w.stop()  # type: ignore[no-untyped-call]
+                        w.stop()
                         break
                     obj, kind = event["object"], event["type"]
                     if kind == "ERROR":

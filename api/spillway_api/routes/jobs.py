@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, status
 
@@ -26,8 +26,8 @@ router = APIRouter(prefix="/v1/namespaces/{namespace}/jobs", tags=["jobs"], resp
 
 Namespace = Annotated[str, Path(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)]
 Name = Annotated[str, Path(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)]
-NOT_FOUND = {404: {"model": Problem, "description": "No such job"}}
-CONFLICT = {409: {"model": Problem, "description": "Conflicts with the job's state"}}
+NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": Problem, "description": "No such job"}}
+CONFLICT: dict[int | str, dict[str, Any]] = {409: {"model": Problem, "description": "Conflicts with the job's state"}}
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=JobPublic, responses=CONFLICT)
@@ -45,7 +45,7 @@ def list_jobs(
     offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
 ) -> JobsPublic:
-    rows, count = service.list(namespace, phase, offset, limit)
+    rows, count = service.list_jobs(namespace, phase, offset, limit)
     return JobsPublic(data=[JobPublic.model_validate(r) for r in rows], count=count)
 
 
