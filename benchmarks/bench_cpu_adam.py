@@ -56,7 +56,8 @@ def main() -> None:
 
     best = max(ds, fused)
     print(f"params: {n:,}  threads: {torch.get_num_threads()}")
-    print(f"memory bandwidth (best of torch copy/triad/read): {bandwidth / 1e9:.2f} GB/s -> Adam bound {bound / 1e9:.2f} G params/s")
+    print(f"memory bandwidth (best of torch copy/triad/read): {bandwidth / 1e9:.2f} GB/s "
+          f"-> Adam bound {bound / 1e9:.2f} G params/s")
     for name, rate in (("DeepSpeedCPUAdam (runtime)", ds), ("torch fused AdamW", fused),
                        ("torch AdamW (for-loop)", unfused)):
         print(f"{name:28s} {rate / 1e9:6.2f} G params/s  {rate / bound:5.2f} of bound  {rate / best:5.2f} of best")
