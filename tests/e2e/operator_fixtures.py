@@ -1,0 +1,163 @@
+"""Helpers for the operator's e2e tests: the real operator as a subprocess, checkpoint
+volumes, and FineTuneJob manifests. Used by tests/e2e/test_operator*.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD = ROOT / "crds" / "finetunejobs.spillway.dev.yaml"
+CHECKPOINT_CLASS = "spillway-e2e-checkpoints"
+OPERATOR_NAMESPACE = "spillway-system"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class OperatorProcess:
+    """`python -m spillway_operator.cli operator -A` with fast resync and backoff for tests."""
+
+    def __init__(self, env: dict[str, str], log_path: Path):
+        self.env = dict(env)
+        self.metrics_port = free_port()
+        self.env.update(
+            {
+                "SPILLWAY_OPERATOR_RESYNC_SECONDS": "2",
+                "SPILLWAY_OPERATOR_BACKOFF_BASE_SECONDS": "1",
+                "SPILLWAY_OPERATOR_METRICS_PORT": str(self.metrics_port),
+                "SPILLWAY_OPERATOR_LIVENESS_PORT": "0",
+                "SPILLWAY_OPERATOR_NAMESPACE": OPERATOR_NAMESPACE,
+            }
+        )
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "spillway_operator.cli", "operator", "--all-namespaces"],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def metrics(self) -> str:
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            return str(r.read().decode())
+
+
+def add_checkpoint_volume(cluster: Any) -> str:
+    """A PersistentVolume of the e2e checkpoint class (no provisioner here); one per claim."""
+    cluster.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=json.dumps(
+            {
+                "apiVersion": "storage.k8s.io/v1",
+                "kind": "StorageClass",
+                "metadata": {"name": CHECKPOINT_CLASS},
+                "provisioner": "kubernetes.io/no-provisioner",
+                "volumeBindingMode": "Immediate",
+            }
+        ),
+    )
+    name = f"e2e-ckpt-{secrets.token_hex(4)}"
+    cluster.kubectl(
+        "create",
+        "-f",
+        "-",
+        input=json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolume",
+                "metadata": {"name": name, "labels": {"spillway.dev/e2e-checkpoint": "true"}},
+                "spec": {
+                    "capacity": {"storage": "1Pi"},
+                    "accessModes": ["ReadWriteOnce"],
+                    "persistentVolumeReclaimPolicy": "Retain",
+                    "storageClassName": CHECKPOINT_CLASS,
+                    "hostPath": {"path": f"/tmp/{name}"},
+                },
+            }
+        ),
+    )
+    return name
+
+
+def job_manifest(name: str, node: str | None = None, **spec: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": {"uri": "file:///models/llama", "parameterCount": "7B"},
+        "dataset": {"uri": "file:///data/train.jsonl"},
+        "checkpoint": {"storageClassName": CHECKPOINT_CLASS},
+        "resources": {"gpusPerNode": 1},
+    }
+    if node:
+        body["resources"]["nodeSelector"] = {"kubernetes.io/hostname": node}
+    body.update(spec)
+    return {"apiVersion": "spillway.dev/v1alpha1", "kind": "FineTuneJob", "metadata": {"name": name}, "spec": body}
+
+
+def wait_status(cluster: Any, ns: str, name: str, pred: Any, timeout: float = 30, what: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+
+    def check() -> bool:
+        job = cluster.get("finetunejob", name, ns)
+        if job is None:
+            return False
+        out.clear()
+        out.update(job)
+        return bool(pred(job.get("status") or {}))
+
+    cluster.wait_for(check, timeout, what=what or f"{ns}/{name} status")
+    return out
+
+
+def pods_of(cluster: Any, ns: str, job: str) -> list[dict[str, Any]]:
+    data = cluster.kubectl_json("get", "pods", "-n", ns, "-l", f"spillway.dev/job={job}")
+    return list(data.get("items", []))
+
+
+def active_pods(cluster: Any, ns: str, job: str) -> list[str]:
+    return sorted(
+        p["metadata"]["name"]
+        for p in pods_of(cluster, ns, job)
+        if p["status"].get("phase") not in ("Succeeded", "Failed") and not p["metadata"].get("deletionTimestamp")
+    )
+
+
+def events_of(cluster: Any, ns: str, name: str) -> list[dict[str, Any]]:
+    data = cluster.kubectl_json("get", "events", "-n", ns, "--field-selector", f"involvedObject.name={name}")
+    return list(data.get("items", []))
+
+
+def wait_seconds(seconds: float) -> None:
+    time.sleep(seconds)

@@ -1,0 +1,239 @@
+"""The real operator process against the real control plane (hack/cluster, kwok nodes)."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tests.e2e.operator_fixtures import (
+    CRD,
+    OPERATOR_NAMESPACE,
+    OperatorProcess,
+    active_pods,
+    add_checkpoint_volume,
+    events_of,
+    job_manifest,
+    pods_of,
+    wait_status,
+)
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
+    cluster.kubectl("apply", "-f", str(CRD))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/finetunejobs.spillway.dev", "--timeout=30s")
+    cluster.kubectl("create", "namespace", OPERATOR_NAMESPACE, check=False)
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    op = OperatorProcess(cluster.env, log)
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()
+        cluster.kubectl("delete", "pv", "-l", "spillway.dev/e2e-checkpoint=true", "--wait=false", check=False)
+        print(f"operator log: {log}")
+
+
+def test_api_server_rejects_invalid_job_naming_the_field(cluster: Any, namespace: str, operator: Any) -> None:
+    bad = job_manifest("bad", training={"maxSteps": 10, "warmupSteps": 20})
+    proc = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(bad), check=False)
+    assert proc.returncode != 0
+    assert "warmupSteps" in proc.stderr
+    typo = job_manifest("typo", resources={"placement": "random"})
+    proc = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(typo), check=False)
+    assert proc.returncode != 0 and "spec.resources.placement" in proc.stderr
+    cluster.apply(job_manifest("ok", node="nowhere"), namespace)
+    proc = cluster.kubectl(
+        "patch", "ftj", "ok", "-n", namespace, "--type=merge", "-p", '{"spec":{"model":{"uri":"file:///other"}}}', check=False
+    )
+    assert proc.returncode != 0 and "model.uri is immutable" in proc.stderr
+
+
+def test_plans_creates_children_retries_and_succeeds(
+    cluster: Any,
+    namespace: str,
+    operator: OperatorProcess,
+    make_node: Callable[..., str],
+    set_pod_phase: Callable[..., Any],
+) -> None:
+    node = make_node("gpu-48g-nvme")
+    add_checkpoint_volume(cluster)
+    started = time.monotonic()
+    cluster.apply(job_manifest("train", node=node, backoffLimit=2), namespace)
+    job = wait_status(cluster, namespace, "train", lambda s: s.get("phase") == "Running", 30, "Running")
+    print(f"apply -> Running: {time.monotonic() - started:.2f} s")
+    plan = job["status"]["plan"]
+    assert plan["label"].startswith("Z") and plan["gpusPerNode"] == 1
+    assert job["status"]["observedGeneration"] == job["metadata"]["generation"]
+    pod = cluster.get("pod", "train-a0-0", namespace)
+    container = pod["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert pod["spec"]["nodeName"] == node
+    runtime = json.loads(cluster.get("configmap", "train-runtime", namespace)["data"]["runtime.json"])
+    assert runtime["plan"]["zero_stage"] == plan["zeroStage"]
+    for kind, name in [
+        ("pvc", "train-checkpoints"),
+        ("serviceaccount", "train-runtime"),
+        ("role", "train-runtime"),
+        ("rolebinding", "train-runtime"),
+    ]:
+        obj = cluster.get(kind, name, namespace)
+        assert obj is not None and obj["metadata"]["ownerReferences"][0]["kind"] == "FineTuneJob"
+    can = cluster.kubectl(
+        "auth",
+        "can-i",
+        "patch",
+        "finetunejobs.spillway.dev/train",
+        "--subresource=status",
+        "-n",
+        namespace,
+        f"--as=system:serviceaccount:{namespace}:train-runtime",
+        check=False,
+    )
+    assert can.stdout.strip() == "yes"
+    cannot = cluster.kubectl(
+        "auth",
+        "can-i",
+        "patch",
+        "finetunejobs.spillway.dev/other",
+        "--subresource=status",
+        "-n",
+        namespace,
+        f"--as=system:serviceaccount:{namespace}:train-runtime",
+        check=False,
+    )
+    assert cannot.stdout.strip() == "no"
+
+    set_pod_phase(namespace, "train-a0-0", "Failed", exit_code=1)
+    wait_status(cluster, namespace, "train", lambda s: s.get("attempt") == 1, 20, "retry after a failure")
+    cluster.wait_for(lambda: active_pods(cluster, namespace, "train") == ["train-a1-0"], 20, what="retry pod")
+    set_pod_phase(namespace, "train-a1-0", "Failed", exit_code=75)
+    job = wait_status(cluster, namespace, "train", lambda s: s.get("attempt") == 2, 20, "preemption")
+    assert job["status"]["failures"] == 1 and job["status"]["preemptions"] == 1
+    cluster.wait_for(lambda: active_pods(cluster, namespace, "train") == ["train-a2-0"], 20, what="pod a2")
+    set_pod_phase(namespace, "train-a2-0", "Succeeded")
+    job = wait_status(cluster, namespace, "train", lambda s: s.get("phase") == "Succeeded", 20)
+    assert job["status"]["cost"]["usd"] > 0
+    reasons = {e["reason"] for e in events_of(cluster, namespace, "train")}
+    assert {"Planned", "Running", "AttemptFailed", "Preempted", "Completed"} <= reasons
+    assert "spillway_jobs" in operator.metrics()
+
+
+def test_job_that_fits_nowhere_fails_with_the_short_tier(
+    cluster: Any, namespace: str, operator: Any, make_node: Callable[..., str]
+) -> None:
+    node = make_node("gpu-24g")
+    cluster.apply(job_manifest("huge", node=node, model={"uri": "file:///m", "parameterCount": "400B"}), namespace)
+    job = wait_status(cluster, namespace, "huge", lambda s: s.get("phase") == "Failed", 30)
+    planned = next(c for c in job["status"]["conditions"] if c["type"] == "Planned")
+    assert planned["status"] == "False" and planned["reason"] == "NoFit"
+    assert "short by" in planned["message"] and "GiB" in planned["message"]
+    assert pods_of(cluster, namespace, "huge") == []
+    assert any(e["reason"] == "NoFit" for e in events_of(cluster, namespace, "huge"))
+
+
+def test_suspend_resume_and_rollback(cluster: Any, namespace: str, operator: Any, make_node: Callable[..., str]) -> None:
+    node = make_node("gpu-48g-nvme")
+    add_checkpoint_volume(cluster)
+    cluster.apply(job_manifest("roll", node=node), namespace)
+    wait_status(cluster, namespace, "roll", lambda s: s.get("phase") == "Running", 30)
+    cluster.kubectl("patch", "ftj", "roll", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":true}}')
+    wait_status(cluster, namespace, "roll", lambda s: s.get("phase") == "Suspended", 20)
+    cluster.wait_for(lambda: active_pods(cluster, namespace, "roll") == [], 20, what="pods gone when suspended")
+    cluster.kubectl("patch", "ftj", "roll", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":false}}')
+    wait_status(cluster, namespace, "roll", lambda s: s.get("phase") == "Running", 30, "resumed")
+    before = active_pods(cluster, namespace, "roll")
+    assert len(before) == 1
+
+    # The runtime reports checkpoints with server-side apply under its own field manager.
+    checkpoint = {
+        "apiVersion": "spillway.dev/v1alpha1",
+        "kind": "FineTuneJob",
+        "metadata": {"name": "roll", "namespace": namespace},
+        "status": {"checkpoints": [{"name": "step-00010", "step": 10, "loss": 2.5}]},
+    }
+    cluster.kubectl(
+        "apply",
+        "--server-side",
+        "--field-manager=spillway-runtime",
+        "--subresource=status",
+        "-f",
+        "-",
+        input=json.dumps(checkpoint),
+    )
+    cluster.kubectl("patch", "ftj", "roll", "-n", namespace, "--type=merge", "-p", '{"spec":{"resumeFrom":"nope"}}')
+    job = wait_status(
+        cluster,
+        namespace,
+        "roll",
+        lambda s: any(c["type"] == "Rollback" and c["reason"] == "UnknownCheckpoint" for c in s.get("conditions", [])),
+        20,
+    )
+    assert active_pods(cluster, namespace, "roll") == before
+    cluster.kubectl("patch", "ftj", "roll", "-n", namespace, "--type=merge", "-p", '{"spec":{"resumeFrom":"step-00010"}}')
+    job = wait_status(cluster, namespace, "roll", lambda s: s.get("appliedResumeFrom") == "step-00010", 20)
+    cluster.wait_for(lambda: (p := active_pods(cluster, namespace, "roll")) and p != before, 20, what="new pod")
+    runtime = json.loads(cluster.get("configmap", "roll-runtime", namespace)["data"]["runtime.json"])
+    assert runtime["job"]["spec"]["resumeFrom"] == "step-00010"
+    assert job["status"]["checkpoints"][0]["name"] == "step-00010"  # operator never overwrote it
+    assert any(e["reason"] == "UnknownCheckpoint" for e in events_of(cluster, namespace, "roll"))
+
+
+def test_budget_ttl_and_node_loss(
+    cluster: Any, namespace: str, operator: Any, make_node: Callable[..., str], delete_node: Callable[[str], None]
+) -> None:
+    node = make_node("gpu-48g-nvme")
+    add_checkpoint_volume(cluster)
+    add_checkpoint_volume(cluster)
+    # $36000 per GPU-hour: $10 per second, so a $5 budget runs out at once.
+    cluster.kubectl(
+        "create", "configmap", "spillway-pricing", "-n", OPERATOR_NAMESPACE, "--from-literal=NVIDIA-L40S=36000", check=False
+    )
+    try:
+        cluster.apply(job_manifest("pricey", node=node, budget={"maxCostUSD": 5}, ttlSecondsAfterFinished=3), namespace)
+        job = wait_status(cluster, namespace, "pricey", lambda s: s.get("phase") == "BudgetExceeded", 30)
+        assert job["status"]["cost"]["usd"] >= 5
+        cluster.wait_for(lambda: cluster.get("finetunejob", "pricey", namespace) is None, 30, what="TTL deletion")
+    finally:
+        cluster.kubectl("delete", "configmap", "spillway-pricing", "-n", OPERATOR_NAMESPACE, check=False)
+
+    cluster.apply(job_manifest("lost", node=node), namespace)
+    wait_status(cluster, namespace, "lost", lambda s: s.get("phase") == "Running", 30)
+    delete_node(node)
+    job = wait_status(cluster, namespace, "lost", lambda s: s.get("preemptions") == 1, 30, "node loss")
+    assert job["status"].get("failures", 0) == 0
+    assert cluster.get("pod", "lost-a0-0", namespace) is None
+
+
+def test_sigkill_mid_reconcile_converges_without_duplicates(
+    cluster: Any, namespace: str, operator: OperatorProcess, make_node: Callable[..., str]
+) -> None:
+    node = make_node("gpu-80g")
+    names = [f"k{i}" for i in range(6)]
+    for _ in names:
+        add_checkpoint_volume(cluster)
+    rng = random.Random(7)
+    for name in names:
+        cluster.apply(job_manifest(name, node=node), namespace)
+        operator.kill()  # at an arbitrary point of the reconciles in flight
+        operator.start()
+        time.sleep(rng.uniform(0.0, 1.5))
+    for name in names:
+        wait_status(cluster, namespace, name, lambda s: s.get("phase") == "Running", 60, f"{name} Running")
+    for name in names:
+        pods = pods_of(cluster, namespace, name)
+        assert [p["metadata"]["name"] for p in pods] == [f"{name}-a0-0"], name
+    operator.kill()
+    operator.start()
+    time.sleep(5)
+    for name in names:
+        assert active_pods(cluster, namespace, name) == [f"{name}-a0-0"]
+        job = cluster.get("finetunejob", name, namespace)
+        assert job["status"]["plan"]["label"] and job["status"].get("attempt", 0) == 0

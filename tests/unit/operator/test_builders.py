@@ -1,0 +1,168 @@
+"""Pure builders: placement across node shapes, child objects, pod outcome policy."""
+
+from __future__ import annotations
+
+import copy
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from spillway_operator import builders as b
+from spillway_operator.settings import OperatorSettings
+from spillway_runtime.spec import FineTuneJobSpec, parse_job
+
+NODES_DIR = Path(__file__).resolve().parents[3] / "hack" / "kwok" / "nodes"
+SETTINGS = OperatorSettings(backoff_base_seconds=10, backoff_max_seconds=60)
+
+
+def node(profile: str, name: str | None = None) -> dict[str, Any]:
+    n: dict[str, Any] = yaml.safe_load((NODES_DIR / f"{profile}.yaml").read_text())
+    n["metadata"]["name"] = name or profile
+    n.setdefault("status", {})["conditions"] = [{"type": "Ready", "status": "True"}]
+    return n
+
+
+def spec(**over: Any) -> FineTuneJobSpec:
+    doc: dict[str, Any] = {
+        "metadata": {"name": "j"},
+        "spec": {"model": {"uri": "pvc://models/llama", "parameterCount": "7B"}, "dataset": {"uri": "file:///d"}},
+    }
+    doc["spec"].update(over)
+    return parse_job(doc).spec
+
+
+JOB = {"apiVersion": "spillway.dev/v1alpha1", "kind": "FineTuneJob", "metadata": {"name": "j", "namespace": "ns", "uid": "u-1"}}
+
+
+def test_cheapest_and_fastest_choose_different_shapes() -> None:
+    nodes = [node("gpu-24g"), node("gpu-80g"), node("gpu-48g-nvme")]
+    pricing = {"NVIDIA-A100-SXM4-80GB": "4.0", "NVIDIA-L40S": "1.0", "NVIDIA-GeForce-RTX-4090": "0.4"}
+    cheap = b.choose_placement(spec(), nodes, pricing, SETTINGS)
+    fast = b.choose_placement(spec(resources={"placement": "fastest"}), nodes, pricing, SETTINGS)
+    assert cheap.chosen is not None and fast.chosen is not None
+    assert cheap.chosen.plan is not None and fast.chosen.plan is not None
+    fits = [c for c in cheap.shapes if c.plan is not None and c.plan.feasible]
+    assert len(fits) >= 2
+    assert cheap.chosen.plan.predicted_cost_usd == min(c.plan.predicted_cost_usd or 0 for c in fits if c.plan)
+    fits_fast = [c for c in fast.shapes if c.plan is not None and c.plan.feasible]
+    fastest = min(c.plan.predicted_total_seconds for c in fits_fast if c.plan)
+    assert fast.chosen.plan.predicted_total_seconds == fastest
+    status = b.plan_status(cheap)
+    assert status["label"].startswith("Z")
+    assert len(status["rejectedShapes"]) == 2
+    assert all(r["why"] for r in status["rejectedShapes"])
+
+
+def test_no_fit_names_short_tier_and_gib() -> None:
+    placement = b.choose_placement(spec(model={"uri": "file:///m", "parameterCount": "400B"}), [node("gpu-24g")], {}, SETTINGS)
+    assert placement.chosen is None
+    assert "short by" in placement.failure and "GiB" in placement.failure
+
+
+def test_node_selector_and_taints_exclude_nodes() -> None:
+    tainted = node("gpu-80g", "tainted")
+    tainted["spec"] = {"taints": [{"key": "gpu", "value": "a100", "effect": "NoSchedule"}]}
+    placement = b.choose_placement(spec(), [tainted], {}, SETTINGS)
+    assert placement.chosen is None and "not tolerated" in placement.failure
+    tolerated = spec(resources={"tolerations": [{"key": "gpu", "operator": "Exists"}]})
+    assert b.choose_placement(tolerated, [tainted], {}, SETTINGS).chosen is not None
+    picky = spec(resources={"nodeSelector": {"pool": "x"}})
+    assert b.choose_placement(picky, [node("gpu-80g")], {}, SETTINGS).chosen is None
+
+
+def test_pod_has_gpu_limits_memory_affinity_and_volumes() -> None:
+    s = spec(resources={"gpusPerNode": 1}, offload={"nvme": {"storageClassName": "local-nvme"}})
+    placement = b.choose_placement(s, [node("gpu-24g", "n1"), node("gpu-24g", "n2")], {}, SETTINGS)
+    choice = placement.chosen
+    assert choice is not None and choice.plan is not None
+    pod = b.build_pod(JOB, s, choice, attempt=2, rank=0, settings=SETTINGS)
+    assert pod["metadata"]["name"] == "j-a2-0"
+    assert pod["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    container = pod["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    memory_mib = int(container["resources"]["requests"]["memory"].removesuffix("Mi"))
+    assert memory_mib * 2**20 >= choice.plan.bytes.cpu
+    terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert terms["nodeSelectorTerms"][0]["matchFields"][0]["values"] == ["n1", "n2"]
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["input-models"]["persistentVolumeClaim"]["claimName"] == "models"
+    if choice.plan.bytes.nvme:
+        claim = volumes["nvme"]["ephemeral"]["volumeClaimTemplate"]["spec"]
+        assert claim["storageClassName"] == "local-nvme"
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= 60
+    # Deterministic: the same inputs build the same pod (restart safety rests on it).
+    assert b.build_pod(JOB, s, choice, attempt=2, rank=0, settings=SETTINGS) == pod
+
+
+def test_runtime_config_carries_resume_only_when_asked() -> None:
+    s = spec(resumeFrom="step-00010")
+    placement = b.choose_placement(s, [node("gpu-80g")], {}, SETTINGS)
+    assert placement.chosen is not None and placement.chosen.plan is not None
+    with_resume = b.build_runtime_config(JOB, s, placement.chosen.plan, "step-00010")
+    without = b.build_runtime_config(JOB, s, placement.chosen.plan, None)
+    assert with_resume.job.spec.resume_from == "step-00010"
+    assert without.job.spec.resume_from is None
+    assert with_resume.model_dir == "/mnt/pvc/models/llama"
+
+
+def test_rbac_is_limited_to_own_job_status() -> None:
+    _, role, binding = b.build_runtime_rbac(JOB)
+    assert all(rule["resourceNames"] == ["j"] for rule in role["rules"])
+    assert "patch" not in role["rules"][0]["verbs"]
+    assert binding["subjects"][0]["name"] == "j-runtime"
+
+
+def _pod(phase: str, code: int | None = None, reason: str = "") -> dict[str, Any]:
+    status: dict[str, Any] = {"phase": phase}
+    if code is not None:
+        status["containerStatuses"] = [{"state": {"terminated": {"exitCode": code, "reason": reason}}}]
+    return {"metadata": {"name": "p"}, "spec": {"nodeName": "n"}, "status": status}
+
+
+@pytest.mark.parametrize(
+    ("pod", "node_exists", "kind"),
+    [
+        (_pod("Succeeded", 0), True, b.OUTCOME_SUCCEEDED),
+        (_pod("Failed", 1), True, b.OUTCOME_RETRYABLE),
+        (_pod("Failed", 137, "OOMKilled"), True, b.OUTCOME_RETRYABLE),
+        (_pod("Failed", 75), True, b.OUTCOME_PREEMPTED),
+        (_pod("Failed", 2), True, b.OUTCOME_PERMANENT),
+        (_pod("Failed", 4), True, b.OUTCOME_PERMANENT),
+        (_pod("Running"), False, b.OUTCOME_PREEMPTED),
+        (_pod("Running"), True, b.OUTCOME_RUNNING),
+    ],
+)
+def test_exit_code_policy(pod: dict[str, Any], node_exists: bool, kind: str) -> None:
+    assert b.classify_pod(pod, node_exists).kind == kind
+
+
+def test_evicted_pod_is_preempted() -> None:
+    pod = _pod("Failed")
+    pod["status"]["reason"] = "Evicted"
+    assert b.classify_pod(pod, True).kind == b.OUTCOME_PREEMPTED
+
+
+def test_backoff_doubles_and_caps() -> None:
+    assert [b.backoff_seconds(n, SETTINGS) for n in range(5)] == [0, 10, 20, 40, 60]
+
+
+def test_condition_transition_time_moves_only_on_flip() -> None:
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    c = b.set_condition([], "Running", True, "Running", "a", 1, t0)
+    c = b.set_condition(c, "Running", True, "Running", "b", 2, t0 + timedelta(seconds=5))
+    assert c[0]["lastTransitionTime"] == "2026-01-01T00:00:00Z" and c[0]["message"] == "b"
+    c = b.set_condition(copy.deepcopy(c), "Running", False, "Stopped", "c", 2, t0 + timedelta(seconds=9))
+    assert c[0]["lastTransitionTime"] == "2026-01-01T00:00:09Z"
+
+
+def test_cost_accrues_from_pod_time() -> None:
+    now = datetime(2026, 1, 1, 1, tzinfo=UTC)
+    pod = {"status": {"startTime": "2026-01-01T00:00:00Z"}}
+    seconds = b.pod_run_seconds(pod, now)
+    assert seconds == 3600
+    cost = b.cost_status(1.0, 0.5, seconds, 8.0, 4)
+    assert cost["usd"] == 9.0 and cost["gpuHours"] == 4.5 and cost["display"] == "$9.00"
