@@ -1,0 +1,140 @@
+"""Publish training progress and checkpoints into the FineTuneJob's status (in-cluster only).
+
+Where this sits: a Reporter sink of the training process (rank 0). The operator
+owns every other status field; this module owns `status.progress` and
+`status.checkpoints` through server-side apply under the field manager
+``spillway-runtime``, so neither side overwrites the other. The pod's
+environment names the job (SPILLWAY_JOB_NAME / SPILLWAY_JOB_NAMESPACE, set by
+the operator); outside a cluster `sink_from_env()` returns None. The kubernetes
+client is imported lazily: the runtime image does not need it for local runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+FIELD_MANAGER = "spillway-runtime"
+GROUP, VERSION, PLURAL = "spillway.dev", "v1alpha1", "finetunejobs"
+# Step events arrive every optimizer step; the API server needs no more than this.
+MIN_PROGRESS_INTERVAL_S = 5.0
+MAX_CHECKPOINTS_LISTED = 50
+
+log = logging.getLogger("spillway.runtime.status")
+
+
+class StatusPublisher:
+    def __init__(self, name: str, namespace: str, total_steps: int, patch: Callable[[dict[str, Any]], None]):
+        self.name = name
+        self.namespace = namespace
+        self.total_steps = total_steps
+        self._patch = patch
+        self._checkpoints: list[dict[str, Any]] = []
+        self._progress: dict[str, Any] = {}
+        self._last_sent = 0.0
+
+    def body(self) -> dict[str, Any]:
+        status: dict[str, Any] = {}
+        if self._progress:
+            status["progress"] = self._progress
+        if self._checkpoints:
+            status["checkpoints"] = self._checkpoints[-MAX_CHECKPOINTS_LISTED:]
+        return {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "FineTuneJob",
+            "metadata": {"name": self.name, "namespace": self.namespace},
+            "status": status,
+        }
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        kind = record.get("event")
+        force = False
+        if kind == "step":
+            self._progress = {
+                "step": int(record.get("step", 0)),
+                "totalSteps": self.total_steps,
+                "loss": _num(record.get("loss")),
+                "learningRate": _num(record.get("lr")),
+                "tokensPerSecond": _num(record.get("tokens_per_s")),
+                "etaSeconds": _num(record.get("eta_seconds")),
+                "bytes": record.get("bytes") or {},
+                "updatedAt": _iso(record.get("time")),
+            }
+        elif kind == "checkpoint":
+            entry = {
+                "name": str(record.get("name")),
+                "step": int(record.get("step", 0)),
+                "loss": _num(record.get("loss")),
+                "time": _iso(record.get("time")),
+                "sizeBytes": int(record.get("sizeBytes") or 0),
+                "sha256": str(record.get("sha256") or ""),
+            }
+            self._checkpoints = [c for c in self._checkpoints if c["name"] != entry["name"]] + [entry]
+            force = True
+        elif kind in ("finished", "failed", "preempted", "rollback", "resumed"):
+            force = True
+        else:
+            return
+        now = time.monotonic()
+        if not force and now - self._last_sent < MIN_PROGRESS_INTERVAL_S:
+            return
+        self._last_sent = now
+        try:
+            self._patch(self.body())
+        except Exception as err:  # progress is best effort; training must go on without the API
+            log.warning("status publish failed: %s", err)
+
+
+def _num(value: Any) -> float | None:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    return v if v == v and v not in (float("inf"), float("-inf")) else None  # JSON has no NaN
+
+
+def _iso(t: Any) -> str:
+    seconds = float(t) if t is not None else time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
+
+def _server_side_apply(name: str, namespace: str) -> Callable[[dict[str, Any]], None]:
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    api = client.CustomObjectsApi()
+
+    def patch(body: dict[str, Any]) -> None:
+        api.patch_namespaced_custom_object_status(
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            name,
+            body,
+            field_manager=FIELD_MANAGER,
+            force=True,
+            _content_type="application/apply-patch+yaml",
+        )
+
+    return patch
+
+
+def sink_from_env(total_steps: int) -> StatusPublisher | None:
+    """The Reporter sink for a pod the operator created; None anywhere else."""
+    name = os.environ.get("SPILLWAY_JOB_NAME")
+    namespace = os.environ.get("SPILLWAY_JOB_NAMESPACE")
+    if not name or not namespace or int(os.environ.get("RANK", "0")) != 0:
+        return None
+    try:
+        patch = _server_side_apply(name, namespace)
+    except Exception as err:
+        log.warning("no status publishing (kubernetes client unavailable): %s", err)
+        return None
+    return StatusPublisher(name, namespace, total_steps, patch)

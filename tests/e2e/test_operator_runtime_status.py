@@ -1,0 +1,56 @@
+"""The runtime's side of status (server-side apply) and the node probe's annotations,
+against the real API server."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from spillway_runtime import k8s_status, node_probe
+from spillway_runtime.hardware import NodeHardware, hardware_from_node
+from tests.e2e.operator_fixtures import CRD, job_manifest
+
+pytestmark = pytest.mark.e2e
+
+
+def test_runtime_publishes_progress_and_checkpoints_beside_operator_fields(cluster: Any, namespace: str) -> None:
+    cluster.kubectl("apply", "-f", str(CRD))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/finetunejobs.spillway.dev", "--timeout=30s")
+    cluster.apply(job_manifest("pub", node="nowhere"), namespace)
+    # The operator's merge patch of its own fields.
+    cluster.kubectl(
+        "patch", "ftj", "pub", "-n", namespace, "--subresource=status", "--type=merge", "-p", '{"status":{"phase":"Running"}}'
+    )
+    sink = k8s_status.StatusPublisher("pub", namespace, 100, k8s_status._server_side_apply("pub", namespace))
+    sink({"event": "step", "step": 7, "loss": 2.5, "lr": 1e-5, "tokens_per_s": 900.0, "time": 1.7e9})
+    sink({"event": "checkpoint", "name": "step-00007", "step": 7, "loss": 2.5, "sizeBytes": 10, "sha256": "ab"})
+    job = cluster.get("finetunejob", "pub", namespace)
+    assert job["status"]["phase"] == "Running"
+    assert job["status"]["progress"]["step"] == 7
+    assert job["status"]["checkpoints"][0]["name"] == "step-00007"
+    full = cluster.kubectl_json("get", "ftj", "pub", "-n", namespace, "--show-managed-fields")
+    managers = {m["manager"] for m in full["metadata"]["managedFields"]}
+    assert "spillway-runtime" in managers
+    printed = cluster.kubectl("get", "ftj", "pub", "-n", namespace).stdout
+    assert "Running" in printed and "2.5" in printed
+
+
+def test_probe_annotates_its_own_node(cluster: Any, make_node: Callable[..., str], monkeypatch: Any) -> None:
+    node = make_node("cpu-only")
+    monkeypatch.setenv("NODE_NAME", node)
+    hw = NodeHardware(
+        name=node,
+        cpu_memory_bytes=32 << 30,
+        nvme_path="/mnt/nvme9",
+        nvme_capacity_bytes=10**12,
+        nvme_free_bytes=9 * 10**11,
+        nvme_read_bytes_per_s=2e9,
+    )
+    written = node_probe.annotate_node(hw)
+    got = hardware_from_node(cluster.kubectl_json("get", "node", node))
+    assert written["spillway.dev/nvme-free-bytes"] == str(9 * 10**11)
+    assert got.nvme_free_bytes == 9 * 10**11 and got.nvme_path == "/mnt/nvme9"
+    assert json.dumps(written)
