@@ -2,9 +2,7 @@
 #   make demo   set everything up and fine-tune the tiny example with optimizer state on NVMe
 #   make test   set everything up and run lint, type checks and the whole test suite
 SHELL := /bin/bash
-VENV ?= $(HOME)/.cache/spillway/venv
-BIN := $(VENV)/bin
-export SPILLWAY_VENV := $(VENV)
+PY := .venv/bin/python
 
 .PHONY: setup demo test lint unit integration e2e bench crds
 
@@ -12,25 +10,25 @@ setup:
 	@hack/setup.sh
 
 demo: setup
-	$(BIN)/spillway make-tiny runs/models/tiny-llama --dataset runs/data/arithmetic.jsonl
-	$(BIN)/spillway run examples/tiny-local.yaml
+	.venv/bin/spillway make-tiny runs/models/tiny-llama --dataset runs/data/arithmetic.jsonl
+	.venv/bin/spillway run examples/tiny-local.yaml
 
 lint: setup
-	$(BIN)/ruff check runtime operator api tests benchmarks
-	$(BIN)/mypy
-	$(BIN)/lint-imports
+	$(PY) -m ruff check runtime operator api tests benchmarks
+	$(PY) -m mypy
+	$(PY) -c 'import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())'
 
 test: setup
 	@hack/test.sh
 
 unit: setup
-	$(BIN)/pytest tests/unit
+	$(PY) -m pytest tests/unit
 
 integration: setup
-	$(BIN)/pytest tests/integration
+	DS_ACCELERATOR=cpu $(PY) -m pytest tests/integration
 
 e2e: setup
-	$(BIN)/pytest tests/e2e
+	$(PY) -m pytest tests/e2e
 
 bench: setup
-	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+	@for b in benchmarks/bench_*.py; do echo "== $$b"; DS_ACCELERATOR=cpu $(PY) $$b || exit 1; done

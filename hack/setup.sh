@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything Spillway needs on a fresh Debian machine, idempotently:
 # system packages (libaio-dev for DeepSpeed's async I/O, PostgreSQL for the DB tests),
-# a virtual environment outside the repository (so clones share the multi-GB torch
-# install), the pinned Python dependencies, and DeepSpeed's CPU ops built once.
+# a virtual environment outside the repository with the pinned dependencies (so clones
+# share the multi-GB torch install), this checkout's .venv on top of it, and DeepSpeed's
+# CPU ops built once.
 # A second run that finds everything in place takes a few seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,17 +34,39 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 
-# Re-install only when the pins, the project metadata or this checkout's path change.
-stamp_key=$(cat requirements.lock pyproject.toml | sha256sum | cut -c1-16)-$(pwd | sha256sum | cut -c1-8)
-stamp="$VENV/.spillway-$stamp_key"
-if [ ! -f "$stamp" ]; then
+# The shared environment holds the pinned dependencies only (several GB, reused by every
+# checkout); re-install when the pins change.
+deps_stamp="$VENV/.spillway-deps-$(sha256sum requirements.lock | cut -c1-16)"
+if [ ! -f "$deps_stamp" ]; then
   log "installing pinned Python dependencies (first time: several GB for torch)"
   "$VENV/bin/pip" install -q --upgrade pip
   "$VENV/bin/pip" install -q -r requirements.lock
-  "$VENV/bin/pip" install -q --no-deps -e ".[runtime,operator,api,dev]"
-  rm -f "$VENV"/.spillway-*
-  touch "$stamp"
+  rm -f "$VENV"/.spillway-deps-*
+  touch "$deps_stamp"
 fi
+
+# This checkout's own environment (.venv, seconds to make): the shared dependencies plus
+# this checkout's packages, so several clones never fight over one editable install.
+PROJECT_VENV="$(pwd)/.venv"
+site_of() { "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+if [ ! -x "$PROJECT_VENV/bin/python" ]; then
+  "$PYTHON" -m venv --without-pip "$PROJECT_VENV"
+fi
+shared_site=$(site_of "$VENV")
+project_site=$(site_of "$PROJECT_VENV")
+cat > "$project_site/spillway_checkout.pth" <<PTH
+$(pwd)/runtime
+$(pwd)/operator
+$(pwd)/api
+import site; site.addsitedir("$shared_site")
+PTH
+cat > "$PROJECT_VENV/bin/spillway" <<SH
+#!$PROJECT_VENV/bin/python
+import sys
+from spillway_api.cli import main
+sys.exit(main())
+SH
+chmod +x "$PROJECT_VENV/bin/spillway"
 
 # DeepSpeed JIT-compiles its CPU Adam and async I/O ops on first use (several minutes
 # on 2 cores); build them here, once, so that no test or run pays for it.
@@ -62,4 +85,4 @@ for name in ("CPUAdamBuilder", "AsyncIOBuilder", "ShareMemCommBuilder", "PinMemo
 PY
   touch "$ops_stamp"
 fi
-log "ready: $VENV"
+log "ready: $PROJECT_VENV (dependencies from $VENV)"

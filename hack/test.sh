@@ -5,13 +5,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 hack/setup.sh
-VENV=${SPILLWAY_VENV:-${SPILLWAY_CACHE:-$HOME/.cache/spillway}/venv}
-BIN="$VENV/bin"
-echo "== ruff"; "$BIN/ruff" check runtime operator api tests benchmarks
-echo "== mypy"; "$BIN/mypy"
-echo "== import contracts"; "$BIN/lint-imports"
+PY="$(pwd)/.venv/bin/python"
+export DS_ACCELERATOR=cpu
+echo "== ruff"; "$PY" -m ruff check runtime operator api tests benchmarks
+echo "== mypy"; "$PY" -m mypy
+echo "== import contracts"; "$PY" -c 'import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())'
 if [ -x hack/cluster ]; then
   echo "== control plane binaries"; hack/cluster build
 fi
 echo "== pytest"
-exec "$BIN/pytest" -p no:cacheprovider "$@"
+exec "$PY" -m pytest -p no:cacheprovider "$@"

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from spillway_operator.cli import register as register_operator_commands
 from spillway_runtime.cli import EXIT_BAD_INPUT, EXIT_PLAN_INFEASIBLE, make_tiny, plan, probe
 
 err_console = Console(stderr=True)
@@ -115,6 +116,7 @@ def build_app() -> typer.Typer:
     app.command()(run)
     app.command("make-tiny")(make_tiny)
     app.command()(api)
+    register_operator_commands(app)
     return app
 
 

@@ -27,6 +27,8 @@ from typing import Any
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
+ROLLBACK_MARKER = "rolled-back-to"
+ABANDONED = "abandoned-"
 PREFIX = "step-"
 STAGING = ".staging-"
 
@@ -271,6 +273,30 @@ class CheckpointStore:
         if chosen is None:
             return None
         return self._info_from(chosen, self.root / chosen["name"])
+
+    def adopt(self, name: str) -> list[str]:
+        """Make `name` the head of the timeline after a rollback (rank 0 only).
+
+        Newer checkpoints belong to the abandoned timeline: they are renamed out of the way
+        (kept, never deleted, so a mistaken rollback can be undone by hand), the `latest`
+        pointer is moved, and a marker records that this rollback has been applied.
+        """
+        target = self.root / name
+        if self.read_manifest(target) is None:
+            raise CheckpointError(f"cannot adopt {name}: no such checkpoint")
+        step = int(self.read_manifest(target)["step"])  # type: ignore[index]
+        newer = [info for info in self.list() if info.step > step]
+        for info in newer:
+            info.path.rename(self.root / f"{ABANDONED}{int(time.time())}-{info.name}")
+        write_atomic(self.root / LATEST, name.encode())
+        write_atomic(self.root / ROLLBACK_MARKER, name.encode())
+        return [info.name for info in newer]
+
+    def applied_rollback(self) -> str | None:
+        """The checkpoint the last applied rollback went to, if any."""
+        with contextlib.suppress(OSError):
+            return (self.root / ROLLBACK_MARKER).read_text().strip() or None
+        return None
 
     def _latest_name(self) -> str | None:
         with contextlib.suppress(OSError):

@@ -41,7 +41,14 @@ def probe(
 
     hw = run_probe(nvme_path, quick=quick, aio_budget_seconds=aio_seconds)
     if annotate_node:
-        raise _fail("--annotate-node runs inside a cluster pod; it is provided by the operator's node probe")
+        from spillway_runtime.node_probe import NodeProbeError
+        from spillway_runtime.node_probe import annotate_node as write_annotations
+
+        try:
+            written = write_annotations(hw)
+        except NodeProbeError as err:
+            raise _fail(str(err)) from None
+        Console().print(f"annotated node with {len(written)} spillway.dev/* figures")
     if output == "json":
         print(hw.model_dump_json(indent=2))
         return

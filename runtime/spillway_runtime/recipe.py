@@ -17,6 +17,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from spillway_runtime import k8s_status
 from spillway_runtime.checkpoint import CheckpointError, CheckpointInfo, CheckpointStore
 from spillway_runtime.data import PackedDataset, read_texts
 from spillway_runtime.reporting import Reporter
@@ -83,7 +84,8 @@ class FineTuneRecipe:
         self.stop_requested = False
         self.last_saved_step = -1
         self.reporter = Reporter(
-            Path(config.events_path), self.spec.training.max_steps, enabled=self.rank == 0
+            Path(config.events_path), self.spec.training.max_steps, enabled=self.rank == 0,
+            sink=k8s_status.sink_from_env(self.spec.training.max_steps),
         )
         self.divergence = DivergencePolicy(self.spec.rollback.spike_factor, self.spec.rollback.window)
 
@@ -175,12 +177,21 @@ class FineTuneRecipe:
         )
         if self.rank == 0:
             self._check_writable(Path(self.cfg.checkpoint_dir), "checkpoint.path")
+        # resumeFrom rolls back once: later restarts of the same job (preemption, node loss)
+        # continue from the newest checkpoint of the new timeline, not from the rollback point.
+        resume_from = self.spec.resume_from
+        if resume_from is not None and self.store.applied_rollback() == resume_from:
+            resume_from = None
         try:
-            info = self.store.find_good(self.spec.resume_from)
+            info = self.store.find_good(resume_from)
         except CheckpointError as err:
             raise RunFailed(str(err), EXIT_BAD_INPUT) from None
         if info is not None:
             self._load(info)
+            if resume_from is not None:
+                abandoned = self.store.adopt(info.name) if self.rank == 0 else []
+                self._barrier()
+                self.reporter.event("rolled_back", checkpoint=info.name, step=self.step, abandoned=abandoned)
             self.reporter.event("resumed", checkpoint=info.name, step=self.step)
 
     def _check_writable(self, directory: Path, field: str) -> None:

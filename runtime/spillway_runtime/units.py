@@ -46,8 +46,8 @@ def parse_size(value: str | int | float) -> int:
 
     Raises ValueError with the accepted spellings when the text is not a size.
     """
-    if isinstance(value, bool):
-        raise ValueError(f"{value!r} is not a size")
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ValueError(f"{value!r} is not a size: use a number with an optional unit such as 24GiB, 512Mi, 2TB or 0")
     if isinstance(value, int | float):
         if value < 0:
             raise ValueError(f"size must not be negative, got {value}")
@@ -63,8 +63,8 @@ def parse_size(value: str | int | float) -> int:
 
 def parse_count(value: str | int | float) -> int:
     """Parse a parameter count such as '13B', '13e9', '125M' or 7000000000."""
-    if isinstance(value, bool):
-        raise ValueError(f"{value!r} is not a count")
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ValueError(f"{value!r} is not a parameter count: use e.g. 13B, 13e9, 350M or 7000000000")
     if isinstance(value, int | float):
         if value <= 0:
             raise ValueError(f"count must be positive, got {value}")

@@ -5,6 +5,7 @@ SIGKILL or SIGTERM it at a chosen step."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -101,8 +102,14 @@ def _kill_tree(pid: int) -> None:
     psutil.wait_procs(procs[:-1], timeout=30)
 
 
-def _last_step(events_path: Path) -> int:
-    steps = [e["step"] for e in read_events(events_path) if e["event"] == "step"]
+def _last_step(events_path: Path, offset: int) -> int:
+    """The newest step reported after `offset` bytes of the events file (this launch only)."""
+    if not events_path.exists():
+        return 0
+    with events_path.open("rb") as fh:
+        fh.seek(offset)
+        lines = fh.read().decode(errors="replace").splitlines()
+    steps = [json.loads(line)["step"] for line in lines if '"event": "step"' in line and line.endswith("}")]
     return max(steps, default=0)
 
 
@@ -112,7 +119,7 @@ def run_job(job_path: Path, run_dir: Path, *, processes: int = 1, faults: FaultI
     config = prepare_local_run(job_path, run_dir=run_dir, processes=processes, faults=faults)
     log_path = run_dir / f"runtime-{int(time.time() * 1000)}.log"
     events = run_dir / "events.jsonl"
-    seen_before = _last_step(events)
+    offset = events.stat().st_size if events.exists() else 0
     with log_path.open("w") as log:
         child = subprocess.Popen(runtime_command(run_dir / "runtime.json", processes), env=runtime_env(config),
                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -121,7 +128,7 @@ def run_job(job_path: Path, run_dir: Path, *, processes: int = 1, faults: FaultI
             while child.poll() is None:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"runtime did not finish in {timeout} s; log: {log_path}")
-                if signal_at_step is not None and _last_step(events) >= max(signal_at_step, seen_before + 1):
+                if signal_at_step is not None and _last_step(events, offset) >= signal_at_step:
                     if sig == signal.SIGKILL:
                         _kill_tree(child.pid)  # torchrun and its workers at once, as a node loss would
                     else:

@@ -110,3 +110,30 @@ def test_full_disk_during_checkpoint_keeps_the_last_good_one(tmp_path, make_job)
         assert not list(small.glob(".staging-*"))
     finally:
         subprocess.run(["umount", str(small)], check=False)
+
+
+def test_resume_from_rolls_back_once_and_keeps_the_abandoned_timeline(tmp_path, make_job):
+    first = run_job(make_job(training={"maxSteps": 6}, checkpoint={"everySteps": 2}), tmp_path / "run")
+    assert first.returncode == 0
+    losses_before = first.losses()
+
+    rollback_job = make_job(training={"maxSteps": 8}, checkpoint={"everySteps": 2})
+    text = rollback_job.read_text().replace("spec:\n", "spec:\n  resumeFrom: step-00000002\n", 1)
+    rollback_job.write_text(text)
+    killed = run_job(rollback_job, tmp_path / "run", faults=FaultInjection(step_sleep_seconds=0.4),
+                     signal_at_step=5)
+    [rolled] = killed.of("rolled_back")
+    assert rolled["checkpoint"] == "step-00000002"
+    assert rolled["abandoned"] == ["step-00000004", "step-00000006"]
+    # replaying from step 2 reproduces the original losses of steps 3 and 4
+    replay = [e for e in killed.of("step") if e["time"] > rolled["time"]]
+    assert replay[0]["step"] == 3 and replay[0]["loss"] == pytest.approx(losses_before[3], rel=1e-4)
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert len(list(ckpts.glob("abandoned-*-step-00000006"))) == 1
+
+    # the pod restarts with the same spec (resumeFrom still set): it continues, it does not roll back again
+    again = run_job(rollback_job, tmp_path / "run")
+    assert again.returncode == 0, again.log[-3000:]
+    assert len(again.of("rolled_back")) == 1  # the events file spans both runs: still only the first
+    assert again.of("resumed")[-1]["checkpoint"] == "step-00000004"
+    assert max(again.losses()) == 8

@@ -71,3 +71,15 @@ def test_half_written_staging_dir_is_ignored_and_cleaned(tmp_path):
     assert store.find_good().name == "step-00000001"
     store.save(4, writer(b"next"), {})
     assert not (tmp_path / ".staging-step-00000002").exists()
+
+
+def test_adopt_moves_newer_checkpoints_aside_and_marks_the_rollback(tmp_path):
+    store = CheckpointStore(tmp_path, keep=10)
+    for step in (1, 2, 3):
+        store.save(step, writer(bytes([step])), {})
+    assert store.applied_rollback() is None
+    assert store.adopt("step-00000001") == ["step-00000002", "step-00000003"]
+    assert [c.name for c in store.list()] == ["step-00000001"]
+    assert (tmp_path / "latest").read_text() == "step-00000001"
+    assert store.applied_rollback() == "step-00000001"
+    assert len(list(tmp_path.glob("abandoned-*"))) == 2

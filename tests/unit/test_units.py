@@ -34,3 +34,11 @@ def test_parse_count_rejects_zero_and_words():
 def test_format_bytes():
     assert format_bytes(0) == "0 B"
     assert format_bytes(1536 * 2**20) == "1.5 GiB"
+
+
+@pytest.mark.parametrize("value", [{}, [], None, True])
+def test_non_text_values_are_value_errors(value):
+    with pytest.raises(ValueError):
+        parse_size(value)
+    with pytest.raises(ValueError):
+        parse_count(value)
