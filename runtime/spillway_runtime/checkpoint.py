@@ -13,6 +13,7 @@ and `broadcast` for multi-process runs.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import hashlib
@@ -274,7 +275,7 @@ class CheckpointStore:
             return None
         return self._info_from(chosen, self.root / chosen["name"])
 
-    def adopt(self, name: str) -> list[str]:
+    def adopt(self, name: str) -> builtins.list[str]:
         """Make `name` the head of the timeline after a rollback (rank 0 only).
 
         Newer checkpoints belong to the abandoned timeline: they are renamed out of the way
