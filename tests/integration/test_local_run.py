@@ -15,7 +15,14 @@ from .conftest import job_document
 SPILLWAY = [sys.executable, "-m", "spillway_api.cli"]
 
 
+@pytest.fixture(autouse=True)
+def _own_database(tmp_path, monkeypatch):
+    # `spillway run` records the job in the API's database; keep the user's default one clean
+    monkeypatch.setenv("SPILLWAY_DATABASE_URL", f"sqlite:///{tmp_path / 'spillway.db'}")
+
+
 def spillway(*args, cwd=None, env=None):
+    env = {**os.environ, **(env or {})}
     return subprocess.run([*SPILLWAY, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=900)
 
 
@@ -27,8 +34,7 @@ def test_spillway_run_trains_with_optimizer_on_nvme_and_exports(tmp_path, tiny_m
                        checkpoint={"everySteps": 10, "keep": 2})
     job = tmp_path / "demo.yaml"
     job.write_text(yaml.safe_dump(doc))
-    env = {**os.environ, "COLUMNS": "200"}
-    result = spillway("run", str(job), "--run-dir", str(tmp_path / "run"), env=env)
+    result = spillway("run", str(job), "--run-dir", str(tmp_path / "run"), env={"COLUMNS": "200"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Z3 opt:nvme" in result.stdout
 
