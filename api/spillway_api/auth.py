@@ -9,6 +9,7 @@ RBAC decides. `none` skips both and is only ever bound to 127.0.0.1.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import threading
@@ -78,8 +79,25 @@ class TokenAuth:
         return None
 
 
+def _digest(token: str) -> str:
+    """Caches are keyed by a hash: the process never keeps a caller's token beyond the request."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _cluster_unavailable(what: str, err: Exception) -> ApiError:
+    status = getattr(err, "status", None)
+    why = f"{status} {getattr(err, 'reason', '')}".strip() if status else type(err).__name__
+    return ApiError(503, "auth_unavailable", f"the Kubernetes API server could not {what} ({why}); retry later")
+
+
 class KubernetesAuth:
-    """TokenReview + SubjectAccessReview through the API server (needs RBAC to create both)."""
+    """TokenReview + SubjectAccessReview through the API server (needs RBAC to create both).
+
+    Authentication and each (user, verb, namespace) decision are cached for CACHE_SECONDS;
+    a failed review is never cached, and an API server that cannot be asked gives 503,
+    not a 401/403 the caller would take for a verdict."""
+
+    MAX_CACHED = 4096
 
     def __init__(self, api_client: Any):
         from kubernetes import client
@@ -90,16 +108,30 @@ class KubernetesAuth:
         self._decisions: dict[tuple[str, str, str], tuple[float, bool, str]] = {}
         self._lock = threading.Lock()
 
+    def _prune(self, now: float) -> None:
+        """Drop expired entries once a cache grows past MAX_CACHED (called with the lock held)."""
+        for cache in (self._users, self._decisions):
+            if len(cache) > self.MAX_CACHED:
+                for key in [k for k, v in cache.items() if now - v[0] >= CACHE_SECONDS]:
+                    del cache[key]  # type: ignore[arg-type]
+                if len(cache) > self.MAX_CACHED:
+                    cache.clear()
+
     def authenticate(self, token: str | None) -> Caller:
         from kubernetes import client
 
         if not token:
             raise unauthorized("send a Kubernetes bearer token: 'Authorization: Bearer <token>'")
+        key = _digest(token)
         now = time.monotonic()
-        cached = self._users.get(token)
+        cached = self._users.get(key)
         if cached and now - cached[0] < CACHE_SECONDS:
             return cached[1]
-        review = self.auth.create_token_review(client.V1TokenReview(spec=client.V1TokenReviewSpec(token=token)))
+        try:
+            review = self.auth.create_token_review(
+                client.V1TokenReview(spec=client.V1TokenReviewSpec(token=token)))
+        except Exception as err:  # ApiException, or the connection itself
+            raise _cluster_unavailable("review the token", err) from None
         status = review.status
         if not status or not status.authenticated or not status.user:
             raise unauthorized("the Kubernetes API server did not accept this token")
@@ -107,7 +139,8 @@ class KubernetesAuth:
         caller = Caller(user.username or "", tuple(user.groups or ()))
         extra = {k: list(v) for k, v in (user.extra or {}).items()}
         with self._lock:
-            self._users[token] = (now, caller, {"uid": user.uid, "extra": extra})
+            self._users[key] = (now, caller, {"uid": user.uid, "extra": extra})
+            self._prune(now)
         return caller
 
     def authorize(self, caller: Caller, token: str | None, verb: str, namespace: str | None) -> None:
@@ -117,17 +150,23 @@ class KubernetesAuth:
         now = time.monotonic()
         cached = self._decisions.get(key)
         if cached is None or now - cached[0] >= CACHE_SECONDS:
-            info = self._users.get(token or "", (0.0, caller, {}))[2]
-            review = self.authz.create_subject_access_review(client.V1SubjectAccessReview(spec=client.V1SubjectAccessReviewSpec(
-                user=caller.name, groups=list(caller.groups), uid=info.get("uid"), extra=info.get("extra") or None,
-                resource_attributes=client.V1ResourceAttributes(
-                    group=API_GROUP, resource=RESOURCE, verb=verb, namespace=namespace),
-            )))
+            info = self._users.get(_digest(token) if token else "", (0.0, caller, {}))[2]
+            try:
+                review = self.authz.create_subject_access_review(client.V1SubjectAccessReview(
+                    spec=client.V1SubjectAccessReviewSpec(
+                        user=caller.name, groups=list(caller.groups), uid=info.get("uid"),
+                        extra=info.get("extra") or None,
+                        resource_attributes=client.V1ResourceAttributes(
+                            group=API_GROUP, resource=RESOURCE, verb=verb, namespace=namespace),
+                    )))
+            except Exception as err:
+                raise _cluster_unavailable("check access", err) from None
             allowed = bool(review.status and review.status.allowed)
             why = (review.status.reason or "") if review.status else ""
             cached = (now, allowed, why)
             with self._lock:
                 self._decisions[key] = cached
+                self._prune(now)
         if not cached[1]:
             where = f"in namespace {namespace!r}" if namespace else "cluster-wide"
             raise ApiError(403, "forbidden", f"{caller.name} may not {verb} {RESOURCE}.{API_GROUP} {where}; "

@@ -11,16 +11,17 @@ duplicating history.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-import time
 from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from spillway_api.errors import ApiError
-from spillway_api.models import Checkpoint, CostEntry, Job, ProgressPoint, WatchBookmark, utcnow
+from spillway_api.models import CostEntry, Job, ProgressPoint, WatchBookmark, utcnow
 from spillway_api.service import JobService, _insert_once, _iso
 from spillway_api.settings import Settings
 from spillway_runtime.spec import API_GROUP, API_VERSION
@@ -97,8 +98,8 @@ def record_object(session: Session, obj: dict[str, Any], event_type: str, price_
     job = session.scalars(select(Job).where(Job.namespace == namespace, Job.name == name)).one_or_none()
     service = JobService(session, {}, "kubernetes")
     if job is None:
-        if event_type == "DELETED":
-            return
+        if event_type == "DELETED" or meta.get("deletionTimestamp"):
+            return  # deleted through the API (its row is gone) or before we ever saw it: nothing to keep
         job = Job(namespace=namespace, name=name, launcher="kubernetes", phase="Pending", spec=obj.get("spec") or {},
                   uid=meta.get("uid"), events_read=0)
         session.add(job)
@@ -106,7 +107,12 @@ def record_object(session: Session, obj: dict[str, Any], event_type: str, price_
         service.transition(job, "Pending", "created in the cluster", f"created:{meta.get('uid')}",
                            _iso(meta.get("creationTimestamp")))
     elif job.uid and meta.get("uid") and job.uid != meta.get("uid"):
-        return  # an older object of the same name; its successor is what the row describes
+        if job.phase != "Deleted" or event_type == "DELETED":
+            return  # an older object of the same name; its successor is what the row describes
+        # Deleted with kubectl and created again under the same name: the row follows the new object.
+        job.uid = meta.get("uid")
+        service.transition(job, "Pending", "created again in the cluster", f"created:{meta.get('uid')}",
+                           _iso(meta.get("creationTimestamp")))
     job.uid = meta.get("uid") or job.uid
     job.resource_version = rv
     if event_type == "DELETED":
@@ -126,17 +132,28 @@ def record_object(session: Session, obj: dict[str, Any], event_type: str, price_
     progress = status.get("progress") or {}
     if progress.get("step") is not None:
         job.progress = progress
+        raw_tiers = progress.get("bytes")
+        tiers: dict[str, Any] = raw_tiers if isinstance(raw_tiers, dict) else {}
+        # The same step can come back after a rollback, with the same loss when the resume is
+        # exact; the runtime's updatedAt tells the two apart, and a replayed event keeps it.
+        key = f"progress:{progress['step']}:{progress.get('loss')}"
+        if progress.get("updatedAt"):
+            key += f":{progress['updatedAt']}"
         _insert_once(session, ProgressPoint(
-            job_id=job.id, step=int(progress["step"]), loss=progress.get("loss"),
-            tokens_per_second=progress.get("tokensPerSecond"), eta_seconds=_float(progress.get("eta")),
-            source_key=f"progress:{progress['step']}:{progress.get('loss')}"))
+            job_id=job.id, step=int(progress["step"]), loss=_float(progress.get("loss")),
+            learning_rate=_float(progress.get("learningRate")),
+            tokens_per_second=_float(progress.get("tokensPerSecond")),
+            eta_seconds=_float(progress.get("etaSeconds", progress.get("eta"))),
+            gpu_bytes=_int(tiers.get("gpu")), cpu_bytes=_int(tiers.get("cpu")), nvme_bytes=_int(tiers.get("nvme")),
+            at=_iso(progress.get("updatedAt")) or utcnow(), source_key=key[:128]))
     for ckpt in status.get("checkpoints") or []:
         if ckpt.get("name"):
             service.add_checkpoint(job, ckpt)
-    if job.spec.get("resumeFrom") is None or any(
-        c.name == job.spec.get("resumeFrom") and (progress.get("step") or 0) > c.step
-        for c in session.scalars(select(Checkpoint).where(Checkpoint.job_id == job.id))
-    ):
+    # A rollback is done once the operator has restarted the job from the checkpoint
+    # (status.appliedResumeFrom) or someone cleared spec.resumeFrom. Progress alone says nothing:
+    # right after the request it still shows the steps the rollback is about to undo.
+    resume_from = job.spec.get("resumeFrom")
+    if resume_from is None or status.get("appliedResumeFrom") == resume_from:
         service.complete_rollbacks(job)
     cost = status.get("cost") or {}
     if cost.get("usd") is not None or cost.get("gpuHours") is not None:
@@ -147,6 +164,13 @@ def record_object(session: Session, obj: dict[str, Any], event_type: str, price_
 def _float(value: Any) -> float | None:
     try:
         return None if value is None else float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return None if value is None else int(value)
     except (TypeError, ValueError):
         return None
 
@@ -168,7 +192,22 @@ def _record_cost(session: Session, job: Job, usd: float, gpu_hours: float, rv: s
 
 
 class FineTuneJobWatch:
-    """Background thread: list+watch FineTuneJobs cluster-wide into the database."""
+    """Background thread: list+watch FineTuneJobs cluster-wide into the database.
+
+    Each event is recorded in one transaction together with its resourceVersion (the
+    bookmark), so a crash at any point either keeps both or neither: the restarted watch
+    resumes from the bookmark and replays at most the event it was recording, which the
+    source keys make harmless. When the bookmark is too old for the API server (410 Gone)
+    it lists again: the list gives each job's current state, and jobs the watch had seen
+    that are no longer listed are recorded as deleted.
+    """
+
+    # Server-side watch timeout: each watch request ends after this long and is renewed
+    # from the last resourceVersion, so a silently dropped connection costs at most this.
+    WATCH_SECONDS = 60
+    # A failed event is retried this often (a request committing the same job's row
+    # races the watch for its unique name) before the watch restarts from its bookmark.
+    APPLY_ATTEMPTS = 3
 
     def __init__(self, api_client: Any, sessions: sessionmaker[Session], settings: Settings):
         from kubernetes import client
@@ -178,13 +217,23 @@ class FineTuneJobWatch:
         self.settings = settings
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="finetunejob-watch", daemon=True)
+        self._watch: Any = None
         self.synced = threading.Event()
+        self.relists = 0
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        w = self._watch
+        if w is not None:
+            w.stop()
+            resp = getattr(w, "_resp", None)
+            shutdown = getattr(resp, "shutdown", None)  # urllib3 >= 2.3: interrupts a blocked read
+            if shutdown is not None:
+                with contextlib.suppress(Exception):  # already closed
+                    shutdown()
         self._thread.join(10)
 
     def _bookmark(self) -> str | None:
@@ -192,28 +241,50 @@ class FineTuneJobWatch:
             row = session.get(WatchBookmark, BOOKMARK)
             return row.resource_version if row else None
 
-    def _apply(self, obj: dict[str, Any], event_type: str) -> None:
-        with self.sessions.begin() as session:
-            record_object(session, obj, event_type, self.settings.kube_price_per_gpu_hour)
-            rv = obj.get("metadata", {}).get("resourceVersion")
-            if rv:
-                row = session.get(WatchBookmark, BOOKMARK)
-                if row is None:
-                    session.add(WatchBookmark(name=BOOKMARK, resource_version=str(rv)))
-                else:
-                    row.resource_version = str(rv)
+    @staticmethod
+    def _save_bookmark(session: Session, rv: str) -> None:
+        row = session.get(WatchBookmark, BOOKMARK)
+        if row is None:
+            session.add(WatchBookmark(name=BOOKMARK, resource_version=rv))
+        else:
+            row.resource_version = rv
+
+    def _apply(self, obj: dict[str, Any], event_type: str, bookmark: bool = True) -> None:
+        for attempt in range(self.APPLY_ATTEMPTS):
+            try:
+                with self.sessions.begin() as session:
+                    record_object(session, obj, event_type, self.settings.kube_price_per_gpu_hour)
+                    rv = obj.get("metadata", {}).get("resourceVersion")
+                    if rv and bookmark:
+                        self._save_bookmark(session, str(rv))
+                return
+            except (IntegrityError, OperationalError):
+                if attempt + 1 == self.APPLY_ATTEMPTS:
+                    raise
+                self._stop.wait(0.2 * (attempt + 1))
 
     def _list(self) -> str:
         listed: Any = self.custom.list_cluster_custom_object(API_GROUP, API_VERSION, PLURAL)
+        seen: set[tuple[str, str]] = set()
         for obj in listed.get("items", []):
-            self._apply(obj, "MODIFIED")
+            meta = obj.get("metadata", {})
+            seen.add((meta.get("namespace", "default"), meta.get("name", "")))
+            # The list's own resourceVersion is the bookmark, written last: a crash
+            # half-way through lists again.
+            self._apply(obj, "MODIFIED", bookmark=False)
         rv = str(listed.get("metadata", {}).get("resourceVersion", ""))
         with self.sessions.begin() as session:
-            row = session.get(WatchBookmark, BOOKMARK)
-            if row is None:
-                session.add(WatchBookmark(name=BOOKMARK, resource_version=rv))
-            else:
-                row.resource_version = rv
+            # Rows the watch had recorded (resource_version set) but the list lacks were
+            # deleted while nobody watched. Rows made by a POST whose object the watch has
+            # not seen yet have no resource_version and are left alone.
+            for job in session.scalars(select(Job).where(Job.launcher == "kubernetes", Job.phase != "Deleted",
+                                                         Job.resource_version.is_not(None))):
+                if (job.namespace, job.name) not in seen:
+                    JobService(session, {}, "kubernetes").transition(
+                        job, "Deleted", "deleted from the cluster while the API was not watching",
+                        f"deleted:{job.uid}")
+            self._save_bookmark(session, rv)
+        self.relists += 1
         return rv
 
     def _loop(self) -> None:
@@ -226,31 +297,43 @@ class FineTuneJobWatch:
                 if not rv:
                     rv = self._list()
                 self.synced.set()
-                w = watch.Watch()
+                self._watch = w = watch.Watch()
                 for event in w.stream(self.custom.list_cluster_custom_object, API_GROUP, API_VERSION, PLURAL,
-                                      resource_version=rv, timeout_seconds=5, allow_watch_bookmarks=True):
+                                      resource_version=rv, timeout_seconds=self.WATCH_SECONDS,
+                                      allow_watch_bookmarks=True):
                     if self._stop.is_set():
-                        w.stop()
                         break
                     obj, kind = event["object"], event["type"]
-                    if kind == "ERROR":
-                        if obj.get("code") == 410:
+                    if kind == "ERROR":  # the client raises for most; what is left is not ours to record
+                        if isinstance(obj, dict) and obj.get("code") == 410:
                             rv = None
                             break
                         continue
-                    new_rv = obj.get("metadata", {}).get("resourceVersion")
+                    new_rv = str(obj.get("metadata", {}).get("resourceVersion") or "") or rv
                     if kind == "BOOKMARK":
-                        rv = new_rv or rv
+                        # Nothing of ours changed up to here: keep the bookmark fresh, so a restart
+                        # after a quiet hour does not find it compacted away.
+                        if new_rv and new_rv != rv:
+                            with self.sessions.begin() as session:
+                                self._save_bookmark(session, new_rv)
+                        rv = new_rv
                         continue
                     self._apply(obj, kind)
-                    rv = new_rv or rv
+                    rv = new_rv
             except ApiException as err:
                 if err.status == 410:
+                    log.warning("FineTuneJob watch: resourceVersion %s is gone (410); listing again, so changes "
+                                "since then are recorded as their end state only", rv)
                     rv = None
                     continue
-                log.warning("FineTuneJob watch: %s; retrying", err.reason)
+                if self._stop.is_set():
+                    break
+                log.warning("FineTuneJob watch: %s %s; retrying", err.status, err.reason)
                 self._stop.wait(2)
             except Exception:  # the watch must outlive a bad event or a dropped connection
-                log.exception("FineTuneJob watch failed; retrying")
+                if self._stop.is_set():
+                    break
+                log.exception("FineTuneJob watch failed; retrying from resourceVersion %s", rv)
                 self._stop.wait(2)
-            time.sleep(0)
+            finally:
+                self._watch = None

@@ -1,0 +1,376 @@
+"""`spillway api --kubernetes` against the real control plane: TokenReview/SubjectAccessReview
+with real service-account tokens and RBAC, FineTuneJob objects created and patched through
+the API, and the watch that records their history across API restarts.
+
+The API runs as a subprocess under a service account of its own with only the permissions
+it needs (SPILLWAY_API_RULES), so a missing permission fails here. The operator does not
+run: status is patched with kubectl, as the operator and the runtime would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.e2e.operator_fixtures import CRD, free_port
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+# What the API's own service account needs, cluster-wide: the objects it creates and
+# watches, and the two reviews that decide who its callers are and what they may do.
+SPILLWAY_API_RULES: list[dict[str, Any]] = [
+    {"apiGroups": ["spillway.dev"], "resources": ["finetunejobs"],
+     "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
+    {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]},
+    {"apiGroups": ["authorization.k8s.io"], "resources": ["subjectaccessreviews"], "verbs": ["create"]},
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]},  # POST /v1/plan against the cluster
+]
+ALL_VERBS = ["get", "list", "watch", "create", "patch", "update", "delete"]
+
+
+def job_body(name: str) -> dict[str, Any]:
+    return {"metadata": {"name": name},
+            "spec": {"model": {"uri": "pvc://models/llama-7b", "parameterCount": "7B"},
+                     "dataset": {"uri": "pvc://data/train.jsonl"}, "training": {"maxSteps": 100},
+                     "resources": {"gpusPerNode": 1}}}
+
+
+def ftj_manifest(name: str) -> dict[str, Any]:
+    return {"apiVersion": "spillway.dev/v1alpha1", "kind": "FineTuneJob", **job_body(name)}
+
+
+@dataclass
+class World:
+    cluster: Any
+    team_a: str
+    team_b: str
+    tokens: dict[str, str]  # alice: every verb in team-a; reader: get/list in team-a
+    api_kubeconfig: Path
+    tmp: Path
+
+
+class ApiServer:
+    """`python -m spillway_api.cli api --kubernetes` on a free port, with its own SQLite file."""
+
+    def __init__(self, world: World, db: Path, log: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.db = db
+        self.log = log
+        self.env = {**os.environ, "KUBECONFIG": str(world.api_kubeconfig),
+                    "SPILLWAY_DATABASE_URL": f"sqlite:///{db}", "SPILLWAY_DATA_DIR": str(db.parent / "data"),
+                    "PYTHONUNBUFFERED": "1"}
+        self.env.pop("KUBERNETES_SERVICE_HOST", None)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 40) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "spillway_api.cli", "api", "--kubernetes", "--port", str(self.port)],
+                env=self.env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the API exited {self.proc.returncode}:\n{self.log.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the API did not start in {timeout}s:\n{self.log.read_text()[-4000:]}")
+            time.sleep(0.1)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> float:
+        """Signal the process and wait for it; returns how long it took to exit."""
+        assert self.proc is not None
+        started = time.monotonic()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+                raise AssertionError(f"the API ignored signal {sig} for {timeout}s") from None
+        return time.monotonic() - started
+
+    def call(self, method: str, path: str, token: str | None = None, body: Any = None) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        return httpx.request(method, self.url + path, headers=headers, json=body, timeout=30)
+
+
+def wait_for(check: Any, timeout: float = 20, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        last = check()
+        if last:
+            return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+        time.sleep(0.2)
+
+
+def patch_status(cluster: Any, ns: str, name: str, status: dict[str, Any]) -> None:
+    cluster.kubectl("patch", "ftj", name, "-n", ns, "--subresource=status", "--type=merge",
+                    "-p", json.dumps({"status": status}))
+
+
+def _service_account_kubeconfig(cluster: Any, namespace: str, account: str, path: Path) -> None:
+    """A kubeconfig for the cluster's server and CA that authenticates as the service account."""
+    admin = yaml.safe_load(cluster.kubectl("config", "view", "--raw", "--minify").stdout)
+    token = cluster.kubectl("create", "token", account, "-n", namespace, "--duration=2h").stdout.strip()
+    admin["users"] = [{"name": account, "user": {"token": token}}]
+    admin["contexts"][0]["context"]["user"] = account
+    path.write_text(yaml.safe_dump(admin))
+    path.chmod(0o600)
+
+
+@pytest.fixture(scope="module")
+def world(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    tmp = tmp_path_factory.mktemp("api-cluster")
+    suffix = secrets.token_hex(3)
+    team_a, team_b, system = f"e2e-api-a-{suffix}", f"e2e-api-b-{suffix}", f"e2e-api-sys-{suffix}"
+    cluster.kubectl("apply", "-f", str(CRD))
+    try:
+        for ns in (team_a, team_b, system):
+            cluster.kubectl("create", "namespace", ns)
+            cluster.kubectl("label", "namespace", ns, "spillway.dev/e2e=true")
+        manifests: list[dict[str, Any]] = [
+            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "spillway-api", "namespace": system}},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+             "metadata": {"name": f"spillway-api-{suffix}"}, "rules": SPILLWAY_API_RULES},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+             "metadata": {"name": f"spillway-api-{suffix}"},
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                         "name": f"spillway-api-{suffix}"},
+             "subjects": [{"kind": "ServiceAccount", "name": "spillway-api", "namespace": system}]},
+        ]
+        for user, verbs in (("alice", ALL_VERBS), ("reader", ["get", "list", "watch"])):
+            manifests += [
+                {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": user, "namespace": team_a}},
+                {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+                 "metadata": {"name": f"ftj-{user}", "namespace": team_a},
+                 "rules": [{"apiGroups": ["spillway.dev"], "resources": ["finetunejobs"], "verbs": verbs}]},
+                {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                 "metadata": {"name": f"ftj-{user}", "namespace": team_a},
+                 "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": f"ftj-{user}"},
+                 "subjects": [{"kind": "ServiceAccount", "name": user, "namespace": team_a}]},
+            ]
+        cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": manifests}))
+        cluster.kubectl("wait", "--for=condition=Established", "crd/finetunejobs.spillway.dev", "--timeout=30s")
+        tokens = {user: cluster.kubectl("create", "token", user, "-n", team_a, "--duration=1h").stdout.strip()
+                  for user in ("alice", "reader")}
+        api_kubeconfig = tmp / "api-kubeconfig"
+        _service_account_kubeconfig(cluster, system, "spillway-api", api_kubeconfig)
+        yield World(cluster, team_a, team_b, tokens, api_kubeconfig, tmp)
+    finally:
+        for ns in (team_a, team_b, system):
+            cluster.kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False)
+        for kind in ("clusterrolebinding", "clusterrole"):
+            cluster.kubectl("delete", kind, f"spillway-api-{suffix}", "--ignore-not-found", check=False)
+
+
+@pytest.fixture
+def api(world: World, tmp_path: Path) -> Iterator[ApiServer]:
+    server = ApiServer(world, tmp_path / "spillway.db", tmp_path / "api.log")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+def _routes(ns: str, job: str) -> list[tuple[str, str, str, Any]]:
+    """(method, OpenAPI path, concrete path, body) for every namespaced route."""
+    base, one = "/v1/namespaces/{namespace}", "/v1/namespaces/{namespace}/jobs/{name}"
+    concrete = f"/v1/namespaces/{ns}"
+    return [
+        ("GET", f"{base}/jobs", f"{concrete}/jobs", None),
+        ("POST", f"{base}/jobs", f"{concrete}/jobs", job_body("matrix-new")),
+        ("GET", one, f"{concrete}/jobs/{job}", None),
+        ("GET", f"{one}/history", f"{concrete}/jobs/{job}/history", None),
+        ("GET", f"{one}/checkpoints", f"{concrete}/jobs/{job}/checkpoints", None),
+        ("GET", f"{one}/cost", f"{concrete}/jobs/{job}/cost", None),
+        ("POST", f"{one}/rollback", f"{concrete}/jobs/{job}/rollback", {"checkpoint": "nope", "reason": "matrix"}),
+        ("POST", f"{one}/suspend", f"{concrete}/jobs/{job}/suspend", None),
+        ("POST", f"{one}/resume", f"{concrete}/jobs/{job}/resume", None),
+        ("GET", f"{base}/cost", f"{concrete}/cost", None),
+        ("DELETE", one, f"{concrete}/jobs/{job}", None),
+    ]
+
+
+def test_every_route_needs_a_token_and_rbac_in_its_namespace(world: World, api: ApiServer) -> None:
+    alice, reader = world.tokens["alice"], world.tokens["reader"]
+    created = api.call("POST", f"/v1/namespaces/{world.team_a}/jobs", alice, job_body("matrix"))
+    assert created.status_code == 201, created.text
+    routes = _routes(world.team_a, "matrix")
+
+    # The matrix covers every route the API serves that carries a namespace.
+    schema = httpx.get(f"{api.url}/openapi.json").json()
+    served = {(m.upper(), p) for p, ops in schema["paths"].items() for m in ops if "{namespace}" in p}
+    assert served == {(m, p) for m, p, _, _ in routes}
+
+    for method, _, path, body in [*routes, ("POST", "", "/v1/plan", {"parameterCount": "7B"})]:
+        for token in (None, "not-a-token", alice + "x"):
+            r = api.call(method, path, token, body)
+            assert r.status_code == 401, (method, path, token and token[:8], r.text)
+            assert r.json()["code"] == "unauthorized"
+    assert api.call("POST", "/v1/plan", alice, {"parameterCount": "7B"}).status_code == 200
+
+    # Allowed in team-a, so forbidden in team-b, whether or not the job exists there.
+    for method, _, path, body in _routes(world.team_b, "matrix"):
+        r = api.call(method, path, alice, body)
+        assert r.status_code == 403, (method, path, r.text)
+        assert r.json()["code"] == "forbidden" and world.team_b in r.json()["detail"]
+
+    # The reader's Role has get/list only: reads pass, writes are refused.
+    for method, _, path, body in routes:
+        r = api.call(method, path, reader, body)
+        expected = {200} if method == "GET" else {403}
+        assert r.status_code in expected, (method, path, r.text)
+    assert world.cluster.get("finetunejob", "matrix", world.team_a)["spec"].get("suspend") in (None, False)
+
+    # Alice may do everything in team-a (each answer comes from the handler, not from auth).
+    expected_a = [200, 201, 200, 200, 200, 200, 409, 200, 200, 200, 204]
+    got = [api.call(method, path, alice, body).status_code for method, _, path, body in routes]
+    assert got == expected_a
+    assert world.cluster.get("finetunejob", "matrix", world.team_a) is None
+    assert world.cluster.get("finetunejob", "matrix-new", world.team_a) is not None
+    # Nothing the refused calls asked for reached the cluster.
+    assert world.cluster.get("finetunejob", "matrix-new", world.team_b) is None
+
+
+def _history(api: ApiServer, token: str, ns: str, name: str) -> dict[str, Any]:
+    r = api.call("GET", f"/v1/namespaces/{ns}/jobs/{name}/history", token)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def test_submit_watch_restart_rollback_suspend_delete(world: World, api: ApiServer) -> None:
+    cluster, ns, token = world.cluster, world.team_a, world.tokens["alice"]
+    base = f"/v1/namespaces/{ns}/jobs"
+
+    created = api.call("POST", base, token, job_body("flow"))
+    assert created.status_code == 201, created.text
+    obj = cluster.kubectl_json("get", "ftj", "flow", "-n", ns)
+    assert obj["spec"]["model"]["uri"] == "pvc://models/llama-7b" and obj["spec"]["training"]["maxSteps"] == 100
+    assert created.json()["uid"] == obj["metadata"]["uid"]
+    assert api.call("POST", base, token, job_body("flow")).status_code == 409
+
+    # The operator and the runtime report; the watch records it.
+    patch_status(cluster, ns, "flow", {
+        "phase": "Running", "progress": {"step": 5, "totalSteps": 100, "loss": 2.5, "etaSeconds": 950.0,
+                                         "updatedAt": "2026-01-01T00:00:05Z"},
+        "checkpoints": [{"name": "step-5", "step": 5, "loss": 2.5}], "cost": {"gpuHours": 0.5, "usd": 1.0}})
+    wait_for(lambda: _history(api, token, ns, "flow")["progress"], what="the first progress point")
+    history = _history(api, token, ns, "flow")
+    assert [t["toPhase"] for t in history["transitions"]] == ["Pending", "Running"]
+    assert [(p["step"], p["loss"], p["etaSeconds"]) for p in history["progress"]] == [(5, 2.5, 950.0)]
+    assert api.call("GET", f"{base}/flow/cost", token).json()["usd"] == pytest.approx(1.0)
+
+    # SIGKILL the API; while it is down the job moves on and is preempted and restarted.
+    api.stop(signal.SIGKILL)
+    patch_status(cluster, ns, "flow", {
+        "progress": {"step": 10, "totalSteps": 100, "loss": 2.0, "updatedAt": "2026-01-01T00:00:10Z"},
+        "checkpoints": [{"name": "step-5", "step": 5, "loss": 2.5}, {"name": "step-10", "step": 10, "loss": 2.0}],
+        "cost": {"gpuHours": 1.0, "usd": 2.0}})
+    patch_status(cluster, ns, "flow", {"phase": "Preempted"})
+    patch_status(cluster, ns, "flow", {"phase": "Running"})
+    cluster.apply(ftj_manifest("outside"), ns)  # made with kubectl, never through the API
+    api.start()
+    wait_for(lambda: api.call("GET", f"{base}/outside", token).status_code == 200, what="the kubectl-made job")
+    history = wait_for(lambda: (h := _history(api, token, ns, "flow"))["transitions"][-1]["toPhase"] == "Running"
+                       and len(h["transitions"]) == 4 and h, what="the changes made while the API was down")
+    # Every change while it was down, each once: replayed from the stored resourceVersion,
+    # not just the latest state that a fresh list would give.
+    assert [t["toPhase"] for t in history["transitions"]] == ["Pending", "Running", "Preempted", "Running"]
+    assert [p["step"] for p in history["progress"]] == [5, 10]
+    checkpoints = api.call("GET", f"{base}/flow/checkpoints", token).json()
+    assert [c["name"] for c in checkpoints["data"]] == ["step-5", "step-10"]
+    cost = api.call("GET", f"{base}/flow/cost", token).json()
+    assert cost["usd"] == pytest.approx(2.0) and cost["gpuHours"] == pytest.approx(1.0) and cost["entries"] == 2
+    outside = _history(api, token, ns, "outside")
+    assert [(t["toPhase"], t["reason"]) for t in outside["transitions"]] == [("Pending", "created in the cluster")]
+
+    # A clean restart (SIGTERM) is prompt and adds nothing.
+    assert api.stop(signal.SIGTERM) < 8
+    api.start()
+    time.sleep(1.5)
+    assert _history(api, token, ns, "flow") == history
+
+    # Rollback: unknown checkpoint -> 409 with the valid ones; a known one sets spec.resumeFrom.
+    rollback = f"{base}/flow/rollback"
+    r = api.call("POST", rollback, token, {"checkpoint": "step-7", "reason": "typo"})
+    assert r.status_code == 409 and r.json()["validCheckpoints"] == ["step-5", "step-10"]
+    assert cluster.kubectl_json("get", "ftj", "flow", "-n", ns)["spec"].get("resumeFrom") is None
+    r = api.call("POST", rollback, token, {"checkpoint": "step-5", "reason": "loss spike after step 7"})
+    assert r.status_code == 202, r.text
+    assert r.json()["requestedBy"] == f"system:serviceaccount:{ns}:alice" and r.json()["toStep"] == 5
+    assert cluster.kubectl_json("get", "ftj", "flow", "-n", ns)["spec"]["resumeFrom"] == "step-5"
+    time.sleep(1)  # the watch sees our own patch; the rollback stays pending until the operator applies it
+    r = api.call("POST", rollback, token, {"checkpoint": "step-10", "reason": "second thoughts"})
+    assert r.status_code == 409 and r.json()["code"] == "rollback_in_progress", r.text
+    patch_status(cluster, ns, "flow", {"appliedResumeFrom": "step-5", "phase": "Pending"})
+    done = wait_for(lambda: (rb := _history(api, token, ns, "flow")["rollbacks"]) and rb[0]["completedAt"] and rb,
+                    what="the rollback to complete")
+    assert [(x["checkpoint"], x["origin"]) for x in done] == [("step-5", "api")]
+
+    # Suspend and resume patch spec.suspend.
+    assert api.call("POST", f"{base}/flow/suspend", token).status_code == 200
+    assert cluster.kubectl_json("get", "ftj", "flow", "-n", ns)["spec"]["suspend"] is True
+    assert api.call("POST", f"{base}/flow/resume", token).status_code == 200
+    assert cluster.kubectl_json("get", "ftj", "flow", "-n", ns)["spec"]["suspend"] is False
+
+    # Delete removes the object and the row; the watch's DELETED event does not bring it back.
+    assert api.call("DELETE", f"{base}/flow", token).status_code == 204
+    assert cluster.get("finetunejob", "flow", ns) is None
+    cluster.apply(ftj_manifest("marker"), ns)  # events arrive in order: once this is in, so is the delete
+    wait_for(lambda: api.call("GET", f"{base}/marker", token).status_code == 200, what="the marker job")
+    assert api.call("GET", f"{base}/flow", token).status_code == 404
+
+
+def test_expired_bookmark_lists_again_and_records_deletions(world: World, api: ApiServer) -> None:
+    cluster, ns, token = world.cluster, world.team_a, world.tokens["alice"]
+    base = f"/v1/namespaces/{ns}/jobs"
+    for name in ("kept", "gone"):
+        cluster.apply(ftj_manifest(name), ns)
+    wait_for(lambda: all(api.call("GET", f"{base}/{n}", token).status_code == 200 for n in ("kept", "gone")),
+             what="both jobs")
+    api.stop(signal.SIGTERM)
+    cluster.kubectl("delete", "ftj", "gone", "-n", ns)
+    patch_status(cluster, ns, "kept", {"phase": "Running", "progress": {"step": 3, "loss": 4.0}})
+    # A resourceVersion the API server no longer has in its window: the watch gets 410 Gone.
+    with sqlite3.connect(api.db) as db:
+        assert db.execute("UPDATE watch_bookmarks SET resource_version = '1'").rowcount == 1
+    api.start()
+    wait_for(lambda: api.call("GET", f"{base}/gone", token).json().get("phase") == "Deleted",
+             what="the job deleted while the API was down")
+    kept = _history(api, token, ns, "kept")
+    assert [t["toPhase"] for t in kept["transitions"]] == ["Pending", "Running"]
+    assert [p["step"] for p in kept["progress"]] == [3]
+    assert "listing again" in api.log.read_text()
+    with sqlite3.connect(api.db) as db:
+        (rv,) = db.execute("SELECT resource_version FROM watch_bookmarks").fetchone()
+    assert int(rv) > 1
+    # Created again under the same name: the row follows the new object.
+    cluster.apply(ftj_manifest("gone"), ns)
+    wait_for(lambda: api.call("GET", f"{base}/gone", token).json().get("phase") == "Pending",
+             what="the re-created job")
+    assert [t["toPhase"] for t in _history(api, token, ns, "gone")["transitions"]] == ["Pending", "Deleted", "Pending"]
