@@ -1,0 +1,553 @@
+"""The Helm chart (charts/spillway): lint, render, validate, install, upgrade, uninstall.
+
+Rendering is checked offline: `helm template` over a matrix of values, every
+manifest validated against the Kubernetes 1.33 OpenAPI schemas shipped in the
+`kubernetes-validate` package (strict: unknown fields fail). Then the chart is
+installed into the e2e control plane, where kwok plays the nodes: the
+Deployments' and DaemonSet's pods are scheduled (images are never pulled), RBAC
+is asked with `kubectl auth can-i` as each service account, and the operator
+itself runs as a local process under the chart's operator service account to
+reconcile examples/finetune.yaml.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from .operator_fixtures import OperatorProcess
+
+if TYPE_CHECKING:
+    from .conftest import Cluster
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "spillway"
+EXAMPLE = ROOT / "examples" / "finetune.yaml"
+KUBE_VERSION = "1.33.0"
+# Kinds from other projects' CRDs: no schema in kubernetes-validate; checked by hand below.
+FOREIGN_KINDS = {"ServiceMonitor"}
+RELEASE = "spillway"
+STORAGE_CLASS = "spillway-e2e-chart"
+INSTANCE = f"app.kubernetes.io/instance={RELEASE}"
+
+
+def helm_binary() -> str:
+    """helm from `hack/cluster bin-dir` (built by `hack/cluster build`), without starting a cluster."""
+    dirs = subprocess.run(
+        [str(ROOT / "hack" / "cluster"), "bin-dir"], capture_output=True, text=True, check=True, timeout=30
+    ).stdout.split()
+    for folder in dirs:
+        candidate = Path(folder) / "helm"
+        if candidate.exists():
+            return str(candidate)
+    raise AssertionError(f"no helm in {dirs}: run hack/cluster build")
+
+
+@pytest.fixture(scope="module")
+def helm() -> Callable[..., subprocess.CompletedProcess[str]]:
+    binary = helm_binary()
+
+    def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run([binary, *args], capture_output=True, text=True, timeout=60, check=False)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"helm {' '.join(args)} exited {proc.returncode}:\n{proc.stderr}")
+        return proc
+
+    return run
+
+
+def set_args(values: dict[str, Any]) -> list[str]:
+    return [f"--set-json={key}={json.dumps(value)}" for key, value in values.items()]
+
+
+def render(helm: Callable[..., subprocess.CompletedProcess[str]], values: dict[str, Any]) -> list[dict[str, Any]]:
+    out = helm(
+        "template", RELEASE, str(CHART), "--namespace", "spillway-system", "--include-crds",
+        f"--kube-version={KUBE_VERSION}", *set_args(values),
+    ).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+# ------------------------------------------------------------ offline checks --
+
+MATRIX: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "postgresql-ha-api": {
+        "database.type": "postgresql",
+        "database.postgresql.existingSecret": "spillway-db",
+        "api.replicas": 3,
+        "api.service.type": "LoadBalancer",
+    },
+    "namespaced-with-metrics": {
+        "operator.watchNamespaces": ["team-a", "team-b"],
+        "serviceMonitor.enabled": True,
+        "serviceMonitor.labels": {"release": "kube-prometheus-stack"},
+        "nodeProbe.enabled": False,
+    },
+    "bring-your-own-rbac": {
+        "rbac.create": False,
+        "operator.serviceAccount.create": False,
+        "operator.serviceAccount.name": "ops",
+        "api.serviceAccount.create": False,
+        "nodeProbe.serviceAccount.create": False,
+        "fullnameOverride": "ftj",
+    },
+    "crds-and-pricing-only": {"operator.enabled": False, "api.enabled": False, "nodeProbe.enabled": False},
+    "everything-customised": {
+        "commonLabels": {"team": "ml"},
+        "imagePullSecrets": [{"name": "regcred"}],
+        "image.tag": "0.2.0-rc1",
+        "operator.replicas": 0,
+        "operator.verbose": True,
+        "operator.checkpointStorageClass": "nfs",
+        "operator.extraEnv": [{"name": "SPILLWAY_OPERATOR_BACKOFF_MAX_SECONDS", "value": "60"}],
+        "operator.tolerations": [{"key": "infra", "operator": "Exists", "effect": "NoSchedule"}],
+        "operator.nodeSelector": {"kubernetes.io/os": "linux"},
+        "database.sqlite.existingClaim": "history",
+        "nodeProbe.quick": True,
+        "nodeProbe.nodeSelector": {"pool": "gpu"},
+        "pricing.gpuHourUSD": {"NVIDIA-B200": 6.5},
+        "rbac.aggregateToDefaultRoles": False,
+    },
+}
+
+
+def test_helm_lint_passes_for_every_value_set(helm: Callable[..., Any]) -> None:
+    for name, values in MATRIX.items():
+        proc = helm("lint", "--strict", str(CHART), *set_args(values), check=False)
+        assert proc.returncode == 0, f"{name}: {proc.stdout}{proc.stderr}"
+
+
+@pytest.mark.parametrize("case", sorted(MATRIX))
+def test_every_rendered_manifest_is_valid_kubernetes(helm: Callable[..., Any], case: str) -> None:
+    docs = render(helm, MATRIX[case])
+    kinds = [d["kind"] for d in docs]
+    assert "CustomResourceDefinition" in kinds
+    for doc in docs:
+        where = f"{case}: {doc['kind']}/{doc['metadata']['name']}"
+        if doc["kind"] in FOREIGN_KINDS:
+            assert doc["apiVersion"] == "monitoring.coreos.com/v1", where
+            assert doc["spec"]["endpoints"][0]["port"] == "metrics", where
+            continue
+        try:
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as err:
+            raise AssertionError(f"{where}: {err.message} at {list(err.path)}") from None
+        labels = doc["metadata"].get("labels") or {}
+        if doc["kind"] != "CustomResourceDefinition":
+            assert labels.get("app.kubernetes.io/instance") == RELEASE, where
+
+
+def test_the_validator_rejects_what_kubernetes_would() -> None:
+    """The matrix above proves something only if the validator really fails on bad manifests."""
+    bad = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "x"},
+        "spec": {"selector": {}, "template": {"spec": {"containers": [{"name": "c", "imagePullPolicy": 3}]}}},
+    }
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, KUBE_VERSION, strict=True)
+
+
+def pod_specs(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {
+        f"{d['kind']}/{d['metadata']['name']}": d["spec"]["template"]["spec"]
+        for d in docs
+        if d["kind"] in ("Deployment", "DaemonSet")
+    }
+
+
+def test_secure_defaults_on_every_workload(helm: Callable[..., Any]) -> None:
+    specs = pod_specs(render(helm, {}))
+    assert set(specs) == {
+        "Deployment/spillway-operator", "Deployment/spillway-api", "DaemonSet/spillway-node-probe"
+    }
+    for name, spec in specs.items():
+        assert spec["securityContext"]["runAsNonRoot"] is True, name
+        assert spec["securityContext"]["runAsUser"] != 0, name
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert spec["serviceAccountName"] != "default", name
+        for container in spec["containers"]:
+            sc = container["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True, name
+            assert sc["allowPrivilegeEscalation"] is False, name
+            assert sc["capabilities"]["drop"] == ["ALL"], name
+            assert {"cpu", "memory"} <= set(container["resources"]["requests"]), name
+            assert "nvidia.com/gpu" not in container["resources"].get("limits", {}), name
+
+
+def test_rendered_values_reach_the_processes(helm: Callable[..., Any]) -> None:
+    docs = render(helm, MATRIX["everything-customised"] | {"operator.replicas": 1})
+    by_name = {f"{d['kind']}/{d['metadata']['name']}": d for d in docs}
+    operator = by_name["Deployment/spillway-operator"]
+    assert operator["spec"]["strategy"]["type"] == "Recreate"
+    container = operator["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == "ghcr.io/spillway/spillway:0.2.0-rc1"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["SPILLWAY_OPERATOR_PRICING_CONFIGMAP"] == "spillway-pricing"
+    assert env["SPILLWAY_OPERATOR_CHECKPOINT_STORAGE_CLASS"] == "nfs"
+    assert env["SPILLWAY_OPERATOR_BACKOFF_MAX_SECONDS"] == "60"
+    assert env["SPILLWAY_OPERATOR_RUNTIME_IMAGE"] == "ghcr.io/spillway/runtime:0.1.0"
+    assert container["args"] == ["operator", "--all-namespaces", "--verbose"]
+    pricing = by_name["ConfigMap/spillway-pricing"]["data"]
+    # Helm merges maps: the new product joins the default price list.
+    assert pricing["NVIDIA-B200"] == "6.5" and pricing["NVIDIA-GeForce-RTX-4090"] == "0.4"
+    assert {k: pricing[k] for k in ("default", "cpu-node", "nvme-gib-hour")} == {
+        "default": "2", "cpu-node": "0.5", "nvme-gib-hour": "0.0001"}
+    api = by_name["Deployment/spillway-api"]["spec"]["template"]["spec"]
+    assert api["volumes"][0]["persistentVolumeClaim"]["claimName"] == "history"
+    assert "PersistentVolumeClaim/spillway-db" not in by_name  # existingClaim: the chart makes none
+    probe = by_name["DaemonSet/spillway-node-probe"]["spec"]["template"]["spec"]
+    terms = probe["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms == [{"matchExpressions": [{"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}]}]
+    assert probe["nodeSelector"] == {"pool": "gpu"}
+    assert "--quick" in probe["containers"][0]["args"][0]
+
+    ha = {f"{d['kind']}/{d['metadata']['name']}": d for d in render(helm, MATRIX["postgresql-ha-api"])}
+    api_env = ha["Deployment/spillway-api"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    url = next(e for e in api_env if e["name"] == "SPILLWAY_DATABASE_URL")
+    assert url["valueFrom"]["secretKeyRef"] == {"name": "spillway-db", "key": "url"}
+    assert "PersistentVolumeClaim/spillway-db" not in ha
+
+    namespaced = render(helm, MATRIX["namespaced-with-metrics"])
+    bindings = {(d["kind"], d["metadata"].get("namespace"), d["roleRef"]["name"]) for d in namespaced
+                if d["kind"] in ("RoleBinding", "ClusterRoleBinding")}
+    assert ("RoleBinding", "team-a", "spillway-operator-jobs") in bindings
+    assert ("RoleBinding", "team-b", "spillway-operator-jobs") in bindings
+    assert ("ClusterRoleBinding", None, "spillway-operator-jobs") not in bindings
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"operator.replicas": 2}, "/operator/replicas"),
+        ({"api.replicas": 2}, "needs database.type=postgresql"),
+        ({"database.type": "postgresql"}, "existingSecret"),
+        ({"database.type": "mysql"}, "/database/type"),
+        ({"operatr": {"enabled": True}}, "additional properties 'operatr' not allowed"),
+        ({"pricing.gpuHourUSD": {"NVIDIA-L4": "cheap"}}, "/pricing/gpuHourUSD/NVIDIA-L4"),
+    ],
+)
+def test_bad_values_are_refused_with_the_reason(helm: Callable[..., Any], values: dict[str, Any], message: str) -> None:
+    proc = helm("template", RELEASE, str(CHART), *set_args(values), check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+
+
+# ------------------------------------------------------ against the cluster --
+
+
+def add_volume(cluster: Cluster, label: str) -> str:
+    """A PersistentVolume of STORAGE_CLASS (nothing here provisions disks); one per claim."""
+    name = f"e2e-chart-{secrets.token_hex(4)}"
+    cluster.kubectl("create", "-f", "-", input=json.dumps({
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": name, "labels": {"spillway.dev/e2e-chart": label}},
+        "spec": {
+            "capacity": {"storage": "1Pi"},
+            "accessModes": ["ReadWriteOnce"],
+            "persistentVolumeReclaimPolicy": "Retain",
+            "storageClassName": STORAGE_CLASS,
+            "hostPath": {"path": f"/tmp/{name}"},
+        },
+    }))
+    return name
+
+
+@pytest.fixture
+def volumes(cluster: Cluster) -> Iterator[Callable[[], str]]:
+    label = secrets.token_hex(4)
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "storage.k8s.io/v1",
+        "kind": "StorageClass",
+        "metadata": {"name": STORAGE_CLASS},
+        "provisioner": "kubernetes.io/no-provisioner",
+        "volumeBindingMode": "Immediate",
+    }))
+    try:
+        yield lambda: add_volume(cluster, label)
+    finally:
+        cluster.kubectl("delete", "pv", "-l", f"spillway.dev/e2e-chart={label}", "--wait=false", check=False)
+
+
+@pytest.fixture
+def release(cluster: Cluster, namespace: str) -> Iterator[Callable[..., Any]]:
+    """install(*helm_args): `helm install spillway` into the test namespace; always uninstalled
+    afterwards (the chart's ClusterRoles are cluster-wide), with the kept PVC removed."""
+
+    def install(*args: str) -> Any:
+        return cluster.helm("install", RELEASE, str(CHART), "-n", namespace, *args)
+
+    try:
+        yield install
+    finally:
+        cluster.run("helm", "--kubeconfig", str(cluster.kubeconfig), "uninstall", RELEASE, "-n", namespace,
+                    "--wait", check=False, timeout=120)
+        cluster.kubectl("delete", "pvc", "--all", "-n", namespace, "--wait=false", check=False)
+
+
+def existing(cluster: Cluster, kind: str, name: str, namespace: str | None = None) -> dict[str, Any]:
+    obj = cluster.get(kind, name, namespace)
+    assert obj is not None, f"{kind} {namespace or ''}/{name} does not exist"
+    return obj
+
+
+def can_i(cluster: Cluster, who: str, *args: str) -> bool:
+    proc = cluster.kubectl("auth", "can-i", *args, f"--as={who}", check=False)
+    return proc.stdout.strip() == "yes"
+
+
+def sa(namespace: str, name: str) -> str:
+    return f"system:serviceaccount:{namespace}:{name}"
+
+
+def pods_of(cluster: Cluster, namespace: str, component: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = cluster.kubectl_json(
+        "get", "pods", "-n", namespace, "-l", f"app.kubernetes.io/component={component},{INSTANCE}"
+    )["items"]
+    return items
+
+
+def running_on(cluster: Cluster, namespace: str, component: str) -> list[str] | None:
+    pods = pods_of(cluster, namespace, component)
+    if pods and all(p["status"].get("phase") == "Running" for p in pods):
+        return sorted(p["spec"]["nodeName"] for p in pods)
+    return None
+
+
+CLUSTER_KINDS = "clusterroles,clusterrolebindings"
+NAMESPACED_KINDS = "deployments,daemonsets,services,serviceaccounts,configmaps,roles,rolebindings,persistentvolumeclaims"
+
+
+def owned_objects(cluster: Cluster, namespace: str) -> set[str]:
+    names = cluster.kubectl("get", CLUSTER_KINDS, "-l", INSTANCE, "-o", "name").stdout.split()
+    names += cluster.kubectl("get", NAMESPACED_KINDS, "-n", namespace, "-l", INSTANCE, "-o", "name").stdout.split()
+    return set(names)
+
+
+def test_install_rbac_upgrade_and_uninstall(
+    cluster: Cluster, namespace: str, make_node: Callable[..., str], volumes: Callable[[], str],
+    release: Callable[..., Any],
+) -> None:
+    gpu = make_node("gpu-24g")
+    cpu = make_node("cpu-only")
+    volumes()
+    release("--set", f"database.sqlite.storageClassName={STORAGE_CLASS}", "--set", "operator.resyncSeconds=5")
+
+    # Pods: the Deployments land on kwok nodes (the API once its SQLite claim binds), the probe
+    # on the GPU node only.
+    cluster.wait_for(lambda: running_on(cluster, namespace, "operator"), 60, what="operator pod Running")
+    cluster.wait_for(lambda: running_on(cluster, namespace, "api"), 60, what="API pod Running with its PVC")
+    probe_nodes = cluster.wait_for(lambda: running_on(cluster, namespace, "node-probe"), 60, what="probe pod")
+    assert gpu in probe_nodes and cpu not in probe_nodes
+    assert existing(cluster, "pvc", "spillway-db", namespace)["status"]["phase"] == "Bound"
+    pricing = existing(cluster, "configmap", "spillway-pricing", namespace)["data"]
+    assert pricing["NVIDIA-GeForce-RTX-4090"] == "0.4"
+    assert cluster.get("crd", "finetunejobs.spillway.dev") is not None
+
+    # RBAC, as each service account. Elsewhere = a namespace the chart knows nothing about.
+    elsewhere = "default"
+    operator, api, probe = sa(namespace, "spillway-operator"), sa(namespace, "spillway-api"), sa(
+        namespace, "spillway-node-probe")
+    allowed = [
+        (operator, "list", "nodes"),
+        (operator, "watch", "finetunejobs.spillway.dev", "-A"),
+        (operator, "patch", "finetunejobs.spillway.dev", "--subresource=status", "-n", elsewhere),
+        (operator, "create", "pods", "-n", elsewhere),
+        (operator, "create", "roles.rbac.authorization.k8s.io", "-n", elsewhere),
+        (operator, "get", "configmap/spillway-pricing", "-n", namespace),
+        (operator, "get", "storageclasses.storage.k8s.io"),
+        (api, "create", "tokenreviews.authentication.k8s.io"),
+        (api, "create", "subjectaccessreviews.authorization.k8s.io"),
+        (api, "create", "finetunejobs.spillway.dev", "-n", elsewhere),
+        (api, "list", "nodes"),
+        (probe, "patch", "nodes"),
+    ]
+    denied = [
+        (operator, "get", "secrets", "-n", namespace),
+        (operator, "patch", "nodes"),
+        (operator, "create", "deployments.apps", "-n", elsewhere),
+        (operator, "escalate", "roles.rbac.authorization.k8s.io", "-n", elsewhere),
+        (operator, "create", "clusterrolebindings.rbac.authorization.k8s.io"),
+        (api, "create", "pods", "-n", elsewhere),
+        (api, "get", "secrets", "-n", namespace),
+        (api, "patch", "finetunejobs.spillway.dev", "--subresource=status", "-n", elsewhere),
+        (probe, "list", "pods", "-A"),
+        (probe, "delete", "nodes"),
+        (probe, "get", "secrets", "-n", namespace),
+    ]
+    assert [a for a in allowed if not can_i(cluster, *a)] == []
+    assert [d for d in denied if can_i(cluster, *d)] == []
+
+    # Users: the aggregated roles fold into the built-in edit and view ClusterRoles.
+    cluster.kubectl("create", "serviceaccount", "alice", "-n", namespace)
+    cluster.kubectl("create", "serviceaccount", "bob", "-n", namespace)
+    cluster.kubectl("create", "rolebinding", "alice-edit", "--clusterrole=edit", f"--serviceaccount={namespace}:alice",
+                    "-n", namespace)
+    cluster.kubectl("create", "rolebinding", "bob-view", "--clusterrole=view", f"--serviceaccount={namespace}:bob",
+                    "-n", namespace)
+    alice, bob = sa(namespace, "alice"), sa(namespace, "bob")
+    cluster.wait_for(lambda: can_i(cluster, alice, "create", "finetunejobs.spillway.dev", "-n", namespace), 30,
+                     what="spillway-editor aggregated into edit")
+    cluster.wait_for(lambda: can_i(cluster, bob, "list", "ftj", "-n", namespace), 30,
+                     what="spillway-viewer aggregated into view")
+    assert not can_i(cluster, alice, "patch", "finetunejobs.spillway.dev", "--subresource=status", "-n", namespace)
+    assert not can_i(cluster, bob, "create", "finetunejobs.spillway.dev", "-n", namespace)
+    assert not can_i(cluster, alice, "create", "finetunejobs.spillway.dev", "-n", elsewhere)
+
+    # Upgrade with changed values: new env and prices, a restarted operator, no probe.
+    before = existing(cluster, "deployment", "spillway-operator", namespace)
+    cluster.helm("upgrade", RELEASE, str(CHART), "-n", namespace, "--reuse-values",
+                 "--set", "operator.resyncSeconds=7", "--set", "nodeProbe.enabled=false",
+                 "--set-json", 'pricing.gpuHourUSD={"NVIDIA-GeForce-RTX-4090": 0.55}')
+    after = existing(cluster, "deployment", "spillway-operator", namespace)
+    env = {e["name"]: e.get("value") for e in after["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["SPILLWAY_OPERATOR_RESYNC_SECONDS"] == "7"
+    old_sum = before["spec"]["template"]["metadata"]["annotations"]["checksum/pricing"]
+    assert after["spec"]["template"]["metadata"]["annotations"]["checksum/pricing"] != old_sum
+    assert existing(cluster, "configmap", "spillway-pricing", namespace)["data"]["NVIDIA-GeForce-RTX-4090"] == "0.55"
+    assert cluster.get("daemonset", "spillway-node-probe", namespace) is None
+    assert cluster.get("clusterrole", "spillway-node-probe") is None
+    cluster.wait_for(lambda: not pods_of(cluster, namespace, "node-probe"), 30, what="probe pods gone")
+    cluster.wait_for(lambda: running_on(cluster, namespace, "operator"), 60, what="upgraded operator Running")
+
+    # Uninstall: only what the README says is kept survives: the CRD and the SQLite PVC.
+    assert len(owned_objects(cluster, namespace)) > 15
+    cluster.helm("uninstall", RELEASE, "-n", namespace, "--wait")
+    assert owned_objects(cluster, namespace) == {"persistentvolumeclaim/spillway-db"}
+    assert cluster.get("crd", "finetunejobs.spillway.dev") is not None
+    cluster.wait_for(lambda: not pods_of(cluster, namespace, "operator") and not pods_of(cluster, namespace, "api"),
+                     30, what="operator and API pods gone")
+
+
+def service_account_kubeconfig(cluster: Cluster, namespace: str, account: str, path: Path) -> Path:
+    """The admin kubeconfig with the user swapped for a token of `account`: a process using it
+    has exactly the RBAC the chart gives that service account."""
+    token = cluster.kubectl("create", "token", account, "-n", namespace, "--duration=1h").stdout.strip()
+    config = json.loads(cluster.kubectl("config", "view", "--raw", "--minify", "-o", "json").stdout)
+    config["users"][0]["user"] = {"token": token}
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_operator_under_the_charts_service_account_runs_the_13b_example(
+    cluster: Cluster, namespace: str, make_node: Callable[..., str], volumes: Callable[[], str],
+    release: Callable[..., Any], tmp_path: Path,
+) -> None:
+    """The user flow: helm install, kubectl apply -f examples/finetune.yaml, kubectl get ftj.
+    The in-cluster operator pod is fake under kwok, so the real operator runs here, as the
+    chart's operator ServiceAccount: if the chart's RBAC lacks anything it needs, this fails."""
+    # The example's checkpoint class, and the models/data claims its pvc:// URIs name.
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "storage.k8s.io/v1",
+        "kind": "StorageClass",
+        "metadata": {"name": "spillway-checkpoints"},
+        "provisioner": "kubernetes.io/no-provisioner",
+        "volumeBindingMode": "Immediate",
+    }))
+    example = yaml.safe_load(EXAMPLE.read_text())
+    assert example["spec"]["checkpoint"]["storageClassName"] == "spillway-checkpoints"
+    for claim in ("models", "data"):
+        volumes()
+        cluster.apply({
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": claim},
+            "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": STORAGE_CLASS,
+                     "resources": {"requests": {"storage": "1Ti"}}},
+        }, namespace)
+    checkpoint_pv = f"e2e-chart-ckpt-{secrets.token_hex(4)}"
+    cluster.kubectl("create", "-f", "-", input=json.dumps({
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": checkpoint_pv},
+        "spec": {"capacity": {"storage": "1Pi"}, "accessModes": ["ReadWriteOnce"],
+                 "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "spillway-checkpoints",
+                 "hostPath": {"path": f"/tmp/{checkpoint_pv}"}},
+    }))
+    gpu = make_node("gpu-24g", nvme_volume=True)
+    release("--set", "operator.replicas=0", "--set", "api.enabled=false", "--set", "nodeProbe.enabled=false")
+
+    kubeconfig = service_account_kubeconfig(cluster, namespace, "spillway-operator", tmp_path / "operator.kubeconfig")
+    env = dict(cluster.env, KUBECONFIG=str(kubeconfig))
+    operator = OperatorProcess(env, tmp_path / "operator.log")
+    operator.env["SPILLWAY_OPERATOR_NAMESPACE"] = namespace  # where the chart put the pricing ConfigMap
+    operator.env["SPILLWAY_OPERATOR_PRICING_CONFIGMAP"] = "spillway-pricing"
+    operator.start()
+    try:
+        cluster.kubectl("apply", "-n", namespace, "-f", str(EXAMPLE))
+
+        def planned() -> dict[str, Any] | None:
+            job = cluster.get("ftj", "llama-13b-sft", namespace) or {}
+            plan = (job.get("status") or {}).get("plan") or {}
+            return plan if plan.get("optimizer") else None
+
+        try:
+            plan = cluster.wait_for(planned, 60, what="status.plan")
+        except AssertionError:
+            raise AssertionError(f"no plan; operator log:\n{(tmp_path / 'operator.log').read_text()[-4000:]}") from None
+        # 13B needs ~210 GB of state: a 24 GB GPU and 64 GiB of RAM force the optimizer to NVMe.
+        assert plan["optimizer"] == "nvme" and plan["zeroStage"] == 3, plan
+        assert plan["nodes"] == [gpu]
+        assert plan["bytes"]["nvme"] > 100 * 10**9
+        assert plan["pricePerHourUSD"] == pytest.approx(0.4), "the chart's pricing ConfigMap was not read"
+
+        def pod() -> dict[str, Any] | None:
+            items = cluster.kubectl_json("get", "pods", "-n", namespace, "-l", "spillway.dev/job=llama-13b-sft")["items"]
+            running = [p for p in items if p["status"].get("phase") == "Running"]
+            return running[0] if running else None
+
+        try:
+            training_pod = cluster.wait_for(pod, 60, what="training pod Running")
+        except AssertionError:
+            events = cluster.kubectl("get", "events", "-n", namespace).stdout
+            raise AssertionError(f"pod not Running; events:\n{events}\noperator log:\n"
+                                 f"{(tmp_path / 'operator.log').read_text()[-3000:]}") from None
+        assert training_pod["spec"]["nodeName"] == gpu
+        ephemeral = [v["ephemeral"]["volumeClaimTemplate"]["spec"] for v in training_pod["spec"]["volumes"]
+                     if "ephemeral" in v]
+        assert [e["storageClassName"] for e in ephemeral] == ["spillway-local-nvme"]
+        requests = training_pod["spec"]["containers"][0]["resources"]["requests"]
+        assert requests["nvidia.com/gpu"] == "1"
+        assert parse_bytes(requests["memory"]) >= plan["bytes"]["cpu"]
+
+        table = cluster.kubectl("get", "ftj", "-n", namespace).stdout
+        header = table.splitlines()[0].split()
+        assert header == ["NAME", "PHASE", "MODEL", "PLAN", "STEP", "LOSS", "COST", "AGE"], table
+        assert "llama-13b-sft" in table and "pvc://models/llama-13b" in table
+
+        # Cost counts whole seconds from the pod's startTime to its container's finishedAt;
+        # let at least two pass so the job has run for a measurable time.
+        time.sleep(2)
+        cluster.set_pod_phase(namespace, training_pod["metadata"]["name"], "Succeeded")
+        done = cluster.wait_for(
+            lambda: (j := cluster.get("ftj", "llama-13b-sft", namespace)) and j["status"].get("phase") == "Succeeded"
+            and j, 30, what="job Succeeded")
+        assert done["status"]["cost"]["pricePerHourUSD"] == pytest.approx(0.4), done["status"]
+        assert done["status"]["cost"]["usd"] > 0, done["status"]
+    finally:
+        operator.stop()
+        cluster.kubectl("delete", "ftj", "--all", "-n", namespace, "--wait=false", check=False)
+        cluster.kubectl("delete", "pv", checkpoint_pv, "--wait=false", check=False)
+
+
+def parse_bytes(quantity: str) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    for suffix, factor in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if quantity.endswith(suffix):
+            return int(float(quantity[: -len(suffix)]) * factor)
+    return int(quantity)
+
