@@ -538,6 +538,8 @@ def test_operator_under_the_charts_service_account_runs_the_13b_example(
             and j, 30, what="job Succeeded")
         assert done["status"]["cost"]["pricePerHourUSD"] == pytest.approx(0.4), done["status"]
         assert done["status"]["cost"]["usd"] > 0, done["status"]
+        log = (tmp_path / "operator.log").read_text()
+        assert "Forbidden" not in log and "403" not in log, f"the chart's RBAC refused the operator:\n{log[-3000:]}"
     finally:
         operator.stop()
         cluster.kubectl("delete", "ftj", "--all", "-n", namespace, "--wait=false", check=False)
