@@ -140,9 +140,14 @@ class FineTuneRecipe:
         from transformers import AutoModelForCausalLM
 
         ds_config = dict(self.cfg.deepspeed)
-        torch_dtype = {"bf16": self.torch.bfloat16, "fp16": self.torch.float16, "fp32": self.torch.float32}[
-            self.spec.model.dtype
-        ]
+        dtype = self.spec.model.dtype
+        if dtype == "bf16" and self.plan.accelerator == "cuda" and not self.torch.cuda.is_bf16_supported():
+            # Pre-Ampere GPUs (V100, T4) have no bf16: train in fp16 with dynamic loss scaling.
+            dtype = "fp16"
+            ds_config["bf16"] = {"enabled": False}
+            ds_config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+            self._log("model.dtype bf16 is not supported by this GPU: training in fp16 with loss scaling")
+        torch_dtype = {"bf16": self.torch.bfloat16, "fp16": self.torch.float16, "fp32": self.torch.float32}[dtype]
         self._hf_ds_config = None
         if self.plan.zero_stage == 3:
             # Keeps transformers' zero.Init path on: from_pretrained partitions each layer as it
