@@ -10,18 +10,10 @@ optimizers (ratio vs best >= 1.0 within noise).
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-
-def best_of(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+from spillway_runtime.probe import _time_best as best_of
 
 
 def main() -> None:
