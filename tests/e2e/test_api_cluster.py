@@ -310,7 +310,9 @@ def test_submit_watch_restart_rollback_suspend_delete(world: World, api: ApiServ
     assert [(t["toPhase"], t["reason"]) for t in outside["transitions"]] == [("Pending", "created in the cluster")]
 
     # A clean restart (SIGTERM) is prompt and adds nothing.
-    assert api.stop(signal.SIGTERM) < 8
+    took = api.stop(signal.SIGTERM)
+    print(f"SIGTERM shutdown took {took:.2f}s")
+    assert took < 8
     api.start()
     time.sleep(1.5)
     assert _history(api, token, ns, "flow") == history
@@ -374,3 +376,52 @@ def test_expired_bookmark_lists_again_and_records_deletions(world: World, api: A
     wait_for(lambda: api.call("GET", f"{base}/gone", token).json().get("phase") == "Pending",
              what="the re-created job")
     assert [t["toPhase"] for t in _history(api, token, ns, "gone")["transitions"]] == ["Pending", "Deleted", "Pending"]
+
+
+def test_concurrent_submissions_race_the_watch_without_duplicates(world: World, api: ApiServer) -> None:
+    """Each POST writes its row, creates the object and commits, while the watch already
+    records that object: every job ends up with one row, its uid and one Pending transition."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ns, token = world.team_a, world.tokens["alice"]
+    names = [f"burst-{i}" for i in range(8)]
+    with ThreadPoolExecutor(len(names)) as pool:
+        codes = list(pool.map(lambda n: api.call("POST", f"/v1/namespaces/{ns}/jobs", token, job_body(n)).status_code,
+                              names))
+    assert codes == [201] * len(names)
+    for name in names:
+        patch_status(world.cluster, ns, name, {"phase": "Running"})
+    uids = {o["metadata"]["name"]: o["metadata"]["uid"]
+            for o in world.cluster.kubectl_json("get", "ftj", "-n", ns)["items"]}
+
+    def recorded() -> bool:
+        jobs: list[dict[str, Any]] = api.call("GET", f"/v1/namespaces/{ns}/jobs", token, None).json()["data"]
+        return bool(sum(j["phase"] == "Running" for j in jobs if j["name"] in names) == len(names))
+
+    wait_for(recorded, what="every burst job Running")
+    for name in names:
+        job = api.call("GET", f"/v1/namespaces/{ns}/jobs/{name}", token).json()
+        assert job["uid"] == uids[name]
+        assert [t["toPhase"] for t in _history(api, token, ns, name)["transitions"]] == ["Pending", "Running"]
+
+
+def test_revoked_access_stops_working_within_the_cache_time(world: World, api: ApiServer) -> None:
+    """One reader loses its RoleBinding (-> 403), another its service account (-> 401)."""
+    from spillway_api.auth import CACHE_SECONDS
+
+    cluster, ns = world.cluster, world.team_a
+    path = f"/v1/namespaces/{ns}/jobs"
+    tokens = {}
+    for account in ("unbound", "deleted"):
+        cluster.kubectl("create", "serviceaccount", account, "-n", ns)
+        cluster.kubectl("create", "rolebinding", f"ftj-{account}", "-n", ns, "--role=ftj-reader",
+                        f"--serviceaccount={ns}:{account}")
+        tokens[account] = cluster.kubectl("create", "token", account, "-n", ns, "--duration=10m").stdout.strip()
+        assert api.call("GET", path, tokens[account]).status_code == 200
+        assert api.call("POST", path, tokens[account], job_body(f"{account}-job")).status_code == 403
+    cluster.kubectl("delete", "rolebinding", "ftj-unbound", "-n", ns)
+    cluster.kubectl("delete", "serviceaccount", "deleted", "-n", ns)
+    revoked = time.monotonic()
+    wait_for(lambda: [api.call("GET", path, tokens[a]).status_code for a in ("unbound", "deleted")] == [403, 401],
+             timeout=CACHE_SECONDS + 5, what="revoked access to be refused")
+    assert time.monotonic() - revoked <= CACHE_SECONDS + 2
