@@ -48,7 +48,7 @@ def cluster_env() -> dict[str, str]:
     for line in sh(str(ROOT / "hack" / "cluster"), "env", env=env).splitlines():
         if line.startswith("export "):
             key, value = line[len("export "):].split("=", 1)
-            env[key] = value.strip("'\"")
+            env[key] = value.replace('"$PATH"', env.get("PATH", "")).strip("'\"")
     return env
 
 
