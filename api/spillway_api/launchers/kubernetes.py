@@ -71,15 +71,18 @@ class KubernetesLauncher:
         except ApiException as err:
             raise _api_error(err, job.namespace, job.name) from None
         job.uid = created["metadata"].get("uid")
+        job.resource_version = str(created["metadata"].get("resourceVersion") or "") or None
 
     def update_spec(self, session: Session, job: Job) -> None:
         from kubernetes.client.exceptions import ApiException
 
         patch = {"spec": {"resumeFrom": job.spec.get("resumeFrom"), "suspend": bool(job.spec.get("suspend"))}}
         try:
-            self.custom.patch_namespaced_custom_object(API_GROUP, API_VERSION, job.namespace, PLURAL, job.name, patch)
+            patched: Any = self.custom.patch_namespaced_custom_object(
+                API_GROUP, API_VERSION, job.namespace, PLURAL, job.name, patch)
         except ApiException as err:
             raise _api_error(err, job.namespace, job.name) from None
+        job.resource_version = str(patched["metadata"].get("resourceVersion") or "") or job.resource_version
 
     def delete(self, session: Session, job: Job) -> None:
         from kubernetes.client.exceptions import ApiException
@@ -114,13 +117,18 @@ def record_object(session: Session, obj: dict[str, Any], event_type: str, price_
         service.transition(job, "Pending", "created again in the cluster", f"created:{meta.get('uid')}",
                            _iso(meta.get("creationTimestamp")))
     job.uid = meta.get("uid") or job.uid
-    job.resource_version = rv
+    # An event older than what the row already shows (the watch lags behind our own create or
+    # patch) still adds its history, but must not put back the spec and status it replaced.
+    stale = _older(rv, job.resource_version)
+    if not stale:
+        job.resource_version = rv
     if event_type == "DELETED":
         service.transition(job, "Deleted", "deleted from the cluster", f"deleted:{job.uid}")
         return
-    job.spec = obj.get("spec") or job.spec
     status: dict[str, Any] = obj.get("status") or {}
-    job.status = status
+    if not stale:
+        job.spec = obj.get("spec") or job.spec
+        job.status = status
     if status.get("plan"):
         job.plan = status["plan"]
     phase = status.get("phase")
@@ -153,7 +161,7 @@ def record_object(session: Session, obj: dict[str, Any], event_type: str, price_
     # (status.appliedResumeFrom) or someone cleared spec.resumeFrom. Progress alone says nothing:
     # right after the request it still shows the steps the rollback is about to undo.
     resume_from = job.spec.get("resumeFrom")
-    if resume_from is None or status.get("appliedResumeFrom") == resume_from:
+    if not stale and (resume_from is None or status.get("appliedResumeFrom") == resume_from):
         service.complete_rollbacks(job)
     cost = status.get("cost") or {}
     if cost.get("usd") is not None or cost.get("gpuHours") is not None:
@@ -166,6 +174,14 @@ def _float(value: Any) -> float | None:
         return None if value is None else float(value)
     except (TypeError, ValueError):
         return None
+
+
+def _older(rv: str, than: str | None) -> bool:
+    """Whether resourceVersion rv precedes `than` (etcd revisions; anything else is never older)."""
+    try:
+        return than is not None and int(rv) < int(than)
+    except ValueError:
+        return False
 
 
 def _int(value: Any) -> int | None:
@@ -274,12 +290,12 @@ class FineTuneJobWatch:
             self._apply(obj, "MODIFIED", bookmark=False)
         rv = str(listed.get("metadata", {}).get("resourceVersion", ""))
         with self.sessions.begin() as session:
-            # Rows the watch had recorded (resource_version set) but the list lacks were
-            # deleted while nobody watched. Rows made by a POST whose object the watch has
-            # not seen yet have no resource_version and are left alone.
+            # Rows whose object existed before the list (an older resourceVersion) but that the
+            # list lacks were deleted while nobody watched. A row whose object was created after
+            # the list (a POST racing it) is newer and left alone; its watch event follows.
             for job in session.scalars(select(Job).where(Job.launcher == "kubernetes", Job.phase != "Deleted",
                                                          Job.resource_version.is_not(None))):
-                if (job.namespace, job.name) not in seen:
+                if (job.namespace, job.name) not in seen and _older(job.resource_version or "", rv):
                     JobService(session, {}, "kubernetes").transition(
                         job, "Deleted", "deleted from the cluster while the API was not watching",
                         f"deleted:{job.uid}")
