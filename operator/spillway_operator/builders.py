@@ -642,8 +642,11 @@ def build_pod(
         "affinity": {
             "nodeAffinity": {
                 "requiredDuringSchedulingIgnoredDuringExecution": {
+                    # One term per node (terms are ORed): the API server accepts a single value
+                    # for a metadata.name field selector, so a shape of several nodes needs several terms.
                     "nodeSelectorTerms": [
-                        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": sorted(choice.nodes)}]}
+                        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+                        for node in sorted(choice.nodes)
                     ]
                 }
             }

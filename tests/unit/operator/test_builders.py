@@ -86,7 +86,11 @@ def test_pod_has_gpu_limits_memory_affinity_and_volumes() -> None:
     memory_mib = int(container["resources"]["requests"]["memory"].removesuffix("Mi"))
     assert memory_mib * 2**20 >= choice.plan.bytes.cpu
     terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert terms["nodeSelectorTerms"][0]["matchFields"][0]["values"] == ["n1", "n2"]
+    # one term per node: the API server allows a single value per metadata.name field selector
+    assert [t["matchFields"] for t in terms["nodeSelectorTerms"]] == [
+        [{"key": "metadata.name", "operator": "In", "values": ["n1"]}],
+        [{"key": "metadata.name", "operator": "In", "values": ["n2"]}],
+    ]
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["input-models"]["persistentVolumeClaim"]["claimName"] == "models"
     if choice.plan.bytes.nvme:
