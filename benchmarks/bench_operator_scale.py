@@ -107,17 +107,21 @@ def main() -> None:
         stop = threading.Event()
 
         def watch_pods() -> None:
-            w = watch.Watch()
-            for event in w.stream(core.list_namespaced_pod, NAMESPACE, timeout_seconds=600):
-                pod = event["object"]
-                job = (pod.metadata.labels or {}).get("spillway.dev/job")
-                now = time.monotonic()
-                if job:
-                    pod_added.setdefault(job, now)
-                    if pod.spec.node_name:
-                        pod_bound.setdefault(job, now)
-                if stop.is_set():
-                    w.stop()
+            while not stop.is_set():  # a loaded API server may cut a watch; start another
+                w = watch.Watch()
+                try:
+                    for event in w.stream(core.list_namespaced_pod, NAMESPACE, timeout_seconds=60):
+                        pod = event["object"]
+                        job = (pod.metadata.labels or {}).get("spillway.dev/job")
+                        now = time.monotonic()
+                        if job:
+                            pod_added.setdefault(job, now)
+                            if pod.spec.node_name:
+                                pod_bound.setdefault(job, now)
+                        if stop.is_set():
+                            w.stop()
+                except Exception as err:
+                    print(f"pod watch restarted: {err}", file=sys.stderr)
 
         watcher = threading.Thread(target=watch_pods, daemon=True)
         watcher.start()
