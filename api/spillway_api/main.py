@@ -17,7 +17,7 @@ from spillway_api.auth import KubernetesAuth, NoAuth, TokenAuth, ensure_token_fi
 from spillway_api.db import make_engine, make_sessionmaker, migrate
 from spillway_api.launchers.local import LocalLauncher
 from spillway_api.middleware import BodySizeLimit, Metrics, MetricsMiddleware
-from spillway_api.routes import cost, health, jobs, plan
+from spillway_api.routes import cost, dashboard, health, jobs, plan
 from spillway_api.settings import Settings, get_settings
 
 
@@ -64,7 +64,7 @@ def create_app(settings: Settings | None = None, *, kube_api_client: Any = None)
     else:
         app.state.auth = TokenAuth(ensure_token_file(settings.resolved_token_file))
     errors.install(app)
-    for module in (health, jobs, cost, plan):
+    for module in (health, jobs, cost, plan, dashboard):
         app.include_router(module.router)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)

@@ -1,0 +1,118 @@
+// Plan explorer: one model size against several node shapes, side by side, from POST /v1/plan.
+import { api } from "./api.js";
+import { bytes, duration, errorBox, h, stepSeconds, usd } from "./format.js";
+
+const GiB = 1024 ** 3;
+// Editable starting points; what is sent is what the form holds.
+export const SHAPES = [
+  { name: "24gb-nvme", title: "24 GB GPU + NVMe", gpuProduct: "NVIDIA-L4", gpuGiB: 24, gpus: 1, cpuCores: 16, cpuGiB: 64,
+    nvmeGiB: 1800, price: 0.8 },
+  { name: "48gb-nvme", title: "48 GB GPU + NVMe", gpuProduct: "NVIDIA-L40S", gpuGiB: 48, gpus: 1, cpuCores: 32, cpuGiB: 128,
+    nvmeGiB: 3600, price: 1.6 },
+  { name: "80gb", title: "80 GB GPU, no NVMe", gpuProduct: "NVIDIA-A100-SXM4-80GB", gpuGiB: 80, gpus: 1, cpuCores: 32,
+    cpuGiB: 256, nvmeGiB: 0, price: 3.0 },
+];
+
+export function hardware(s) {
+  const hw = { name: s.name, gpu_count: s.gpus, gpu_product: s.gpuProduct, gpu_memory_bytes: Math.round(s.gpuGiB * GiB),
+    cpu_cores: s.cpuCores, cpu_memory_bytes: Math.round(s.cpuGiB * GiB) };
+  if (s.nvmeGiB > 0) {
+    Object.assign(hw, { nvme_path: "/nvme", nvme_capacity_bytes: Math.round(s.nvmeGiB * GiB),
+      nvme_free_bytes: Math.round(s.nvmeGiB * GiB), nvme_read_bytes_per_s: 3e9, nvme_write_bytes_per_s: 2e9 });
+  }
+  return hw;
+}
+
+function field(id, label, value, attrs = {}) {
+  return h("div", { class: "field" }, h("label", { for: id }, label),
+    h("input", { id, name: id, value, inputmode: "decimal", ...attrs }));
+}
+
+export function planPage(main) {
+  const shapeBoxes = SHAPES.map((s, i) => h("fieldset", { class: "shape", "data-shape": i },
+    h("legend", {}, h("label", {}, h("input", { type: "checkbox", name: `use-${i}`, checked: true }), ` ${s.title}`)),
+    field(`s${i}-name`, "Node name", s.name),
+    field(`s${i}-gpu`, "GPU memory (GiB)", s.gpuGiB, { type: "number", min: 0, step: "any" }),
+    field(`s${i}-gpus`, "GPUs", s.gpus, { type: "number", min: 0, step: 1 }),
+    field(`s${i}-cpu`, "CPU RAM (GiB)", s.cpuGiB, { type: "number", min: 1, step: "any" }),
+    field(`s${i}-nvme`, "NVMe (GiB, 0 = none)", s.nvmeGiB, { type: "number", min: 0, step: "any" }),
+    field(`s${i}-price`, "USD per hour", s.price, { type: "number", min: 0, step: "any" })));
+  const results = h("div", { id: "plan-results", "aria-live": "polite" });
+  const form = h("form", { id: "plan-form", onsubmit: (e) => { e.preventDefault(); compare(); } },
+    h("div", { class: "row" },
+      field("plan-params", "Model size (parameters)", "7B", { list: "param-presets", required: true,
+        "aria-describedby": "params-help" }),
+      h("datalist", { id: "param-presets" }, ["125M", "1.3B", "7B", "13B", "34B", "70B"].map((v) => h("option", { value: v }))),
+      field("plan-steps", "Training steps", 1000, { type: "number", min: 1, step: 1 }),
+      field("plan-seq", "Sequence length", 2048, { type: "number", min: 1, step: 1 }),
+      field("plan-mbs", "Micro-batch size", 1, { type: "number", min: 1, step: 1 })),
+    h("p", { id: "params-help", class: "muted" }, "e.g. 7B, 13B or 350M; the planner derives the layer shapes from it."),
+    h("div", { class: "shapes" }, shapeBoxes),
+    h("div", { class: "actions" },
+      h("button", { type: "submit", id: "plan-compare" }, "Compare node shapes"),
+      h("button", { type: "button", class: "secondary", id: "plan-cluster", onclick: () => compare(true) },
+        "Use the cluster's nodes")));
+  main.replaceChildren(h("h1", {}, "Plan explorer"),
+    h("p", {}, "Where the training state would live on each node shape, how long a step takes and what the run costs — before anything runs."),
+    form, results);
+  document.title = "Plan explorer · Spillway";
+
+  function val(id) { return form.querySelector(`#${id}`).value.trim(); }
+
+  async function compare(cluster = false) {
+    const common = {
+      parameterCount: val("plan-params"),
+      training: { maxSteps: Number(val("plan-steps")), sequenceLength: Number(val("plan-seq")),
+        microBatchSize: Number(val("plan-mbs")) },
+    };
+    const requests = cluster ? [{ ...common }] : SHAPES.map((_, i) => i)
+      .filter((i) => form.querySelector(`input[name=use-${i}]`).checked)
+      .map((i) => ({ ...common, pricePerHour: Number(val(`s${i}-price`)), hardware: hardware({
+        ...SHAPES[i], name: val(`s${i}-name`), gpuGiB: Number(val(`s${i}-gpu`)), gpus: Number(val(`s${i}-gpus`)),
+        cpuGiB: Number(val(`s${i}-cpu`)), nvmeGiB: Number(val(`s${i}-nvme`)) }) }));
+    if (!requests.length) { results.replaceChildren(errorBox("Pick at least one node shape.")); return; }
+    results.replaceChildren(h("p", { class: "muted" }, "Planning…"));
+    try {
+      const answers = await Promise.all(requests.map((r) => api("/v1/plan", { method: "POST", body: r })));
+      const cols = answers.flatMap((a, i) => a.data.map((p) => ({ ...p, request: requests[i] })));
+      results.replaceChildren(table(cols));
+    } catch (err) {
+      results.replaceChildren(errorBox(err));
+    }
+  }
+  return () => {};
+}
+
+function table(cols) {
+  const feasible = cols.filter((c) => c.feasible);
+  const fastest = feasible.length ? feasible.reduce((a, b) => (a.plan.predicted_step_seconds <= b.plan.predicted_step_seconds ? a : b)) : null;
+  const priced = feasible.filter((c) => c.plan.predicted_cost_usd != null);
+  const cheapest = priced.length ? priced.reduce((a, b) => (a.plan.predicted_cost_usd <= b.plan.predicted_cost_usd ? a : b)) : null;
+  const tierCell = (c, k) => {
+    if (!c.plan.bytes) return h("td", { "data-field": `bytes.${k}` }, "–");
+    const used = c.plan.bytes[k];
+    const cap = c.plan.capacity[k];
+    return h("td", { class: "num", "data-field": `bytes.${k}`, "data-value": used },
+      bytes(used), h("div", { class: "muted small" }, cap ? `of ${bytes(cap)}` : "none on node"));
+  };
+  const rows = [
+    ["Fits", (c) => h("td", { "data-field": "feasible", "data-value": String(c.feasible) },
+      c.feasible ? "yes" : h("span", { class: "bad" }, "no"))],
+    ["Placement", (c) => h("td", { class: "mono", "data-field": "label", "data-value": c.label }, c.label)],
+    ["GPU (per GPU)", (c) => tierCell(c, "gpu")],
+    ["CPU RAM", (c) => tierCell(c, "cpu")],
+    ["NVMe", (c) => tierCell(c, "nvme")],
+    ["Step time", (c) => h("td", { class: "num", "data-field": "predicted_step_seconds", "data-value": c.plan.predicted_step_seconds },
+      stepSeconds(c.plan.predicted_step_seconds), c === fastest ? h("div", { class: "best small" }, "fastest") : null)],
+    ["Time to finish", (c) => h("td", { class: "num", "data-field": "predicted_total_seconds", "data-value": c.plan.predicted_total_seconds },
+      duration(c.plan.predicted_total_seconds))],
+    ["Cost to finish", (c) => h("td", { class: "num", "data-field": "predicted_cost_usd", "data-value": c.plan.predicted_cost_usd },
+      usd(c.plan.predicted_cost_usd), c === cheapest ? h("div", { class: "best small" }, "cheapest") : null)],
+    ["Short of", (c) => h("td", { "data-field": "shortfalls" }, c.shortfalls.length ? h("ul", {}, c.shortfalls.map((s) => h("li", {}, s))) : "–")],
+  ];
+  return h("table", { class: "data compare", id: "plan-table" },
+    h("caption", {}, `${cols[0]?.plan?.model?.name ?? ""} parameters on ${cols.length} node shape${cols.length === 1 ? "" : "s"}`),
+    h("thead", {}, h("tr", {}, h("td", {}), cols.map((c) => h("th", { scope: "col", "data-node": c.node,
+      "data-request": JSON.stringify(c.request) }, c.node)))),
+    h("tbody", {}, rows.map(([label, cell]) => h("tr", {}, h("th", { scope: "row" }, label), cols.map(cell)))));
+}

@@ -1,0 +1,274 @@
+"""The web dashboard in a real headless Chromium (Debian's package, driven by Playwright) against
+a real `uvicorn` serving the API on a temporary SQLite database, with a tiny job that really
+trains on the CPU through the local launcher.
+
+The jobs table shows the job submitted over HTTP; the loss curve has one point per recorded
+step; the rollback button sets spec.resumeFrom through the API and the page shows the restart;
+the plan explorer's numbers are POST /v1/plan's. Screenshots land in artifacts/screenshots/.
+A missing Chromium or Playwright fails the test: nothing here is skipped."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from spillway_api.settings import Settings
+
+from ..conftest import job_document
+from .conftest import REPO_ROOT, job_body
+
+pytestmark = pytest.mark.integration
+
+CHROMIUM = os.environ.get("SPILLWAY_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+SCREENSHOTS = REPO_ROOT / "artifacts" / "screenshots"
+
+
+def wait_for(predicate: Any, timeout: float = 120, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """`uvicorn` serving create_app() with token auth on a free loopback port."""
+    root = tmp_path_factory.mktemp("dashboard")
+    port = free_port()
+    env = {**os.environ, "SPILLWAY_DATABASE_URL": f"sqlite:///{root / 'api.db'}", "SPILLWAY_DATA_DIR": str(root / "data"),
+           "SPILLWAY_AUTH": "token", "SPILLWAY_LOCAL_POLL_SECONDS": "0.1", "SPILLWAY_LOCAL_PRICE_PER_HOUR": "3.6",
+           "DS_ACCELERATOR": "cpu"}
+    log = (root / "uvicorn.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "spillway_api.main:create_app",
+                             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"uvicorn exited {proc.returncode}:\n{(root / 'uvicorn.log').read_text()}")
+        try:
+            return httpx.get(url + "/readyz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(up, 60, "uvicorn to answer")
+        token = Settings(data_dir=root / "data").resolved_token_file.read_text().strip()
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as api:
+            yield {"url": url, "token": token, "api": api}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if not Path(CHROMIUM).is_file():
+        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium (Debian's package); "
+                    "the dashboard tests need a real browser and never skip", pytrace=False)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+def shot(page: Any, name: str) -> None:
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
+
+
+def test_dashboard_jobs_detail_rollback_and_plan(server: dict[str, Any], browser: Any,
+                                                  tiny_model: dict[str, Path]) -> None:
+    api: httpx.Client = server["api"]
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(30_000)
+    problems: list[str] = []
+    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}")
+            if m.type == "error" and "401" not in m.text else None)
+    requests: list[str] = []
+    page.on("request", lambda r: requests.append(r.url))
+
+    # -- the token is asked once, kept in sessionStorage and sent on every call -----------------
+    page.goto(server["url"] + "/")
+    dialog = page.locator("#token-dialog")
+    dialog.wait_for(state="visible")
+    assert page.evaluate("document.activeElement.id") == "token-input"
+    page.fill("#token-input", server["token"])
+    page.keyboard.press("Enter")
+    dialog.wait_for(state="hidden")
+    assert page.evaluate("sessionStorage.getItem('spillway.token')") == server["token"]
+
+    # -- jobs table: a job created through the API appears without reloading -------------------
+    doc = job_document("tiny", tiny_model["model"], tiny_model["data"], training={"maxSteps": 6, "warmupSteps": 1},
+                       checkpoint={"everySteps": 2, "keep": 5})
+    r = api.post("/v1/namespaces/local/jobs", json={"metadata": doc["metadata"], "spec": doc["spec"]})
+    assert r.status_code == 201, r.text
+    r = api.post("/v1/namespaces/team-b/jobs", json=job_body("refused"))  # no such model: fails at planning
+    assert r.status_code == 201, r.text
+    row = page.locator('tr[data-job="local/tiny"]')
+    row.wait_for()
+    page.locator('tr[data-job="team-b/refused"][data-phase="Failed"]').wait_for()
+    base = "/v1/namespaces/local/jobs/tiny"
+    wait_for(lambda: api.get(base).json()["phase"] in ("Succeeded", "Failed") and api.get(base).json()["exitCode"]
+             is not None, 180, "the tiny job to finish")
+    job = api.get(base).json()
+    assert job["phase"] == "Succeeded", job
+    page.locator('tr[data-job="local/tiny"][data-phase="Succeeded"]').wait_for()  # live update, no reload
+    cells = row.locator("td")
+    assert cells.nth(2).inner_text() == f"Z{job['plan']['zero_stage']} opt:{job['plan']['optimizer']} " \
+        f"par:{job['plan']['parameters']}"
+    assert cells.nth(3).inner_text().startswith("6/6")
+    cost = api.get(base + "/cost").json()
+    assert cells.nth(4).inner_text() == f"${cost['usd']:.4f}"
+
+    page.select_option("#filter-phase", "Failed")
+    page.locator('tr[data-job="local/tiny"]').wait_for(state="detached")
+    assert page.locator("tr[data-job]").count() == 1
+    page.select_option("#filter-phase", "")
+    page.select_option("#filter-namespace", "local")
+    page.locator('tr[data-job="team-b/refused"]').wait_for(state="detached")
+    row.wait_for()
+    page.select_option("#filter-namespace", "")
+    page.locator('tr[data-job="team-b/refused"]').wait_for()
+    shot(page, "1-jobs")
+
+    # -- detail: one loss point per recorded step, markers, tiers, plan, cost -------------------
+    row.get_by_role("link", name="tiny").click()
+    loss = page.locator("#loss-chart")
+    history = api.get(base + "/history").json()
+    assert history["progressCount"] == 6
+    page.locator('#loss-chart[data-points="6"]').wait_for()
+    assert loss.get_attribute("data-checkpoints") == "3" and loss.get_attribute("data-restarts") == "0"
+    assert page.locator("#loss-chart canvas").count() == 1 and page.locator("#tput-chart canvas").count() == 1
+    # uPlot's own data: one x per recorded step, the losses the API recorded
+    xs, *ys = page.evaluate("document.querySelector('#loss-chart').uplot.data")
+    assert xs == [p["step"] for p in history["progress"]]
+    assert ys == [[p["loss"] for p in history["progress"]]]
+    assert page.locator("#marker-list li[data-kind=checkpoint]").count() == 3
+    for tier in ("gpu", "cpu", "nvme"):
+        bar = page.locator(f'.tier[data-tier="{tier}"]')
+        assert int(bar.get_attribute("data-bytes")) == job["plan"]["bytes"][tier]
+        assert int(bar.get_attribute("data-capacity")) == job["plan"]["capacity"][tier]
+    assert page.locator("#plan-reasons li").count() == len(job["plan"]["reasons"])
+    assert page.locator("#plan-rejected li").count() == len(job["plan"]["rejected"])
+    assert page.locator("#cost-accrued").inner_text() == f"${cost['usd']:.4f}"
+    shot(page, "2-detail")
+
+    # -- rollback: keyboard-reachable button, confirmation, reason required --------------------
+    button = page.get_by_role("button", name="Roll back to step-00000002")
+    button.focus()
+    page.keyboard.press("Enter")
+    confirm = page.locator("#rollback-dialog")
+    confirm.wait_for(state="visible")
+    assert page.evaluate("document.activeElement.id") == "rollback-reason"
+    page.click("#rollback-confirm")  # no reason: the form refuses, nothing is sent
+    assert confirm.is_visible()
+    assert api.get(base).json()["spec"].get("resumeFrom") is None
+    page.keyboard.press("Escape")  # cancel returns focus to the button
+    confirm.wait_for(state="detached")
+    assert page.evaluate("document.activeElement.getAttribute('aria-label')") == "Roll back to step-00000002"
+    page.keyboard.press("Enter")
+    page.fill("#rollback-reason", "loss spike after step 2")
+    shot(page, "3-rollback-dialog")
+    page.click("#rollback-confirm")
+    confirm.wait_for(state="detached")
+    rolled = api.get(base + "/history").json()["rollbacks"]
+    assert [(x["checkpoint"], x["reason"], x["origin"]) for x in rolled] == [
+        ("step-00000002", "loss spike after step 2", "api")]
+    spec_after = api.get(base).json()["spec"]
+    # resumeFrom is set by the rollback; the local launcher clears it once the restart completed
+    assert spec_after.get("resumeFrom") == "step-00000002" or rolled[0]["completedAt"], spec_after
+
+    page.locator('#restart-banner[data-state="restarted"][data-checkpoint="step-00000002"]').wait_for(timeout=120_000)
+    wait_for(lambda: api.get(base).json()["phase"] == "Succeeded" and api.get(base).json()["exitCode"] == 0, 120,
+             "the restarted run to finish")
+    history = api.get(base + "/history").json()
+    assert [p["step"] for p in history["progress"]] == [1, 2, 3, 4, 5, 6, 3, 4, 5, 6]
+    page.locator(f'#loss-chart[data-points="{history["progressCount"]}"][data-restarts="1"]').wait_for()
+    assert loss.get_attribute("data-runs") == "2" and loss.get_attribute("data-rollbacks") == "1"
+    assert page.locator("#marker-list li[data-kind=restart]").inner_text() == "restarted at step 2"
+    assert "Restarted from step-00000002" in page.locator("#restart-banner").inner_text()
+    shot(page, "4-detail-after-rollback")
+
+    # -- plan explorer: the page's numbers are POST /v1/plan's --------------------------------
+    page.get_by_role("link", name="Plan explorer").click()
+    page.fill("#plan-params", "13B")
+    page.click("#plan-compare")
+    page.locator("#plan-table").wait_for()
+    heads = page.locator("#plan-table thead th[data-node]")
+    assert heads.count() == 3
+    for i in range(heads.count()):
+        request = json.loads(heads.nth(i).get_attribute("data-request"))
+        assert request["parameterCount"] == "13B"
+        answer = api.post("/v1/plan", json=request)
+        assert answer.status_code == 200, answer.text
+        want = answer.json()["data"][0]
+        assert heads.nth(i).inner_text() == want["node"]
+
+        def cell(field: str, col: int = i) -> Any:
+            return page.locator(f'#plan-table tbody td[data-field="{field}"]').nth(col)
+
+        assert cell("label").get_attribute("data-value") == want["label"]
+        assert cell("feasible").get_attribute("data-value") == str(want["feasible"]).lower()
+        for tier in ("gpu", "cpu", "nvme"):
+            assert int(cell(f"bytes.{tier}").get_attribute("data-value")) == want["plan"]["bytes"][tier]
+        assert float(cell("predicted_step_seconds").get_attribute("data-value")) == want["plan"]["predicted_step_seconds"]
+        assert float(cell("predicted_cost_usd").get_attribute("data-value")) == want["plan"]["predicted_cost_usd"]
+        assert cell("predicted_cost_usd").inner_text().splitlines()[0] == f"${want['plan']['predicted_cost_usd']:.2f}"
+    shot(page, "5-plan-explorer")
+
+    # everything came from the API's own origin; no script errors
+    assert all(u.startswith(server["url"]) for u in requests), [u for u in requests if not u.startswith(server["url"])]
+    assert not problems, problems
+    context.close()
+
+
+def test_pages_are_public_and_data_needs_the_token(make_client: Any, tmp_path: Path) -> None:
+    """The page and bundle carry no data and load without a token; /v1 still needs it."""
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'api.db'}", data_dir=tmp_path / "data", auth="token")
+    anon = make_client(settings, authenticated=False)
+    page = anon.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert 'src="assets/app.js"' in page.text
+    js = anon.get("/assets/app.js")
+    assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")
+    assert anon.get("/assets/app.css").headers["content-type"].startswith("text/css")
+    for bad in ("/assets/..%2Fdashboard.py", "/assets/nope.js", "/assets/THIRD-PARTY-LICENSES.txt"):
+        assert anon.get(bad).status_code == 404, bad
+    assert anon.get("/v1/jobs").status_code == 401
+    authed = make_client(settings)
+    assert authed.get("/v1/jobs").json() == {"data": [], "count": 0}
+    assert authed.get("/v1/jobs", params={"namespace": "Bad_NS"}).status_code == 422
