@@ -9,6 +9,7 @@ A missing Chromium or Playwright fails the test: nothing here is skipped."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -52,13 +53,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """`uvicorn` serving create_app() with token auth on a free loopback port."""
-    root = tmp_path_factory.mktemp("dashboard")
+@contextlib.contextmanager
+def serve(root: Path, auth: str) -> Iterator[dict[str, Any]]:
+    """`uvicorn` serving create_app() on a free loopback port, configured by SPILLWAY_* variables."""
     port = free_port()
     env = {**os.environ, "SPILLWAY_DATABASE_URL": f"sqlite:///{root / 'api.db'}", "SPILLWAY_DATA_DIR": str(root / "data"),
-           "SPILLWAY_AUTH": "token", "SPILLWAY_LOCAL_POLL_SECONDS": "0.1", "SPILLWAY_LOCAL_PRICE_PER_HOUR": "3.6",
+           "SPILLWAY_AUTH": auth, "SPILLWAY_LOCAL_POLL_SECONDS": "0.1", "SPILLWAY_LOCAL_PRICE_PER_HOUR": "3.6",
            "DS_ACCELERATOR": "cpu"}
     log = (root / "uvicorn.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "spillway_api.main:create_app",
@@ -76,8 +76,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
 
     try:
         wait_for(up, 60, "uvicorn to answer")
-        token = Settings(data_dir=root / "data").resolved_token_file.read_text().strip()
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as api:
+        token = Settings(data_dir=root / "data").resolved_token_file.read_text().strip() if auth == "token" else ""
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"} if token else {},
+                          timeout=30) as api:
             yield {"url": url, "token": token, "api": api}
     finally:
         proc.terminate()
@@ -86,6 +87,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    with serve(tmp_path_factory.mktemp("dashboard"), "token") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -272,3 +279,15 @@ def test_pages_are_public_and_data_needs_the_token(make_client: Any, tmp_path: P
     authed = make_client(settings)
     assert authed.get("/v1/jobs").json() == {"data": [], "count": 0}
     assert authed.get("/v1/jobs", params={"namespace": "Bad_NS"}).status_code == 422
+
+
+def test_no_auth_asks_for_nothing(browser: Any, tmp_path: Path) -> None:
+    """With --no-auth the page never shows the token dialog and stores no token."""
+    with serve(tmp_path, "none") as srv:
+        page = browser.new_page()
+        page.goto(srv["url"] + "/#/jobs")
+        page.locator("#jobs-status", has_text="0 jobs").wait_for(timeout=15_000)
+        assert not page.locator("#token-dialog").is_visible()
+        assert page.evaluate("sessionStorage.getItem('spillway.token')") is None
+        assert page.locator("#forget-token").is_hidden()
+        page.close()
