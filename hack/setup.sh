@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything Spillway needs on a fresh Debian machine, idempotently:
-# system packages (libaio-dev for DeepSpeed's async I/O, PostgreSQL for the DB tests),
+# system packages (libaio-dev for DeepSpeed's async I/O, PostgreSQL for the DB tests,
+# Chromium for the dashboard's browser tests),
 # a virtual environment outside the repository with the pinned dependencies (so clones
 # share the multi-GB torch install), this checkout's .venv on top of it, and DeepSpeed's
 # CPU ops built once.
@@ -15,7 +16,9 @@ PYTHON=${PYTHON:-python3}
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 
 need_pkgs=()
-for pkg in libaio-dev postgresql; do
+# libaio-dev: DeepSpeed's async I/O; postgresql: the database tests; chromium: the
+# dashboard's browser tests (driven by Playwright with this executable, nothing downloaded).
+for pkg in libaio-dev postgresql chromium; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_pkgs+=("$pkg")
 done
 if [ ${#need_pkgs[@]} -gt 0 ]; then
