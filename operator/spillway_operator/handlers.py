@@ -122,6 +122,8 @@ def pod_event(labels: Mapping[str, str], namespace: str | None, **_: Any) -> Non
 def node_event(type: str, name: str, **_: Any) -> None:
     """Keep the set of live nodes; on node loss, reconcile the jobs that ran there at once
     rather than waiting ~60 s for the pod garbage collector."""
+    if type in ("ADDED", "DELETED"):
+        k8s.forget_nodes()
     if type == "DELETED":
         reconciler.known_nodes.discard(name)
         for namespace, job in k8s.jobs_with_pods_on(name):

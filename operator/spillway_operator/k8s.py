@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any, TypeVar
@@ -133,8 +134,27 @@ def jobs_with_pods_on(node: str) -> set[tuple[str, str]]:
     return {(p["metadata"]["namespace"], p["metadata"]["labels"][LABEL_JOB]) for p in data.get("items", [])}
 
 
-def list_nodes() -> list[dict[str, Any]]:
-    return list(_json(_call(core().list_node, _preload_content=False)).get("items", []))
+_node_list: tuple[float, list[dict[str, Any]]] | None = None
+
+
+def list_nodes(max_age: float = 0.0) -> list[dict[str, Any]]:
+    """Every node. With `max_age`, a list fetched at most that many seconds ago is reused:
+    with 300 jobs on 100 nodes, re-listing the nodes in every reconcile was most of the
+    operator's bytes from the API server (benchmarks/bench_operator_scale.py)."""
+    global _node_list
+    now = time.monotonic()
+    cached = _node_list
+    if max_age > 0 and cached is not None and now - cached[0] <= max_age:
+        return cached[1]
+    nodes = list(_json(_call(core().list_node, _preload_content=False)).get("items", []))
+    _node_list = (now, nodes)
+    return nodes
+
+
+def forget_nodes() -> None:
+    """Drop the cached node list (a node was added or deleted)."""
+    global _node_list
+    _node_list = None
 
 
 def node_exists(name: str) -> bool:

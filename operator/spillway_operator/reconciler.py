@@ -456,7 +456,10 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
         change.commit()
         raise PermanentFailure(message)
     pricing = k8s.read_configmap_data(settings.namespace, settings.pricing_configmap) or {}
-    placement = b.choose_placement(spec, k8s.list_nodes(), pricing, settings)
+    placement = b.choose_placement(spec, k8s.list_nodes(max_age=settings.node_list_cache_seconds), pricing, settings)
+    if placement.chosen is None or placement.chosen.plan is None:
+        # A cached node list may predate the node that fits: decide "fits nowhere" on a fresh one.
+        placement = b.choose_placement(spec, k8s.list_nodes(), pricing, settings)
     plan_status = b.plan_status(placement)
     change.status["plan"] = plan_status
     chosen = placement.chosen

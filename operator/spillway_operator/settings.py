@@ -62,6 +62,11 @@ class OperatorSettings(BaseSettings):
     checkpoint_storage_class: str | None = Field(
         None, description="StorageClass of checkpoint PVCs when the job names none (None: cluster default)"
     )
+    node_list_cache_seconds: float = Field(
+        5.0,
+        description="Seconds a node list may be reused across reconciles (0: list every time). A job that "
+        "fits nowhere is always re-checked against a fresh list, and node add/delete events drop the cache",
+    )
     metrics_port: int = Field(8080, description="Port of the Prometheus /metrics endpoint (0 disables it)")
     liveness_port: int = Field(8081, description="Port of kopf's /healthz liveness endpoint (0 disables it)")
     run_as_user: int = Field(1000, description="UID of the training container; non-root by default")
