@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -41,6 +42,11 @@ def operator(
     liveness_port: Annotated[int | None, typer.Option(help="kopf /healthz port (0: off)")] = None,
     metrics_port: Annotated[int | None, typer.Option(help="Prometheus /metrics port (0: off)")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    leader_elect: Annotated[
+        bool | None,
+        typer.Option("--leader-elect/--no-leader-elect",
+                     help="Reconcile only while holding a Lease, so several replicas never both act"),
+    ] = None,
 ) -> None:
     """Run the FineTuneJob operator (kopf) until interrupted."""
     import logging
@@ -64,12 +70,40 @@ def operator(
     kopf.configure(verbose=verbose, log_format=kopf.LogFormat.PLAIN)
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
     liveness = f"http://0.0.0.0:{settings.liveness_port}/healthz" if settings.liveness_port else None
-    kopf.run(
-        standalone=True,
+    run = functools.partial(
+        kopf.run,
+        standalone=True,  # no kopf peering: exclusivity comes from the Lease below
         clusterwide=all_namespaces,
         namespaces=namespace or (),
         liveness_endpoint=liveness,
     )
+    if not (settings.leader_election if leader_elect is None else leader_elect):
+        run()
+        return
+
+    import threading
+
+    from spillway_operator.leader import LeaderElector, LeaseConfig
+
+    elector = LeaderElector(LeaseConfig(name=settings.lease_name, namespace=settings.namespace))
+    typer.echo(f"waiting for lease {settings.namespace}/{settings.lease_name} as {elector.holder}", err=True)
+    elector.wait_for_leadership()
+    typer.echo(f"leading as {elector.holder}", err=True)
+    stop_flag = threading.Event()
+    threading.Thread(target=elector.keep_renewing, args=(stop_flag,), daemon=True).start()
+
+    @kopf.on.cleanup()
+    def release_lease(**_: object) -> None:
+        # At the start of shutdown, not after it: kopf may wait long for worker threads,
+        # and a follower should not wait out the lease meanwhile.
+        elector.release()
+
+    try:
+        run(stop_flag=stop_flag)
+    finally:
+        elector.release()
+    if elector.lost.is_set():
+        raise typer.Exit(1)  # restarted by the Deployment, it comes back as a follower
 
 
 def register(app: typer.Typer) -> None:

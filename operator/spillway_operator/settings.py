@@ -67,6 +67,12 @@ class OperatorSettings(BaseSettings):
         description="Seconds a node list may be reused across reconciles (0: list every time). A job that "
         "fits nowhere is always re-checked against a fresh list, and node add/delete events drop the cache",
     )
+    leader_election: bool = Field(
+        False,
+        description="Reconcile only while holding the Lease `lease_name` in `namespace`: required for more "
+        "than one replica; off by default because a single process needs no lease",
+    )
+    lease_name: str = Field("spillway-operator", description="Name of the leader-election Lease")
     metrics_port: int = Field(8080, description="Port of the Prometheus /metrics endpoint (0 disables it)")
     liveness_port: int = Field(8081, description="Port of kopf's /healthz liveness endpoint (0 disables it)")
     run_as_user: int = Field(1000, description="UID of the training container; non-root by default")

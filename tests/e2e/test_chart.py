@@ -189,10 +189,16 @@ def test_secure_defaults_on_every_workload(helm: Callable[..., Any]) -> None:
 
 
 def test_rendered_values_reach_the_processes(helm: Callable[..., Any]) -> None:
-    docs = render(helm, MATRIX["everything-customised"] | {"operator.replicas": 1})
+    single = render(helm, MATRIX["everything-customised"] | {"operator.replicas": 1, "operator.leaderElection": False})
+    alone = {f"{d['kind']}/{d['metadata']['name']}": d for d in single}["Deployment/spillway-operator"]
+    assert alone["spec"]["strategy"]["type"] == "Recreate"
+    docs = render(helm, MATRIX["everything-customised"] | {"operator.replicas": 3})
     by_name = {f"{d['kind']}/{d['metadata']['name']}": d for d in docs}
     operator = by_name["Deployment/spillway-operator"]
-    assert operator["spec"]["strategy"]["type"] == "Recreate"
+    assert operator["spec"]["replicas"] == 3 and operator["spec"]["strategy"]["type"] == "RollingUpdate"
+    lease_env = {e["name"]: e.get("value") for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert lease_env["SPILLWAY_OPERATOR_LEADER_ELECTION"] == "true"
+    assert lease_env["SPILLWAY_OPERATOR_LEASE_NAME"] == "spillway-operator"
     container = operator["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == "ghcr.io/spillway/spillway:0.2.0-rc1"
     env = {e["name"]: e.get("value") for e in container["env"]}
@@ -232,7 +238,8 @@ def test_rendered_values_reach_the_processes(helm: Callable[..., Any]) -> None:
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"operator.replicas": 2}, "/operator/replicas"),
+        ({"operator.replicas": 6}, "/operator/replicas"),
+        ({"operator.replicas": 2, "operator.leaderElection": False}, "needs operator.leaderElection=true"),
         ({"api.replicas": 2}, "needs database.type=postgresql"),
         ({"database.type": "postgresql"}, "existingSecret"),
         ({"database.type": "mysql"}, "/database/type"),

@@ -1,0 +1,87 @@
+"""Two operator replicas with leader election: only the Lease holder reconciles, and a
+follower takes over when the leader is killed."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.operator_fixtures import (
+    CRD,
+    OPERATOR_NAMESPACE,
+    OperatorProcess,
+    active_pods,
+    add_checkpoint_volume,
+    job_manifest,
+    wait_status,
+)
+
+pytestmark = pytest.mark.e2e
+LEASE = "spillway-operator"
+
+
+def _holder(cluster: Any) -> str:
+    lease = cluster.get("lease", LEASE, OPERATOR_NAMESPACE) or {}
+    return str(lease.get("spec", {}).get("holderIdentity") or "")
+
+
+def _identity(log: Path, timeout: float = 30) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = re.search(r"waiting for lease \S+ as (\S+)", log.read_text() if log.exists() else "")
+        if found:
+            return found.group(1)
+        time.sleep(0.2)
+    raise AssertionError(f"operator never asked for the lease; log: {log.read_text()[-2000:]}")
+
+
+def _replica(cluster: Any, log: Path) -> OperatorProcess:
+    op = OperatorProcess(cluster.env, log)
+    op.env["SPILLWAY_OPERATOR_LEADER_ELECTION"] = "true"
+    op.start()
+    return op
+
+
+def test_only_the_lease_holder_reconciles_and_a_follower_takes_over(
+    cluster: Any, namespace: str, make_node: Callable[..., str], tmp_path: Path
+) -> None:
+    cluster.kubectl("apply", "-f", str(CRD))
+    cluster.kubectl("create", "namespace", OPERATOR_NAMESPACE, check=False)
+    node = make_node("gpu-48g-nvme")
+    for _ in range(2):
+        add_checkpoint_volume(cluster)
+    first = _replica(cluster, tmp_path / "a.log")
+    a = _identity(tmp_path / "a.log")
+    cluster.wait_for(lambda: _holder(cluster) == a, 30, what="replica a holds the lease")
+    second = _replica(cluster, tmp_path / "b.log")
+    b = _identity(tmp_path / "b.log")
+    try:
+        cluster.apply(job_manifest("one", node=node), namespace)
+        wait_status(cluster, namespace, "one", lambda s: s.get("phase") == "Running", timeout=60)
+        assert len(active_pods(cluster, namespace, "one")) == 1
+        assert "leading as" not in (tmp_path / "b.log").read_text()  # b waits, touches nothing
+        assert _holder(cluster) == a
+
+        first.kill()  # SIGKILL: no release, b must wait for the lease to expire (15 s)
+        killed_at = time.monotonic()
+        cluster.wait_for(lambda: _holder(cluster) == b, 45, what="replica b takes the lease")
+        takeover = time.monotonic() - killed_at
+        assert takeover < 30, takeover
+        cluster.apply(job_manifest("two", node=node), namespace)
+        wait_status(cluster, namespace, "two", lambda s: s.get("phase") == "Running", timeout=60)
+        time.sleep(3)  # a resync by the new leader must not duplicate the first job's pod
+        assert len(active_pods(cluster, namespace, "one")) == 1
+        assert len(active_pods(cluster, namespace, "two")) == 1
+
+        second.stop()  # clean shutdown releases the lease at once
+        cluster.wait_for(lambda: _holder(cluster) == "", 15, what="lease released")
+    finally:
+        first.kill()
+        second.stop()
+        print(json.dumps({"a": a, "b": b}))
