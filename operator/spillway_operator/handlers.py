@@ -51,6 +51,9 @@ def _reconcile(namespace: str, name: str) -> None:
     except Exception as err:
         if k8s.is_transient(err):
             raise kopf.TemporaryError(f"Kubernetes API: {err}", delay=5) from err
+        if k8s.is_forbidden(err):
+            message = reconciler.report_forbidden(namespace, name, err)
+            raise kopf.TemporaryError(message, delay=30) from err
         raise
     if result.requeue_after is not None and result.requeue_after < 1:
         raise kopf.TemporaryError("requeue", delay=max(0.2, result.requeue_after))

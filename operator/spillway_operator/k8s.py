@@ -320,6 +320,11 @@ def is_conflict(err: BaseException) -> bool:
     return isinstance(err, ApiException) and err.status == 409
 
 
+def is_forbidden(err: BaseException) -> bool:
+    """Our own RBAC refused the call: an admin has to grant something."""
+    return isinstance(err, ApiException) and err.status == 403
+
+
 def is_transient(err: BaseException) -> bool:
     """Worth retrying: conflicts, throttling, server errors, and no connection at all."""
     if isinstance(err, ApiException):

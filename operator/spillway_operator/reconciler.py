@@ -12,6 +12,7 @@ operator redoes nothing it had committed and commits nothing twice.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -110,6 +111,28 @@ class StatusChange:
                 if not k8s.is_transient(err):
                     raise
                 log.warning("event %s for %s/%s not posted: %s", reason, meta["namespace"], meta["name"], err)
+
+
+def report_forbidden(namespace: str, name: str, err: Exception) -> str:
+    """The operator's own RBAC refused a call. Retrying alone cannot help, so the job says
+    which permission is missing (condition `Authorized=False` and a Warning Event) while the
+    handler keeps retrying for when an admin grants it. Returns the message."""
+    body = getattr(err, "body", None) or ""
+    try:
+        detail = json.loads(body).get("message", "") if body else ""
+    except ValueError:
+        detail = str(body)
+    message = f"the operator is not allowed to act for this job: {detail or err} (check its RBAC)"
+    job = k8s.get_job(namespace, name)
+    if job is None:
+        return message
+    change = StatusChange(job, datetime.now(UTC))
+    old = b.condition(change.conditions, "Authorized") or {}
+    change.cond("Authorized", False, "Forbidden", message)
+    if old.get("message") != message:
+        change.event("Warning", "Forbidden", message)
+    change.commit()
+    return message
 
 
 def reconcile(namespace: str, name: str, settings: OperatorSettings) -> Result:
@@ -515,9 +538,11 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
         if k8s.create_if_absent(b.build_pod(change.job, spec, chosen, attempt, rank, settings)):
             created.append(b.pod_name(name, attempt, rank))
             metrics.PODS_CREATED.inc()
+    if (b.condition(change.conditions, "Authorized") or {}).get("status") == "False":
+        change.cond("Authorized", True, "Allowed", "the operator's RBAC allows every call this job needs")
     if created:
         change.event("Normal", "PodsCreated", f"attempt {attempt}: created {', '.join(created)}")
-        change.commit()
+    change.commit()
     return Result()
 
 
