@@ -22,6 +22,7 @@ from typing import Any
 
 from spillway_operator import builders as b
 from spillway_operator import k8s, metrics
+from spillway_operator.placement import choose_placement, plan_status
 from spillway_operator.settings import OperatorSettings
 from spillway_runtime.spec import FineTuneJobSpec, SpecError, parse_job
 
@@ -479,12 +480,11 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
         change.commit()
         raise PermanentFailure(message)
     pricing = k8s.read_configmap_data(settings.namespace, settings.pricing_configmap) or {}
-    placement = b.choose_placement(spec, k8s.list_nodes(max_age=settings.node_list_cache_seconds), pricing, settings)
+    placement = choose_placement(spec, k8s.list_nodes(max_age=settings.node_list_cache_seconds), pricing, settings)
     if placement.chosen is None or placement.chosen.plan is None:
         # A cached node list may predate the node that fits: decide "fits nowhere" on a fresh one.
-        placement = b.choose_placement(spec, k8s.list_nodes(), pricing, settings)
-    plan_status = b.plan_status(placement)
-    change.status["plan"] = plan_status
+        placement = choose_placement(spec, k8s.list_nodes(), pricing, settings)
+    change.status["plan"] = plan_status(placement)
     chosen = placement.chosen
     if chosen is None or chosen.plan is None:
         metrics.PLANNING_FAILURES.inc()

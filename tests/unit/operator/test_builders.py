@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from spillway_operator import builders as b
+from spillway_operator.placement import choose_placement, plan_status
 from spillway_operator.settings import OperatorSettings
 from spillway_runtime.spec import FineTuneJobSpec, parse_job
 
@@ -40,8 +41,8 @@ JOB = {"apiVersion": "spillway.dev/v1alpha1", "kind": "FineTuneJob", "metadata":
 def test_cheapest_and_fastest_choose_different_shapes() -> None:
     nodes = [node("gpu-24g"), node("gpu-80g"), node("gpu-48g-nvme")]
     pricing = {"NVIDIA-A100-SXM4-80GB": "4.0", "NVIDIA-L40S": "1.0", "NVIDIA-GeForce-RTX-4090": "0.4"}
-    cheap = b.choose_placement(spec(), nodes, pricing, SETTINGS)
-    fast = b.choose_placement(spec(resources={"placement": "fastest"}), nodes, pricing, SETTINGS)
+    cheap = choose_placement(spec(), nodes, pricing, SETTINGS)
+    fast = choose_placement(spec(resources={"placement": "fastest"}), nodes, pricing, SETTINGS)
     assert cheap.chosen is not None and fast.chosen is not None
     assert cheap.chosen.plan is not None and fast.chosen.plan is not None
     fits = [c for c in cheap.shapes if c.plan is not None and c.plan.feasible]
@@ -50,14 +51,14 @@ def test_cheapest_and_fastest_choose_different_shapes() -> None:
     fits_fast = [c for c in fast.shapes if c.plan is not None and c.plan.feasible]
     fastest = min(c.plan.predicted_total_seconds for c in fits_fast if c.plan)
     assert fast.chosen.plan.predicted_total_seconds == fastest
-    status = b.plan_status(cheap)
+    status = plan_status(cheap)
     assert status["label"].startswith("Z")
     assert len(status["rejectedShapes"]) == 2
     assert all(r["why"] for r in status["rejectedShapes"])
 
 
 def test_no_fit_names_short_tier_and_gib() -> None:
-    placement = b.choose_placement(spec(model={"uri": "file:///m", "parameterCount": "400B"}), [node("gpu-24g")], {}, SETTINGS)
+    placement = choose_placement(spec(model={"uri": "file:///m", "parameterCount": "400B"}), [node("gpu-24g")], {}, SETTINGS)
     assert placement.chosen is None
     assert "short by" in placement.failure and "GiB" in placement.failure
 
@@ -65,17 +66,17 @@ def test_no_fit_names_short_tier_and_gib() -> None:
 def test_node_selector_and_taints_exclude_nodes() -> None:
     tainted = node("gpu-80g", "tainted")
     tainted["spec"] = {"taints": [{"key": "gpu", "value": "a100", "effect": "NoSchedule"}]}
-    placement = b.choose_placement(spec(), [tainted], {}, SETTINGS)
+    placement = choose_placement(spec(), [tainted], {}, SETTINGS)
     assert placement.chosen is None and "not tolerated" in placement.failure
     tolerated = spec(resources={"tolerations": [{"key": "gpu", "operator": "Exists"}]})
-    assert b.choose_placement(tolerated, [tainted], {}, SETTINGS).chosen is not None
+    assert choose_placement(tolerated, [tainted], {}, SETTINGS).chosen is not None
     picky = spec(resources={"nodeSelector": {"pool": "x"}})
-    assert b.choose_placement(picky, [node("gpu-80g")], {}, SETTINGS).chosen is None
+    assert choose_placement(picky, [node("gpu-80g")], {}, SETTINGS).chosen is None
 
 
 def test_pod_has_gpu_limits_memory_affinity_and_volumes() -> None:
     s = spec(resources={"gpusPerNode": 1}, offload={"nvme": {"storageClassName": "local-nvme"}})
-    placement = b.choose_placement(s, [node("gpu-24g", "n1"), node("gpu-24g", "n2")], {}, SETTINGS)
+    placement = choose_placement(s, [node("gpu-24g", "n1"), node("gpu-24g", "n2")], {}, SETTINGS)
     choice = placement.chosen
     assert choice is not None and choice.plan is not None
     pod = b.build_pod(JOB, s, choice, attempt=2, rank=0, settings=SETTINGS)
@@ -104,7 +105,7 @@ def test_pod_has_gpu_limits_memory_affinity_and_volumes() -> None:
 
 def test_runtime_config_carries_resume_only_when_asked() -> None:
     s = spec(resumeFrom="step-00010")
-    placement = b.choose_placement(s, [node("gpu-80g")], {}, SETTINGS)
+    placement = choose_placement(s, [node("gpu-80g")], {}, SETTINGS)
     assert placement.chosen is not None and placement.chosen.plan is not None
     with_resume = b.build_runtime_config(JOB, s, placement.chosen.plan, "step-00010")
     without = b.build_runtime_config(JOB, s, placement.chosen.plan, None)

@@ -1,0 +1,227 @@
+"""Node choice: which node shape a FineTuneJob runs on, and the plan for it.
+
+Where this sits: a pure part of the operator's builders layer (re-exported by
+`builders`): nodes as plain dicts in, a `Placement` out. Every node is read as a
+`NodeHardware`, nodes are grouped by shape, the runtime's planner runs once per
+shape, and the cheapest or fastest shape that fits wins; the rest are kept with
+the reason they lost, for `status.plan`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from spillway_operator.settings import OperatorSettings
+from spillway_runtime.hardware import NodeHardware, hardware_from_node
+from spillway_runtime.planner import ModelShape, OffloadPlan, plan_tiers
+from spillway_runtime.spec import FineTuneJobSpec, Toleration
+
+
+def _node_ready(node: dict[str, Any]) -> bool:
+    if (node.get("spec") or {}).get("unschedulable"):
+        return False
+    conditions = (node.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def _tolerates(taint: dict[str, Any], tolerations: list[Toleration]) -> bool:
+    for t in tolerations:
+        if t.effect and t.effect != taint.get("effect"):
+            continue
+        if t.key is None and t.operator == "Exists":
+            return True
+        if t.key != taint.get("key"):
+            continue
+        if t.operator == "Exists" or t.value == taint.get("value"):
+            return True
+    return False
+
+
+def node_excluded(node: dict[str, Any], spec: FineTuneJobSpec) -> str | None:
+    """Why the scheduler would never place this job's pod on `node` (None: it may)."""
+    if not _node_ready(node):
+        return "not Ready or cordoned"
+    labels = (node.get("metadata") or {}).get("labels") or {}
+    for key, value in spec.resources.node_selector.items():
+        if labels.get(key) != value:
+            return f"nodeSelector {key}={value} does not match"
+    for taint in (node.get("spec") or {}).get("taints") or []:
+        if taint.get("effect") in ("NoSchedule", "NoExecute") and not _tolerates(taint, spec.resources.tolerations):
+            return f"taint {taint.get('key')}={taint.get('value', '')}:{taint.get('effect')} not tolerated"
+    return None
+
+
+def gpu_hour_price(hw: NodeHardware, pricing: dict[str, str], settings: OperatorSettings) -> tuple[float, str]:
+    """USD per GPU-hour (or per node-hour without GPUs) and where the figure came from."""
+    if not hw.gpu_count:
+        raw = pricing.get("cpu-node")
+        return (float(raw), "pricing:cpu-node") if raw else (settings.default_cpu_node_hour_usd, "default")
+    product = hw.gpu_product or ""
+    for key in (product, product.replace("-", " ")):
+        if key in pricing:
+            return float(pricing[key]), f"pricing:{key}"
+    if "default" in pricing:
+        return float(pricing["default"]), "pricing:default"
+    return settings.default_gpu_hour_usd, "default"
+
+
+@dataclass
+class ShapeChoice:
+    """The plan on one node shape, or why that shape cannot take the job."""
+
+    shape: str
+    nodes: list[str]
+    hardware: NodeHardware
+    price_per_hour: float = 0.0
+    plan: OffloadPlan | None = None
+    why_not: str | None = None
+
+
+@dataclass
+class Placement:
+    chosen: ShapeChoice | None
+    shapes: list[ShapeChoice] = field(default_factory=list)
+    excluded_nodes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def failure(self) -> str:
+        """One sentence for a job that fits nowhere: the short tier and by how much."""
+        if not self.shapes:
+            if self.excluded_nodes:
+                why = "; ".join(f"{n}: {w}" for n, w in sorted(self.excluded_nodes.items())[:5])
+                return f"no node is eligible ({why})"
+            return "the cluster has no nodes"
+        return "no node shape fits: " + "; ".join(f"{s.shape}: {s.why_not}" for s in self.shapes)
+
+
+def model_shape(spec: FineTuneJobSpec) -> ModelShape | None:
+    if spec.model.parameter_count is None:
+        return None
+    return ModelShape.from_param_count(spec.model.parameter_count)
+
+
+def choose_placement(
+    spec: FineTuneJobSpec,
+    nodes: list[dict[str, Any]],
+    pricing: dict[str, str],
+    settings: OperatorSettings,
+) -> Placement:
+    """Plan once per distinct node shape and pick the cheapest or fastest that fits."""
+    shape = model_shape(spec)
+    if shape is None:
+        raise ValueError("spec.model.parameterCount is required to plan in a cluster (e.g. 7B)")
+    groups: dict[str, ShapeChoice] = {}
+    excluded: dict[str, str] = {}
+    for node in nodes:
+        name = (node.get("metadata") or {}).get("name", "?")
+        why = node_excluded(node, spec)
+        if why:
+            excluded[name] = why
+            continue
+        hw = hardware_from_node(node)
+        key = hw.shape_key()
+        if key in groups:
+            groups[key].nodes.append(name)
+        else:
+            groups[key] = ShapeChoice(shape=key, nodes=[name], hardware=hw)
+    gpus_wanted = spec.resources.gpus_per_node
+    for choice in groups.values():
+        hw = choice.hardware
+        gpus = hw.gpu_count if gpus_wanted is None else gpus_wanted
+        choice.price_per_hour, _ = gpu_hour_price(hw, pricing, settings)
+        node_price = choice.price_per_hour * (gpus if hw.gpu_count else 1) * spec.resources.nodes
+        if gpus > hw.gpu_count:
+            choice.why_not = f"resources.gpusPerNode is {gpus} but the shape has {hw.gpu_count} GPUs"
+            continue
+        if len(choice.nodes) < spec.resources.nodes:
+            choice.why_not = f"resources.nodes is {spec.resources.nodes} but only {len(choice.nodes)} such nodes"
+            continue
+        try:
+            plan = plan_tiers(
+                shape,
+                hw,
+                spec.training,
+                spec.offload,
+                dtype=spec.model.dtype,
+                gpus_per_node=gpus,
+                nodes=spec.resources.nodes,
+                price_per_hour=node_price,
+            )
+        except ValueError as err:
+            choice.why_not = str(err)
+            continue
+        choice.plan = plan
+        if not plan.feasible:
+            shorts = "; ".join(s.describe() for s in plan.shortfalls) or "no allowed placement"
+            choice.why_not = f"closest {plan.label}: {shorts}"
+    fits = [c for c in groups.values() if c.plan is not None and c.plan.feasible]
+    chosen: ShapeChoice | None = None
+    if fits:
+        if spec.resources.placement == "fastest":
+            chosen = min(fits, key=lambda c: (_total_seconds(c), _cost(c), c.shape))
+        else:
+            chosen = min(fits, key=lambda c: (_cost(c), _total_seconds(c), c.shape))
+        for c in fits:
+            if c is not chosen:
+                c.why_not = (
+                    f"{spec.resources.placement} placement chose {chosen.shape}: this one costs "
+                    f"${_cost(c):.2f} in {_total_seconds(c) / 3600:.2f} h vs ${_cost(chosen):.2f} in "
+                    f"{_total_seconds(chosen) / 3600:.2f} h"
+                )
+    return Placement(chosen=chosen, shapes=sorted(groups.values(), key=lambda c: c.shape), excluded_nodes=excluded)
+
+
+def _cost(c: ShapeChoice) -> float:
+    assert c.plan is not None
+    return c.plan.predicted_cost_usd or 0.0
+
+
+def _total_seconds(c: ShapeChoice) -> float:
+    assert c.plan is not None
+    return c.plan.predicted_total_seconds
+
+
+def plan_status(placement: Placement) -> dict[str, Any]:
+    """status.plan: the chosen plan in brief, and every other shape with the reason it lost."""
+    chosen = placement.chosen
+    out: dict[str, Any] = {
+        "rejectedShapes": [
+            {"shape": c.shape, "nodes": len(c.nodes), "why": c.why_not or ""} for c in placement.shapes if c is not chosen
+        ],
+    }
+    if chosen is None or chosen.plan is None:
+        return out
+    plan = chosen.plan
+    out.update(
+        {
+            "label": plan.label,
+            "shape": chosen.shape,
+            "nodes": sorted(chosen.nodes),
+            "gpuProduct": chosen.hardware.gpu_product,
+            "zeroStage": plan.zero_stage,
+            "optimizer": plan.optimizer,
+            "parameters": plan.parameters,
+            "gpusPerNode": plan.gpus_per_node,
+            "nodeCount": plan.nodes,
+            "activationCheckpointing": plan.activation_checkpointing,
+            "bytes": {
+                "gpu": plan.bytes.gpu,
+                "cpu": plan.bytes.cpu,
+                "cpuPinned": plan.bytes.cpu_pinned,
+                "nvme": plan.bytes.nvme,
+            },
+            "predictedStepSeconds": round(plan.predicted_step_seconds, 4),
+            "predictedTotalSeconds": round(plan.predicted_total_seconds, 1),
+            "predictedCostUSD": round(plan.predicted_cost_usd or 0.0, 4),
+            "pricePerHourUSD": round(_hourly(chosen, plan), 4),
+            "reasons": list(plan.reasons),
+            "rejectedPlacements": [{"placement": r.placement, "why": r.why} for r in plan.rejected],
+        }
+    )
+    return out
+
+
+def _hourly(choice: ShapeChoice, plan: OffloadPlan) -> float:
+    units = plan.gpus_per_node if choice.hardware.gpu_count else 1
+    return choice.price_per_hour * units * plan.nodes
