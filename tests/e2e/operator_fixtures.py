@@ -3,6 +3,7 @@ volumes, and FineTuneJob manifests. Used by tests/e2e/test_operator*.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,3 +163,23 @@ def events_of(cluster: Any, ns: str, name: str) -> list[dict[str, Any]]:
 
 def wait_seconds(seconds: float) -> None:
     time.sleep(seconds)
+
+
+def install_crd(cluster: Any) -> None:
+    """The FineTuneJob CRD, established, and the operator's namespace."""
+    cluster.kubectl("apply", "-f", str(CRD))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/finetunejobs.spillway.dev", "--timeout=30s")
+    cluster.kubectl("create", "namespace", OPERATOR_NAMESPACE, check=False)
+
+
+@contextlib.contextmanager
+def running_operator(cluster: Any, log: Path) -> Iterator[OperatorProcess]:
+    """The real operator (admin credentials) for the duration of a `with` block."""
+    install_crd(cluster)
+    op = OperatorProcess(cluster.env, log)
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()
+        print(f"operator log: {log}")

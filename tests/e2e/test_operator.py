@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from tests.e2e.operator_fixtures import (
-    CRD,
     OPERATOR_NAMESPACE,
     OperatorProcess,
     active_pods,
@@ -19,6 +18,7 @@ from tests.e2e.operator_fixtures import (
     events_of,
     job_manifest,
     pods_of,
+    running_operator,
     wait_status,
 )
 
@@ -27,18 +27,11 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def operator(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    cluster.kubectl("apply", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/finetunejobs.spillway.dev", "--timeout=30s")
-    cluster.kubectl("create", "namespace", OPERATOR_NAMESPACE, check=False)
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
-    op = OperatorProcess(cluster.env, log)
-    op.start()
     try:
-        yield op
+        with running_operator(cluster, tmp_path_factory.mktemp("operator") / "operator.log") as op:
+            yield op
     finally:
-        op.stop()
         cluster.kubectl("delete", "pv", "-l", "spillway.dev/e2e-checkpoint=true", "--wait=false", check=False)
-        print(f"operator log: {log}")
 
 
 def test_api_server_rejects_invalid_job_naming_the_field(cluster: Any, namespace: str, operator: Any) -> None:

@@ -15,13 +15,12 @@ import pytest
 
 from tests.e2e.operator_fixtures import (
     CHECKPOINT_CLASS,
-    CRD,
-    OPERATOR_NAMESPACE,
     OperatorProcess,
     active_pods,
     add_checkpoint_volume,
     events_of,
     job_manifest,
+    running_operator,
     wait_status,
 )
 
@@ -30,15 +29,8 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def operator(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    cluster.kubectl("apply", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/finetunejobs.spillway.dev", "--timeout=30s")
-    cluster.kubectl("create", "namespace", OPERATOR_NAMESPACE, check=False)
-    op = OperatorProcess(cluster.env, tmp_path_factory.mktemp("operator-faults") / "operator.log")
-    op.start()
-    try:
+    with running_operator(cluster, tmp_path_factory.mktemp("operator-faults") / "operator.log") as op:
         yield op
-    finally:
-        op.stop()
 
 
 def _condition(job: dict[str, Any], kind: str) -> dict[str, Any]:

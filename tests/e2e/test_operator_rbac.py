@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 
 from tests.e2e.operator_fixtures import (
-    CRD,
     OPERATOR_NAMESPACE,
     OperatorProcess,
     active_pods,
     add_checkpoint_volume,
     events_of,
+    install_crd,
     job_manifest,
     wait_status,
 )
@@ -38,8 +38,7 @@ def test_rbac_forbidding_pod_creation_is_reported_and_retried(
 
     from tests.e2e.test_chart import CHART, service_account_kubeconfig
 
-    cluster.kubectl("apply", "-f", str(CRD))
-    cluster.kubectl("create", "namespace", OPERATOR_NAMESPACE, check=False)
+    install_crd(cluster)
     node = make_node("gpu-48g-nvme")
     add_checkpoint_volume(cluster)
     rendered = cluster.helm("template", "spillway-limited", str(CHART), "-n", OPERATOR_NAMESPACE,
