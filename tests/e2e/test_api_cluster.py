@@ -26,6 +26,7 @@ import httpx
 import pytest
 import yaml
 
+from tests import polling
 from tests.e2e.operator_fixtures import CRD, free_port
 
 pytestmark = pytest.mark.e2e
@@ -115,16 +116,8 @@ class ApiServer:
         return httpx.request(method, self.url + path, headers=headers, json=body, timeout=30)
 
 
-def wait_for(check: Any, timeout: float = 20, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    last = None
-    while True:
-        last = check()
-        if last:
-            return last
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
-        time.sleep(0.2)
+def wait_for(predicate: Any, timeout: float = 20, what: str = "condition") -> Any:
+    return polling.wait_for(predicate, timeout, what)
 
 
 def patch_status(cluster: Any, ns: str, name: str, status: dict[str, Any]) -> None:

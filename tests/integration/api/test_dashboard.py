@@ -15,7 +15,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import httpx
 import pytest
 
 from spillway_api.settings import Settings
+from tests import polling
 
 from ..conftest import job_document
 from .conftest import REPO_ROOT, job_body
@@ -37,14 +37,7 @@ SCREENSHOTS = REPO_ROOT / "artifacts" / "screenshots"
 
 
 def wait_for(predicate: Any, timeout: float = 120, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
+    return polling.wait_for(predicate, timeout, what)
 
 
 def free_port() -> int:

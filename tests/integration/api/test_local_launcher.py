@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import pytest
 import yaml
 
 from spillway_api.settings import Settings
+from tests import polling
 
 from ..conftest import job_document
 
@@ -24,14 +24,7 @@ pytestmark = pytest.mark.integration
 
 
 def wait_for(predicate: Any, timeout: float = 180, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
+    return polling.wait_for(predicate, timeout, what)
 
 
 def test_local_job_history_checkpoints_cost_and_rollback(make_client: Any, database_url: str, tmp_path: Path,
