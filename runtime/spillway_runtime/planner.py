@@ -30,7 +30,7 @@ from spillway_runtime.hardware import (
     NodeHardware,
 )
 from spillway_runtime.spec import DType, Offload, Tier, Training
-from spillway_runtime.units import GiB, MiB, format_bytes, format_count
+from spillway_runtime.units import GiB, format_bytes, format_count
 
 # --- Constants, each with its reason -------------------------------------------------
 
@@ -662,13 +662,13 @@ def minimum_cpu_for(plan: OffloadPlan) -> int:
 
 
 __all__ = [
-    "MiB",
     "ModelShape",
     "OffloadPlan",
     "PlanningError",
     "Shortfall",
     "TierBytes",
     "activation_bytes",
+    "minimum_cpu_for",
     "model_state_bytes",
     "plan_tiers",
 ]
