@@ -91,11 +91,14 @@ def main() -> None:
         sh(*kubectl, "create", "namespace", "spillway-system", env=env)
         items = [*node_manifests(), *checkpoint_volumes(300)]
         sh(*kubectl, "apply", "-f", "-", env=env, input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
-            ready = sh(*kubectl, "get", "nodes", "-o", "jsonpath={.items[*].status.conditions[?(@.type=='Ready')].status}",
-                       env=env).split()
-            if ready.count("True") >= 100:
+            # Ready, and the node lifecycle controller has lifted its not-ready taint: the
+            # steady state of a cluster, not the minute after 100 machines joined it.
+            nodes = json.loads(sh(*kubectl, "get", "nodes", "-o", "json", env=env))["items"]
+            settled = [n for n in nodes if not (n["spec"].get("taints")) and any(
+                c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", []))]
+            if len(settled) >= 100:
                 break
             time.sleep(1)
 
@@ -152,9 +155,22 @@ def main() -> None:
         assert operator.proc is not None
         rss = psutil.Process(operator.proc.pid).memory_info().rss
         metrics = operator.metrics()
-        requests = sum(float(line.split()[-1]) for line in metrics.splitlines()
-                       if line.startswith("spillway_api_requests_total"))
+        by_call: dict[str, float] = {}
+        for line in metrics.splitlines():
+            if line.startswith("spillway_api_requests_total{"):
+                call = line.split('call="', 1)[1].split('"', 1)[0]
+                by_call[call] = by_call.get(call, 0.0) + float(line.split()[-1])
+        requests = sum(by_call.values())
         operator.stop()
+        unbound = [n for n in names if n not in pod_bound]
+        why: dict[str, int] = {}
+        for pod in core.list_namespaced_pod(NAMESPACE).items:
+            job = (pod.metadata.labels or {}).get("spillway.dev/job")
+            if job in unbound:
+                for c in pod.status.conditions or []:
+                    if c.type == "PodScheduled" and c.status == "False":
+                        key = f"{c.reason}: {(c.message or '')[:200]}"
+                        why[key] = why.get(key, 0) + 1
 
         print(f"jobs {len(names)}, nodes 100, submitted in {submit_seconds:.1f} s")
         print(f"pods created: {len(latencies)}/{len(names)}, bound to a node: {len(pod_bound)}/{len(names)}")
@@ -167,6 +183,10 @@ def main() -> None:
             print(f"first create -> every job's pod bound: {max(pod_bound.values()) - first:.1f} s")
         print(f"operator RSS {rss / 2**20:.0f} MiB; Kubernetes API requests {requests:.0f} "
               f"({requests / len(names):.1f} per job)")
+        for call, count in sorted(by_call.items(), key=lambda kv: -kv[1]):
+            print(f"  {call:48s} {count:7.0f} ({count / len(names):.1f} per job)")
+        for reason, count in sorted(why.items(), key=lambda kv: -kv[1]):
+            print(f"  unbound x{count}: {reason}")
     finally:
         subprocess.run([str(ROOT / "hack" / "cluster"), "down"], env=env, check=False)
 

@@ -152,7 +152,6 @@ def condition(conditions: list[dict[str, Any]], type_: str) -> dict[str, Any] | 
     return next((c for c in conditions if c.get("type") == type_), None)
 
 
-
 # ---------------------------------------------------------------- children --
 
 
@@ -465,6 +464,16 @@ def build_pod(
     if plan.nodes > 1:
         pod_spec["hostname"] = pod_name(name, attempt, rank)
         pod_spec["subdomain"] = service_name(name)
+        # The plan sized RAM and NVMe per node: two ranks must never share one, even
+        # where a node has the GPUs for both.
+        pod_spec["affinity"]["podAntiAffinity"] = {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "labelSelector": {"matchLabels": {LABEL_JOB: name, LABEL_ATTEMPT: str(attempt)}},
+                    "topologyKey": "kubernetes.io/hostname",
+                }
+            ]
+        }
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 
@@ -592,11 +601,13 @@ def pod_run_seconds(pod: dict[str, Any], now: datetime) -> float:
 
 
 def cost_status(
-    settled_usd: float, settled_gpu_hours: float, live_seconds: float, price_per_hour: float, gpus: int
+    now: datetime, settled_usd: float, settled_gpu_hours: float, live_seconds: float, price_per_hour: float, gpus: int
 ) -> dict[str, Any]:
+    """status.cost: settled attempts plus the live one, as of `now`."""
     usd = settled_usd + live_seconds / 3600 * price_per_hour
     gpu_hours = settled_gpu_hours + live_seconds / 3600 * max(gpus, 0)
     return {
+        "asOf": rfc3339(now),
         "usd": round(usd, 6),
         "gpuHours": round(gpu_hours, 6),
         "settledUSD": round(settled_usd, 6),

@@ -1,136 +1,178 @@
-"""kopf handlers: thin decorators that hand every trigger to `reconciler.reconcile`.
+"""kopf handlers: watch events feed the caches and a work queue; worker threads reconcile.
 
 Where this sits: the top of the operator (handlers -> reconciler -> builders / k8s
 -> settings). Importing this module registers the handlers with kopf's default
-registry; `cli.operator` imports it and runs kopf. Triggers are only hints: every
-one of them runs the same level-triggered reconcile of the job.
+registry; `cli.operator` imports it and runs kopf.
+
+kopf does the watching (lists, watches, reconnects); every handler here is an
+`on.event` that only stores the object and queues the job's key, so kopf writes
+nothing onto the jobs (no progress or diff-base annotations, no finalizers).
+Events are hints: each queued key gets one level-triggered reconcile of the job
+however many events arrived for it meanwhile (`workqueue`). A periodic resync
+queues every job (cost accrual, TTL, backoff expiry) without reading the API, and
+a slower relist replaces the caches (jobs, pods, nodes) with a fresh LIST, for
+deletions a watch that reconnected may have missed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import fnmatch
 import logging
-from collections.abc import Mapping
-from typing import Any
+import threading
+import time
+from typing import Any, cast
 
 import kopf
 
-from spillway_operator import k8s, metrics, reconciler
+from spillway_operator import k8s, metrics, reconciler, store
 from spillway_operator.builders import LABEL_JOB
 from spillway_operator.settings import get_settings
+from spillway_operator.workqueue import WorkQueue
 from spillway_runtime.spec import API_GROUP, API_VERSION
 
 PLURAL = "finetunejobs"
 SETTINGS = get_settings()
 # Set by cli.operator before kopf starts: None watches every namespace.
 WATCHED_NAMESPACES: list[str] | None = None
+QUEUE = WorkQueue()
+FORBIDDEN_RETRY_SECONDS = 30.0
 log = logging.getLogger("spillway.operator")
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    # Handler progress in annotations, not status: status has a structural schema and is
-    # shared with the runtime's server-side apply.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="spillway.dev")
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix="spillway.dev", key="last-handled-configuration"
-    )
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.posting.level = logging.WARNING  # our own Events say what happened; kopf's are noise
-    settings.execution.max_workers = 16
     settings.watching.server_timeout = 300
     settings.networking.request_timeout = 60
     metrics.serve(SETTINGS.metrics_port)
-
-
-def _reconcile(namespace: str, name: str) -> None:
-    try:
-        result = reconciler.reconcile(namespace, name, SETTINGS)
-    except reconciler.PermanentFailure as err:
-        raise kopf.PermanentError(str(err)) from None
-    except Exception as err:
-        if k8s.is_transient(err):
-            raise kopf.TemporaryError(f"Kubernetes API: {err}", delay=5) from err
-        if k8s.is_forbidden(err):
-            message = reconciler.report_forbidden(namespace, name, err)
-            raise kopf.TemporaryError(message, delay=30) from err
-        raise
-    if result.requeue_after is not None and result.requeue_after < 1:
-        raise kopf.TemporaryError("requeue", delay=max(0.2, result.requeue_after))
-
-
-@kopf.on.resume(API_GROUP, API_VERSION, PLURAL)
-@kopf.on.create(API_GROUP, API_VERSION, PLURAL)
-@kopf.on.update(API_GROUP, API_VERSION, PLURAL, field="spec")
-def job_changed(name: str, namespace: str | None, **_: Any) -> None:
-    _reconcile(namespace or "default", name)
-
-
-@kopf.on.startup()
-async def start_resync(memo: kopf.Memo, **_: Any) -> None:
+    # Caches filled before kopf's watches start and before any worker reads them.
+    await asyncio.to_thread(relist)
+    for i in range(SETTINGS.workers):
+        threading.Thread(target=_worker, name=f"reconcile-{i}", daemon=True).start()
     memo["resync"] = asyncio.create_task(_resync_loop())
 
 
 @kopf.on.cleanup()
-async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
+async def stop(memo: kopf.Memo, **_: Any) -> None:
+    QUEUE.shutdown()
     task = memo.get("resync")
     if task is not None:
         task.cancel()
 
 
-def _resync_one(namespace: str, name: str) -> None:
-    reconciler.reconcile(namespace, name, SETTINGS)
+def _watched(namespace: str) -> bool:
+    return WATCHED_NAMESPACES is None or any(fnmatch.fnmatch(namespace, p) for p in WATCHED_NAMESPACES)
 
 
-async def _resync_loop() -> None:
-    """Periodic reconcile of every job: cost accrual, TTL, backoff expiry, and a backstop
-    for missed events. One loop, not a kopf timer per job: timers put a finalizer on every
-    job, which blocks `kubectl delete` whenever the operator is down."""
-    limit = asyncio.Semaphore(8)
+def relist() -> None:
+    """Replace the caches with a fresh LIST: one request per kind (per watched namespace
+    when the namespaces are named without globs), whatever the number of jobs."""
+    names = WATCHED_NAMESPACES
+    scopes: list[str | None] = [None] if names is None or any(set(n) & set("*?[") for n in names) else [*names]
+    nodes, nodes_rv = k8s.list_objects("nodes")
+    store.nodes.replace_all(nodes, nodes_rv)
+    for cache, kind, selector in ((store.jobs, "jobs", None), (store.pods, "pods", LABEL_JOB)):
+        items: list[dict[str, Any]] = []
+        versions = []
+        for namespace in scopes:
+            listed, version = k8s.list_objects(kind, namespace, selector)
+            items.extend(o for o in listed if _watched(o["metadata"]["namespace"]))
+            versions.append(version)
+        # Several lists: the oldest snapshot decides what counts as deleted.
+        cache.replace_all(items, min(versions, key=lambda v: int(v) if v.isdigit() else 0))
 
-    async def one(namespace: str, name: str) -> None:
-        async with limit:
-            try:
-                await asyncio.to_thread(_resync_one, namespace, name)
-            except reconciler.PermanentFailure:
-                pass
-            except Exception as err:
-                log.warning("resync of %s/%s: %s", namespace, name, err)
 
-    while True:
-        await asyncio.sleep(SETTINGS.resync_seconds)
-        try:
-            jobs = await asyncio.to_thread(k8s.list_jobs, WATCHED_NAMESPACES)
-        except Exception as err:
-            log.warning("resync: cannot list FineTuneJobs: %s", err)
-            continue
-        await asyncio.gather(*(one(j["metadata"]["namespace"], j["metadata"]["name"]) for j in jobs))
+@kopf.on.event(API_GROUP, API_VERSION, PLURAL)
+async def job_event(event: kopf.RawEvent, **_: Any) -> None:
+    obj = cast(dict[str, Any], event["object"])
+    key = store.key_of(obj)
+    if event.get("type") == "DELETED":
+        store.jobs.delete(obj)
+        QUEUE.add(key)
+        return
+    held = store.jobs.generation(key)
+    store.jobs.upsert(obj)
+    meta = obj["metadata"]
+    # Status-only changes (the runtime's progress, our own patches) need no reconcile.
+    if held is None or held != int(meta.get("generation") or 0) or meta.get("deletionTimestamp"):
+        QUEUE.add(key)
 
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
-def pod_event(labels: Mapping[str, str], namespace: str | None, **_: Any) -> None:
-    job = labels[LABEL_JOB]
-    namespace = namespace or "default"
-    try:
-        reconciler.reconcile(namespace, job, SETTINGS)
-    except reconciler.PermanentFailure:
-        pass  # written into the job's status already
-    except Exception as err:
-        if not k8s.is_transient(err):
-            raise
-        log.warning("pod event for %s/%s: %s (the periodic resync retries)", namespace, job, err)
+async def pod_event(event: kopf.RawEvent, **_: Any) -> None:
+    obj = cast(dict[str, Any], event["object"])
+    if event.get("type") == "DELETED":
+        store.pods.delete(obj)
+    else:
+        store.pods.upsert(obj)
+    QUEUE.add((obj["metadata"]["namespace"], obj["metadata"]["labels"][LABEL_JOB]))
 
 
 @kopf.on.event("", "v1", "nodes")
-def node_event(type: str, name: str, **_: Any) -> None:
-    """Keep the set of live nodes; on node loss, reconcile the jobs that ran there at once
-    rather than waiting ~60 s for the pod garbage collector."""
-    if type in ("ADDED", "DELETED"):
-        k8s.forget_nodes()
-    if type == "DELETED":
-        reconciler.known_nodes.discard(name)
-        for namespace, job in k8s.jobs_with_pods_on(name):
-            with contextlib.suppress(reconciler.PermanentFailure):
-                reconciler.reconcile(namespace, job, SETTINGS)
-    else:
-        reconciler.known_nodes.add(name)
+async def node_event(event: kopf.RawEvent, **_: Any) -> None:
+    """Keep the node cache (placement reads it); on node loss, reconcile the jobs that ran
+    there at once rather than waiting ~60 s for the pod garbage collector."""
+    obj = cast(dict[str, Any], event["object"])
+    if event.get("type") != "DELETED":
+        store.nodes.upsert(obj)
+        return
+    store.nodes.delete(obj)
+    name = obj["metadata"]["name"]
+    for pod in store.pods.select(lambda p: (p.get("spec") or {}).get("nodeName") == name):
+        QUEUE.add((pod["metadata"]["namespace"], pod["metadata"]["labels"][LABEL_JOB]))
+
+
+def _worker() -> None:
+    while True:
+        key = QUEUE.get()
+        if key is None:
+            return
+        try:
+            _process(key)  # type: ignore[arg-type]
+        except Exception:  # never let a worker die: the key is retried
+            log.exception("reconcile of %s crashed", key)
+            QUEUE.add_rate_limited(key)
+        finally:
+            QUEUE.done(key)
+            metrics.QUEUE_DEPTH.set(len(QUEUE))
+
+
+def _process(key: tuple[str, str]) -> None:
+    namespace, name = key
+    try:
+        result = reconciler.reconcile(namespace, name, SETTINGS)
+    except reconciler.PermanentFailure:
+        QUEUE.forget(key)  # written into the job's status; a spec change queues it again
+        return
+    except Exception as err:
+        if k8s.is_forbidden(err):
+            # Retrying alone cannot help: say so on the job, and look again for when an
+            # admin grants the permission.
+            message = reconciler.report_forbidden(namespace, name, err)
+            log.warning("%s/%s: %s", namespace, name, message)
+            QUEUE.add_after(key, FORBIDDEN_RETRY_SECONDS)
+            return
+        delay = QUEUE.add_rate_limited(key)
+        log.warning("reconcile of %s/%s failed, retry in %.1f s: %s", namespace, name, delay, err)
+        return
+    QUEUE.forget(key)
+    if result.requeue_after is not None:
+        QUEUE.add_after(key, result.requeue_after)
+
+
+async def _resync_loop() -> None:
+    """Queue every job each `resync_seconds` (reads nothing from the API); relist the
+    caches each `relist_seconds`."""
+    last_relist = time.monotonic()
+    while True:
+        await asyncio.sleep(SETTINGS.resync_seconds)
+        if time.monotonic() - last_relist >= SETTINGS.relist_seconds:
+            try:
+                await asyncio.to_thread(relist)
+                last_relist = time.monotonic()
+            except Exception as err:
+                log.warning("relist failed (the watches still feed the caches): %s", err)
+        for key in store.jobs.list_keys():
+            QUEUE.add(key)
+        metrics.QUEUE_DEPTH.set(len(QUEUE))

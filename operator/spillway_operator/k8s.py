@@ -49,7 +49,7 @@ def api_client() -> client.ApiClient:
 
 def _call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     try:
-        metrics.API_REQUESTS.inc()
+        metrics.API_REQUESTS.labels(call=getattr(fn, "__name__", "other")).inc()
         return fn(*args, **kwargs)
     except ApiException as err:
         metrics.API_ERRORS.labels(code=str(err.status)).inc()
@@ -99,17 +99,23 @@ def get_job(namespace: str, name: str) -> dict[str, Any] | None:
         raise
 
 
-def list_jobs(namespaces: list[str] | None = None) -> list[dict[str, Any]]:
-    """Every FineTuneJob, cluster-wide (None) or in the given namespaces."""
-    custom_api = custom()
-    if namespaces is None:
-        data = _json(_call(custom_api.list_cluster_custom_object, API_GROUP, API_VERSION, PLURAL, _preload_content=False))
-        return list(data.get("items", []))
-    items: list[dict[str, Any]] = []
-    for ns in namespaces:
-        data = _json(_call(custom_api.list_namespaced_custom_object, API_GROUP, API_VERSION, ns, PLURAL, _preload_content=False))
-        items.extend(data.get("items", []))
-    return items
+def list_objects(kind: str, namespace: str | None = None, label_selector: str | None = None) -> tuple[list[dict[str, Any]], str]:
+    """Every FineTuneJob (`jobs`), pod (`pods`) or node (`nodes`), cluster-wide or in one
+    namespace, and the list's resourceVersion."""
+    if kind == "jobs":
+        api = custom()
+        data = _json(
+            _call(api.list_namespaced_custom_object, API_GROUP, API_VERSION, namespace, PLURAL, _preload_content=False)
+            if namespace
+            else _call(api.list_cluster_custom_object, API_GROUP, API_VERSION, PLURAL, _preload_content=False)
+        )
+    elif kind == "nodes":
+        data = _json(_call(core().list_node, _preload_content=False))
+    elif namespace:
+        data = _json(_call(core().list_namespaced_pod, namespace, label_selector=label_selector, _preload_content=False))
+    else:
+        data = _json(_call(core().list_pod_for_all_namespaces, label_selector=label_selector, _preload_content=False))
+    return list(data.get("items", [])), str((data.get("metadata") or {}).get("resourceVersion") or "")
 
 
 def list_job_pods(namespace: str, job: str) -> list[dict[str, Any]]:
@@ -119,42 +125,8 @@ def list_job_pods(namespace: str, job: str) -> list[dict[str, Any]]:
     return list(data.get("items", []))
 
 
-def jobs_with_pods_on(node: str) -> set[tuple[str, str]]:
-    """(namespace, job) of every training pod bound to `node`."""
-    from spillway_operator.builders import LABEL_JOB
-
-    data = _json(
-        _call(
-            core().list_pod_for_all_namespaces,
-            field_selector=f"spec.nodeName={node}",
-            label_selector=LABEL_JOB,
-            _preload_content=False,
-        )
-    )
-    return {(p["metadata"]["namespace"], p["metadata"]["labels"][LABEL_JOB]) for p in data.get("items", [])}
-
-
-_node_list: tuple[float, list[dict[str, Any]]] | None = None
-
-
-def list_nodes(max_age: float = 0.0) -> list[dict[str, Any]]:
-    """Every node. With `max_age`, a list fetched at most that many seconds ago is reused:
-    with 300 jobs on 100 nodes, re-listing the nodes in every reconcile was most of the
-    operator's bytes from the API server (benchmarks/bench_operator_scale.py)."""
-    global _node_list
-    now = time.monotonic()
-    cached = _node_list
-    if max_age > 0 and cached is not None and now - cached[0] <= max_age:
-        return cached[1]
-    nodes = list(_json(_call(core().list_node, _preload_content=False)).get("items", []))
-    _node_list = (now, nodes)
-    return nodes
-
-
-def forget_nodes() -> None:
-    """Drop the cached node list (a node was added or deleted)."""
-    global _node_list
-    _node_list = None
+def list_nodes() -> list[dict[str, Any]]:
+    return list(_json(_call(core().list_node, _preload_content=False)).get("items", []))
 
 
 def node_exists(name: str) -> bool:
@@ -167,7 +139,31 @@ def node_exists(name: str) -> bool:
         raise
 
 
-def read_configmap_data(namespace: str, name: str) -> dict[str, str] | None:
+_reads: dict[tuple[str, ...], tuple[float, Any]] = {}
+
+
+def _reuse(key: tuple[str, ...], max_age: float, read: Callable[[], T], keep: Callable[[T], bool] = bool) -> T:
+    """`read()`, or its result from at most `max_age` seconds ago when `keep` liked it."""
+    now = time.monotonic()
+    cached = _reads.get(key)
+    if max_age > 0 and cached is not None and now - cached[0] <= max_age:
+        value: T = cached[1]
+        return value
+    value = read()
+    if keep(value):
+        _reads[key] = (now, value)
+    return value
+
+
+def read_configmap_data(namespace: str, name: str, max_age: float = 0.0) -> dict[str, str] | None:
+    """A ConfigMap's data (None when absent or not readable); with `max_age`, a copy read at
+    most that many seconds ago is reused (the pricing ConfigMap, read for every job)."""
+    return _reuse(
+        ("configmap", namespace, name), max_age, lambda: _read_configmap_data(namespace, name), lambda _: True
+    )
+
+
+def _read_configmap_data(namespace: str, name: str) -> dict[str, str] | None:
     try:
         cm = _json(_call(core().read_namespaced_config_map, name, namespace, _preload_content=False))
         return dict(cm.get("data") or {})
@@ -187,7 +183,13 @@ def pvc_exists(namespace: str, name: str) -> bool:
         raise
 
 
-def storage_class_exists(name: str) -> bool:
+def storage_class_exists(name: str, max_age: float = 0.0) -> bool:
+    """With `max_age`, a class seen at most that long ago counts (a missing one is always
+    looked up again: the admin may just have created it)."""
+    return _reuse(("storageclass", name), max_age, lambda: _storage_class_exists(name))
+
+
+def _storage_class_exists(name: str) -> bool:
     try:
         _call(storage().read_storage_class, name, _preload_content=False)
         return True
@@ -213,27 +215,28 @@ def _creator(kind: str) -> Callable[..., Any]:
     return creators[kind]
 
 
-def create_if_absent(obj: dict[str, Any]) -> bool:
+def create_if_absent(obj: dict[str, Any]) -> dict[str, Any] | None:
     """Create `obj`; an existing object of the same name counts as done (idempotent).
-    Returns True when this call created it."""
+    Returns the created object as the API server stored it, None when it existed."""
     try:
-        _call(
-            _creator(obj["kind"]),
-            obj["metadata"]["namespace"],
-            obj,
-            field_manager=FIELD_MANAGER,
-            _preload_content=False,
+        return _json(
+            _call(
+                _creator(obj["kind"]),
+                obj["metadata"]["namespace"],
+                obj,
+                field_manager=FIELD_MANAGER,
+                _preload_content=False,
+            )
         )
-        return True
     except ApiException as err:
         if err.status == 409:
-            return False
+            return None
         raise
 
 
 def apply_configmap(obj: dict[str, Any]) -> None:
     """Create the ConfigMap, or replace its data when it exists (the plan may change per attempt)."""
-    if create_if_absent(obj):
+    if create_if_absent(obj) is not None:
         return
     _call(
         core().patch_namespaced_config_map,

@@ -21,7 +21,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from spillway_operator import builders as b
-from spillway_operator import k8s, metrics
+from spillway_operator import k8s, metrics, store
 from spillway_operator.placement import choose_placement, plan_status
 from spillway_operator.settings import OperatorSettings
 from spillway_runtime.spec import FineTuneJobSpec, SpecError, parse_job
@@ -33,7 +33,6 @@ INPUT_RETRY_SECONDS = 15.0
 
 _locks: dict[tuple[str, str], threading.Lock] = {}
 _locks_guard = threading.Lock()
-known_nodes: set[str] = set()
 
 
 def _job_lock(namespace: str, name: str) -> threading.Lock:
@@ -58,6 +57,8 @@ class StatusChange:
     job: dict[str, Any]
     now: datetime
     status: dict[str, Any] = field(default_factory=dict)
+    # Written only along with a patch that happens anyway (or when due): live cost.
+    piggyback: dict[str, Any] = field(default_factory=dict)
     conditions: list[dict[str, Any]] = field(default_factory=list)
     events: list[tuple[str, str, str]] = field(default_factory=list)
     conditional: bool = False
@@ -95,14 +96,17 @@ class StatusChange:
             patch_status["observedGeneration"] = self.generation
         meta = self.job["metadata"]
         if patch_status:
+            patch_status.update({k: v for k, v in self.piggyback.items() if old.get(k) != v})
             patch: dict[str, Any] = {"status": patch_status}
             if self.conditional:
                 patch["metadata"] = {"resourceVersion": meta["resourceVersion"]}
             updated = k8s.patch_job_status(meta["namespace"], meta["name"], patch)
+            store.jobs.upsert(updated)
             self.job = updated
         metrics.record_phase(meta["namespace"], meta["name"], (self.job.get("status") or {}).get("phase"))
         events, self.events = self.events, []
         self.status = {}
+        self.piggyback = {}
         self.conditional = False
         self._original_conditions = list(self.conditions)
         for type_, reason, message in events:
@@ -158,9 +162,21 @@ def reconcile(namespace: str, name: str, settings: OperatorSettings) -> Result:
 
 
 def node_exists(name: str) -> bool:
-    if name in known_nodes:
-        return True
+    if store.nodes.synced.is_set():
+        return store.nodes.get(("default", name)) is not None
     return k8s.node_exists(name)
+
+
+def _nodes() -> list[dict[str, Any]]:
+    """Every node as last seen: the watch-fed cache (current to the last event, so a node
+    that turned Ready or lost a taint counts at once), else a LIST."""
+    if store.nodes.synced.is_set():
+        return store.nodes.snapshot()
+    return k8s.list_nodes()
+
+
+def _pricing(settings: OperatorSettings) -> dict[str, str]:
+    return k8s.read_configmap_data(settings.namespace, settings.pricing_configmap, max_age=settings.pricing_cache_seconds) or {}
 
 
 def _active(pod: dict[str, Any]) -> bool:
@@ -174,8 +190,21 @@ def _attempt_of(pod: dict[str, Any]) -> int:
         return -1
 
 
+def _read_job(namespace: str, name: str) -> dict[str, Any] | None:
+    """From the cache once the handlers have filled it, else from the API server."""
+    if store.jobs.synced.is_set():
+        return store.jobs.get((namespace, name))
+    return k8s.get_job(namespace, name)
+
+
+def _read_pods(namespace: str, name: str) -> list[dict[str, Any]]:
+    if store.pods.synced.is_set():
+        return store.pods.by_index(namespace, name)
+    return k8s.list_job_pods(namespace, name)
+
+
 def _reconcile_once(namespace: str, name: str, settings: OperatorSettings) -> Result:
-    job = k8s.get_job(namespace, name)
+    job = _read_job(namespace, name)
     if job is None:
         metrics.record_phase(namespace, name, None)
         return Result()
@@ -197,9 +226,7 @@ def _reconcile_once(namespace: str, name: str, settings: OperatorSettings) -> Re
     attempt = int(status.get("attempt", 0))
     uid = job["metadata"]["uid"]
     pods = [
-        p
-        for p in k8s.list_job_pods(namespace, name)
-        if any(o.get("uid") == uid for o in p["metadata"].get("ownerReferences") or [])
+        p for p in _read_pods(namespace, name) if any(o.get("uid") == uid for o in p["metadata"].get("ownerReferences") or [])
     ]
     current = [p for p in pods if _attempt_of(p) == attempt]
     for pod in pods:
@@ -262,6 +289,7 @@ def _cost(change: StatusChange, live_seconds: float) -> dict[str, Any]:
     plan = change.status.get("plan") or change.old.get("plan") or {}
     gpus = int(plan.get("gpusPerNode") or 0) * int(plan.get("nodeCount") or 1)
     return b.cost_status(
+        change.now,
         float(old.get("settledUSD", 0.0)),
         float(old.get("settledGpuHours", 0.0)),
         live_seconds,
@@ -414,7 +442,14 @@ def _observe(
         return _commit_attempt_end(change, pods, settings, counted="preemptions", grace=grace)
 
     cost = _cost(change, live)
-    change.status["cost"] = cost
+    # Live cost changes on every reconcile of a running job: written with the next patch,
+    # or on its own once `cost_update_seconds` have passed (300 running jobs would
+    # otherwise patch their status on every resync).
+    written = b.parse_time((old.get("cost") or {}).get("asOf"))
+    if written is None or (change.now - written).total_seconds() >= settings.cost_update_seconds:
+        change.status["cost"] = cost
+    else:
+        change.piggyback["cost"] = cost
     budget = spec.budget.max_cost_usd
     if budget is not None and cost["usd"] >= budget:
         message = f"cost ${cost['usd']:.2f} reached budget.maxCostUSD ${budget:.2f}; pods stopped after checkpointing"
@@ -437,6 +472,10 @@ def _observe(
         unscheduled = _unschedulable_message(pods)
         if len(pods) < ranks:
             return _start_pods(change, spec, settings, ranks)
+        if unscheduled:
+            replanned = _replan_unschedulable(change, spec, pods, unscheduled, settings)
+            if replanned is not None:
+                return replanned
         change.cond(
             b.PHASE_SCHEDULED,
             False,
@@ -447,6 +486,36 @@ def _observe(
             change.phase(b.PHASE_PLANNED, "Planned", unscheduled or "pods created, waiting for the scheduler")
     change.commit()
     return Result()
+
+
+def _replan_unschedulable(
+    change: StatusChange,
+    spec: FineTuneJobSpec,
+    pods: list[dict[str, Any]],
+    unscheduled: str,
+    settings: OperatorSettings,
+) -> Result | None:
+    """Pods pinned to a node set the scheduler refuses, while a plan on today's nodes would
+    pin them elsewhere (nodes that were NotReady at planning time are back, new nodes came):
+    replace them with a new attempt, counted as neither a failure nor a preemption. The
+    same node set again (every node of the shape is simply busy) changes nothing."""
+    created = [b.parse_time(p["metadata"].get("creationTimestamp")) for p in pods]
+    oldest = min((t for t in created if t is not None), default=None)
+    if oldest is None or (change.now - oldest).total_seconds() < settings.replan_pending_seconds:
+        return None
+    placement = choose_placement(spec, _nodes(), _pricing(settings), settings)
+    old_plan = change.old.get("plan") or {}
+    chosen = placement.chosen
+    if chosen is None or chosen.plan is None or sorted(chosen.nodes) == sorted(old_plan.get("nodes") or []):
+        return None
+    message = (
+        f"pods unschedulable for {(change.now - oldest).total_seconds():.0f} s on {old_plan.get('shape')} "
+        f"({unscheduled[:300]}); re-planning onto {chosen.shape} ({len(chosen.nodes)} node(s))"
+    )
+    change.event("Normal", "Replanned", message)
+    change.cond(b.PHASE_SCHEDULED, False, "Replanned", message)
+    change.phase(b.PHASE_PENDING, "Replanned", message)
+    return _commit_attempt_end(change, pods, settings, counted="replans", grace=0)
 
 
 def _unschedulable_message(pods: list[dict[str, Any]]) -> str:
@@ -479,10 +548,11 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
         change.phase(b.PHASE_FAILED, "ParameterCountRequired", message, warning=True)
         change.commit()
         raise PermanentFailure(message)
-    pricing = k8s.read_configmap_data(settings.namespace, settings.pricing_configmap) or {}
-    placement = choose_placement(spec, k8s.list_nodes(max_age=settings.node_list_cache_seconds), pricing, settings)
+    pricing = _pricing(settings)
+    placement = choose_placement(spec, _nodes(), pricing, settings)
     if placement.chosen is None or placement.chosen.plan is None:
-        # A cached node list may predate the node that fits: decide "fits nowhere" on a fresh one.
+        # The cache may not hold a node created a moment ago: "fits nowhere" is final, so
+        # it is decided on a fresh LIST.
         placement = choose_placement(spec, k8s.list_nodes(), pricing, settings)
     change.status["plan"] = plan_status(placement)
     chosen = placement.chosen
@@ -497,7 +567,7 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
         raise PermanentFailure(message)
     plan = chosen.plan
 
-    missing = _missing_inputs(namespace, spec, plan)
+    missing = _missing_inputs(namespace, spec, plan, settings)
     if missing:
         message = "; ".join(missing)
         old_cond = b.condition(change.conditions, "InputsReady") or {}
@@ -535,7 +605,9 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
     k8s.apply_configmap(b.build_configmap(change.job, config, attempt))
     created = []
     for rank in range(plan.nodes):
-        if k8s.create_if_absent(b.build_pod(change.job, spec, chosen, attempt, rank, settings)):
+        pod = k8s.create_if_absent(b.build_pod(change.job, spec, chosen, attempt, rank, settings))
+        if pod is not None:
+            store.pods.upsert(pod)
             created.append(b.pod_name(name, attempt, rank))
             metrics.PODS_CREATED.inc()
     if (b.condition(change.conditions, "Authorized") or {}).get("status") == "False":
@@ -546,7 +618,7 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
     return Result()
 
 
-def _missing_inputs(namespace: str, spec: FineTuneJobSpec, plan: Any) -> list[str]:
+def _missing_inputs(namespace: str, spec: FineTuneJobSpec, plan: Any, settings: OperatorSettings) -> list[str]:
     missing = []
     for claim in b.input_claims(spec):
         if not k8s.pvc_exists(namespace, claim):
@@ -557,6 +629,6 @@ def _missing_inputs(namespace: str, spec: FineTuneJobSpec, plan: Any) -> list[st
     if spec.checkpoint.storage_class_name:
         classes.append(("checkpoint.storageClassName", spec.checkpoint.storage_class_name))
     for field_name, cls in classes:
-        if not k8s.storage_class_exists(cls):
+        if not k8s.storage_class_exists(cls, max_age=settings.pricing_cache_seconds):
             missing.append(f"StorageClass {cls!r} ({field_name}) does not exist")
     return missing

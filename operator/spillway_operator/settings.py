@@ -41,6 +41,28 @@ class OperatorSettings(BaseSettings):
         description="Seconds between periodic reconciles of every job: cost accrual, TTL, backoff expiry. "
         "Pod events reconcile at once; this only bounds how stale cost and TTL can be",
     )
+    relist_seconds: float = Field(
+        300.0,
+        description="Seconds between full LISTs of jobs, pods and nodes that replace the operator's caches "
+        "(the watches keep them current; a relist catches a deletion a reconnecting watch missed)",
+    )
+    workers: int = Field(
+        8,
+        ge=1,
+        description="Reconcile worker threads. Each job is reconciled by one worker at a time; the work "
+        "is mostly waiting on the API server",
+    )
+    replan_pending_seconds: float = Field(
+        60.0,
+        description="A pod the scheduler has refused for this long is re-planned when the nodes the job "
+        "may use have changed since its plan (nodes came back or were added): the pending pods are "
+        "replaced, nothing is counted, as none of them ran",
+    )
+    cost_update_seconds: float = Field(
+        30.0,
+        description="Most seconds status.cost of a running job may lag (its asOf says when it was "
+        "computed); budgets are checked on every reconcile regardless",
+    )
     backoff_base_seconds: float = Field(
         10.0, description="First retry delay after a failed attempt; doubles per failure (as Kubernetes Jobs)"
     )
@@ -62,10 +84,10 @@ class OperatorSettings(BaseSettings):
     checkpoint_storage_class: str | None = Field(
         None, description="StorageClass of checkpoint PVCs when the job names none (None: cluster default)"
     )
-    node_list_cache_seconds: float = Field(
+    pricing_cache_seconds: float = Field(
         5.0,
-        description="Seconds a node list may be reused across reconciles (0: list every time). A job that "
-        "fits nowhere is always re-checked against a fresh list, and node add/delete events drop the cache",
+        description="Seconds the pricing ConfigMap and a StorageClass found to exist, read for every job "
+        "placed, may be reused (0: read every time)",
     )
     leader_election: bool = Field(
         False,

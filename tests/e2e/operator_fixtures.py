@@ -38,6 +38,7 @@ class OperatorProcess:
             {
                 "SPILLWAY_OPERATOR_RESYNC_SECONDS": "2",
                 "SPILLWAY_OPERATOR_BACKOFF_BASE_SECONDS": "1",
+                "SPILLWAY_OPERATOR_REPLAN_PENDING_SECONDS": "3",
                 "SPILLWAY_OPERATOR_METRICS_PORT": str(self.metrics_port),
                 "SPILLWAY_OPERATOR_LIVENESS_PORT": "0",
                 "SPILLWAY_OPERATOR_NAMESPACE": OPERATOR_NAMESPACE,
@@ -76,8 +77,9 @@ class OperatorProcess:
             return str(r.read().decode())
 
 
-def add_checkpoint_volume(cluster: Any) -> str:
-    """A PersistentVolume of the e2e checkpoint class (no provisioner here); one per claim."""
+def add_checkpoint_volume(cluster: Any, access_mode: str = "ReadWriteOnce") -> str:
+    """A PersistentVolume of the e2e checkpoint class (no provisioner here); one per claim.
+    Multi-node jobs claim ReadWriteMany (every rank writes its shards into one checkpoint)."""
     cluster.kubectl(
         "apply",
         "-f",
@@ -104,7 +106,7 @@ def add_checkpoint_volume(cluster: Any) -> str:
                 "metadata": {"name": name, "labels": {"spillway.dev/e2e-checkpoint": "true"}},
                 "spec": {
                     "capacity": {"storage": "1Pi"},
-                    "accessModes": ["ReadWriteOnce"],
+                    "accessModes": [access_mode],
                     "persistentVolumeReclaimPolicy": "Retain",
                     "storageClassName": CHECKPOINT_CLASS,
                     "hostPath": {"path": f"/tmp/{name}"},

@@ -169,5 +169,6 @@ def test_cost_accrues_from_pod_time() -> None:
     pod = {"status": {"startTime": "2026-01-01T00:00:00Z"}}
     seconds = b.pod_run_seconds(pod, now)
     assert seconds == 3600
-    cost = b.cost_status(1.0, 0.5, seconds, 8.0, 4)
+    cost = b.cost_status(now, 1.0, 0.5, seconds, 8.0, 4)
     assert cost["usd"] == 9.0 and cost["gpuHours"] == 4.5 and cost["display"] == "$9.00"
+    assert cost["asOf"] == "2026-01-01T01:00:00Z"
