@@ -6,7 +6,8 @@ starts the real operator, creates 300 jobs as fast as the client can, and watche
 pods: time from each job's create call to its pod's ADDED event (p50, p99), time until
 every pod is bound to a node, the operator's resident memory, and its API requests per
 job (from its own /metrics). Jobs are spread over the GPU shapes with nodeSelector so
-that all 300 can be scheduled (40 + 120 + 160 GPUs). Target: p99 under 10 s.
+that all 300 can be scheduled (40 + 120 + 160 GPUs, and memory: see MODELS). Target: p99
+under 10 s.
 
 The control plane, kwok and the operator share this machine's 2 cores, so the numbers
 are an upper bound of what the operator itself costs.
@@ -32,6 +33,9 @@ STATE = ROOT / "runs" / "bench" / "cluster"
 NAMESPACE = "scale"
 SHAPES = [("gpu-24g", 40), ("gpu-48g-nvme", 30), ("gpu-80g", 20), ("cpu-only", 10)]
 JOBS_PER_SHAPE = {"gpu-24g": 40, "gpu-48g-nvme": 100, "gpu-80g": 160}
+# 7B jobs with the optimizer in CPU RAM request ~106 GiB each: two per 256 GiB L40S node.
+# The L40S jobs fine-tune 1.3B models that fit their GPUs, so all 100 fit the 120 GPUs.
+MODELS = {"gpu-24g": "7B", "gpu-48g-nvme": "1.3B", "gpu-80g": "7B"}
 
 
 def sh(*args: str, env: dict[str, str], input: str | None = None) -> str:
@@ -137,7 +141,8 @@ def main() -> None:
         for profile, count in JOBS_PER_SHAPE.items():
             for i in range(count):
                 name = f"{profile}-job-{i:03d}"
-                body = job_manifest(name, **{"resources": {"gpusPerNode": 1,
+                body = job_manifest(name, **{"model": {"uri": "file:///models/llama", "parameterCount": MODELS[profile]},
+                                             "resources": {"gpusPerNode": 1,
                                                            "nodeSelector": {"spillway.dev/node-profile": profile}}})
                 names.append(name)
                 created_at[name] = time.monotonic()

@@ -87,7 +87,8 @@ class StatusChange:
     def event(self, type_: str, reason: str, message: str) -> None:
         self.events.append((type_, reason, message))
 
-    def commit(self) -> None:
+    def commit(self, post_events: bool = True) -> None:
+        """Patch what changed; then post the Events (or keep them for `post_events()`)."""
         old = self.old
         patch_status = {k: v for k, v in self.status.items() if old.get(k) != v}
         if self.conditions != self._original_conditions:
@@ -104,11 +105,16 @@ class StatusChange:
             store.jobs.upsert(updated)
             self.job = updated
         metrics.record_phase(meta["namespace"], meta["name"], (self.job.get("status") or {}).get("phase"))
-        events, self.events = self.events, []
         self.status = {}
         self.piggyback = {}
         self.conditional = False
         self._original_conditions = list(self.conditions)
+        if post_events:
+            self.post_events()
+
+    def post_events(self) -> None:
+        meta = self.job["metadata"]
+        events, self.events = self.events, []
         for type_, reason, message in events:
             try:
                 k8s.post_event(self.job, type_, reason, message, self.now)
@@ -529,7 +535,7 @@ def _unschedulable_message(pods: list[dict[str, Any]]) -> str:
 def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorSettings, ranks: int) -> Result:
     old = change.old
     meta = change.job["metadata"]
-    namespace, name = meta["namespace"], meta["name"]
+    namespace = meta["namespace"]
     retry_at = b.parse_time(old.get("retryAfter"))
     if retry_at is not None and retry_at > change.now:
         change.commit()
@@ -593,14 +599,37 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
         change.phase(b.PHASE_PLANNED, "Planned", message)
     change.status.setdefault("cost", _cost(change, 0.0))
     # The plan is stored before any child exists: killed after this line, the next
-    # reconcile re-creates the same children under the same names.
+    # reconcile re-creates the same children under the same names. Its Events wait until
+    # the pods exist: nothing that is not needed first stands before them.
+    change.commit(post_events=False)
+    try:
+        created = _create_children(change, spec, chosen, attempt, resume, settings)
+    finally:
+        change.post_events()
+    if (b.condition(change.conditions, "Authorized") or {}).get("status") == "False":
+        change.cond("Authorized", True, "Allowed", "the operator's RBAC allows every call this job needs")
+    if created:
+        change.event("Normal", "PodsCreated", f"attempt {attempt}: created {', '.join(created)}")
     change.commit()
+    return Result()
 
-    for obj in b.build_runtime_rbac(change.job):
-        k8s.create_if_absent(obj)
-    k8s.create_if_absent(b.build_checkpoint_pvc(change.job, spec, plan, settings))
-    if plan.nodes > 1:
-        k8s.create_if_absent(b.build_headless_service(change.job))
+
+def _create_children(
+    change: StatusChange,
+    spec: FineTuneJobSpec,
+    chosen: Any,
+    attempt: int,
+    resume: str | None,
+    settings: OperatorSettings,
+) -> list[str]:
+    """Every child of this attempt, idempotently. The pods come as early as is safe: after
+    their ServiceAccount (admission requires it) and this attempt's ConfigMap (a container
+    must never start on the previous attempt's config); the PVC, Service and Role they need
+    later follow in the same call. Returns the names of the pods this call created."""
+    plan = chosen.plan
+    name = change.job["metadata"]["name"]
+    account, *rbac = b.build_runtime_rbac(change.job)
+    k8s.create_if_absent(account)
     config = b.build_runtime_config(change.job, spec, plan, resume)
     k8s.apply_configmap(b.build_configmap(change.job, config, attempt))
     created = []
@@ -610,12 +639,12 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
             store.pods.upsert(pod)
             created.append(b.pod_name(name, attempt, rank))
             metrics.PODS_CREATED.inc()
-    if (b.condition(change.conditions, "Authorized") or {}).get("status") == "False":
-        change.cond("Authorized", True, "Allowed", "the operator's RBAC allows every call this job needs")
-    if created:
-        change.event("Normal", "PodsCreated", f"attempt {attempt}: created {', '.join(created)}")
-    change.commit()
-    return Result()
+    k8s.create_if_absent(b.build_checkpoint_pvc(change.job, spec, plan, settings))
+    if plan.nodes > 1:
+        k8s.create_if_absent(b.build_headless_service(change.job))
+    for obj in rbac:
+        k8s.create_if_absent(obj)
+    return created
 
 
 def _missing_inputs(namespace: str, spec: FineTuneJobSpec, plan: Any, settings: OperatorSettings) -> list[str]:

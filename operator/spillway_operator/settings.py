@@ -59,7 +59,7 @@ class OperatorSettings(BaseSettings):
         "replaced, nothing is counted, as none of them ran",
     )
     cost_update_seconds: float = Field(
-        30.0,
+        60.0,
         description="Most seconds status.cost of a running job may lag (its asOf says when it was "
         "computed); budgets are checked on every reconcile regardless",
     )

@@ -93,11 +93,18 @@ class FineTuneRecipe:
 
     def setup(self) -> None:
         self._setup_distributed()
+        self._memory("runtime")
         self._setup_data()
+        self._memory("dataset")
         self._setup_engine()
+        self._memory("engine")
         self._setup_checkpoints()
         signal.signal(signal.SIGTERM, self._on_stop_signal)
         signal.signal(signal.SIGINT, self._on_stop_signal)
+
+    def _memory(self, stage: str) -> None:
+        """Where the resident memory goes during set-up (the plan's CPU figure covers all of it)."""
+        self.reporter.event("memory", stage=stage, bytes=self._tier_bytes())
 
     def _log(self, message: str) -> None:
         self.reporter.event("log", message=message)
