@@ -38,14 +38,18 @@ from spillway_runtime.units import GiB, format_bytes, format_count
 GPU_RESERVED_BYTES = 1 * GiB
 GPU_RESERVED_FRACTION = 0.05
 # Host memory of one training process before any model state: Python, torch, DeepSpeed,
-# CUDA host allocations. Measured ~0.6 GiB on CPU-only torch; CUDA adds ~1 GiB.
-CPU_PROCESS_OVERHEAD_GPU = int(1.5 * GiB)
-CPU_PROCESS_OVERHEAD_CPU = int(0.6 * GiB)
-# On a CPU accelerator the process's resident high-water mark carries ~16 B/param more than
-# the model-state formulas: the fp32 checkpoint pages and cast copy while loading, and the
-# "device" gradient buckets that live in host RAM (fitted on 0.75M-21M parameter runs,
-# benchmarks/bench_planner_fidelity.py).
-CPU_ACCELERATOR_EXTRA_BYTES_PER_PARAM = 16
+# transformers' tokenizer machinery, CUDA host allocations. Measured with the runtime's
+# `memory` events (torch 2.15, DeepSpeed 0.19.8, transformers 5.23, CPU-only): 602 MiB
+# after torch + DeepSpeed + gloo, 787 MiB once AutoTokenizer.from_pretrained has imported
+# its ~1000 modules, ~90 MiB more for DeepSpeed's CPU Adam / aio ops at engine set-up.
+# CUDA's context and host allocations add ~1 GiB (not measured here: no GPU).
+CPU_PROCESS_OVERHEAD_CPU = int(0.8 * GiB)
+CPU_PROCESS_OVERHEAD_GPU = CPU_PROCESS_OVERHEAD_CPU + 1 * GiB
+# On a CPU accelerator the process's resident high-water mark carries ~12 B/param more than
+# the model-state formulas: the safetensors file pages mapped while loading (fp32 on disk)
+# and the cast copy, and "device" gradient buffers that live in host RAM. Fitted on the
+# engine-stage growth of 0.75M-21M parameter runs (benchmarks/bench_planner_fidelity.py).
+CPU_ACCELERATOR_EXTRA_BYTES_PER_PARAM = 12
 # Kept free for the OS, page cache and the kubelet.
 CPU_RESERVED_FRACTION = 0.08
 CPU_RESERVED_MIN = 1 * GiB
@@ -350,10 +354,13 @@ def _choose_swap(
     )
 
 
-def _pinned_bytes(swap: SwapSettings, optimizer: Tier, parameters: Tier, ranks_per_node: int) -> int:
+def _pinned_bytes(swap: SwapSettings, optimizer: Tier, parameters: Tier, ranks_per_node: int, partition: int) -> int:
+    """Swap buffers per node. DeepSpeed sizes the optimizer's by the largest sub-group it
+    actually formed, which is never more than the rank's partition of the parameters; the
+    parameter swapper's are allocated at their configured size whatever the model."""
     per_rank = 0
     if optimizer == "nvme":
-        per_rank += (swap.optimizer_buffer_count + 1) * swap.sub_group_size * 4
+        per_rank += (swap.optimizer_buffer_count + 1) * min(swap.sub_group_size, partition) * 4
     if parameters == "nvme":
         per_rank += swap.param_buffer_count * swap.param_buffer_size * 2
     return per_rank * ranks_per_node
@@ -489,7 +496,7 @@ def _evaluate(
         nvme -= 2 * per_node_params
         cpu_state += 2 * per_node_params
         reasons.append("parameter partitions are below DeepSpeed's minimum swap size: they stay in CPU RAM")
-    pinned = _pinned_bytes(swap, optimizer, parameters, ranks_per_node)
+    pinned = _pinned_bytes(swap, optimizer, parameters, ranks_per_node, -(-shape.params // ranks))
     # With pin_memory DeepSpeed pins the CPU optimizer partitions themselves.
     pinned_state = cpu_state if optimizer == "cpu" and on_gpu else 0
     if pinned + pinned_state > MAX_PINNED_FRACTION * cpu_capacity:
