@@ -176,7 +176,8 @@ def install_crd(cluster: Any) -> None:
 
 @contextlib.contextmanager
 def running_operator(cluster: Any, log: Path) -> Iterator[OperatorProcess]:
-    """The real operator (admin credentials) for the duration of a `with` block."""
+    """The real operator (admin credentials) for the duration of a `with` block; the e2e
+    checkpoint volumes made meanwhile (add_checkpoint_volume) go with it."""
     install_crd(cluster)
     op = OperatorProcess(cluster.env, log)
     op.start()
@@ -185,3 +186,4 @@ def running_operator(cluster: Any, log: Path) -> Iterator[OperatorProcess]:
     finally:
         op.stop()
         print(f"operator log: {log}")
+        cluster.kubectl("delete", "pv", "-l", "spillway.dev/e2e-checkpoint=true", "--wait=false", check=False)

@@ -27,11 +27,8 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def operator(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    try:
-        with running_operator(cluster, tmp_path_factory.mktemp("operator") / "operator.log") as op:
-            yield op
-    finally:
-        cluster.kubectl("delete", "pv", "-l", "spillway.dev/e2e-checkpoint=true", "--wait=false", check=False)
+    with running_operator(cluster, tmp_path_factory.mktemp("operator") / "operator.log") as op:
+        yield op
 
 
 def test_api_server_rejects_invalid_job_naming_the_field(cluster: Any, namespace: str, operator: Any) -> None:

@@ -26,11 +26,8 @@ POOL = "spillway.dev/e2e-pool"
 
 @pytest.fixture(scope="module")
 def operator(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    try:
-        with running_operator(cluster, tmp_path_factory.mktemp("operator") / "operator.log") as op:
-            yield op
-    finally:
-        cluster.kubectl("delete", "pv", "-l", "spillway.dev/e2e-checkpoint=true", "--wait=false", check=False)
+    with running_operator(cluster, tmp_path_factory.mktemp("operator") / "operator.log") as op:
+        yield op
 
 
 def pool_nodes(cluster: Any, make_node: Callable[..., str], *profiles: str) -> tuple[str, list[str]]:
