@@ -1,13 +1,16 @@
 """Dataset loading, tokenization and packing, with a position that a checkpoint can hold.
 
 Texts are read from a .jsonl or .txt file (or a directory of them), tokenized once,
-joined with EOS and cut into fixed-length sequences. Batches are a pure function of
+joined with EOS and cut into fixed-length sequences, kept as uint32 in a cache file
+beside the checkpoints that every rank maps and every restart reuses. Batches are a pure function of
 (seed, micro-batch index, rank), so resuming needs only the index: no iterator state.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,11 +62,35 @@ def read_texts(source: DatasetSource, path: Path) -> list[str]:
     return texts
 
 
+TOKEN_DTYPE = "<u4"  # 4 B/token: every vocabulary in use fits; int64 only per micro-batch
+TOKENIZE_BATCH = 1000  # texts per call: fast tokenizers encode a batch on all cores
+CACHE_DIR_NAME = ".tokens"
+
+
+def token_cache_path(cache_dir: Path, fingerprint: str) -> Path:
+    return cache_dir / f"tokens-{fingerprint}.npy"
+
+
+def dataset_fingerprint(source: DatasetSource, path: Path, tokenizer_dir: Path, sequence_length: int) -> str:
+    """What the packed tokens depend on, cheaply: every dataset file's path, size and mtime,
+    the dataset settings, the tokenizer's files, the sequence length."""
+    h = hashlib.sha256()
+    h.update(json.dumps([source.format, source.text_field, sequence_length, TOKEN_DTYPE]).encode())
+    for file in _files(path, source.format):
+        st = file.stat()
+        h.update(f"{file.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    if tokenizer_dir.is_dir():
+        for file in sorted(p for p in tokenizer_dir.iterdir() if p.is_file() and "token" in p.name):
+            h.update(file.name.encode() + b"\0" + hashlib.sha256(file.read_bytes()).digest())
+    return h.hexdigest()[:32]
+
+
 @dataclass
 class PackedDataset:
-    """Token ids packed into rows of `sequence_length`, as a 2-D LongTensor."""
+    """Token ids packed into rows of `sequence_length`: a 2-D uint32 array, in RAM or mapped
+    from the token cache (pages shared by every rank on the node and dropped under pressure)."""
 
-    rows: Any  # torch.Tensor [num_rows, sequence_length]
+    rows: Any  # numpy [num_rows, sequence_length], uint32
     tokens: int
     _perms: dict[tuple[int, int], Any] = field(default_factory=dict)
 
@@ -79,22 +106,54 @@ class PackedDataset:
 
     @classmethod
     def build(cls, texts: list[str], tokenizer: Any, sequence_length: int) -> PackedDataset:
-        import torch
+        """Tokenize in batches, join with EOS, cut into rows (the tail shorter than a row is
+        dropped). Never holds the tokens as Python ints: 4 B/token, not ~36."""
+        import numpy as np
 
         eos = tokenizer.eos_token_id
-        ids: list[int] = []
-        for text in texts:
-            ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
-            if eos is not None:
-                ids.append(eos)
-        rows = len(ids) // sequence_length
+        chunks = []
+        for start in range(0, len(texts), TOKENIZE_BATCH):
+            encoded = tokenizer(texts[start : start + TOKENIZE_BATCH], add_special_tokens=False)["input_ids"]
+            for ids in encoded:
+                chunks.append(np.asarray(ids, dtype=TOKEN_DTYPE))
+                if eos is not None:
+                    chunks.append(np.asarray([eos], dtype=TOKEN_DTYPE))
+        flat = np.concatenate(chunks) if chunks else np.zeros(0, dtype=TOKEN_DTYPE)
+        rows = len(flat) // sequence_length
         if rows == 0:
             raise DatasetError(
-                f"the dataset has {len(ids)} tokens, fewer than one sequence of {sequence_length}; "
+                f"the dataset has {len(flat)} tokens, fewer than one sequence of {sequence_length}; "
                 "add data or lower training.sequenceLength"
             )
-        tensor = torch.tensor(ids[: rows * sequence_length], dtype=torch.long).view(rows, sequence_length)
-        return cls(rows=tensor, tokens=rows * sequence_length)
+        packed = flat[: rows * sequence_length].reshape(rows, sequence_length)
+        return cls(rows=packed, tokens=rows * sequence_length)
+
+    def save(self, path: Path) -> None:
+        """Write the rows as .npy atomically (aside, fsynced, renamed); older caches in the
+        same directory go (one dataset per job: an edited dataset replaces its tokens)."""
+        import numpy as np
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+        try:
+            with tmp.open("wb") as fh:
+                np.save(fh, np.ascontiguousarray(self.rows))
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        for stale in path.parent.glob("tokens-*.npy"):
+            if stale != path:
+                stale.unlink(missing_ok=True)
+
+    @classmethod
+    def load(cls, path: Path) -> PackedDataset:
+        """The rows memory-mapped read-only: pages shared by the node's ranks, never copied."""
+        import numpy as np
+
+        rows = np.load(path, mmap_mode="r")
+        return cls(rows=rows, tokens=int(rows.size))
 
     def __len__(self) -> int:
         return int(self.rows.shape[0])
@@ -110,5 +169,6 @@ class PackedDataset:
         out = []
         for pos in positions:
             epoch, offset = divmod(pos, n)
-            out.append(self.rows[self._permutation(seed, epoch)[offset]])
+            row = self.rows[int(self._permutation(seed, epoch)[offset])]
+            out.append(torch.from_numpy(row.astype("int64")))
         return torch.stack(out)

@@ -19,7 +19,14 @@ from typing import Any
 
 from spillway_runtime import k8s_status
 from spillway_runtime.checkpoint import CheckpointError, CheckpointInfo, CheckpointStore
-from spillway_runtime.data import PackedDataset, read_texts
+from spillway_runtime.data import (
+    CACHE_DIR_NAME,
+    DatasetError,
+    PackedDataset,
+    dataset_fingerprint,
+    read_texts,
+    token_cache_path,
+)
 from spillway_runtime.reporting import Reporter
 from spillway_runtime.runconfig import RuntimeConfig
 
@@ -138,9 +145,35 @@ class FineTuneRecipe:
                 f"model.tokenizerUri/model.uri {self.cfg.tokenizer_dir}: cannot load a tokenizer ({err})",
                 EXIT_BAD_INPUT,
             ) from None
-        texts = read_texts(self.spec.dataset, Path(self.cfg.dataset_path))
-        self.dataset = PackedDataset.build(texts, self.tokenizer, self.spec.training.sequence_length)
-        self._log(f"dataset: {len(texts)} texts, {self.dataset.tokens} tokens in {len(self.dataset)} sequences")
+        # Tokenized once per dataset, by rank 0, into a cache beside the checkpoints: the
+        # other ranks, restarts and resumes map it instead of tokenizing again.
+        sequence_length = self.spec.training.sequence_length
+        dataset_path = Path(self.cfg.dataset_path)
+        failure, built = None, ""
+        try:
+            fingerprint = dataset_fingerprint(
+                self.spec.dataset, dataset_path, Path(self.cfg.tokenizer_dir), sequence_length
+            )
+            path = token_cache_path(Path(self.cfg.checkpoint_dir) / CACHE_DIR_NAME, fingerprint)
+            if self.rank == 0 and not path.is_file():
+                texts = read_texts(self.spec.dataset, dataset_path)
+                PackedDataset.build(texts, self.tokenizer, sequence_length).save(path)
+                built = f"{len(texts)} texts tokenized, "
+        except DatasetError as err:
+            failure = str(err)
+        except OSError as err:
+            failure = (
+                f"checkpoint.path {self.cfg.checkpoint_dir}: cannot write the tokenized dataset "
+                f"({err.strerror}); choose a writable directory with room for it"
+            )
+        failure = self._first_failure(failure)
+        if failure is not None:
+            raise RunFailed(failure, EXIT_BAD_INPUT)
+        self.dataset = PackedDataset.load(path)
+        self._log(
+            f"dataset: {built}{self.dataset.tokens} tokens in {len(self.dataset)} sequences "
+            f"({'written to' if built else 'mapped from'} {path})"
+        )
 
     def _setup_engine(self) -> None:
         import deepspeed

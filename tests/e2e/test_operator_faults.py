@@ -81,7 +81,7 @@ def test_api_server_pause_is_survived_without_duplicates(
     pid = int((cluster.state_dir / "run" / "kube-apiserver.pid").read_text())
     os.kill(pid, signal.SIGSTOP)  # the API server stops answering: requests and watches hang
     try:
-        time.sleep(40)
+        time.sleep(60)
         assert operator.proc is not None and operator.proc.poll() is None  # the operator rode it out
     finally:
         os.kill(pid, signal.SIGCONT)
@@ -92,4 +92,5 @@ def test_api_server_pause_is_survived_without_duplicates(
     time.sleep(3)
     assert len(active_pods(cluster, namespace, "before")) == 1
     assert len(active_pods(cluster, namespace, "after")) == 1
+    assert wait_status(cluster, namespace, "before", lambda s: s.get("phase") == "Running")["status"].get("attempt", 0) == 0
 

@@ -1,0 +1,83 @@
+"""Tokenizing, packing and the token cache, with a real (locally trained) tokenizer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from spillway_runtime.data import PackedDataset, dataset_fingerprint, read_texts, token_cache_path
+from spillway_runtime.spec import DatasetSource
+from spillway_runtime.tiny import build_tiny_model, synthetic_texts, write_dataset
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", hidden_size=32, layers=1, heads=2)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def test_packing_is_every_text_then_eos_cut_into_rows(tokenizer: Any) -> None:
+    texts = synthetic_texts(2500)  # more than one tokenizer batch
+    reference: list[int] = []
+    for text in texts:
+        reference += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    packed = PackedDataset.build(texts, tokenizer, 64)
+    rows = len(reference) // 64
+    assert packed.rows.dtype == np.uint32 and packed.rows.shape == (rows, 64)
+    assert packed.tokens == rows * 64
+    assert packed.rows.reshape(-1).tolist() == reference[: rows * 64]
+
+
+def test_too_little_text_names_the_setting_to_change(tokenizer: Any) -> None:
+    with pytest.raises(ValueError, match=r"lower training\.sequenceLength"):
+        PackedDataset.build(["two words"], tokenizer, 4096)
+
+
+def test_cache_round_trip_is_mapped_and_batches_match(tokenizer: Any, tmp_path: Path) -> None:
+    packed = PackedDataset.build(synthetic_texts(300), tokenizer, 32)
+    old = token_cache_path(tmp_path, "old")
+    old.write_bytes(b"stale")
+    path = token_cache_path(tmp_path, "new")
+    packed.save(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # stale cache and temp file gone
+    loaded = PackedDataset.load(path)
+    assert isinstance(loaded.rows, np.memmap) and not loaded.rows.flags.writeable
+    assert loaded.tokens == packed.tokens and np.array_equal(loaded.rows, packed.rows)
+    for index in (0, 7, len(packed) // 2):  # the third wraps into the second epoch
+        a = packed.micro_batch(index, rank=1, world_size=2, micro_batch_size=4, seed=3)
+        b = loaded.micro_batch(index, rank=1, world_size=2, micro_batch_size=4, seed=3)
+        assert str(a.dtype) == "torch.int64" and a.shape == (4, 32)
+        assert a.equal(b)
+
+
+def test_fingerprint_follows_what_the_tokens_depend_on(model_dir: Path, tmp_path: Path) -> None:
+    data = write_dataset(tmp_path / "train.jsonl", count=50)
+    source = DatasetSource(uri=str(data))
+    first = dataset_fingerprint(source, data, model_dir, 64)
+    assert dataset_fingerprint(source, data, model_dir, 64) == first
+    assert dataset_fingerprint(source, data, model_dir, 128) != first
+    assert dataset_fingerprint(DatasetSource(uri=str(data), textField="body"), data, model_dir, 64) != first
+    with data.open("a") as fh:
+        fh.write('{"text": "one more"}\n')
+    assert dataset_fingerprint(source, data, model_dir, 64) != first
+    second = dataset_fingerprint(source, data, model_dir, 64)
+    tokenizer_file = model_dir / "tokenizer.json"
+    saved = tokenizer_file.read_bytes()
+    try:
+        tokenizer_file.write_bytes(saved.replace(b'"</s>"', b'"</eos>"', 1))
+        assert dataset_fingerprint(source, data, model_dir, 64) != second
+    finally:
+        tokenizer_file.write_bytes(saved)
+    os.utime(data, ns=(0, 0))
+    assert dataset_fingerprint(source, data, model_dir, 64) != second
+    assert len(read_texts(source, data)) == 51
