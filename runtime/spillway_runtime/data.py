@@ -9,6 +9,7 @@ beside the checkpoints that every rank maps and every restart reuses. Batches ar
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from dataclasses import dataclass, field
@@ -114,10 +115,10 @@ class PackedDataset:
         chunks = []
         for start in range(0, len(texts), TOKENIZE_BATCH):
             encoded = tokenizer(texts[start : start + TOKENIZE_BATCH], add_special_tokens=False)["input_ids"]
-            for ids in encoded:
-                chunks.append(np.asarray(ids, dtype=TOKEN_DTYPE))
-                if eos is not None:
-                    chunks.append(np.asarray([eos], dtype=TOKEN_DTYPE))
+            tail = [] if eos is None else [eos]
+            count = sum(len(ids) + len(tail) for ids in encoded)
+            flat_ids = itertools.chain.from_iterable(itertools.chain(ids, tail) for ids in encoded)
+            chunks.append(np.fromiter(flat_ids, dtype=TOKEN_DTYPE, count=count))
         flat = np.concatenate(chunks) if chunks else np.zeros(0, dtype=TOKEN_DTYPE)
         rows = len(flat) // sequence_length
         if rows == 0:
