@@ -133,6 +133,9 @@ def main() -> None:
         watcher = threading.Thread(target=watch_pods, daemon=True)
         watcher.start()
         operator = OperatorProcess(env, STATE / "operator.log")
+        # The operator's defaults, not the tests' quick-reacting settings; resync every 30 s.
+        for key in ("BACKOFF_BASE_SECONDS", "REPLAN_PENDING_SECONDS", "PRICING_CACHE_SECONDS"):
+            operator.env.pop(f"SPILLWAY_OPERATOR_{key}", None)
         operator.env["SPILLWAY_OPERATOR_RESYNC_SECONDS"] = "30"
         operator.start()
         time.sleep(5)  # operator start-up is not part of the per-job latency

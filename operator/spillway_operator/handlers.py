@@ -146,6 +146,9 @@ def _process(key: tuple[str, str]) -> None:
         QUEUE.forget(key)  # written into the job's status; a spec change queues it again
         return
     except Exception as err:
+        if k8s.namespace_terminating(err):
+            QUEUE.forget(key)  # the job goes with its namespace; its DELETED event comes next
+            return
         if k8s.is_forbidden(err):
             # Retrying alone cannot help: say so on the job, and look again for when an
             # admin grants the permission.

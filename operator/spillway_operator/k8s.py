@@ -316,7 +316,16 @@ def post_event(job: dict[str, Any], type_: str, reason: str, message: str, now: 
         "count": 1,
         "reportingComponent": FIELD_MANAGER,
     }
-    _call(core().create_namespaced_event, meta["namespace"], event, _preload_content=False)
+    try:
+        _call(core().create_namespaced_event, meta["namespace"], event, _preload_content=False)
+    except ApiException as err:
+        if not namespace_terminating(err):
+            raise  # else the job goes with its namespace: nobody will read the Event
+
+
+def namespace_terminating(err: BaseException) -> bool:
+    """403 because the namespace is being deleted: not a permission anybody can grant."""
+    return isinstance(err, ApiException) and err.status == 403 and "NamespaceTerminating" in str(err.body or "")
 
 
 def is_conflict(err: BaseException) -> bool:
@@ -325,7 +334,7 @@ def is_conflict(err: BaseException) -> bool:
 
 def is_forbidden(err: BaseException) -> bool:
     """Our own RBAC refused the call: an admin has to grant something."""
-    return isinstance(err, ApiException) and err.status == 403
+    return isinstance(err, ApiException) and err.status == 403 and not namespace_terminating(err)
 
 
 def is_transient(err: BaseException) -> bool:

@@ -39,6 +39,8 @@ class OperatorProcess:
                 "SPILLWAY_OPERATOR_RESYNC_SECONDS": "2",
                 "SPILLWAY_OPERATOR_BACKOFF_BASE_SECONDS": "1",
                 "SPILLWAY_OPERATOR_REPLAN_PENDING_SECONDS": "3",
+                # Tests change the pricing ConfigMap and expect the next job to see it.
+                "SPILLWAY_OPERATOR_PRICING_CACHE_SECONDS": "0",
                 "SPILLWAY_OPERATOR_METRICS_PORT": str(self.metrics_port),
                 "SPILLWAY_OPERATOR_LIVENESS_PORT": "0",
                 "SPILLWAY_OPERATOR_NAMESPACE": OPERATOR_NAMESPACE,
