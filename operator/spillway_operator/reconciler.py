@@ -604,12 +604,19 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
     change.commit(post_events=False)
     try:
         created = _create_children(change, spec, chosen, attempt, resume, settings)
+        if created:
+            # One Event, not two, when this call also moved the job to Planned (the usual case).
+            pods = f"attempt {attempt}: created {', '.join(created)}"
+            for i, (type_, reason, text) in enumerate(change.events):
+                if reason == "Planned":
+                    change.events[i] = (type_, reason, f"{text}; {pods}")
+                    break
+            else:
+                change.event("Normal", "PodsCreated", pods)
     finally:
         change.post_events()
     if (b.condition(change.conditions, "Authorized") or {}).get("status") == "False":
         change.cond("Authorized", True, "Allowed", "the operator's RBAC allows every call this job needs")
-    if created:
-        change.event("Normal", "PodsCreated", f"attempt {attempt}: created {', '.join(created)}")
     change.commit()
     return Result()
 
