@@ -130,8 +130,26 @@ def main() -> None:
                 except Exception as err:
                     print(f"pod watch restarted: {err}", file=sys.stderr)
 
-        watcher = threading.Thread(target=watch_pods, daemon=True)
-        watcher.start()
+        job_scheduled: dict[str, float] = {}
+
+        def watch_jobs() -> None:
+            """When each job's status says Scheduled=True: the operator has seen the binding."""
+            while not stop.is_set():
+                w = watch.Watch()
+                try:
+                    for event in w.stream(custom.list_namespaced_custom_object, "spillway.dev", "v1alpha1",
+                                          NAMESPACE, "finetunejobs", timeout_seconds=60):
+                        job = event["object"]
+                        conditions = (job.get("status") or {}).get("conditions") or []
+                        if any(c["type"] == "Scheduled" and c["status"] == "True" for c in conditions):
+                            job_scheduled.setdefault(job["metadata"]["name"], time.monotonic())
+                        if stop.is_set():
+                            w.stop()
+                except Exception as err:
+                    print(f"job watch restarted: {err}", file=sys.stderr)
+
+        for target in (watch_pods, watch_jobs):
+            threading.Thread(target=target, daemon=True).start()
         operator = OperatorProcess(env, STATE / "operator.log")
         # The operator's defaults, not the tests' quick-reacting settings; resync every 30 s.
         for key in ("BACKOFF_BASE_SECONDS", "REPLAN_PENDING_SECONDS", "PRICING_CACHE_SECONDS"):
@@ -153,7 +171,7 @@ def main() -> None:
         submit_seconds = time.monotonic() - min(created_at.values())
         first = min(created_at.values())
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and len(pod_bound) < len(names):
+        while time.monotonic() < deadline and min(len(pod_bound), len(job_scheduled)) < len(names):
             time.sleep(0.5)
         stop.set()
 
@@ -189,6 +207,10 @@ def main() -> None:
             print(f"RATIO p99 / 10 s target = {p99 / 10:.2f}")
         if len(pod_bound) == len(names):
             print(f"first create -> every job's pod bound: {max(pod_bound.values()) - first:.1f} s")
+        if len(job_scheduled) == len(names):
+            print(f"first create -> every job Scheduled (status condition): {max(job_scheduled.values()) - first:.1f} s")
+        else:
+            print(f"jobs with Scheduled=True: {len(job_scheduled)}/{len(names)}")
         print(f"operator RSS {rss / 2**20:.0f} MiB; Kubernetes API requests {requests:.0f} "
               f"({requests / len(names):.1f} per job)")
         for call, count in sorted(by_call.items(), key=lambda kv: -kv[1]):
