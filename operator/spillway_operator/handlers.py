@@ -46,7 +46,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.watching.server_timeout = 300
     settings.networking.request_timeout = 60
     metrics.serve(SETTINGS.metrics_port)
-    # Caches filled before kopf's watches start and before any worker reads them.
+    # Caches filled before kopf's watches start and before any worker reads them (kopf
+    # retries this handler when the API server is not there yet).
     await asyncio.to_thread(relist)
     for i in range(SETTINGS.workers):
         threading.Thread(target=_worker, name=f"reconcile-{i}", daemon=True).start()
@@ -94,8 +95,11 @@ async def job_event(event: kopf.RawEvent, **_: Any) -> None:
     held = store.jobs.generation(key)
     store.jobs.upsert(obj)
     meta = obj["metadata"]
-    # Status-only changes (the runtime's progress, our own patches) need no reconcile.
-    if held is None or held != int(meta.get("generation") or 0) or meta.get("deletionTimestamp"):
+    generation = int(meta.get("generation") or 0)
+    observed = (obj.get("status") or {}).get("observedGeneration")
+    # Status-only changes (the runtime's progress, our own patches) need no reconcile; a
+    # spec not yet reconciled does, even when our own patch response brought it first.
+    if held is None or held != generation or observed != generation or meta.get("deletionTimestamp"):
         QUEUE.add(key)
 
 

@@ -50,6 +50,11 @@ def _known_phase_labels() -> list[_Label]:
     return [_Label(tuple(k)) for k in JOBS_BY_PHASE._metrics]
 
 
+_serving: set[int] = set()
+
+
 def serve(port: int) -> None:
-    if port:
+    """Start the /metrics server once (kopf retries a failed start-up handler)."""
+    if port and port not in _serving:
         start_http_server(port)
+        _serving.add(port)

@@ -24,6 +24,7 @@ from spillway_operator import builders as b
 from spillway_operator import k8s, metrics, store
 from spillway_operator.placement import choose_placement, plan_status
 from spillway_operator.settings import OperatorSettings
+from spillway_runtime.runconfig import RuntimeConfig
 from spillway_runtime.spec import FineTuneJobSpec, SpecError, parse_job
 
 log = logging.getLogger("spillway.operator")
@@ -32,6 +33,8 @@ MAX_PASSES = 4  # decisions chained in one call (e.g. count a failure, then star
 INPUT_RETRY_SECONDS = 15.0
 
 _locks: dict[tuple[str, str], threading.Lock] = {}
+# (namespace, job, attempt) whose children this process created, not yet in status.
+_children_done: set[tuple[str, str, int]] = set()
 _locks_guard = threading.Lock()
 
 
@@ -64,6 +67,7 @@ class StatusChange:
     conditional: bool = False
 
     def __post_init__(self) -> None:
+        self._generation = int(self.job["metadata"].get("generation", 1))
         self.conditions = list((self.job.get("status") or {}).get("conditions") or [])
         self._original_conditions = list(self.conditions)
 
@@ -73,7 +77,9 @@ class StatusChange:
 
     @property
     def generation(self) -> int:
-        return int(self.job["metadata"].get("generation", 1))
+        """The generation of the spec this change was decided on; a patch response may carry
+        a newer one, which the next reconcile handles."""
+        return self._generation
 
     def cond(self, type_: str, status: bool, reason: str, message: str) -> None:
         self.conditions = b.set_condition(self.conditions, type_, status, reason, message, self.generation, self.now)
@@ -168,8 +174,10 @@ def reconcile(namespace: str, name: str, settings: OperatorSettings) -> Result:
 
 
 def node_exists(name: str) -> bool:
-    if store.nodes.synced.is_set():
-        return store.nodes.get(("default", name)) is not None
+    """A miss in the cache is checked with the API server: the node watch may simply be
+    behind the pod watch (a pod bound to a node registered a moment ago)."""
+    if store.nodes.synced.is_set() and store.nodes.generation(("default", name)) is not None:
+        return True
     return k8s.node_exists(name)
 
 
@@ -280,6 +288,13 @@ def _reconcile_once(namespace: str, name: str, settings: OperatorSettings) -> Re
         change.phase(b.PHASE_PENDING, "Resumed", "resuming from the latest checkpoint")
 
     ranks = int((status.get("plan") or {}).get("nodeCount") or spec.resources.nodes)
+    if current and int(status.get("childrenAttempt", -1)) != attempt:
+        if (namespace, name, attempt) in _children_done:
+            change.piggyback["childrenAttempt"] = attempt
+        else:
+            _ensure_later_children(change, spec, attempt, settings)
+    else:
+        _children_done.discard((namespace, name, attempt))
     if current:
         outcomes = [b.classify_pod(p, node_exists(p["spec"]["nodeName"]) if p["spec"].get("nodeName") else True) for p in current]
         if len(current) < ranks:
@@ -617,6 +632,10 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
         change.post_events()
     if (b.condition(change.conditions, "Authorized") or {}).get("status") == "False":
         change.cond("Authorized", True, "Allowed", "the operator's RBAC allows every call this job needs")
+    # Every child exists. Status says so with the next patch that happens anyway (Scheduled,
+    # Running); until then this process remembers. A restart in between re-checks them.
+    _children_done.add((namespace, change.job["metadata"]["name"], attempt))
+    change.piggyback["childrenAttempt"] = attempt
     change.commit()
     return Result()
 
@@ -635,8 +654,7 @@ def _create_children(
     later follow in the same call. Returns the names of the pods this call created."""
     plan = chosen.plan
     name = change.job["metadata"]["name"]
-    account, *rbac = b.build_runtime_rbac(change.job)
-    k8s.create_if_absent(account)
+    k8s.create_if_absent(b.build_runtime_rbac(change.job)[0])  # the ServiceAccount
     config = b.build_runtime_config(change.job, spec, plan, resume)
     k8s.apply_configmap(b.build_configmap(change.job, config, attempt))
     created = []
@@ -646,12 +664,31 @@ def _create_children(
             store.pods.upsert(pod)
             created.append(b.pod_name(name, attempt, rank))
             metrics.PODS_CREATED.inc()
-    k8s.create_if_absent(b.build_checkpoint_pvc(change.job, spec, plan, settings))
-    if plan.nodes > 1:
-        k8s.create_if_absent(b.build_headless_service(change.job))
-    for obj in rbac:
-        k8s.create_if_absent(obj)
+    _create_later_children(change.job, spec, plan, settings)
     return created
+
+
+def _create_later_children(job: dict[str, Any], spec: FineTuneJobSpec, plan: Any, settings: OperatorSettings) -> None:
+    """The children the pods need only once they run: checkpoint PVC, rendezvous Service,
+    the runtime's Role and RoleBinding."""
+    k8s.create_if_absent(b.build_checkpoint_pvc(job, spec, plan, settings))
+    if plan.nodes > 1:
+        k8s.create_if_absent(b.build_headless_service(job))
+    for obj in b.build_runtime_rbac(job)[1:]:
+        k8s.create_if_absent(obj)
+
+
+def _ensure_later_children(change: StatusChange, spec: FineTuneJobSpec, attempt: int, settings: OperatorSettings) -> None:
+    """Pods exist but status does not say their attempt's children were all created: the
+    previous reconcile stopped (killed, an API error) between the pods and the rest. Create
+    the rest from the plan in this attempt's ConfigMap."""
+    meta = change.job["metadata"]
+    data = k8s.read_configmap_data(meta["namespace"], b.configmap_name(meta["name"]))
+    if not data or b.CONFIG_FILE not in data:
+        return
+    plan = RuntimeConfig.model_validate_json(data[b.CONFIG_FILE]).plan
+    _create_later_children(change.job, spec, plan, settings)
+    change.status["childrenAttempt"] = attempt
 
 
 def _missing_inputs(namespace: str, spec: FineTuneJobSpec, plan: Any, settings: OperatorSettings) -> list[str]:

@@ -100,12 +100,17 @@ class ObjectStore:
             return True
 
     def delete(self, obj: dict[str, Any]) -> None:
+        """Forget `obj`, unless the copy held is newer (a same-name object created since)."""
         key = key_of(obj)
+        rv = _rv(obj)
         with self._lock:
-            held = self._items.pop(key, None)
+            held = self._items.get(key)
+            if held is not None and rv and _rv(held) != rv and _not_older(_rv(held), rv):
+                return
             if held is not None:
+                del self._items[key]
                 self._unindex(key, held)
-            self._tombstones[key] = _rv(obj) or (_rv(held) if held else "")
+            self._tombstones[key] = rv or (_rv(held) if held else "")
 
     def replace_all(self, items: Iterable[dict[str, Any]], list_rv: str) -> None:
         """A full LIST at `list_rv`: what it lacks and is not newer than it is gone (a watch

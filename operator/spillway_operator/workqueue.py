@@ -28,6 +28,7 @@ class WorkQueue:
         self._processing: set[Hashable] = set()
         self._dirty: set[Hashable] = set()
         self._delayed: list[tuple[float, int, Hashable]] = []
+        self._due: dict[Hashable, float] = {}
         self._seq = 0
         self._failures: dict[Hashable, int] = {}
         self._base_delay = base_delay
@@ -53,8 +54,12 @@ class WorkQueue:
             self.add(key)
             return
         with self._cond:
+            due = time.monotonic() + seconds
+            if self._due.get(key, float("inf")) <= due:
+                return  # already due at least as soon: one entry per key, as client-go keeps
+            self._due[key] = due
             self._seq += 1
-            heapq.heappush(self._delayed, (time.monotonic() + seconds, self._seq, key))
+            heapq.heappush(self._delayed, (due, self._seq, key))
             self._cond.notify()
 
     def add_rate_limited(self, key: Hashable) -> float:
@@ -78,8 +83,10 @@ class WorkQueue:
                     return None
                 now = time.monotonic()
                 while self._delayed and self._delayed[0][0] <= now:
-                    _, _, key = heapq.heappop(self._delayed)
-                    self._add_locked(key)
+                    due, _, key = heapq.heappop(self._delayed)
+                    if self._due.get(key) == due:  # else superseded by an earlier deadline
+                        del self._due[key]
+                        self._add_locked(key)
                 if self._queue:
                     key = self._queue.popleft()
                     self._queued.discard(key)

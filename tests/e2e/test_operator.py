@@ -227,3 +227,18 @@ def test_sigkill_mid_reconcile_converges_without_duplicates(
         assert active_pods(cluster, namespace, name) == [f"{name}-a0-0"]
         job = cluster.get("finetunejob", name, namespace)
         assert job["status"]["plan"]["label"] and job["status"].get("attempt", 0) == 0
+    # A kill between the pods and the children created after them: status lacks the mark
+    # that they all exist, two of them are gone. The restarted operator creates them again.
+    victim = names[0]
+    cluster.kubectl("patch", "finetunejob", victim, "-n", namespace, "--subresource=status", "--type=merge",
+                    "-p", json.dumps({"status": {"childrenAttempt": None}}))
+    cluster.kubectl("delete", "role,rolebinding", f"{victim}-runtime", "-n", namespace)
+    operator.kill()
+    operator.start()
+    cluster.wait_for(lambda: cluster.get("rolebinding", f"{victim}-runtime", namespace) is not None, 30,
+                     what="children re-created after a kill between pods and children")
+    assert cluster.get("role", f"{victim}-runtime", namespace) is not None
+    assert wait_status(cluster, namespace, victim, lambda s: s.get("childrenAttempt") == 0)
+    for name in names:
+        assert cluster.get("pvc", f"{name}-checkpoints", namespace) is not None
+        assert cluster.get("rolebinding", f"{name}-runtime", namespace) is not None

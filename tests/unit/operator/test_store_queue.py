@@ -54,6 +54,15 @@ def test_a_deleted_object_is_not_revived_by_an_older_snapshot() -> None:
     assert s.get(("ns", "p")) is not None
 
 
+def test_a_stale_deletion_leaves_a_newer_copy() -> None:
+    s = ObjectStore()
+    s.upsert(pod("p", 20))  # recreated under the same name; the old one's DELETED comes late
+    s.delete(pod("p", 15))
+    assert s.get(("ns", "p")) is not None
+    s.delete(pod("p", 20))
+    assert s.get(("ns", "p")) is None
+
+
 def test_relist_drops_what_it_lacks_but_keeps_newer_copies() -> None:
     s = ObjectStore(index_label="spillway.dev/job")
     s.upsert(pod("gone", 3))  # deleted while a watch was down: no DELETED event came
@@ -95,6 +104,17 @@ def test_delays_and_rate_limits() -> None:
     assert [q.add_rate_limited("x") for _ in range(4)] == [0.05, 0.1, 0.2, 0.2]
     q.forget("x")
     assert q.add_rate_limited("x") == 0.05
+
+
+def test_one_delayed_entry_per_key_the_earliest() -> None:
+    q = WorkQueue()
+    for _ in range(1000):  # a resync re-arming the same TTL each pass
+        q.add_after("ttl", 60)
+    q.add_after("ttl", 0.05)  # an earlier deadline replaces it
+    assert len(q._delayed) <= 2 and len(q._due) == 1
+    assert q.get() == "ttl"
+    q.done("ttl")
+    assert len(q._due) == 0
 
 
 def test_shutdown_wakes_waiting_workers() -> None:
