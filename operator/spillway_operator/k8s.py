@@ -129,14 +129,19 @@ def list_nodes() -> list[dict[str, Any]]:
     return list(_json(_call(core().list_node, _preload_content=False)).get("items", []))
 
 
-def node_exists(name: str) -> bool:
+def _exists(read: Callable[..., Any], *args: str) -> bool:
+    """A GET that answers whether the object exists (404: no; any other error raises)."""
     try:
-        _call(core().read_node, name, _preload_content=False)
+        _call(read, *args, _preload_content=False)
         return True
     except ApiException as err:
         if err.status == 404:
             return False
         raise
+
+
+def node_exists(name: str) -> bool:
+    return _exists(core().read_node, name)
 
 
 _reads: dict[tuple[str, ...], tuple[float, Any]] = {}
@@ -174,29 +179,13 @@ def _read_configmap_data(namespace: str, name: str) -> dict[str, str] | None:
 
 
 def pvc_exists(namespace: str, name: str) -> bool:
-    try:
-        _call(core().read_namespaced_persistent_volume_claim, name, namespace, _preload_content=False)
-        return True
-    except ApiException as err:
-        if err.status == 404:
-            return False
-        raise
+    return _exists(core().read_namespaced_persistent_volume_claim, name, namespace)
 
 
 def storage_class_exists(name: str, max_age: float = 0.0) -> bool:
     """With `max_age`, a class seen at most that long ago counts (a missing one is always
     looked up again: the admin may just have created it)."""
-    return _reuse(("storageclass", name), max_age, lambda: _storage_class_exists(name))
-
-
-def _storage_class_exists(name: str) -> bool:
-    try:
-        _call(storage().read_storage_class, name, _preload_content=False)
-        return True
-    except ApiException as err:
-        if err.status == 404:
-            return False
-        raise
+    return _reuse(("storageclass", name), max_age, lambda: _exists(storage().read_storage_class, name))
 
 
 # ---------------------------------------------------------------- writes --

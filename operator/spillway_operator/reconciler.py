@@ -1,9 +1,11 @@
 """Level-triggered reconcile of one FineTuneJob: read everything, decide, act, write status.
 
-Where this sits: called by `handlers` (kopf events, timers), calls `builders` for
-every decision's shape and `k8s` for every effect. It keeps no state between
-calls except a per-job lock, so a restarted operator converges from whatever it
-finds: child names are deterministic (`<job>-a<attempt>-<rank>`), and every
+Where this sits: called by `handlers` (the work queue's workers); reads jobs,
+pods and nodes from `store`, writes status through `status.StatusChange`, makes
+children through `children`, and calls `builders` for every decision's shape and
+`k8s` for every other effect. It keeps no state between calls but a per-job lock
+and a hint of which attempts' children it created, so a restarted operator
+converges from whatever it finds: child names are deterministic (`<job>-a<attempt>-<rank>`), and every
 decision that moves the job to a new attempt (counting a failure or a
 preemption, applying a rollback, suspending) is first committed to status with a
 resourceVersion precondition and only then acted on. Killed between the two, the
@@ -16,15 +18,15 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from spillway_operator import builders as b
-from spillway_operator import k8s, metrics, store
+from spillway_operator import children, k8s, metrics, store
 from spillway_operator.placement import choose_placement, plan_status
 from spillway_operator.settings import OperatorSettings
-from spillway_runtime.runconfig import RuntimeConfig
+from spillway_operator.status import StatusChange
 from spillway_runtime.spec import FineTuneJobSpec, SpecError, parse_job
 
 log = logging.getLogger("spillway.operator")
@@ -51,83 +53,6 @@ class PermanentFailure(Exception):
 class Result:
     requeue_after: float | None = None
     again: bool = False
-
-
-@dataclass
-class StatusChange:
-    """Status fields to merge-patch, Events to post once the patch is stored."""
-
-    job: dict[str, Any]
-    now: datetime
-    status: dict[str, Any] = field(default_factory=dict)
-    # Written only along with a patch that happens anyway (or when due): live cost.
-    piggyback: dict[str, Any] = field(default_factory=dict)
-    conditions: list[dict[str, Any]] = field(default_factory=list)
-    events: list[tuple[str, str, str]] = field(default_factory=list)
-    conditional: bool = False
-
-    def __post_init__(self) -> None:
-        self._generation = int(self.job["metadata"].get("generation", 1))
-        self.conditions = list((self.job.get("status") or {}).get("conditions") or [])
-        self._original_conditions = list(self.conditions)
-
-    @property
-    def old(self) -> dict[str, Any]:
-        return dict(self.job.get("status") or {})
-
-    @property
-    def generation(self) -> int:
-        """The generation of the spec this change was decided on; a patch response may carry
-        a newer one, which the next reconcile handles."""
-        return self._generation
-
-    def cond(self, type_: str, status: bool, reason: str, message: str) -> None:
-        self.conditions = b.set_condition(self.conditions, type_, status, reason, message, self.generation, self.now)
-
-    def phase(self, phase: str, reason: str, message: str, warning: bool = False) -> None:
-        self.status["phase"] = phase
-        self.status["message"] = message
-        if self.old.get("phase") != phase:
-            self.events.append(("Warning" if warning else "Normal", reason, message))
-
-    def event(self, type_: str, reason: str, message: str) -> None:
-        self.events.append((type_, reason, message))
-
-    def commit(self, post_events: bool = True) -> None:
-        """Patch what changed; then post the Events (or keep them for `post_events()`)."""
-        old = self.old
-        patch_status = {k: v for k, v in self.status.items() if old.get(k) != v}
-        if self.conditions != self._original_conditions:
-            patch_status["conditions"] = self.conditions
-        if old.get("observedGeneration") != self.generation:
-            patch_status["observedGeneration"] = self.generation
-        meta = self.job["metadata"]
-        if patch_status:
-            patch_status.update({k: v for k, v in self.piggyback.items() if old.get(k) != v})
-            patch: dict[str, Any] = {"status": patch_status}
-            if self.conditional:
-                patch["metadata"] = {"resourceVersion": meta["resourceVersion"]}
-            updated = k8s.patch_job_status(meta["namespace"], meta["name"], patch)
-            store.jobs.upsert(updated)
-            self.job = updated
-        metrics.record_phase(meta["namespace"], meta["name"], (self.job.get("status") or {}).get("phase"))
-        self.status = {}
-        self.piggyback = {}
-        self.conditional = False
-        self._original_conditions = list(self.conditions)
-        if post_events:
-            self.post_events()
-
-    def post_events(self) -> None:
-        meta = self.job["metadata"]
-        events, self.events = self.events, []
-        for type_, reason, message in events:
-            try:
-                k8s.post_event(self.job, type_, reason, message, self.now)
-            except Exception as err:  # an Event is best effort; the status already holds the truth
-                if not k8s.is_transient(err):
-                    raise
-                log.warning("event %s for %s/%s not posted: %s", reason, meta["namespace"], meta["name"], err)
 
 
 def report_forbidden(namespace: str, name: str, err: Exception) -> str:
@@ -291,8 +216,8 @@ def _reconcile_once(namespace: str, name: str, settings: OperatorSettings) -> Re
     if current and int(status.get("childrenAttempt", -1)) != attempt:
         if (namespace, name, attempt) in _children_done:
             change.piggyback["childrenAttempt"] = attempt
-        else:
-            _ensure_later_children(change, spec, attempt, settings)
+        elif children.ensure_later_children(change.job, spec, settings):
+            change.status["childrenAttempt"] = attempt
     else:
         _children_done.discard((namespace, name, attempt))
     if current:
@@ -588,7 +513,7 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
         raise PermanentFailure(message)
     plan = chosen.plan
 
-    missing = _missing_inputs(namespace, spec, plan, settings)
+    missing = children.missing_inputs(namespace, spec, plan, settings)
     if missing:
         message = "; ".join(missing)
         old_cond = b.condition(change.conditions, "InputsReady") or {}
@@ -618,7 +543,7 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
     # the pods exist: nothing that is not needed first stands before them.
     change.commit(post_events=False)
     try:
-        created = _create_children(change, spec, chosen, attempt, resume, settings)
+        created = children.create_children(change.job, spec, chosen, attempt, resume, settings)
         if created:
             # One Event, not two, when this call also moved the job to Planned (the usual case).
             pods = f"attempt {attempt}: created {', '.join(created)}"
@@ -633,75 +558,9 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
     if (b.condition(change.conditions, "Authorized") or {}).get("status") == "False":
         change.cond("Authorized", True, "Allowed", "the operator's RBAC allows every call this job needs")
     # Every child exists. Status says so with the next patch that happens anyway (Scheduled,
-    # Running); until then this process remembers. A restart in between re-checks them.
+    # Running); until then this process remembers. A restart in between re-checks them
+    # (children.ensure_later_children).
     _children_done.add((namespace, change.job["metadata"]["name"], attempt))
     change.piggyback["childrenAttempt"] = attempt
     change.commit()
     return Result()
-
-
-def _create_children(
-    change: StatusChange,
-    spec: FineTuneJobSpec,
-    chosen: Any,
-    attempt: int,
-    resume: str | None,
-    settings: OperatorSettings,
-) -> list[str]:
-    """Every child of this attempt, idempotently. The pods come as early as is safe: after
-    their ServiceAccount (admission requires it) and this attempt's ConfigMap (a container
-    must never start on the previous attempt's config); the PVC, Service and Role they need
-    later follow in the same call. Returns the names of the pods this call created."""
-    plan = chosen.plan
-    name = change.job["metadata"]["name"]
-    k8s.create_if_absent(b.build_runtime_rbac(change.job)[0])  # the ServiceAccount
-    config = b.build_runtime_config(change.job, spec, plan, resume)
-    k8s.apply_configmap(b.build_configmap(change.job, config, attempt))
-    created = []
-    for rank in range(plan.nodes):
-        pod = k8s.create_if_absent(b.build_pod(change.job, spec, chosen, attempt, rank, settings))
-        if pod is not None:
-            store.pods.upsert(pod)
-            created.append(b.pod_name(name, attempt, rank))
-            metrics.PODS_CREATED.inc()
-    _create_later_children(change.job, spec, plan, settings)
-    return created
-
-
-def _create_later_children(job: dict[str, Any], spec: FineTuneJobSpec, plan: Any, settings: OperatorSettings) -> None:
-    """The children the pods need only once they run: checkpoint PVC, rendezvous Service,
-    the runtime's Role and RoleBinding."""
-    k8s.create_if_absent(b.build_checkpoint_pvc(job, spec, plan, settings))
-    if plan.nodes > 1:
-        k8s.create_if_absent(b.build_headless_service(job))
-    for obj in b.build_runtime_rbac(job)[1:]:
-        k8s.create_if_absent(obj)
-
-
-def _ensure_later_children(change: StatusChange, spec: FineTuneJobSpec, attempt: int, settings: OperatorSettings) -> None:
-    """Pods exist but status does not say their attempt's children were all created: the
-    previous reconcile stopped (killed, an API error) between the pods and the rest. Create
-    the rest from the plan in this attempt's ConfigMap."""
-    meta = change.job["metadata"]
-    data = k8s.read_configmap_data(meta["namespace"], b.configmap_name(meta["name"]))
-    if not data or b.CONFIG_FILE not in data:
-        return
-    plan = RuntimeConfig.model_validate_json(data[b.CONFIG_FILE]).plan
-    _create_later_children(change.job, spec, plan, settings)
-    change.status["childrenAttempt"] = attempt
-
-
-def _missing_inputs(namespace: str, spec: FineTuneJobSpec, plan: Any, settings: OperatorSettings) -> list[str]:
-    missing = []
-    for claim in b.input_claims(spec):
-        if not k8s.pvc_exists(namespace, claim):
-            missing.append(f"PersistentVolumeClaim {claim!r} (from a pvc:// URI) does not exist in {namespace}")
-    classes = []
-    if plan.bytes.nvme > 0 and spec.offload.nvme.storage_class_name:
-        classes.append(("offload.nvme.storageClassName", spec.offload.nvme.storage_class_name))
-    if spec.checkpoint.storage_class_name:
-        classes.append(("checkpoint.storageClassName", spec.checkpoint.storage_class_name))
-    for field_name, cls in classes:
-        if not k8s.storage_class_exists(cls, max_age=settings.pricing_cache_seconds):
-            missing.append(f"StorageClass {cls!r} ({field_name}) does not exist")
-    return missing
