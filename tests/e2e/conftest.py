@@ -466,9 +466,16 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     saved = {k: os.environ.get(k) for k in ("KUBECONFIG", "PATH")}
     os.environ["KUBECONFIG"] = str(kubeconfig)
     os.environ["PATH"] = env["PATH"]
+    # The kubernetes client reads KUBECONFIG once, when first imported; a test that ran
+    # before this fixture (the unit tests, with `pytest tests/unit tests/e2e`) imported it.
+    from kubernetes.config import kube_config
+
+    saved_default = kube_config.KUBE_CONFIG_DEFAULT_LOCATION
+    kube_config.KUBE_CONFIG_DEFAULT_LOCATION = str(kubeconfig)
     try:
         yield c
     finally:
+        kube_config.KUBE_CONFIG_DEFAULT_LOCATION = saved_default
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
