@@ -8,7 +8,6 @@ the database and shows up in `spillway api` like any other.
 from __future__ import annotations
 
 import os
-import signal
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -56,13 +55,14 @@ def api(
 def run(
     job_file: Annotated[Path, typer.Argument(help="finetune.yaml")],
     run_dir: Annotated[Path | None, typer.Option(help="Where checkpoints, events and the export go")] = None,
-    processes: Annotated[int, typer.Option(help="Training processes (torchrun) on a CPU-only machine")] = 1,
+    processes: Annotated[int, typer.Option(help="Training processes (ranks) on a CPU-only machine")] = 1,
 ) -> None:
     """Fine-tune on this machine with the plan's offload; the job is recorded for `spillway api`."""
     from spillway_api.launchers.local import LocalRun, record_local_job
     from spillway_api.settings import Settings
     from spillway_runtime.cli import _print_plan
     from spillway_runtime.planner import PlanningError
+    from spillway_runtime.processes import StopSignals
     from spillway_runtime.spec import SpecError, load_job
 
     try:
@@ -76,22 +76,13 @@ def run(
     local = LocalRun(sessions, job_id, processes=processes, price_per_hour=settings.local_price_per_hour,
                      poll_seconds=settings.local_poll_seconds, foreground=True)
 
-    def forward(signum: int, _frame: Any) -> None:
-        if local.child is not None and local.child.poll() is None:
-            local.child.send_signal(signal.SIGTERM if processes > 1 else signum)
-        local._stop_requested.set()
+    def planned(config: Any) -> None:
+        _print_plan(config.plan)
+        Console().print(f"run directory: {config.run_dir}")
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        def planned(config: Any) -> None:
-            _print_plan(config.plan)
-            Console().print(f"run directory: {config.run_dir}")
-
-        local.on_planned = planned
+    local.on_planned = planned
+    with StopSignals(local, say=lambda message: err_console.print(message, highlight=False)):
         code = local.run()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     error = getattr(local, "error", None)
     if error is not None:
         if isinstance(error, PlanningError):

@@ -30,9 +30,12 @@ from spillway_api.models import (
     utcnow,
 )
 from spillway_api.schemas import JobCreate
+from spillway_runtime.processes import EXIT_ABORTED
 from spillway_runtime.spec import FineTuneJob
 
-EXIT_PHASES = {0: "Succeeded", 1: "Failed", 2: "Failed", 3: "Failed", 4: "Diverged", 75: "Preempted"}
+# An abort (a second Ctrl-C) is restartable like a preemption, from the last good checkpoint
+EXIT_PHASES = {0: "Succeeded", 1: "Failed", 2: "Failed", 3: "Failed", 4: "Diverged", 75: "Preempted",
+               EXIT_ABORTED: "Preempted"}
 
 
 @dataclass(frozen=True)
@@ -317,6 +320,14 @@ class JobService:
 
 def phase_for_exit(code: int) -> str:
     return EXIT_PHASES.get(code, "Failed")
+
+
+def exit_message(code: int) -> str:
+    if code == EXIT_ABORTED:
+        return "aborted (a second Ctrl-C) before the stop checkpoint; a new run resumes from the last good one"
+    if code > 128:
+        return f"runtime killed by signal {code - 128}"
+    return f"runtime exited {code}"
 
 
 def job_document(job: Job) -> dict[str, Any]:

@@ -3,21 +3,36 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
+from typing import Any
 
-from spillway_runtime.checkpoint import CheckpointError
-from spillway_runtime.data import DatasetError
-from spillway_runtime.recipe import EXIT_BAD_INPUT, EXIT_FAILED, FineTuneRecipe, RunFailed
-from spillway_runtime.runconfig import RuntimeConfig
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A stop request that arrives while the imports and set-up run (seconds to minutes) is
+    # kept, not fatal: the run then stops at its first step boundary, exit 75.
+    early: list[int] = []
+
+    def remember(signum: int, _frame: Any) -> None:
+        early.append(signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, remember)
+
+    from spillway_runtime.checkpoint import CheckpointError
+    from spillway_runtime.data import DatasetError
+    from spillway_runtime.recipe import EXIT_BAD_INPUT, EXIT_FAILED, FineTuneRecipe, RunFailed
+    from spillway_runtime.runconfig import RuntimeConfig
+
     parser = argparse.ArgumentParser(prog="python -m spillway_runtime")
     parser.add_argument("--config", required=True, type=Path, help="RuntimeConfig JSON written by the launcher")
     args = parser.parse_args(argv)
     config = RuntimeConfig.read(args.config)
-    recipe = FineTuneRecipe(config)
+    recipe = FineTuneRecipe(config)  # installs its own stop handler
+    recipe.stop_requested = recipe.stop_requested or bool(early)
     code = EXIT_FAILED
     try:
         recipe.setup()
@@ -32,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         code = EXIT_BAD_INPUT
     finally:
         recipe.cleanup()
+        # The outcome is decided: a signal during interpreter shutdown (when Python has put
+        # back the default action, death) must not turn exit 75 into "killed by SIGTERM".
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
     return code
 
 

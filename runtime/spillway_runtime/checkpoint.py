@@ -202,7 +202,12 @@ class CheckpointStore:
     def _prune(self) -> None:
         good = self.list()
         for info in good[: max(0, len(good) - self.keep)]:
-            shutil.rmtree(info.path, ignore_errors=True)
+            # Out of sight in one rename, then deleted: a kill mid-delete leaves a staging
+            # leftover (swept below next time), never a half-deleted checkpoint that lists.
+            doomed = self.root / f"{STAGING}pruned-{info.name}"
+            with contextlib.suppress(OSError):
+                os.replace(info.path, doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
         for stale in self.root.glob(f"{STAGING}*"):
             shutil.rmtree(stale, ignore_errors=True)
 

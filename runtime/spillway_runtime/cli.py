@@ -181,7 +181,7 @@ def plan(
 def run(
     job_file: Annotated[Path, typer.Argument(help="finetune.yaml")],
     run_dir: Annotated[Path | None, typer.Option(help="Where checkpoints, events and the export go")] = None,
-    processes: Annotated[int, typer.Option(help="Training processes (torchrun) on a CPU-only machine")] = 1,
+    processes: Annotated[int, typer.Option(help="Training processes (ranks) on a CPU-only machine")] = 1,
 ) -> None:
     """Fine-tune on this machine with the plan's offload; no cluster needed."""
     from spillway_runtime.local import launch, prepare_local_run

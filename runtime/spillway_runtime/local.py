@@ -3,17 +3,14 @@
 `prepare_local_run` turns a finetune.yaml into a `RuntimeConfig` (paths resolved
 relative to the job file, hardware probed, model shape read from config.json,
 plan made, DeepSpeed config generated and validated) and writes it into the run
-directory; `launch` starts `python -m spillway_runtime` (or torchrun for several
-processes), forwards SIGTERM/SIGINT so the run checkpoints before it stops, and
-returns its exit code.
+directory; `launch` starts `python -m spillway_runtime` (or the supervisor of several
+ranks), turns SIGTERM/SIGINT into one stop request so the run checkpoints before
+it stops, and returns its exit code.
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +18,7 @@ from typing import Any
 from spillway_runtime.dsconfig import build_deepspeed_config, validate_deepspeed_config
 from spillway_runtime.hardware import NodeHardware
 from spillway_runtime.planner import OffloadPlan, PlanningError, plan_tiers
+from spillway_runtime.processes import StopSignals, TrainingProcess
 from spillway_runtime.runconfig import FaultInjection, RuntimeConfig, resolve_uri
 from spillway_runtime.spec import FineTuneJob, SpecError, load_job
 
@@ -112,20 +110,12 @@ def _check_writable_dir(path: Path, field: str, source: Path) -> None:
         raise SpecError(str(source), [f"{field}: {path} is not writable ({err.strerror}); choose a writable directory"]) from None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def runtime_command(config_path: Path, processes: int) -> list[str]:
     if processes <= 1:
         return [sys.executable, "-m", "spillway_runtime", "--config", str(config_path)]
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-        "-m", "spillway_runtime", "--config", str(config_path),
-    ]
+    # Not torchrun: its agent exits 1 on SIGTERM and kills the ranks 30 s later (see supervisor.py)
+    return [sys.executable, "-m", "spillway_runtime.supervisor", "--processes", str(processes),
+            "--config", str(config_path)]
 
 
 def runtime_env(config: RuntimeConfig) -> dict[str, str]:
@@ -138,16 +128,10 @@ def runtime_env(config: RuntimeConfig) -> dict[str, str]:
 
 
 def launch(config: RuntimeConfig, processes: int = 1, **popen: Any) -> int:
-    """Run the training process(es) to completion; SIGTERM/SIGINT are forwarded."""
+    """Run the training process(es) to completion in the foreground: SIGTERM or Ctrl-C asks for a
+    checkpoint and exit 75, a second Ctrl-C aborts (see processes.py)."""
     config_path = Path(config.run_dir) / "runtime.json"
-    child = subprocess.Popen(runtime_command(config_path, processes), env=runtime_env(config), **popen)
-
-    def forward(signum: int, _frame: Any) -> None:
-        child.send_signal(signal.SIGTERM if processes > 1 else signum)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
+    child = TrainingProcess(runtime_command(config_path, processes), runtime_env(config), tie_to_parent=True,
+                            **popen)
+    with StopSignals(child, say=lambda message: print(f"spillway: {message}", file=sys.stderr)):
         return child.wait()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)

@@ -27,6 +27,12 @@ from spillway_runtime.data import (
     read_texts,
     token_cache_path,
 )
+from spillway_runtime.optimizer_state import (
+    OptimizerStateError,
+    partition_states,
+    replay_adam_kernel,
+    restore_swapped_state,
+)
 from spillway_runtime.reporting import Reporter
 from spillway_runtime.runconfig import RuntimeConfig
 
@@ -95,6 +101,9 @@ class FineTuneRecipe:
             sink=k8s_status.sink_from_env(self.spec.training.max_steps),
         )
         self.divergence = DivergencePolicy(self.spec.rollback.spike_factor, self.spec.rollback.window)
+        # From construction on, not after set-up: a stop request during set-up is a stop, not a death
+        signal.signal(signal.SIGTERM, self._on_stop_signal)
+        signal.signal(signal.SIGINT, self._on_stop_signal)
 
     # --- setup ---------------------------------------------------------------------------
 
@@ -106,8 +115,6 @@ class FineTuneRecipe:
         self._setup_engine()
         self._memory("engine")
         self._setup_checkpoints()
-        signal.signal(signal.SIGTERM, self._on_stop_signal)
-        signal.signal(signal.SIGINT, self._on_stop_signal)
 
     def _memory(self, stage: str) -> None:
         """Where the resident memory goes during set-up (the plan's CPU figure covers all of it)."""
@@ -125,13 +132,17 @@ class FineTuneRecipe:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
         import deepspeed
+        import numpy as np
         import torch
 
         deepspeed.init_distributed(dist_backend="gloo" if self.plan.accelerator == "cpu" else "nccl")
         self.torch = torch
         self.dist = torch.distributed
         seed = self.spec.training.seed
+        # Every generator a checkpoint restores is seeded, so that a fresh run and a resumed one
+        # hold the same state whoever draws from it (numpy's was left to OS entropy).
         random.seed(seed)
+        np.random.seed(seed)
         torch.manual_seed(seed)
         self._log(f"rank {self.rank}/{self.world_size} on {self.plan.accelerator}, plan {self.plan.label}")
 
@@ -354,7 +365,7 @@ class FineTuneRecipe:
             rate = (time.monotonic() - started) / max(1, done)
             self.reporter.step(
                 self.step,
-                loss=round(loss, 6),
+                loss=loss,  # full precision: users check determinism with it
                 lr=self.current_lr,
                 step_seconds=round(elapsed, 4),
                 tokens_per_s=round(tokens_per_step / max(elapsed, 1e-9), 1),
@@ -371,7 +382,7 @@ class FineTuneRecipe:
         return EXIT_OK
 
     def _preempt(self) -> int:
-        if self.last_saved_step != self.step:
+        if self.step > 0 and self.last_saved_step != self.step:  # at step 0 there is nothing to keep
             self.save_checkpoint(getattr(self, "last_loss", None))
         self.reporter.event("preempted", step=self.step)
         return EXIT_PREEMPTED
@@ -426,7 +437,7 @@ class FineTuneRecipe:
             "rollbacks": self.rollbacks,
             "lr_scale": self.lr_scale,
             "loss_history": list(self.divergence.history),
-            "optimizer_steps": [state.get("step") for state in self._optimizer_states()],
+            "optimizer_steps": [state.get("step") for state in partition_states(self.engine)],
             "micro_steps": self.engine.micro_steps,
             "rng": {
                 "python": random.getstate(),
@@ -470,8 +481,11 @@ class FineTuneRecipe:
             )
         state = self.torch.load(state_file, weights_only=False)
         steps = state.get("optimizer_steps", [])
-        self._restore_optimizer_steps(steps)
-        self._replay_cpu_adam_steps(max((s for s in steps if s is not None), default=0))
+        try:
+            restore_swapped_state(self.engine, steps)
+        except OptimizerStateError as err:
+            raise RunFailed(str(err), EXIT_BAD_INPUT) from None
+        replay_adam_kernel(self.engine, max((s for s in steps if s is not None), default=0))
         self.engine.micro_steps = state.get("micro_steps", self.engine.micro_steps)
         self.step = state["step"]
         self.data_position = state["data_position"]
@@ -487,78 +501,6 @@ class FineTuneRecipe:
         if rng.get("cuda") is not None and self.plan.accelerator == "cuda":
             self.torch.cuda.set_rng_state_all(rng["cuda"])
         self.last_saved_step = self.step
-
-    def _optimizer_states(self) -> list[dict[str, Any]]:
-        """The base optimizer's state of each flat fp32 partition, in partition order."""
-        zero = self.engine.optimizer
-        flats = getattr(zero, "fp32_partitioned_groups_flat", None)  # ZeRO-3
-        if flats is None:
-            flats = getattr(zero, "single_partition_of_fp32_groups", [])  # ZeRO-1/2
-        base = getattr(zero, "optimizer", zero)
-        return [base.state[flat] for flat in flats]
-
-    def _restore_optimizer_steps(self, steps: list[int | None]) -> None:
-        """Put back what DeepSpeed's load_checkpoint leaves out with the optimizer on NVMe.
-
-        It copies the swap files back but skips the optimizer state dict, so the optimizer
-        state of every swapped sub-group is empty after a load: the next step would start
-        Adam from zero moments and step 1 and overwrite the restored swap files (checked
-        against DeepSpeed 0.19.8; the first update after a resume differed by 4.5%). We
-        register placeholders for both moments, which the swapper fills from the restored
-        files at the next swap-in, and restore the step count that drives bias correction.
-        """
-        zero = self.engine.optimizer
-        states = self._optimizer_states()
-        if len(states) != len(steps):
-            raise RunFailed(
-                f"checkpoint has optimizer state for {len(steps)} partitions, the engine has {len(states)}; "
-                "resume with the same model and number of processes", EXIT_BAD_INPUT,
-            )
-        swapper = getattr(zero, "optimizer_swapper", None)
-        for index, (state, step) in enumerate(zip(states, steps, strict=True)):
-            if step is None:
-                continue
-            if state:
-                state["step"] = step
-                continue
-            if swapper is None or not zero._swappable_optimizer_subgroup(index):
-                continue
-            flat = zero.fp32_partitioned_groups_flat[index]
-            numel = int(zero.fp16_partitioned_groups_flat_numel[index])
-            for name in ("exp_avg", "exp_avg_sq"):
-                swap_file = Path(swapper.swap_folder) / f"{name}-{flat.ds_id}.tensor.swp"
-                if not swap_file.exists():
-                    raise RunFailed(f"checkpoint restore left no swap file {swap_file} for Adam's {name}")
-                # A stride-0 view: the right size to the swapper, no memory until swapped in.
-                state[name] = self.torch.zeros(1, dtype=flat.dtype).expand(numel)
-            state["step"] = step
-
-    def _replay_cpu_adam_steps(self, step: int) -> None:
-        """Bring DeepSpeedCPUAdam's hidden bias-correction state to where the saved run had it.
-
-        Its C++ kernel keeps beta1^t and beta2^t as float running products, multiplied once per
-        optimizer step, and falls back to pow(beta, t) when the step it is given does not follow
-        the last one. After a restart (or an in-process rollback) the first update therefore
-        used pow(beta, t), which differs from the product in the last bits: the resumed run
-        matched for two steps, then drifted (1e-5 relative at the third, 2e-4 within two dozen).
-        The state lives only in C++, so we rebuild it the way it was built: a fresh kernel
-        object, stepped 1..t on a one-element dummy tensor (microseconds per step).
-        """
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-        base = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
-        if not isinstance(base, DeepSpeedCPUAdam):
-            return  # torch's and DeepSpeed's fused Adam derive the bias correction from the step alone
-        group = base.param_groups[0]
-        beta1, beta2 = group["betas"]
-        kernel = base.ds_opt_adam
-        kernel.create_adam(base.opt_id, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                           base.adam_w_mode, False)
-        zero = self.torch.zeros(1, dtype=self.torch.float32)
-        param, grad, exp_avg, exp_avg_sq = (zero.clone() for _ in range(4))
-        for t in range(1, step + 1):
-            kernel.adam_update(base.opt_id, t, 0.0, beta1, beta2, group["eps"], 0.0, group["bias_correction"],
-                               param, grad, exp_avg, exp_avg_sq)
 
     # --- export and cleanup ----------------------------------------------------------------
 

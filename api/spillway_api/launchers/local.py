@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import threading
 import time
@@ -27,16 +26,17 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from spillway_api.models import TERMINAL_PHASES, Job
-from spillway_api.service import JobService, phase_for_exit
+from spillway_api.service import JobService, exit_message, phase_for_exit
 from spillway_api.settings import Settings
 from spillway_runtime.local import prepare_local_run, runtime_command, runtime_env
+from spillway_runtime.processes import TrainingProcess
+from spillway_runtime.recipe import EXIT_PREEMPTED
 from spillway_runtime.spec import FineTuneJob, SpecError
 
 log = logging.getLogger(__name__)
 
 EXIT_BAD_INPUT = 2
 EXIT_PLAN_INFEASIBLE = 3
-EXIT_PREEMPTED = 75
 
 
 def _alive(pid: int | None) -> bool:
@@ -64,7 +64,7 @@ class LocalRun:
         self.poll_seconds = poll_seconds
         self.output = output
         self.foreground = foreground
-        self.child: subprocess.Popen[bytes] | None = None
+        self.child: TrainingProcess | None = None
         self._stop_requested = threading.Event()
         self.finished = threading.Event()
         self._carried_out: int | None = None
@@ -76,10 +76,16 @@ class LocalRun:
         return JobService(session, {}, "local")
 
     def stop(self) -> None:
-        """Ask the run to checkpoint and stop (SIGTERM to the child), as a preemption would."""
+        """Ask the run to checkpoint and stop (one SIGTERM to the child), as a preemption would."""
         self._stop_requested.set()
-        if self.child is not None and self.child.poll() is None:
-            self.child.send_signal(signal.SIGTERM)
+        if self.child is not None:
+            self.child.stop()
+
+    def abort(self) -> None:
+        """Stop now, without the stop checkpoint (the last good one is kept)."""
+        self._stop_requested.set()
+        if self.child is not None:
+            self.child.abort()
 
     def run(self) -> int:
         code = 0
@@ -132,12 +138,15 @@ class LocalRun:
             if job is None:
                 return 0, False
             job.plan = config.plan.model_dump(mode="json")
+        if self._stop_requested.is_set():  # stopped while planning: nothing to start, nothing lost
+            return EXIT_PREEMPTED, False
         log_file = None if self.foreground else (run_dir / "runtime.log").open("ab")
         try:
-            self.child = subprocess.Popen(
-                runtime_command(run_dir / "runtime.json", self.processes), env=runtime_env(config),
-                stdout=self.output or log_file, stderr=subprocess.STDOUT if log_file else None,
-                start_new_session=not self.foreground,
+            # In its own session either way: a terminal's Ctrl-C reaches `spillway run`, which decides
+            self.child = TrainingProcess(
+                runtime_command(run_dir / "runtime.json", self.processes), runtime_env(config),
+                tie_to_parent=self.foreground, stdout=self.output or log_file,
+                stderr=subprocess.STDOUT if log_file else None,
             )
             code, restart = self._follow(run_dir)
         finally:
@@ -174,7 +183,7 @@ class LocalRun:
             if code is not None:
                 break
             if self._stop_requested.is_set():
-                self.child.send_signal(signal.SIGTERM)
+                self.child.stop()
             time.sleep(self.poll_seconds)
         self._sync(run_dir, acted, final=code)
         return code, acted == "rollback" and code in (0, EXIT_PREEMPTED) and not self._stop_requested.is_set()
@@ -186,7 +195,7 @@ class LocalRun:
             if job is None:  # deleted: stop the run
                 if final is None and self.child is not None and self.child.poll() is None:
                     self._stop_requested.set()
-                    self.child.send_signal(signal.SIGTERM)
+                    self.child.stop()
                 return "deleted"
             service = self._service(session)
             self._ingest(service, job, run_dir / "events.jsonl")
@@ -195,7 +204,7 @@ class LocalRun:
                 if job.phase not in TERMINAL_PHASES | {"Suspended", "Preempted"} or (
                     final != EXIT_PREEMPTED and job.phase in ("Suspended", "Preempted")
                 ):
-                    service.transition(job, phase_for_exit(final), f"runtime exited {final}",
+                    service.transition(job, phase_for_exit(final), exit_message(final),
                                        f"exit:{job.events_read}:{final}")
                 if acted == "rollback" and final in (0, EXIT_PREEMPTED):
                     service.transition(job, "Pending", "restarting from the requested checkpoint",
@@ -204,10 +213,10 @@ class LocalRun:
             if acted is None and self.child is not None and self.child.poll() is None:
                 pending = service.pending_rollback(job)
                 if pending is not None and pending.id != self._carried_out:
-                    self.child.send_signal(signal.SIGTERM)
+                    self.child.stop()
                     return "rollback"
                 if job.spec.get("suspend"):
-                    self.child.send_signal(signal.SIGTERM)
+                    self.child.stop()
                     return "suspend"
         return None
 

@@ -1,0 +1,116 @@
+"""One training process per rank on this machine, with the runtime's exit-code contract.
+
+`python -m spillway_runtime.supervisor --processes N --config runtime.json` stands where
+torchrun stood for local multi-process runs. torchrun's elastic agent answers a SIGTERM by
+raising inside itself: it exits 1 whatever the workers do, and kills them 30 s later, so a
+stop request could never end in "checkpoint written, exit 75". This supervisor instead
+- starts the ranks with the static rendezvous a single machine needs (RANK, LOCAL_RANK,
+  WORLD_SIZE, MASTER_ADDR/PORT), in its own process group so one killpg reaches them all;
+- forwards the first SIGTERM/SIGINT to every rank exactly once and then waits, however
+  long their checkpoint takes (a repeated signal is ignored: the ranks are already
+  stopping; SIGKILL is the way to abort, and checkpoints are atomic);
+- when a rank fails, stops the others (SIGTERM, then SIGKILL after `FAILURE_GRACE_S`: they
+  are likely blocked in a collective with the dead rank) and exits with the failure's code;
+- exits with one code for the run: a failure's, else 75 if any rank was preempted, else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from spillway_runtime.processes import die_with_parent, exit_status
+from spillway_runtime.recipe import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED
+
+FAILURE_GRACE_S = 30.0  # after one rank failed, how long the others get before SIGKILL
+POLL_S = 0.2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def combined_exit(codes: list[int]) -> int:
+    """One exit code for the run: the first failure's, else 75 if a rank stopped on request, else 0."""
+    failures = [c for c in codes if c not in (EXIT_OK, EXIT_PREEMPTED)]
+    if failures:
+        return failures[0]
+    return EXIT_PREEMPTED if EXIT_PREEMPTED in codes else EXIT_OK
+
+
+def rank_env(rank: int, processes: int, port: int) -> dict[str, str]:
+    return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(processes),
+            "LOCAL_WORLD_SIZE": str(processes), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+class Supervisor:
+    def __init__(self, config: Path, processes: int, port: int | None = None):
+        self.config = config
+        self.processes = processes
+        self.port = port or free_port()
+        self.ranks: list[subprocess.Popen[bytes]] = []
+        self.stop_requested = False
+        self.signalled: set[int] = set()  # pids that have had their one SIGTERM
+
+    def _on_signal(self, _signum: int, _frame: Any) -> None:
+        self.stop_requested = True
+        self._forward_stop()
+
+    def _forward_stop(self) -> None:
+        for proc in self.ranks:
+            if proc.pid not in self.signalled and proc.poll() is None:
+                self.signalled.add(proc.pid)
+                proc.send_signal(signal.SIGTERM)
+
+    def _codes(self) -> list[int]:
+        return [exit_status(p.returncode, p.pid in self.signalled) for p in self.ranks if p.returncode is not None]
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        command = [sys.executable, "-m", "spillway_runtime", "--config", str(self.config)]
+        for rank in range(self.processes):
+            self.ranks.append(subprocess.Popen(command, env=rank_env(rank, self.processes, self.port),
+                                               preexec_fn=die_with_parent))
+        if self.stop_requested:  # a request that arrived while the ranks were starting
+            self._forward_stop()
+        failed_at: float | None = None
+        while any(proc.poll() is None for proc in self.ranks):
+            if failed_at is None and combined_exit(self._codes()) not in (EXIT_OK, EXIT_PREEMPTED):
+                failed_at = time.monotonic()  # the others may be blocked in a collective with it
+                self._forward_stop()
+            elif failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
+                for proc in self.ranks:
+                    if proc.poll() is None:
+                        proc.kill()
+            time.sleep(POLL_S)
+        return combined_exit(self._codes())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m spillway_runtime.supervisor")
+    parser.add_argument("--config", required=True, type=Path, help="RuntimeConfig JSON written by the launcher")
+    parser.add_argument("--processes", required=True, type=int, help="Training processes (ranks) on this machine")
+    args = parser.parse_args(argv)
+    if args.processes < 1:
+        print("--processes must be at least 1", file=sys.stderr)
+        return EXIT_FAILED
+    code = Supervisor(args.config, args.processes).run()
+    # Keep the exit code whatever arrives during interpreter shutdown (Python restores the
+    # default action, death by signal, for handlers it installed).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

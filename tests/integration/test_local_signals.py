@@ -1,0 +1,165 @@
+"""`spillway run` stopped from outside, as users and schedulers stop it.
+
+SIGTERM, or Ctrl-C from a terminal (SIGINT to the whole foreground process group), single
+or multi-process: the step finishes, a verified checkpoint of that step is written, the
+command exits 75 and the job's record (what `spillway api` serves) says Preempted. Repeated
+SIGTERMs change nothing; a second Ctrl-C aborts at once (exit 130) and the last good
+checkpoint is intact and resumable. What a kill at any moment of a checkpoint write leaves
+behind is in test_checkpoint_kill_points.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from spillway_api.settings import Settings
+from spillway_runtime.checkpoint import CheckpointStore, checkpoint_name
+from spillway_runtime.reporting import read_events
+from tests import polling
+
+from .conftest import job_document
+
+pytestmark = pytest.mark.integration
+
+SPILLWAY = [sys.executable, "-m", "spillway_api.cli"]
+
+
+class CliRun:
+    """`spillway run` in a session of its own, as a shell starts a foreground job."""
+
+    def __init__(self, tmp_path: Path, job_file: Path, run_dir: Path, processes: int = 1):
+        self.run_dir = run_dir
+        self.env = {**os.environ, "SPILLWAY_DATABASE_URL": f"sqlite:///{tmp_path / 'spillway.db'}",
+                    "SPILLWAY_DATA_DIR": str(tmp_path / "data"), "COLUMNS": "200"}
+        self.log = tmp_path / f"cli-{time.monotonic_ns()}.log"
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(
+                [*SPILLWAY, "run", str(job_file), "--run-dir", str(run_dir), "--processes", str(processes)],
+                env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def events(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in read_events(self.run_dir / "events.jsonl") if e["event"] == kind]
+
+    def wait_for_step(self, step: int) -> None:
+        def reached() -> bool:
+            assert self.proc.poll() is None, f"spillway run exited {self.proc.returncode}: {self.output()[-3000:]}"
+            return any(e["step"] >= step for e in self.events("step"))
+        polling.wait_for(reached, 300, f"step {step}")
+
+    def terminal_ctrl_c(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGINT)  # what a terminal does: the whole foreground group
+
+    def wait(self) -> int:
+        try:
+            return self.proc.wait(timeout=600)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+
+def write_job(tmp_path: Path, tiny_model: dict[str, Path], name: str, every: int) -> Path:
+    doc = job_document(name, tiny_model["model"], tiny_model["data"],
+                       training={"maxSteps": 200, "warmupSteps": 1},
+                       offload={"optimizer": "nvme", "nvme": {"path": str(tmp_path / "nvme")}},
+                       checkpoint={"everySteps": every, "keep": 3})
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def good_checkpoint(run_dir: Path) -> str | None:
+    """The checkpoint a restart would load: the newest whose every file matches its sha256."""
+    info = CheckpointStore(run_dir / "checkpoints", keep=3).find_good()
+    return info.name if info else None
+
+
+def recorded(make_client: Any, tmp_path: Path, name: str) -> dict[str, Any]:
+    client = make_client(Settings(database_url=f"sqlite:///{tmp_path / 'spillway.db'}",
+                                  data_dir=tmp_path / "data", auth="token"))
+    job: dict[str, Any] = client.get(f"/v1/namespaces/default/jobs/{name}").json()
+    return job
+
+
+STOPS = [("sigterm", 1), ("terminal-ctrl-c", 1), ("sigterm", 2), ("terminal-ctrl-c", 2)]
+
+
+@pytest.mark.parametrize(("how", "processes"), STOPS, ids=[f"{h}-{p}proc" for h, p in STOPS])
+def test_stop_checkpoints_the_step_and_exits_75(tmp_path, tiny_model, make_client, how, processes):
+    job = write_job(tmp_path, tiny_model, "stop", every=1000)  # no cadence checkpoint: only the stop one
+    run = CliRun(tmp_path, job, tmp_path / "run", processes)
+    run.wait_for_step(3)
+    if how == "sigterm":
+        run.proc.send_signal(signal.SIGTERM)
+    else:
+        run.terminal_ctrl_c()
+    code = run.wait()
+
+    assert code == 75, run.output()[-3000:]
+    [preempted] = run.events("preempted")
+    stopped = preempted["step"]
+    assert stopped >= 3 and not run.events("finished")
+    assert good_checkpoint(run.run_dir) == checkpoint_name(stopped)
+    for rank in range(processes):
+        assert (run.run_dir / "checkpoints" / checkpoint_name(stopped) / f"rank{rank}-spillway_state.pt").is_file()
+    assert "stopping: the current step finishes and a checkpoint is written" in run.output()
+    job_record = recorded(make_client, tmp_path, "stop")
+    assert (job_record["phase"], job_record["exitCode"]) == ("Preempted", 75), job_record
+    assert job_record["message"] == f"stopped at step {stopped} after a checkpoint"
+
+
+def test_repeated_sigterm_changes_nothing(tmp_path, tiny_model, make_client):
+    job = write_job(tmp_path, tiny_model, "repeat", every=1000)
+    run = CliRun(tmp_path, job, tmp_path / "run")
+    run.wait_for_step(3)
+    for _ in range(6):  # a supervisor that keeps asking while the checkpoint is written
+        run.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+    code = run.wait()
+    assert code == 75, run.output()[-3000:]
+    stopped = run.events("preempted")[0]["step"]
+    assert good_checkpoint(run.run_dir) == checkpoint_name(stopped)
+
+
+# Second Ctrl-C this long after the first: at once (during the step), and later (during or
+# after the stop checkpoint, which takes a fraction of a second for this model).
+ABORT_DELAYS = [0.0, 0.3, 0.6]
+
+
+@pytest.mark.parametrize("delay", ABORT_DELAYS)
+def test_second_ctrl_c_aborts_and_keeps_the_last_good_checkpoint(tmp_path, tiny_model, make_client, delay):
+    job = write_job(tmp_path, tiny_model, "abort", every=2)
+    run = CliRun(tmp_path, job, tmp_path / "run")
+    run.wait_for_step(5)  # checkpoints at 2 and 4 exist
+    run.terminal_ctrl_c()
+    time.sleep(delay)
+    run.terminal_ctrl_c()
+    code = run.wait()
+
+    before = [e["name"] for e in run.events("checkpoint")]
+    kept = good_checkpoint(run.run_dir)
+    assert kept is not None and kept in before, (kept, before)
+    if code == 130:
+        assert "aborted" in run.output()
+        record = recorded(make_client, tmp_path, "abort")
+        assert (record["phase"], record["exitCode"]) == ("Preempted", 130), record
+        assert "aborted" in record["message"]
+    else:  # the stop checkpoint was durable before the second Ctrl-C arrived
+        assert code == 75, run.output()[-3000:]
+
+    shorter = job.with_name("abort-resume.yaml")  # the same job, to an end a few steps on
+    shorter.write_text(job.read_text().replace("maxSteps: 200", "maxSteps: 9"))
+    resumed = CliRun(tmp_path, shorter, tmp_path / "run")
+    assert resumed.wait() == 0, resumed.output()[-3000:]
+    assert resumed.events("resumed")[-1]["checkpoint"] == kept
