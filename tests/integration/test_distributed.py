@@ -31,5 +31,5 @@ def test_two_processes_zero3_nvme_checkpoint_per_rank_and_resume(tmp_path, make_
     start = resumed.of("resumed")[-1]["step"]
     assert start == 3
     expected, got = reference.losses(), resumed.losses()
-    for step in range(start + 1, 9):
-        assert got[step] == pytest.approx(expected[step], rel=1e-4), f"step {step}"
+    mismatches = {s: (got[s], expected[s]) for s in range(start + 1, 9) if got[s] != expected[s]}
+    assert not mismatches, f"losses differ from the uninterrupted run (raw floats) at {mismatches}"

@@ -26,7 +26,7 @@ from spillway_runtime.checkpoint import CheckpointStore, checkpoint_name
 from spillway_runtime.reporting import read_events
 from tests import polling
 
-from .conftest import job_document
+from ..conftest import job_document
 
 pytestmark = pytest.mark.integration
 
@@ -134,7 +134,7 @@ def test_repeated_sigterm_changes_nothing(tmp_path, tiny_model, make_client):
 
 # Second Ctrl-C this long after the first: at once (during the step), and later (during or
 # after the stop checkpoint, which takes a fraction of a second for this model).
-ABORT_DELAYS = [0.0, 0.3, 0.6]
+ABORT_DELAYS = [0.0, 0.4]
 
 
 @pytest.mark.parametrize("delay", ABORT_DELAYS)
@@ -163,3 +163,20 @@ def test_second_ctrl_c_aborts_and_keeps_the_last_good_checkpoint(tmp_path, tiny_
     resumed = CliRun(tmp_path, shorter, tmp_path / "run")
     assert resumed.wait() == 0, resumed.output()[-3000:]
     assert resumed.events("resumed")[-1]["checkpoint"] == kept
+
+
+def test_a_killed_spillway_run_leaves_no_training_process_behind(tmp_path, tiny_model):
+    import psutil
+
+    job = write_job(tmp_path, tiny_model, "orphan", every=1000)
+    run = CliRun(tmp_path, job, tmp_path / "run")
+    run.wait_for_step(3)
+    trainers = psutil.Process(run.proc.pid).children(recursive=True)
+    assert trainers, "spillway run started no training process"
+    run.proc.send_signal(signal.SIGKILL)  # only the command, as an OOM killer would
+    run.proc.wait()
+
+    _gone, alive = psutil.wait_procs(trainers, timeout=300)
+    assert not alive, f"training processes outlived spillway run: {alive}"
+    [preempted] = run.events("preempted")  # they were asked to stop, not killed: a checkpoint
+    assert good_checkpoint(run.run_dir) == checkpoint_name(preempted["step"])
