@@ -81,7 +81,9 @@ class TrainingProcess:
         return self._status(self.proc.wait())
 
     def _status(self, code: int) -> int:
-        return EXIT_ABORTED if self.aborted else exit_status(code, self.stop_sent)
+        if self.aborted and code == -signal.SIGKILL:  # not a child that had finished by itself
+            return EXIT_ABORTED
+        return exit_status(code, self.stop_sent)
 
 
 class Stoppable(Protocol):
