@@ -317,7 +317,7 @@ def build_runtime_rbac(job: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def build_headless_service(job: dict[str, Any]) -> dict[str, Any]:
-    """DNS names for torchrun's rendezvous between the ranks of a multi-node job."""
+    """DNS names for the rendezvous between the ranks of a multi-node job (rank 0's address)."""
     name = job["metadata"]["name"]
     return {
         "apiVersion": "v1",
@@ -338,29 +338,14 @@ def _command(job: dict[str, Any], plan: OffloadPlan, attempt: int, rank: int) ->
     gpus = max(1, plan.gpus_per_node)
     if plan.nodes == 1 and gpus == 1:
         return ["python", "-m", "spillway_runtime", "--config", config]
+    # Our supervisor, not torchrun: torchrun's agent exits 1 on SIGTERM and SIGKILLs the ranks
+    # 30 s later, so a suspended or preempted pod could never checkpoint and exit 75.
+    command = ["python", "-m", "spillway_runtime.supervisor", f"--processes={gpus}", f"--config={config}"]
     if plan.nodes == 1:
-        return [
-            "torchrun",
-            "--standalone",
-            f"--nproc-per-node={gpus}",
-            "-m",
-            "spillway_runtime",
-            "--config",
-            config,
-        ]
+        return command
     master = f"{pod_name(name, attempt, 0)}.{service_name(name)}.{job['metadata']['namespace']}.svc"
-    return [
-        "torchrun",
-        f"--nnodes={plan.nodes}",
-        f"--nproc-per-node={gpus}",
-        f"--node-rank={rank}",
-        f"--master-addr={master}",
-        f"--master-port={RENDEZVOUS_PORT}",
-        "-m",
-        "spillway_runtime",
-        "--config",
-        config,
-    ]
+    return [*command, f"--nnodes={plan.nodes}", f"--node-rank={rank}", f"--master-addr={master}",
+            f"--master-port={RENDEZVOUS_PORT}"]
 
 
 def build_pod(

@@ -1,8 +1,8 @@
 """The training run: one recipe with setup / train / save_checkpoint / cleanup.
 
-Runs in each training process (one per GPU, or one on a CPU accelerator),
-single or under torchrun. DeepSpeed carries the offload; this module owns the
-policy around it: the learning-rate schedule, checkpoint cadence, exact resume
+Runs in each training process (one per GPU, or one on a CPU accelerator), alone
+or as one rank of several (see supervisor.py). DeepSpeed carries the offload; this
+module owns the policy around it: the learning-rate schedule, checkpoint cadence, exact resume
 (step, data position, RNG, rollback state), divergence rollback and preemption.
 """
 

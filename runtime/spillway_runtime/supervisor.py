@@ -1,11 +1,14 @@
 """One training process per rank on this machine, with the runtime's exit-code contract.
 
-`python -m spillway_runtime.supervisor --processes N --config runtime.json` stands where
-torchrun stood for local multi-process runs. torchrun's elastic agent answers a SIGTERM by
+`python -m spillway_runtime.supervisor --processes N --config runtime.json` (plus
+`--nnodes --node-rank --master-addr --master-port` on each node of a multi-node job) stands
+where torchrun stood, locally and in pods. torchrun's elastic agent answers a SIGTERM by
 raising inside itself: it exits 1 whatever the workers do, and kills them 30 s later, so a
 stop request could never end in "checkpoint written, exit 75". This supervisor instead
-- starts the ranks with the static rendezvous a single machine needs (RANK, LOCAL_RANK,
-  WORLD_SIZE, MASTER_ADDR/PORT), in its own process group so one killpg reaches them all;
+- starts this node's ranks with a static rendezvous (RANK = node rank x processes + local
+  rank, WORLD_SIZE, MASTER_ADDR/PORT of rank 0), in its process group so that one killpg
+  reaches them all; every node of a job starts at once (pods of one attempt), and rank 0's
+  store waits for the others as torchrun's static rendezvous does;
 - forwards the first SIGTERM/SIGINT to every rank exactly once and then waits, however
   long their checkpoint takes (a repeated signal is ignored: the ranks are already
   stopping; SIGKILL is the way to abort, and checkpoints are atomic);
@@ -23,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,16 +51,25 @@ def combined_exit(codes: list[int]) -> int:
     return EXIT_PREEMPTED if EXIT_PREEMPTED in codes else EXIT_OK
 
 
-def rank_env(rank: int, processes: int, port: int) -> dict[str, str]:
-    return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(processes),
-            "LOCAL_WORLD_SIZE": str(processes), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+@dataclass(frozen=True)
+class Topology:
+    processes: int = 1  # ranks on this node
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"  # where rank 0 listens
+    master_port: int = 0  # 0: any free port (one node only)
+
+    def rank_env(self, local_rank: int) -> dict[str, str]:
+        return {**os.environ, "RANK": str(self.node_rank * self.processes + local_rank),
+                "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(self.nnodes * self.processes),
+                "LOCAL_WORLD_SIZE": str(self.processes), "GROUP_RANK": str(self.node_rank),
+                "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
 
 
 class Supervisor:
-    def __init__(self, config: Path, processes: int, port: int | None = None):
+    def __init__(self, config: Path, topology: Topology):
         self.config = config
-        self.processes = processes
-        self.port = port or free_port()
+        self.topology = topology if topology.master_port else replace(topology, master_port=free_port())
         self.ranks: list[subprocess.Popen[bytes]] = []
         self.stop_requested = False
         self.signalled: set[int] = set()  # pids that have had their one SIGTERM
@@ -78,8 +91,8 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         command = [sys.executable, "-m", "spillway_runtime", "--config", str(self.config)]
-        for rank in range(self.processes):
-            self.ranks.append(subprocess.Popen(command, env=rank_env(rank, self.processes, self.port),
+        for local_rank in range(self.topology.processes):
+            self.ranks.append(subprocess.Popen(command, env=self.topology.rank_env(local_rank),
                                                preexec_fn=die_with_parent))
         if self.stop_requested:  # a request that arrived while the ranks were starting
             self._forward_stop()
@@ -99,12 +112,24 @@ class Supervisor:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m spillway_runtime.supervisor")
     parser.add_argument("--config", required=True, type=Path, help="RuntimeConfig JSON written by the launcher")
-    parser.add_argument("--processes", required=True, type=int, help="Training processes (ranks) on this machine")
+    parser.add_argument("--processes", required=True, type=int, help="Training processes (ranks) on this node")
+    parser.add_argument("--nnodes", type=int, default=1, help="Nodes of the job, each with --processes ranks")
+    parser.add_argument("--node-rank", type=int, default=0, help="This node's index, 0 .. nnodes-1")
+    parser.add_argument("--master-addr", default="127.0.0.1", help="Address of node 0, where rank 0 listens")
+    parser.add_argument("--master-port", type=int, default=0, help="Port of rank 0 (required with --nnodes > 1)")
     args = parser.parse_args(argv)
-    if args.processes < 1:
-        print("--processes must be at least 1", file=sys.stderr)
+    problem = None
+    if args.processes < 1 or args.nnodes < 1:
+        problem = "--processes and --nnodes must be at least 1"
+    elif not 0 <= args.node_rank < args.nnodes:
+        problem = f"--node-rank must be in 0..{args.nnodes - 1}"
+    elif args.nnodes > 1 and not args.master_port:
+        problem = "--master-port is required with --nnodes > 1 (every node must name the same one)"
+    if problem:
+        print(problem, file=sys.stderr)
         return EXIT_FAILED
-    code = Supervisor(args.config, args.processes).run()
+    topology = Topology(args.processes, args.nnodes, args.node_rank, args.master_addr, args.master_port)
+    code = Supervisor(args.config, topology).run()
     # Keep the exit code whatever arrives during interpreter shutdown (Python restores the
     # default action, death by signal, for handlers it installed).
     for sig in (signal.SIGTERM, signal.SIGINT):

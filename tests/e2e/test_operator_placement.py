@@ -1,4 +1,4 @@
-"""Where a job's pods go: multi-node jobs (one rank per node, torchrun rendezvous through a
+"""Where a job's pods go: multi-node jobs (one rank per node, a static rendezvous through a
 headless Service) and re-planning when the nodes a job can use change under it."""
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def test_multi_node_job_one_rank_per_node_with_rendezvous(
         pod = pods[f"multi-a0-{rank}"]
         assert pod["spec"]["hostname"] == f"multi-a0-{rank}" and pod["spec"]["subdomain"] == "multi-ranks"
         command = pod["spec"]["containers"][0]["command"]
-        assert command[0] == "torchrun" and "--nnodes=2" in command and f"--node-rank={rank}" in command
+        assert command[:3] == ["python", "-m", "spillway_runtime.supervisor"]
+        assert "--nnodes=2" in command and f"--node-rank={rank}" in command and "--processes=1" in command
         assert master in command
 
     # One rank failing ends the attempt for both: a new pair, on the two nodes again.
