@@ -92,7 +92,8 @@ def recorded(make_client: Any, tmp_path: Path, name: str) -> dict[str, Any]:
     return job
 
 
-STOPS = [("sigterm", 1), ("terminal-ctrl-c", 1), ("sigterm", 2), ("terminal-ctrl-c", 2)]
+# Ctrl-C with two processes takes the same path as SIGTERM once `spillway run` has it: not repeated
+STOPS = [("sigterm", 1), ("terminal-ctrl-c", 1), ("sigterm", 2)]
 
 
 @pytest.mark.parametrize(("how", "processes"), STOPS, ids=[f"{h}-{p}proc" for h, p in STOPS])
@@ -101,7 +102,9 @@ def test_stop_checkpoints_the_step_and_exits_75(tmp_path, tiny_model, make_clien
     run = CliRun(tmp_path, job, tmp_path / "run", processes)
     run.wait_for_step(3)
     if how == "sigterm":
-        run.proc.send_signal(signal.SIGTERM)
+        for _ in range(6):  # a supervisor that keeps asking while the checkpoint is written: no harm
+            run.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.05)
     else:
         run.terminal_ctrl_c()
     code = run.wait()
@@ -117,19 +120,6 @@ def test_stop_checkpoints_the_step_and_exits_75(tmp_path, tiny_model, make_clien
     job_record = recorded(make_client, tmp_path, "stop")
     assert (job_record["phase"], job_record["exitCode"]) == ("Preempted", 75), job_record
     assert job_record["message"] == f"stopped at step {stopped} after a checkpoint"
-
-
-def test_repeated_sigterm_changes_nothing(tmp_path, tiny_model, make_client):
-    job = write_job(tmp_path, tiny_model, "repeat", every=1000)
-    run = CliRun(tmp_path, job, tmp_path / "run")
-    run.wait_for_step(3)
-    for _ in range(6):  # a supervisor that keeps asking while the checkpoint is written
-        run.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.05)
-    code = run.wait()
-    assert code == 75, run.output()[-3000:]
-    stopped = run.events("preempted")[0]["step"]
-    assert good_checkpoint(run.run_dir) == checkpoint_name(stopped)
 
 
 # Second Ctrl-C this long after the first: at once (during the step), and later (during or
@@ -158,6 +148,8 @@ def test_second_ctrl_c_aborts_and_keeps_the_last_good_checkpoint(tmp_path, tiny_
     else:  # the stop checkpoint was durable before the second Ctrl-C arrived
         assert code == 75, run.output()[-3000:]
 
+    if delay != ABORT_DELAYS[-1]:
+        return
     shorter = job.with_name("abort-resume.yaml")  # the same job, to an end a few steps on
     shorter.write_text(job.read_text().replace("maxSteps: 200", "maxSteps: 9"))
     resumed = CliRun(tmp_path, shorter, tmp_path / "run")
