@@ -87,7 +87,7 @@ class Run:
 
 
 def _kill_tree(pid: int) -> None:
-    """SIGKILL a process and all its descendants (torchrun starts workers in new sessions)."""
+    """SIGKILL a process and all its descendants (the supervisor and every rank it started)."""
     import psutil
 
     try:
@@ -130,7 +130,7 @@ def run_job(job_path: Path, run_dir: Path, *, processes: int = 1, faults: FaultI
                     raise TimeoutError(f"runtime did not finish in {timeout} s; log: {log_path}")
                 if signal_at_step is not None and _last_step(events, offset) >= signal_at_step:
                     if sig == signal.SIGKILL:
-                        _kill_tree(child.pid)  # torchrun and its workers at once, as a node loss would
+                        _kill_tree(child.pid)  # the supervisor and its ranks at once, as a node loss would
                     else:
                         child.send_signal(sig)
                     signal_at_step = None
