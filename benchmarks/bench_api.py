@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,13 +24,9 @@ import httpx
 import uvicorn
 from sqlalchemy import insert, text
 
+from spillway_runtime.supervisor import free_port
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def load(url: str, jobs: int, points: int) -> None:
@@ -92,7 +87,7 @@ def main() -> None:
 
         data = Path(tempfile.mkdtemp())
         app = create_app(Settings(database_url=url, data_dir=data, auth="none"))
-        port = _free_port()
+        port = free_port()
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         threading.Thread(target=server.run, daemon=True).start()
         while not server.started:

@@ -53,19 +53,20 @@ class TrainingProcess:
         self.proc = subprocess.Popen(command, env=env, start_new_session=True,
                                      preexec_fn=die_with_parent if tie_to_parent else None, **popen)
         self._stop_once = threading.Lock()  # held for good once the stop request is sent
-        self.stop_sent = False
         self.aborted = False
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def stop_sent(self) -> bool:
+        return self._stop_once.locked()
+
     def stop(self) -> None:
         """Ask the child to checkpoint and exit 75; only the first call sends anything."""
-        if self._stop_once.acquire(blocking=False):
-            self.stop_sent = True
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
+        if self._stop_once.acquire(blocking=False) and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
 
     def abort(self) -> None:
         """Kill the child and everything it started, now."""
