@@ -17,8 +17,12 @@ log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 
 need_pkgs=()
 # libaio-dev: DeepSpeed's async I/O; postgresql: the database tests; chromium: the
-# dashboard's browser tests (driven by Playwright with this executable, nothing downloaded).
-for pkg in libaio-dev postgresql chromium; do
+# dashboard's browser tests (driven by Playwright with this executable, nothing downloaded);
+# the test cluster's real node (hack/cluster): containerd, runc, the CNI plugins, iptables
+# (kube-proxy), socat (the API server's bridge out of the cluster's network namespace), and
+# buildah + mmdebstrap to build its images with no registry (hack/images).
+for pkg in libaio-dev postgresql chromium containerd runc containernetworking-plugins iptables \
+  conntrack socat buildah mmdebstrap; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_pkgs+=("$pkg")
 done
 if [ ${#need_pkgs[@]} -gt 0 ]; then
