@@ -6,55 +6,82 @@
 #
 # The builder stage has nvcc and headers to compile DeepSpeed's ops; the final stage
 # only the CUDA runtime, cuDNN and libaio. Pin the bases by digest in CI.
+#
+# The CPU flavour (the test cluster's real node, `hack/images build runtime-cpu`) is
+# this same file with other bases and DS_ACCELERATOR=cpu:
+#   --build-arg BUILD_IMAGE=<Debian + python3> --build-arg BASE_IMAGE=<Debian + python3>
+#   --build-arg AIO_PACKAGE=libaio1 --build-arg DS_ACCELERATOR=cpu
+#   --build-arg TORCH_INDEX=https://pypi.org/simple
 
 ARG CUDA_VERSION=12.8.1
 ARG UBUNTU=ubuntu24.04
-# PyTorch's wheel index for the CUDA minor above.
+ARG BUILD_IMAGE=nvidia/cuda:${CUDA_VERSION}-cudnn-devel-${UBUNTU}
+ARG BASE_IMAGE=nvidia/cuda:${CUDA_VERSION}-cudnn-runtime-${UBUNTU}
+# Where torch comes from: PyPI's wheel index for the CUDA minor above.
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
 # Compute capabilities the ops are compiled for: V100, A100, A10/RTX 30, L40S/RTX 40, H100.
 ARG TORCH_CUDA_ARCH_LIST="7.0;8.0;8.6;8.9;9.0"
+# DeepSpeed's accelerator the ops are built for. Named, not detected: the build host
+# usually has no GPU, and DeepSpeed would then build the CPU ops. At run time DeepSpeed
+# detects it (CUDA where a GPU is visible, else the CPU).
+ARG DS_ACCELERATOR=cuda
+# The libaio runtime package of the final base (Ubuntu 24.04: libaio1t64; Debian 12: libaio1).
+ARG AIO_PACKAGE=libaio1t64
 
 # ---- build ------------------------------------------------------------------------
-FROM nvidia/cuda:${CUDA_VERSION}-cudnn-devel-${UBUNTU} AS build
+FROM ${BUILD_IMAGE} AS build
 ARG TORCH_INDEX
 ARG TORCH_CUDA_ARCH_LIST
+ARG DS_ACCELERATOR
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN apt-get update \
  && apt-get install --yes --no-install-recommends \
       python3 python3-venv python3-dev build-essential ninja-build libaio-dev git \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml requirements.lock README.md ./
-COPY runtime/ runtime/
-COPY operator/ operator/
-COPY api/ api/
 RUN python3 -m venv /opt/spillway
 ENV PATH=/opt/spillway/bin:$PATH
-# torch first, from the CUDA index, at the version requirements.lock pins.
-RUN pip install --index-url "${TORCH_INDEX}" "$(grep '^torch==' requirements.lock)"
-# DeepSpeed's async_io and cpu_adam ops built now, so pods never JIT-compile at start
-# (the final image has no compiler). The `operator` extra brings the kubernetes client
-# the runtime uses for status and the node probe for annotations.
-RUN DS_BUILD_AIO=1 DS_BUILD_CPU_ADAM=1 DS_BUILD_UTILS=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}" \
-    pip install --constraint requirements.lock --no-build-isolation ".[runtime,operator]" \
+# Dependencies first, code last, so that a code change rebuilds no dependency layer.
+# torch first, from TORCH_INDEX, at the version requirements.lock pins.
+COPY requirements.lock ./
+RUN pip install --index-url "${TORCH_INDEX}" "$(grep '^torch==' requirements.lock)" \
+ && pip install --constraint requirements.lock setuptools==84.2.1 wheel==0.45.1 ninja py-cpuinfo packaging numpy
+# The project's own dependencies and those of its `runtime` and `operator` extras (the
+# kubernetes client the runtime uses for status and the node probe for annotations),
+# at the pinned versions. DeepSpeed's async_io and cpu_adam ops are compiled now, so
+# pods never JIT-compile at start (the final image has no compiler).
+COPY pyproject.toml ./
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['runtime'] + p['optional-dependencies']['operator']))" \
+      > runtime-requirements.txt \
+ && export DS_ACCELERATOR="${DS_ACCELERATOR}" \
+ && DS_BUILD_AIO=1 DS_BUILD_CPU_ADAM=1 DS_BUILD_UTILS=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}" \
+    pip install --constraint requirements.lock --no-build-isolation -r runtime-requirements.txt \
  && python -c "import deepspeed.ops.op_builder as b; assert b.AsyncIOBuilder().is_compatible(), 'libaio missing'" \
- && pip uninstall --yes pip setuptools wheel
+ && python -c "from deepspeed.git_version_info import installed_ops as i; \
+missing = [op for op in ('async_io', 'cpu_adam') if not i.get(op)]; assert not missing, f'ops not compiled: {missing}'" \
+ && pip uninstall --yes pip setuptools wheel \
+ && python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > /opt/spillway/site-packages-dir
 
 # ---- final ------------------------------------------------------------------------
-FROM nvidia/cuda:${CUDA_VERSION}-cudnn-runtime-${UBUNTU}
+FROM ${BASE_IMAGE}
+ARG AIO_PACKAGE
 LABEL org.opencontainers.image.title="spillway-runtime" \
       org.opencontainers.image.description="Spillway training runtime: CUDA, torch, DeepSpeed ZeRO-Offload/Infinity" \
       org.opencontainers.image.source="https://github.com/spillway/spillway" \
       org.opencontainers.image.licenses="Apache-2.0"
 ENV DEBIAN_FRONTEND=noninteractive
-# libaio1t64: DeepSpeed's NVMe swapper (ZeRO-Infinity) reads and writes through it.
+# libaio: DeepSpeed's NVMe swapper (ZeRO-Infinity) reads and writes through it.
 RUN apt-get update \
- && apt-get install --yes --no-install-recommends python3 libaio1t64 \
+ && apt-get install --yes --no-install-recommends python3 "${AIO_PACKAGE}" \
  && rm -rf /var/lib/apt/lists/* \
  && (userdel --remove ubuntu 2>/dev/null || true) \
  && groupadd --gid 1000 spillway \
  && useradd --uid 1000 --gid 1000 --create-home --home-dir /home/spillway --shell /usr/sbin/nologin spillway
 COPY --from=build /opt/spillway /opt/spillway
+# The runtime package itself, last and small: found through a .pth file.
+COPY runtime/spillway_runtime/ /opt/spillway/src/spillway_runtime/
+RUN echo /opt/spillway/src > "$(cat /opt/spillway/site-packages-dir)/spillway.pth"
 ENV PATH=/opt/spillway/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

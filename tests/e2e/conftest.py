@@ -49,6 +49,7 @@ import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HACK_CLUSTER = REPO_ROOT / "hack" / "cluster"
+HACK_IMAGES = REPO_ROOT / "hack" / "images"
 NODE_PROFILES_DIR = REPO_ROOT / "hack" / "kwok" / "nodes"
 FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
 
@@ -56,6 +57,8 @@ FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
 # (measured 10 min); the limit leaves room for a slow or busy machine.
 BUILD_TIMEOUT_S = 90 * 60
 UP_TIMEOUT_S = 180
+# A cold image build installs torch and compiles DeepSpeed's ops (hack/images).
+IMAGES_TIMEOUT_S = 60 * 60
 # The annotation kwok's spillway-pod-exit-* stages act on (hack/kwok/stages.yaml).
 EXIT_CODE_ANNOTATION = "spillway.dev/kwok-exit-code"
 EXIT_REASON_ANNOTATION = "spillway.dev/kwok-exit-reason"
@@ -149,6 +152,39 @@ class Cluster:
         ns = ["-n", namespace] if namespace else []
         proc = self.kubectl("get", kind, name, *ns, "-o", "json", "--ignore-not-found")
         return json.loads(proc.stdout) if proc.stdout.strip() else None
+
+    # -- the real node ----------------------------------------------------
+
+    def settings(self) -> dict[str, str]:
+        """What `hack/cluster up` recorded in <state>/cluster.env: ports, the real node's
+        name, label and address, its containerd socket, the network namespace."""
+        if self.state_dir is None:
+            raise RuntimeError("the real node's settings need a cluster started by this session")
+        lines = (self.state_dir / "cluster.env").read_text().splitlines()
+        return dict(line.split("=", 1) for line in lines if "=" in line)
+
+    @property
+    def real_node(self) -> str:
+        return self.settings()["NODE_NAME"]
+
+    def load_images(self, *names: str) -> dict[str, str]:
+        """Build (or reuse) images with hack/images and import them into the real
+        node's containerd; returns name -> reference (pull policy Never finds them)."""
+        sock = self.settings()["CONTAINERD_SOCKET"]
+        proc = subprocess.run(
+            [str(HACK_IMAGES), "load", sock, *names], capture_output=True, text=True, timeout=IMAGES_TIMEOUT_S
+        )
+        if proc.returncode != 0:
+            raise ClusterError(f"hack/images load {' '.join(names)} exited {proc.returncode}:\n{proc.stderr}")
+        return {name: image_ref(name) for name in names}
+
+    def on_real_node(self, pod_spec: dict[str, Any]) -> dict[str, Any]:
+        """``pod_spec`` with the real node's selector and a toleration of its taint."""
+        label = self.settings()["NODE_LABEL"]
+        spec = dict(pod_spec)
+        spec["nodeSelector"] = {**spec.get("nodeSelector", {}), label: "true"}
+        spec["tolerations"] = [*spec.get("tolerations", []), {"key": label, "operator": "Exists", "effect": "NoSchedule"}]
+        return spec
 
     # -- waiting ----------------------------------------------------------
 
@@ -347,6 +383,13 @@ def _hack_cluster(
         partial = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout
         output = log_file.read_text() if log_file else (partial or "")
         return subprocess.CompletedProcess(exc.cmd, -1, f"{output}\n(timed out after {timeout}s)", "")
+
+
+def image_ref(name: str) -> str:
+    """The reference hack/images gives image ``name`` (a hash of its inputs)."""
+    return subprocess.run(
+        [str(HACK_IMAGES), "ref", name], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.strip()
 
 
 def _tail(text: str, lines: int = 60) -> str:
