@@ -387,9 +387,13 @@ def build_pod(
         {"name": "tmp", "emptyDir": {}},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
     ]
+    init_containers: list[dict[str, Any]] = []
     if plan.bytes.nvme > 0:
         mounts.append({"name": "nvme", "mountPath": NVME_DIR})
-        volumes.append(_nvme_volume(spec, plan, hw, settings))
+        volume = _nvme_volume(spec, plan, hw, settings)
+        volumes.append(volume)
+        if "hostPath" in volume:
+            init_containers.append(_nvme_owner(settings))
     for claim in input_claims(spec):
         volume = f"input-{claim}"[:63]
         mounts.append({"name": volume, "mountPath": str(PVC_MOUNT_ROOT / claim), "readOnly": True})
@@ -442,6 +446,8 @@ def build_pod(
         ],
         "volumes": volumes,
     }
+    if init_containers:
+        pod_spec["initContainers"] = init_containers
     if spec.resources.node_selector:
         pod_spec["nodeSelector"] = dict(spec.resources.node_selector)
     if spec.resources.tolerations:
@@ -460,6 +466,28 @@ def build_pod(
             ]
         }
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def _nvme_owner(settings: OperatorSettings) -> dict[str, Any]:
+    """Hands the hostPath NVMe directory to the training uid. The kubelet creates a
+    missing hostPath directory root-owned 0755 and fsGroup does not apply to hostPath,
+    so without this the runtime could not write a single swap file. Root, but with no
+    capability beyond CHOWN, no privilege escalation and a read-only root filesystem."""
+    uid = settings.run_as_user
+    return {
+        "name": "nvme-owner",
+        "image": settings.runtime_image,
+        "command": ["chown", f"{uid}:{uid}", NVME_DIR],
+        "volumeMounts": [{"name": "nvme", "mountPath": NVME_DIR}],
+        "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "32Mi"}},
+        "securityContext": {
+            "runAsUser": 0,
+            "runAsNonRoot": False,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
+        },
+    }
 
 
 def _nvme_volume(spec: FineTuneJobSpec, plan: OffloadPlan, hw: NodeHardware, settings: OperatorSettings) -> dict[str, Any]:

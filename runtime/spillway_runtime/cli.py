@@ -35,11 +35,23 @@ def probe(
     quick: Annotated[bool, typer.Option(help="Capacities only, skip the speed measurements")] = False,
     aio_seconds: Annotated[float, typer.Option(help="Budget for the async I/O sweep")] = 30.0,
     annotate_node: Annotated[bool, typer.Option(help="Write the figures onto this Kubernetes node")] = False,
+    nvme_host_path: Annotated[
+        Path | None,
+        typer.Option(
+            help="Where --nvme-path is on the node itself, when the probe runs in a container "
+            "(the hostPath it is mounted from): the path the operator mounts into training pods"
+        ),
+    ] = None,
 ) -> None:
     """Measure this machine: GPUs, RAM, cores, NVMe capacity and speed, CPU optimizer speed."""
     from spillway_runtime.probe import probe as run_probe
 
+    if nvme_host_path is not None and nvme_path is None:
+        raise _fail("--nvme-host-path names where --nvme-path is on the node; give --nvme-path too")
     hw = run_probe(nvme_path, quick=quick, aio_budget_seconds=aio_seconds)
+    if nvme_host_path is not None:
+        # The container's mount point means nothing on the node: report the node's path.
+        hw = hw.model_copy(update={"nvme_path": str(nvme_host_path)})
     if annotate_node:
         from spillway_runtime.node_probe import NodeProbeError
         from spillway_runtime.node_probe import annotate_node as write_annotations

@@ -103,6 +103,25 @@ def test_pod_has_gpu_limits_memory_affinity_and_volumes() -> None:
     assert b.build_pod(JOB, s, choice, attempt=2, rank=0, settings=SETTINGS) == pod
 
 
+def test_a_hostpath_nvme_directory_is_handed_to_the_training_uid() -> None:
+    s = spec(resources={"gpusPerNode": 1}, offload={"policy": "nvme", "optimizer": "nvme"})
+    choice = choose_placement(s, [node("gpu-48g-nvme", "n1")], {}, SETTINGS).chosen
+    assert choice is not None and choice.plan is not None and choice.plan.bytes.nvme > 0
+    pod = b.build_pod(JOB, s, choice, attempt=0, rank=0, settings=SETTINGS)
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert "hostPath" in volumes["nvme"]
+    (init,) = pod["spec"]["initContainers"]
+    assert init["command"] == ["chown", f"{SETTINGS.run_as_user}:{SETTINGS.run_as_user}", b.NVME_DIR]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert init["securityContext"]["allowPrivilegeEscalation"] is False
+    # A generic ephemeral volume gets fsGroup from the kubelet: no root step.
+    s = spec(resources={"gpusPerNode": 1}, offload={"policy": "nvme", "optimizer": "nvme",
+                                                    "nvme": {"storageClassName": "local-nvme"}})
+    choice = choose_placement(s, [node("gpu-48g-nvme", "n1")], {}, SETTINGS).chosen
+    assert choice is not None
+    assert "initContainers" not in b.build_pod(JOB, s, choice, attempt=0, rank=0, settings=SETTINGS)["spec"]
+
+
 def test_runtime_config_carries_resume_only_when_asked() -> None:
     s = spec(resumeFrom="step-00010")
     placement = choose_placement(s, [node("gpu-80g")], {}, SETTINGS)
