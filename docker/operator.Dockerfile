@@ -14,13 +14,19 @@ ARG PYTHON_IMAGE=python:3.12.11-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml requirements.lock README.md ./
+# Dependencies first, code last, so that a code change rebuilds no dependency layer.
+# requirements.lock pins every transitive version; the extras choose which apply.
+COPY pyproject.toml requirements.lock ./
+RUN python -m venv /opt/spillway \
+ && python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['operator'] + p['optional-dependencies']['api']))" \
+      > requirements.txt \
+ && /opt/spillway/bin/pip install --constraint requirements.lock -r requirements.txt
+COPY README.md ./
 COPY runtime/ runtime/
 COPY operator/ operator/
 COPY api/ api/
-# requirements.lock pins every transitive version; the extras choose which apply.
-RUN python -m venv /opt/spillway \
- && /opt/spillway/bin/pip install --constraint requirements.lock ".[operator,api]" \
+RUN /opt/spillway/bin/pip install --no-deps --constraint requirements.lock . \
  && /opt/spillway/bin/pip uninstall --yes pip setuptools wheel
 
 # ---- final: the venv on a clean base, as an unprivileged user ---------------------

@@ -390,9 +390,9 @@ def build_pod(
     init_containers: list[dict[str, Any]] = []
     if plan.bytes.nvme > 0:
         mounts.append({"name": "nvme", "mountPath": NVME_DIR})
-        volume = _nvme_volume(spec, plan, hw, settings)
-        volumes.append(volume)
-        if "hostPath" in volume:
+        nvme = _nvme_volume(spec, plan, hw, settings)
+        volumes.append(nvme)
+        if "hostPath" in nvme:
             init_containers.append(_nvme_owner(settings))
     for claim in input_claims(spec):
         volume = f"input-{claim}"[:63]
@@ -437,6 +437,10 @@ def build_pod(
                 "env": env,
                 "resources": {"requests": requests, "limits": limits} if limits else {"requests": requests},
                 "volumeMounts": mounts,
+                # The runtime's own error (a bad dataset line, with file and line) as the
+                # container's termination message, which the operator copies into the job's
+                # condition; where the runtime wrote none (a crash), the last lines of its log.
+                "terminationMessagePolicy": "FallbackToLogsOnError",
                 "securityContext": {
                     "allowPrivilegeEscalation": False,
                     "readOnlyRootFilesystem": True,

@@ -99,6 +99,8 @@ def test_pod_has_gpu_limits_memory_affinity_and_volumes() -> None:
         assert claim["storageClassName"] == "local-nvme"
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     assert pod["spec"]["terminationGracePeriodSeconds"] >= 60
+    # The runtime's last words become the job's condition message (classify_pod reads them).
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
     # Deterministic: the same inputs build the same pod (restart safety rests on it).
     assert b.build_pod(JOB, s, choice, attempt=2, rank=0, settings=SETTINGS) == pod
 
