@@ -8,11 +8,13 @@ module owns the policy around it: the learning-rate schedule, checkpoint cadence
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
 import random
 import signal
+import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -215,6 +217,7 @@ class FineTuneRecipe:
         if self.spec.training.activation_checkpointing == "on" or self.plan.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+        _import_muon_without_compiling()
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
         )
@@ -537,6 +540,39 @@ def _ask_cpuinfo_once() -> None:
 
     if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
         cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
+
+
+def _import_muon_without_compiling() -> None:
+    """DeepSpeed's ZeRO set-up imports its Muon optimizer module only to ask whether the
+    optimizer is one (Spillway configures Adam). That module applies torch.compile to three
+    functions at import, and torch.compile loads the inductor compiler on the spot (about 4 s
+    of every start). Import it with torch.compile deferred to each function's first call: the
+    functions are compiled exactly as before if anything ever calls them."""
+    import torch
+
+    if "deepspeed.runtime.zero.muon.original_muon" in sys.modules:
+        return
+    compile_now = torch.compile
+
+    def compile_on_first_call(model: Any = None, **options: Any) -> Any:
+        if model is None:  # used as @torch.compile(...)
+            return lambda fn: compile_on_first_call(fn, **options)
+        compiled: list[Any] = []
+
+        @functools.wraps(model)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not compiled:
+                compiled.append(compile_now(model, **options))
+            return compiled[0](*args, **kwargs)
+
+        return call
+
+    torch.compile = compile_on_first_call
+    try:
+        with contextlib.suppress(ImportError):  # a DeepSpeed without Muon: nothing to defer
+            import deepspeed.runtime.zero.muon.original_muon  # noqa: F401
+    finally:
+        torch.compile = compile_now
 
 
 def _dir_bytes(path: Path) -> int:
