@@ -15,6 +15,8 @@ Fixtures:
     kubeconfig     session  str: path of an admin kubeconfig.
     kube_api       session  kubernetes.client.ApiClient for that kubeconfig.
     namespace      function str: a fresh namespace, deleted after the test.
+    host_dir       function Path: a directory under /tmp a container's uid can
+                            reach, for hostPath volumes on the real node.
     make_node      function make_node(profile, name=None, nvme_volume=False)
                             -> node name; a kwok node from
                             hack/kwok/nodes/<profile>.yaml, Ready, optionally
@@ -37,6 +39,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -545,6 +548,18 @@ def kube_api(cluster: Cluster) -> Iterator[Any]:
         yield api
     finally:
         api.close()
+
+
+@pytest.fixture
+def host_dir() -> Iterator[Path]:
+    """A directory on this machine, which is also the real node, that a container's
+    uid can reach (pytest's own tmp dirs are root's, 0700): hostPath volumes' home."""
+    path = Path("/tmp") / f"spillway-e2e-{secrets.token_hex(4)}"
+    path.mkdir(mode=0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _namespace_name(nodeid: str) -> str:

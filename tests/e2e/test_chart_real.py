@@ -11,38 +11,20 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
-import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.e2e.conftest import REPO_ROOT, Cluster
+from tests.e2e.operator_fixtures import free_port
 
 pytestmark = pytest.mark.e2e
 
 RUNTIME_UID = 1000
-
-
-@pytest.fixture
-def host_dir() -> Iterator[Path]:
-    path = Path("/tmp") / f"spillway-e2e-{secrets.token_hex(4)}"
-    path.mkdir(mode=0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_the_chart_runs_in_containers_and_its_operator_makes_pods_on_the_real_node(
@@ -95,7 +77,7 @@ def test_the_chart_runs_in_containers_and_its_operator_makes_pods_on_the_real_no
         assert all(p["status"]["phase"] == "Running" for p in pods), [p["status"] for p in pods]
 
         # The API, from this machine, through the API server and the kubelet.
-        port = _free_port()
+        port = free_port()
         forward = subprocess.Popen(
             ["kubectl", "--kubeconfig", str(cluster.kubeconfig), "port-forward", "-n", namespace,
              f"deployment/{release}-spillway-api", f"{port}:8080"],
