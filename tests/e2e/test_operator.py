@@ -229,13 +229,15 @@ def test_sigkill_mid_reconcile_converges_without_duplicates(
         assert job["status"]["plan"]["label"] and job["status"].get("attempt", 0) == 0
     # A kill between the pods and the children created after them: status lacks the mark
     # that they all exist, two of them are gone. The restarted operator creates them again.
+    # The operator is down while that state is made: a live one would mark the children done
+    # again (it remembers creating them) before it could be killed.
     victim = names[0]
+    operator.kill()
     cluster.kubectl("patch", "finetunejob", victim, "-n", namespace, "--subresource=status", "--type=merge",
                     "-p", json.dumps({"status": {"childrenAttempt": None}}))
     cluster.kubectl("delete", "role,rolebinding", f"{victim}-runtime", "-n", namespace)
-    operator.kill()
     operator.start()
-    cluster.wait_for(lambda: cluster.get("rolebinding", f"{victim}-runtime", namespace) is not None, 30,
+    cluster.wait_for(lambda: cluster.get("rolebinding", f"{victim}-runtime", namespace) is not None, 90,
                      what="children re-created after a kill between pods and children")
     assert cluster.get("role", f"{victim}-runtime", namespace) is not None
     assert wait_status(cluster, namespace, victim, lambda s: s.get("childrenAttempt") == 0)

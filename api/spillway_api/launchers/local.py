@@ -29,7 +29,7 @@ from spillway_api.models import TERMINAL_PHASES, Job
 from spillway_api.service import JobService, exit_message, phase_for_exit
 from spillway_api.settings import Settings
 from spillway_runtime.local import prepare_local_run, runtime_command, runtime_env
-from spillway_runtime.processes import TrainingProcess
+from spillway_runtime.processes import EXIT_ABORTED, TrainingProcess
 from spillway_runtime.recipe import EXIT_PREEMPTED
 from spillway_runtime.spec import FineTuneJob, SpecError
 
@@ -66,6 +66,7 @@ class LocalRun:
         self.foreground = foreground
         self.child: TrainingProcess | None = None
         self._stop_requested = threading.Event()
+        self._stop_checkpointed = False  # the child reported its stop checkpoint durable
         self.finished = threading.Event()
         self._carried_out: int | None = None
         self.config: Any = None
@@ -185,7 +186,11 @@ class LocalRun:
             if self._stop_requested.is_set():
                 self.child.stop()
             time.sleep(self.poll_seconds)
-        self._sync(run_dir, acted, final=code)
+        self._sync(run_dir, acted, final=code)  # ingests the last events first
+        if code == EXIT_ABORTED and self._stop_checkpointed:
+            # the second Ctrl-C landed after the stop checkpoint was durable: nothing was lost,
+            # so this is the preemption it reported, not an abort
+            code = EXIT_PREEMPTED
         return code, acted == "rollback" and code in (0, EXIT_PREEMPTED) and not self._stop_requested.is_set()
 
     def _sync(self, run_dir: Path, acted: str | None, final: int | None = None) -> str | None:
@@ -200,6 +205,8 @@ class LocalRun:
             service = self._service(session)
             self._ingest(service, job, run_dir / "events.jsonl")
             if final is not None:
+                if final == EXIT_ABORTED and self._stop_checkpointed:
+                    final = EXIT_PREEMPTED
                 job.exit_code = final
                 if job.phase not in TERMINAL_PHASES | {"Suspended", "Preempted"} or (
                     final != EXIT_PREEMPTED and job.phase in ("Suspended", "Preempted")
@@ -241,6 +248,8 @@ class LocalRun:
                 event = None
             if isinstance(event, dict):
                 service.record_event(job, event, f"ev:{run_key:x}:{offset}", self.price_per_hour)
+                if event.get("event") in ("started", "resumed", "preempted"):
+                    self._stop_checkpointed = event.get("event") == "preempted"
                 if event.get("event") == "resumed" and job.spec.get("resumeFrom"):
                     # done: later restarts resume from the newest checkpoint again
                     job.spec = {k: v for k, v in job.spec.items() if k != "resumeFrom"}

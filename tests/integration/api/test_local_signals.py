@@ -4,7 +4,7 @@ SIGTERM, or Ctrl-C from a terminal (SIGINT to the whole foreground process group
 or multi-process: the step finishes, a verified checkpoint of that step is written, the
 command exits 75 and the job's record (what `spillway api` serves) says Preempted. Repeated
 SIGTERMs change nothing; a second Ctrl-C aborts at once (exit 130) and the last good
-checkpoint is intact and resumable. What a kill at any moment of a checkpoint write leaves
+checkpoint is intact and resumable (75 if the stop checkpoint was already durable). What a kill at any moment of a checkpoint write leaves
 behind is in test_checkpoint_kill_points.py.
 """
 
@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,12 @@ from typing import Any
 import pytest
 import yaml
 
+from spillway_api.db import make_engine, make_sessionmaker, migrate
+from spillway_api.launchers.local import LocalRun
+from spillway_api.models import Job
 from spillway_api.settings import Settings
 from spillway_runtime.checkpoint import CheckpointStore, checkpoint_name
+from spillway_runtime.processes import TrainingProcess
 from spillway_runtime.reporting import read_events
 from tests import polling
 
@@ -155,6 +160,65 @@ def test_second_ctrl_c_aborts_and_keeps_the_last_good_checkpoint(tmp_path, tiny_
     resumed = CliRun(tmp_path, shorter, tmp_path / "run")
     assert resumed.wait() == 0, resumed.output()[-3000:]
     assert resumed.events("resumed")[-1]["checkpoint"] == kept
+
+
+# A child that, asked to stop, writes its stop checkpoint's event and then takes its time to
+# exit (as a rank waiting on its peers does): the window a second Ctrl-C can land in.
+SLOW_EXITING_CHILD = """
+import json, signal, sys, time
+events = sys.argv[1]
+def stop(_signum, _frame):
+    time.sleep(5)  # writing the checkpoint
+    with open(events, "a") as fh:
+        fh.write(json.dumps({"event": "preempted", "step": 7, "checkpoint": "step-000007"}) + "\\n")
+    time.sleep(600)
+signal.signal(signal.SIGTERM, stop)
+with open(events, "a") as fh:
+    fh.write(json.dumps({"event": "started", "step": 0}) + "\\n")
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("second_after", ["stop checkpoint", "stop request"])
+def test_a_second_ctrl_c_is_an_abort_only_if_the_stop_checkpoint_was_not_durable(tmp_path, second_after):
+    """Exit 75 and "stopped at step 7" once the child reported its stop checkpoint, 130 and
+    "aborted" before: the exit code and the record tell what a restart will find."""
+    engine = make_engine(f"sqlite:///{tmp_path / 'spillway.db'}")
+    migrate(engine)
+    sessions = make_sessionmaker(engine)
+    with sessions.begin() as session:
+        job = Job(namespace="default", name="late", launcher="local", spec={}, phase="Running")
+        session.add(job)
+        session.flush()
+        job_id = job.id
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    events = run_dir / "events.jsonl"
+    run = LocalRun(sessions, job_id, poll_seconds=0.05)
+    run.child = TrainingProcess([sys.executable, "-c", SLOW_EXITING_CHILD, str(events)], dict(os.environ))
+    outcome: list[tuple[int, bool]] = []
+    follower = threading.Thread(target=lambda: outcome.append(run._follow(run_dir)))
+    follower.start()
+    try:
+        polling.wait_for(lambda: events.exists() and b"started" in events.read_bytes(), 60, "the child started")
+        run.stop()
+        if second_after == "stop checkpoint":
+            polling.wait_for(lambda: b"preempted" in events.read_bytes(), 60, "the stop checkpoint")
+        run.abort()
+        follower.join(60)
+    finally:
+        run.child.abort()
+    assert not follower.is_alive()
+    with sessions() as session:
+        record = session.get(Job, job_id)
+        assert record is not None
+        if second_after == "stop checkpoint":
+            assert outcome == [(75, False)]
+            assert (record.phase, record.exit_code, record.message) == ("Preempted", 75, "stopped at step 7 after a checkpoint")
+        else:
+            assert outcome == [(130, False)]
+            assert (record.phase, record.exit_code) == ("Preempted", 130)
+            assert record.message is not None and record.message.startswith("aborted")
 
 
 def test_a_killed_spillway_run_leaves_no_training_process_behind(tmp_path, tiny_model):
