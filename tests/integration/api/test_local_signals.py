@@ -3,9 +3,10 @@
 SIGTERM, or Ctrl-C from a terminal (SIGINT to the whole foreground process group), single
 or multi-process: the step finishes, a verified checkpoint of that step is written, the
 command exits 75 and the job's record (what `spillway api` serves) says Preempted. Repeated
-SIGTERMs change nothing; a second Ctrl-C aborts at once (exit 130) and the last good
-checkpoint is intact and resumable (75 if the stop checkpoint was already durable). What a kill at any moment of a checkpoint write leaves
-behind is in test_checkpoint_kill_points.py.
+SIGTERMs change nothing; a second Ctrl-C aborts at once (exit 130; 75 if the stop
+checkpoint was already durable) and the last good checkpoint is intact and resumable.
+What a kill at any moment of a checkpoint write leaves behind is in
+test_checkpoint_kill_points.py.
 """
 
 from __future__ import annotations
