@@ -405,6 +405,9 @@ def build_pod(
         {"name": "SPILLWAY_ATTEMPT", "value": str(attempt)},
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        # The root filesystem is read-only: caches that libraries keep under HOME (Hugging
+        # Face, torch, Triton) go to the writable /tmp volume instead of failing.
+        {"name": "HOME", "value": "/tmp"},
     ]
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",

@@ -49,6 +49,22 @@ class StatusPublisher:
             "status": status,
         }
 
+    def known(self, checkpoints: list[dict[str, Any]]) -> None:
+        """The good checkpoints already on the volume (earlier attempts'), listed from the
+        next publish on: server-side apply removes what this manager no longer lists."""
+        self._checkpoints = [self._entry(c) for c in checkpoints]
+
+    @staticmethod
+    def _entry(record: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "name": str(record.get("name")),
+            "step": int(record.get("step", 0)),
+            "loss": _num(record.get("loss")),
+            "time": _iso(record.get("time")),
+            "sizeBytes": int(record.get("sizeBytes") or 0),
+            "sha256": str(record.get("sha256") or ""),
+        }
+
     def __call__(self, record: dict[str, Any]) -> None:
         kind = record.get("event")
         force = False
@@ -64,14 +80,7 @@ class StatusPublisher:
                 "updatedAt": _iso(record.get("time")),
             }
         elif kind == "checkpoint":
-            entry = {
-                "name": str(record.get("name")),
-                "step": int(record.get("step", 0)),
-                "loss": _num(record.get("loss")),
-                "time": _iso(record.get("time")),
-                "sizeBytes": int(record.get("sizeBytes") or 0),
-                "sha256": str(record.get("sha256") or ""),
-            }
+            entry = self._entry(record)
             self._checkpoints = [c for c in self._checkpoints if c["name"] != entry["name"]] + [entry]
             force = True
         elif kind in ("finished", "failed", "preempted", "rollback", "resumed"):

@@ -247,13 +247,24 @@ class FineTuneRecipe:
             info = self.store.find_good(resume_from)
         except CheckpointError as err:
             raise RunFailed(str(err), EXIT_BAD_INPUT) from None
+        abandoned: list[str] = []
         if info is not None:
             self._load(info)
             if resume_from is not None:
                 abandoned = self.store.adopt(info.name) if self.rank == 0 else []
                 self._barrier()
+        self._list_checkpoints_in_status()
+        if info is not None:
+            if resume_from is not None:
                 self.reporter.event("rolled_back", checkpoint=info.name, step=self.step, abandoned=abandoned)
             self.reporter.event("resumed", checkpoint=info.name, step=self.step)
+
+    def _list_checkpoints_in_status(self) -> None:
+        """In a pod: status.checkpoints lists what the volume holds, earlier attempts' included
+        (server-side apply drops what this manager leaves out) and pruned ones not (a rollback
+        to one is refused by the operator, not failed by the runtime)."""
+        if self.rank == 0 and isinstance(self.reporter.sink, k8s_status.StatusPublisher):
+            self.reporter.sink.known([c.public() for c in self.store.list()])
 
     def _check_writable(self, directory: Path, field: str) -> None:
         """Fail before training, not hours in, when a checkpoint could never be written."""
@@ -465,6 +476,7 @@ class FineTuneRecipe:
             self.reporter.event("checkpoint_failed", step=self.step, reason=str(err))
             raise RunFailed(str(err)) from None
         self.last_saved_step = self.step
+        self._list_checkpoints_in_status()
         self.reporter.event("checkpoint", **info.public())
         return info
 

@@ -177,11 +177,12 @@ def install_crd(cluster: Any) -> None:
 
 
 @contextlib.contextmanager
-def running_operator(cluster: Any, log: Path) -> Iterator[OperatorProcess]:
-    """The real operator (admin credentials) for the duration of a `with` block; the e2e
-    checkpoint volumes made meanwhile (add_checkpoint_volume) go with it."""
+def running_operator(cluster: Any, log: Path, **env: str) -> Iterator[OperatorProcess]:
+    """The real operator (admin credentials) for the duration of a `with` block, with
+    ``env`` on top of the cluster's; the e2e checkpoint volumes made meanwhile
+    (add_checkpoint_volume) go with it."""
     install_crd(cluster)
-    op = OperatorProcess(cluster.env, log)
+    op = OperatorProcess({**cluster.env, **env}, log)
     op.start()
     try:
         yield op

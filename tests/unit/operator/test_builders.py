@@ -101,6 +101,11 @@ def test_pod_has_gpu_limits_memory_affinity_and_volumes() -> None:
     assert pod["spec"]["terminationGracePeriodSeconds"] >= 60
     # The runtime's last words become the job's condition message (classify_pod reads them).
     assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    # A read-only root filesystem: HOME (library caches) is on a writable volume.
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    home = next(e["value"] for e in container["env"] if e["name"] == "HOME")
+    writable = [m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")]
+    assert any(home == path or home.startswith(path + "/") for path in writable), (home, writable)
     # Deterministic: the same inputs build the same pod (restart safety rests on it).
     assert b.build_pod(JOB, s, choice, attempt=2, rank=0, settings=SETTINGS) == pod
 
