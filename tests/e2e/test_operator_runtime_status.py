@@ -38,6 +38,41 @@ def test_runtime_publishes_progress_and_checkpoints_beside_operator_fields(clust
     assert "Running" in printed and "2.5" in printed
 
 
+def test_a_new_attempt_keeps_the_earlier_attempts_checkpoints_in_status(cluster: Any, namespace: str) -> None:
+    """Server-side apply removes list entries their manager stops applying: a resumed pod
+    whose publisher started empty would erase every earlier checkpoint from status (and a
+    rollback to one would be refused). The runtime lists what its volume holds first."""
+    cluster.kubectl("apply", "-f", str(CRD))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/finetunejobs.spillway.dev", "--timeout=30s")
+    cluster.apply(job_manifest("again", node="nowhere"), namespace)
+
+    def publisher() -> k8s_status.StatusPublisher:
+        return k8s_status.StatusPublisher("again", namespace, 100, k8s_status._server_side_apply("again", namespace))
+
+    def listed() -> list[str]:
+        job = cluster.get("finetunejob", "again", namespace) or {}
+        return [c["name"] for c in job.get("status", {}).get("checkpoints", [])]
+
+    first = publisher()
+    for step in (3, 6):
+        first({"event": "checkpoint", "name": f"step-{step:08d}", "step": step, "loss": 2.0, "time": 1.7e9})
+    assert listed() == ["step-00000003", "step-00000006"]
+
+    unseeded = publisher()  # what a resumed pod did before: its first step's progress erased them
+    unseeded({"event": "step", "step": 7, "loss": 2.0, "time": 1.7e9})
+    assert listed() == []
+
+    first({"event": "checkpoint", "name": "step-00000006", "step": 6, "loss": 2.0})  # put them back
+    resumed = publisher()
+    resumed.known([{"name": "step-00000003", "step": 3, "loss": 2.0, "time": 1.7e9, "sizeBytes": 1, "sha256": "a"},
+                   {"name": "step-00000006", "step": 6, "loss": 2.0, "time": 1.7e9, "sizeBytes": 1, "sha256": "b"}])
+    resumed({"event": "resumed", "checkpoint": "step-00000006", "step": 6})
+    resumed({"event": "step", "step": 7, "loss": 2.0, "time": 1.7e9})
+    assert listed() == ["step-00000003", "step-00000006"]
+    resumed({"event": "checkpoint", "name": "step-00000009", "step": 9, "loss": 1.5, "time": 1.7e9})
+    assert listed() == ["step-00000003", "step-00000006", "step-00000009"]
+
+
 def test_probe_annotates_its_own_node(cluster: Any, make_node: Callable[..., str], monkeypatch: Any) -> None:
     node = make_node("cpu-only")
     monkeypatch.setenv("NODE_NAME", node)
