@@ -48,18 +48,21 @@ RUN pip install --index-url "${TORCH_INDEX}" "$(grep '^torch==' requirements.loc
  && pip install --constraint requirements.lock setuptools==84.2.1 wheel==0.45.1 ninja py-cpuinfo packaging numpy
 # The project's own dependencies and those of its `runtime` and `operator` extras (the
 # kubernetes client the runtime uses for status and the node probe for annotations),
-# at the pinned versions. DeepSpeed's async_io and cpu_adam ops are compiled now, so
-# pods never JIT-compile at start (the final image has no compiler).
+# at the pinned versions. DeepSpeed's ops are compiled now, so pods never JIT-compile at
+# start (the final image has no compiler): async_io, cpu_adam, fused_adam, pin_memory, and on the
+# CPU accelerator the shared-memory collectives that init_distributed loads (shm_comm).
 COPY pyproject.toml ./
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
 print('\n'.join(p['dependencies'] + p['optional-dependencies']['runtime'] + p['optional-dependencies']['operator']))" \
       > runtime-requirements.txt \
  && export DS_ACCELERATOR="${DS_ACCELERATOR}" \
- && DS_BUILD_AIO=1 DS_BUILD_CPU_ADAM=1 DS_BUILD_UTILS=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}" \
+ && DS_BUILD_AIO=1 DS_BUILD_CPU_ADAM=1 DS_BUILD_UTILS=1 DS_BUILD_PIN_MEMORY=1 DS_BUILD_FUSED_ADAM=1 DS_BUILD_SHM_COMM=1 \
+    TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}" \
     pip install --constraint requirements.lock --no-build-isolation -r runtime-requirements.txt \
  && python -c "import deepspeed.ops.op_builder as b; assert b.AsyncIOBuilder().is_compatible(), 'libaio missing'" \
  && python -c "from deepspeed.git_version_info import installed_ops as i; \
-missing = [op for op in ('async_io', 'cpu_adam') if not i.get(op)]; assert not missing, f'ops not compiled: {missing}'" \
+want = ['async_io', 'cpu_adam'] + (['deepspeed_shm_comm'] if '${DS_ACCELERATOR}' == 'cpu' else []); \
+missing = [op for op in want if not i.get(op)]; assert not missing, f'ops not compiled: {missing}'" \
  && pip uninstall --yes pip setuptools wheel \
  && python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > /opt/spillway/site-packages-dir
 

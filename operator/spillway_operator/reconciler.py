@@ -122,6 +122,18 @@ def _active(pod: dict[str, Any]) -> bool:
     return (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
 
 
+def _tail_of(message: str, limit: int = 1500) -> str:
+    """The end of a pod's termination message (a traceback's last lines say the most)."""
+    text = " ".join(message.split())
+    return text if len(text) <= limit else "..." + text[-limit:]
+
+
+def _may_still_write(pod: dict[str, Any]) -> bool:
+    """A pod that has not exited, on a node that still exists (a lost node's pods write nothing)."""
+    node = pod["spec"].get("nodeName")
+    return _active(pod) and bool(node) and node_exists(node)
+
+
 def _attempt_of(pod: dict[str, Any]) -> int:
     try:
         return int(pod["metadata"]["labels"][b.LABEL_ATTEMPT])
@@ -227,6 +239,16 @@ def _reconcile_once(namespace: str, name: str, settings: OperatorSettings) -> Re
         worst = b.worst_outcome(outcomes)
         live = sum(b.pod_run_seconds(p, now) for p in current)
         return _observe(change, spec, current, worst, live, ranks, settings)
+    stopping = [p for p in pods if _attempt_of(p) != attempt and _may_still_write(p)]
+    if stopping:
+        # The previous attempt's pods are in their grace period, writing the stop checkpoint
+        # to the volumes a new pod would mount: a rolled-back attempt started now could
+        # resume from the wrong checkpoint, or see the old one's land after its own. Their
+        # deletion events wake this job again.
+        log.info("%s/%s: attempt %d waits for %s to exit", namespace, name, attempt,
+                 ", ".join(p["metadata"]["name"] for p in stopping))
+        change.commit()
+        return Result(requeue_after=settings.resync_seconds)
     return _start_pods(change, spec, settings, ranks)
 
 
@@ -351,6 +373,9 @@ def _observe(
 ) -> Result:
     old = change.old
     code = f" (exit code {worst.exit_code})" if worst.exit_code is not None else ""
+    # The pod's own last words (its termination message: the runtime's error, or the end of
+    # its log), so that `kubectl describe ftj` says why without a trip to the pod's logs.
+    said = f": {_tail_of(worst.message)}" if worst.message else ""
     if worst.kind == b.OUTCOME_SUCCEEDED:
         _finish(change, b.PHASE_SUCCEEDED, "Completed", "training finished", pods)
         change.commit()
@@ -365,7 +390,7 @@ def _observe(
     if worst.kind == b.OUTCOME_RETRYABLE:
         failures = int(old.get("failures", 0)) + 1
         if failures > spec.backoff_limit:
-            message = f"attempt failed{code} ({worst.reason}); backoffLimit {spec.backoff_limit} reached"
+            message = f"attempt failed{code} ({worst.reason}); backoffLimit {spec.backoff_limit} reached{said}"
             change.status["failures"] = failures
             _finish(change, b.PHASE_FAILED, "BackoffLimitExceeded", message, pods)
             change.commit()
@@ -373,7 +398,7 @@ def _observe(
         delay = b.backoff_seconds(failures, settings)
         message = (
             f"attempt {old.get('attempt', 0)} failed{code} ({worst.reason}); retry {failures} of "
-            f"{spec.backoff_limit} in {delay:.0f} s from the latest checkpoint"
+            f"{spec.backoff_limit} in {delay:.0f} s from the latest checkpoint{said}"
         )
         change.event("Warning", "AttemptFailed", message)
         change.cond(b.PHASE_RUNNING, False, "BackingOff", message)
