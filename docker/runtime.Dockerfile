@@ -51,11 +51,15 @@ RUN pip install --index-url "${TORCH_INDEX}" "$(grep '^torch==' requirements.loc
 # at the pinned versions. DeepSpeed's ops are compiled now, so pods never JIT-compile at
 # start (the final image has no compiler): async_io, cpu_adam, fused_adam, pin_memory, and on the
 # CPU accelerator the shared-memory collectives that init_distributed loads (shm_comm).
+# LDFLAGS: DeepSpeed's ahead-of-time build of the CPU accelerator's ops drops their link
+# flags (its JIT build keeps them), so async_io would miss libaio's io_submit at import;
+# the ops are then loaded here, as a pod would, so such a miss fails the build.
 COPY pyproject.toml ./
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
 print('\n'.join(p['dependencies'] + p['optional-dependencies']['runtime'] + p['optional-dependencies']['operator']))" \
       > runtime-requirements.txt \
  && export DS_ACCELERATOR="${DS_ACCELERATOR}" \
+ && export LDFLAGS="-Wl,--no-as-needed -laio" \
  && DS_BUILD_AIO=1 DS_BUILD_CPU_ADAM=1 DS_BUILD_UTILS=1 DS_BUILD_PIN_MEMORY=1 DS_BUILD_FUSED_ADAM=1 DS_BUILD_SHM_COMM=1 \
     TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}" \
     pip install --constraint requirements.lock --no-build-isolation -r runtime-requirements.txt \
@@ -63,6 +67,8 @@ print('\n'.join(p['dependencies'] + p['optional-dependencies']['runtime'] + p['o
  && python -c "from deepspeed.git_version_info import installed_ops as i; \
 want = ['async_io', 'cpu_adam'] + (['deepspeed_shm_comm'] if '${DS_ACCELERATOR}' == 'cpu' else []); \
 missing = [op for op in want if not i.get(op)]; assert not missing, f'ops not compiled: {missing}'" \
+ && python -c "from deepspeed.accelerator import get_accelerator; \
+[get_accelerator().create_op_builder(name).load() for name in ('AsyncIOBuilder', 'CPUAdamBuilder')]" \
  && pip uninstall --yes pip setuptools wheel \
  && python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > /opt/spillway/site-packages-dir
 

@@ -13,5 +13,33 @@ echo "== import contracts"; "$PY" -c 'import sys; from importlinter.cli import l
 if [ -x hack/cluster ]; then
   echo "== control plane binaries"; hack/cluster build
 fi
-echo "== pytest"
-exec "$PY" -m pytest -p no:cacheprovider "$@"
+if [ $# -gt 0 ]; then
+  echo "== pytest $*"
+  exec "$PY" -m pytest -p no:cacheprovider "$@"
+fi
+# The whole suite as two pytest runs at once: the e2e tests mostly wait (on the API
+# server, kwok, a container starting), the others mostly compute (DeepSpeed on the CPU),
+# so together they take about as long as the longer one. Each line is prefixed with its
+# group; each group's summary is printed again at the end.
+echo "== pytest: tests/e2e and tests/unit + tests/integration, side by side"
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+run_group() { # NAME PATH...
+  local name=$1
+  shift
+  set +e
+  "$PY" -m pytest -p no:cacheprovider "$@" 2>&1 | tee "$logs/$name.log" | sed -u "s/^/[$name] /"
+  echo "${PIPESTATUS[0]}" >"$logs/$name.rc"
+}
+run_group e2e tests/e2e &
+run_group rest tests/unit tests/integration &
+wait
+rc=0
+for name in e2e rest; do
+  code=$(cat "$logs/$name.rc" 2>/dev/null || echo 1)
+  echo "== $name: exit $code"
+  sed -n '/short test summary info/,$p' "$logs/$name.log"
+  tail -n 1 "$logs/$name.log"
+  [ "$code" -eq 0 ] || rc=1
+done
+exit $rc
