@@ -24,6 +24,56 @@ class DeepSpeedConfigError(ValueError):
     pass
 
 
+# Of RLIMIT_MEMLOCK, what the swap buffers may take: the async I/O handles lock small
+# bounce buffers of their own.
+MEMLOCK_SHARE = 0.75
+# Below this many elements per optimizer sub-group the swap I/O is too fragmented to use.
+MIN_FITTED_SUB_GROUP = 1 << 16
+
+
+def fit_swap_buffers_to_memlock(
+    config: dict[str, Any], params_per_rank: int, limit: int | None
+) -> tuple[dict[str, Any], str | None]:
+    """DeepSpeed mlock()s its NVMe swap buffers whatever `pin_memory` says; when that
+    exceeds RLIMIT_MEMLOCK it prints "mlock failed" and dies of SIGSEGV. A container run
+    as a non-root uid gets its runtime's limit (8 MiB under systemd's default) and no
+    CAP_IPC_LOCK to ignore it. Shrink the optimizer's sub-groups until its buffers fit
+    (Adam is elementwise: the same numbers in smaller pieces); raise a clear error where
+    even that cannot fit. `limit` None: no limit applies. Returns the config to use and
+    what was changed (None: nothing)."""
+    zero = config.get("zero_optimization") or {}
+    optimizer = zero.get("offload_optimizer") or {}
+    param = zero.get("offload_param") or {}
+    swaps_optimizer = optimizer.get("device") == "nvme"
+    param_locked = 0
+    if param.get("device") == "nvme":
+        param_locked = int(param.get("buffer_count", 5)) * int(param.get("buffer_size", 100_000_000)) * 2
+    buffers = int(optimizer.get("buffer_count", 4)) + 1  # + the fp32 gradient staging buffer
+    sub_group = min(int(zero.get("sub_group_size", 1_000_000_000)), max(1, params_per_rank))
+    locked = param_locked + (buffers * sub_group * 4 if swaps_optimizer else 0)
+    budget = int((limit or 0) * MEMLOCK_SHARE)
+    if limit is None or locked <= budget:
+        return config, None
+    fitted = (budget - param_locked) // (buffers * 4) if swaps_optimizer else 0
+    if param_locked >= budget or (swaps_optimizer and fitted < MIN_FITTED_SUB_GROUP):
+        raise DeepSpeedConfigError(
+            f"DeepSpeed locks {_mib(locked)} of NVMe swap buffers in RAM (mlock) but this process may lock "
+            f"{_mib(limit)} (RLIMIT_MEMLOCK): raise the limit where the run starts (`ulimit -l unlimited`; "
+            f"in a cluster, the node's container runtime, e.g. LimitMEMLOCK=infinity in containerd's "
+            f"systemd unit), or keep the state in CPU RAM (offload.optimizer/parameters: cpu)"
+        )
+    out = copy.deepcopy(config)
+    out["zero_optimization"]["sub_group_size"] = fitted
+    return out, (
+        f"optimizer sub-groups of {fitted:,} elements, not {sub_group:,}: DeepSpeed locks its NVMe swap "
+        f"buffers in RAM and RLIMIT_MEMLOCK is {_mib(limit)} (raise it for larger, faster swap I/O)"
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(base)
     for key, value in override.items():

@@ -1,6 +1,11 @@
 import pytest
 
-from spillway_runtime.dsconfig import DeepSpeedConfigError, apply_overrides, build_deepspeed_config
+from spillway_runtime.dsconfig import (
+    DeepSpeedConfigError,
+    apply_overrides,
+    build_deepspeed_config,
+    fit_swap_buffers_to_memlock,
+)
 from spillway_runtime.hardware import AioSettings, NodeHardware
 from spillway_runtime.planner import ModelShape, plan_tiers
 from spillway_runtime.spec import parse_job
@@ -67,3 +72,22 @@ def test_nvme_offload_with_stage_2_override_is_refused():
     cfg = build_deepspeed_config(plan, spec, nvme_path="/nvme")
     with pytest.raises(DeepSpeedConfigError, match=r"NVMe offload needs zero_optimization\.stage 3"):
         apply_overrides(cfg, {"zero_optimization": {"stage": 2}}, plan)
+
+
+def test_swap_buffers_are_fitted_under_the_memlock_limit_or_refused_by_name():
+    config = {"zero_optimization": {"sub_group_size": 1_000_000_000,
+                                    "offload_optimizer": {"device": "nvme", "buffer_count": 4}}}
+    # No limit (root's CAP_IPC_LOCK, or unlimited): nothing changes.
+    assert fit_swap_buffers_to_memlock(config, 752_768, None) == (config, None)
+    # A container's 8 MiB: 5 buffers of 752,768 fp32 elements (14.4 MiB) would kill DeepSpeed.
+    fitted, why = fit_swap_buffers_to_memlock(config, 752_768, 8 << 20)
+    sub_group = fitted["zero_optimization"]["sub_group_size"]
+    assert 5 * sub_group * 4 <= 0.75 * (8 << 20) and sub_group >= 300_000
+    assert why is not None and "RLIMIT_MEMLOCK is 8.0 MiB" in why
+    assert config["zero_optimization"]["sub_group_size"] == 1_000_000_000  # the input is left as it was
+    # Already small enough: unchanged.
+    assert fit_swap_buffers_to_memlock(config, 100_000, 8 << 20) == (config, None)
+    # Parameter buffers alone over the limit: a clear error, not a SIGSEGV.
+    config["zero_optimization"]["offload_param"] = {"device": "nvme", "buffer_count": 5, "buffer_size": 100_000_000}
+    with pytest.raises(DeepSpeedConfigError, match=r"RLIMIT_MEMLOCK.*LimitMEMLOCK=infinity"):
+        fit_swap_buffers_to_memlock(config, 752_768, 8 << 20)
