@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from spillway_runtime.planner import OffloadPlan
+from spillway_runtime.planner import MIN_AIO_BYTES, OPTIMIZER_SWAP_BUFFERS, OffloadPlan
 from spillway_runtime.spec import FineTuneJobSpec
 
 
@@ -27,8 +27,6 @@ class DeepSpeedConfigError(ValueError):
 # Of RLIMIT_MEMLOCK, what the swap buffers may take: the async I/O handles lock small
 # bounce buffers of their own.
 MEMLOCK_SHARE = 0.75
-# Below this many elements per optimizer sub-group the swap I/O is too fragmented to use.
-MIN_FITTED_SUB_GROUP = 1 << 16
 
 
 def fit_swap_buffers_to_memlock(
@@ -37,10 +35,11 @@ def fit_swap_buffers_to_memlock(
     """DeepSpeed mlock()s its NVMe swap buffers whatever `pin_memory` says; when that
     exceeds RLIMIT_MEMLOCK it prints "mlock failed" and dies of SIGSEGV. A container run
     as a non-root uid gets its runtime's limit (8 MiB under systemd's default) and no
-    CAP_IPC_LOCK to ignore it. Shrink the optimizer's sub-groups until its buffers fit
-    (Adam is elementwise: the same numbers in smaller pieces); raise a clear error where
-    even that cannot fit. `limit` None: no limit applies. Returns the config to use and
-    what was changed (None: nothing)."""
+    CAP_IPC_LOCK to ignore it. Fit the optimizer's swap buffers under it: DeepSpeed's
+    fewest buffers (no pipelined I/O), then smaller sub-groups (Adam is elementwise: the
+    same numbers in smaller pieces), never below DeepSpeed's minimum swap size, under
+    which it would silently keep the state in RAM. Where even that cannot fit, a clear
+    error. `limit` None: no limit applies. Returns the config to use and what changed."""
     zero = config.get("zero_optimization") or {}
     optimizer = zero.get("offload_optimizer") or {}
     param = zero.get("offload_param") or {}
@@ -48,14 +47,16 @@ def fit_swap_buffers_to_memlock(
     param_locked = 0
     if param.get("device") == "nvme":
         param_locked = int(param.get("buffer_count", 5)) * int(param.get("buffer_size", 100_000_000)) * 2
-    buffers = int(optimizer.get("buffer_count", 4)) + 1  # + the fp32 gradient staging buffer
+    buffers = int(optimizer.get("buffer_count", OPTIMIZER_SWAP_BUFFERS)) + 1  # + fp32 gradient staging
     sub_group = min(int(zero.get("sub_group_size", 1_000_000_000)), max(1, params_per_rank))
     locked = param_locked + (buffers * sub_group * 4 if swaps_optimizer else 0)
     budget = int((limit or 0) * MEMLOCK_SHARE)
     if limit is None or locked <= budget:
         return config, None
-    fitted = (budget - param_locked) // (buffers * 4) if swaps_optimizer else 0
-    if param_locked >= budget or (swaps_optimizer and fitted < MIN_FITTED_SUB_GROUP):
+    fewest = OPTIMIZER_SWAP_BUFFERS + 1
+    fitted = min(sub_group, (budget - param_locked) // (fewest * 4)) if swaps_optimizer else 0
+    min_swap = max(MIN_AIO_BYTES, int((config.get("aio") or {}).get("block_size", 0))) // 4
+    if param_locked >= budget or (swaps_optimizer and fitted < min(min_swap, sub_group)):
         raise DeepSpeedConfigError(
             f"DeepSpeed locks {_mib(locked)} of NVMe swap buffers in RAM (mlock) but this process may lock "
             f"{_mib(limit)} (RLIMIT_MEMLOCK): raise the limit where the run starts (`ulimit -l unlimited`; "
@@ -64,9 +65,12 @@ def fit_swap_buffers_to_memlock(
         )
     out = copy.deepcopy(config)
     out["zero_optimization"]["sub_group_size"] = fitted
+    out["zero_optimization"]["offload_optimizer"].update(
+        {"buffer_count": OPTIMIZER_SWAP_BUFFERS, "pipeline_read": False, "pipeline_write": False})
     return out, (
-        f"optimizer sub-groups of {fitted:,} elements, not {sub_group:,}: DeepSpeed locks its NVMe swap "
-        f"buffers in RAM and RLIMIT_MEMLOCK is {_mib(limit)} (raise it for larger, faster swap I/O)"
+        f"optimizer swap: {OPTIMIZER_SWAP_BUFFERS} buffers of {fitted:,} elements, not {buffers - 1} of "
+        f"{sub_group:,}: DeepSpeed locks them in RAM and RLIMIT_MEMLOCK is {_mib(limit)} (raise it for "
+        f"larger, pipelined swap I/O)"
     )
 
 

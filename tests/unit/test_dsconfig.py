@@ -80,11 +80,19 @@ def test_swap_buffers_are_fitted_under_the_memlock_limit_or_refused_by_name():
     # No limit (root's CAP_IPC_LOCK, or unlimited): nothing changes.
     assert fit_swap_buffers_to_memlock(config, 752_768, None) == (config, None)
     # A container's 8 MiB: 5 buffers of 752,768 fp32 elements (14.4 MiB) would kill DeepSpeed.
+    config["zero_optimization"]["offload_optimizer"].update({"buffer_count": 8, "pipeline_read": True})
     fitted, why = fit_swap_buffers_to_memlock(config, 752_768, 8 << 20)
     sub_group = fitted["zero_optimization"]["sub_group_size"]
-    assert 5 * sub_group * 4 <= 0.75 * (8 << 20) and sub_group >= 300_000
+    swap = fitted["zero_optimization"]["offload_optimizer"]
+    assert (swap["buffer_count"], swap["pipeline_read"], swap["pipeline_write"]) == (4, False, False)
+    assert 5 * sub_group * 4 <= 0.75 * (8 << 20)
+    assert sub_group * 4 >= 1 << 20  # still above DeepSpeed's minimum swap size: it still swaps
     assert why is not None and "RLIMIT_MEMLOCK is 8.0 MiB" in why
+    # A limit under DeepSpeed's minimum swap size for its buffers: refused by name.
+    with pytest.raises(DeepSpeedConfigError, match="RLIMIT_MEMLOCK"):
+        fit_swap_buffers_to_memlock(config, 752_768, 4 << 20)
     assert config["zero_optimization"]["sub_group_size"] == 1_000_000_000  # the input is left as it was
+    assert config["zero_optimization"]["offload_optimizer"]["buffer_count"] == 8
     # Already small enough: unchanged.
     assert fit_swap_buffers_to_memlock(config, 100_000, 8 << 20) == (config, None)
     # Parameter buffers alone over the limit: a clear error, not a SIGSEGV.
