@@ -1,10 +1,11 @@
 # The two commands a newcomer needs (see README):
 #   make demo   set everything up and fine-tune the tiny example with optimizer state on NVMe
 #   make test   set everything up and run lint, type checks and the whole test suite
+#   make demo-cluster   the same fine-tune in a real pod of a cluster on this machine (root)
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: setup demo test lint unit integration e2e bench crds
+.PHONY: setup demo demo-cluster demo-cluster-down test lint unit integration e2e bench crds
 
 setup:
 	@hack/setup.sh
@@ -17,6 +18,13 @@ lint: setup
 	$(PY) -m ruff check runtime operator api tests benchmarks
 	$(PY) -m mypy
 	$(PY) -c 'import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())'
+
+demo-cluster: setup
+	@hack/cluster build
+	@hack/demo-cluster.sh up
+
+demo-cluster-down:
+	@hack/demo-cluster.sh down
 
 test: setup
 	@hack/test.sh
