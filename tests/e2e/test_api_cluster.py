@@ -415,6 +415,7 @@ def test_revoked_access_stops_working_within_the_cache_time(world: World, api: A
     cluster.kubectl("delete", "rolebinding", "ftj-unbound", "-n", ns)
     cluster.kubectl("delete", "serviceaccount", "deleted", "-n", ns)
     revoked = time.monotonic()
-    wait_for(lambda: [api.call("GET", path, tokens[a]).status_code for a in ("unbound", "deleted")] == [403, 401],
-             timeout=CACHE_SECONDS + 5, what="revoked access to be refused")
-    assert time.monotonic() - revoked <= CACHE_SECONDS + 2
+    # Once the cache time has passed, the very next requests are refused (no wall-clock
+    # bound on how long the requests themselves take on a loaded machine).
+    time.sleep(max(0.0, revoked + CACHE_SECONDS + 0.5 - time.monotonic()))
+    assert [api.call("GET", path, tokens[a]).status_code for a in ("unbound", "deleted")] == [403, 401]
