@@ -244,7 +244,7 @@ def _reconcile_once(namespace: str, name: str, settings: OperatorSettings) -> Re
         # The previous attempt's pods are in their grace period, writing the stop checkpoint
         # to the volumes a new pod would mount: a rolled-back attempt started now could
         # resume from the wrong checkpoint, or see the old one's land after its own. Their
-        # deletion events wake this job again.
+        # pod events (the exit, the deletion) wake this job again.
         log.info("%s/%s: attempt %d waits for %s to exit", namespace, name, attempt,
                  ", ".join(p["metadata"]["name"] for p in stopping))
         change.commit()

@@ -187,11 +187,13 @@ class LocalRun:
                 self.child.stop()
             time.sleep(self.poll_seconds)
         self._sync(run_dir, acted, final=code)  # ingests the last events first
-        if code == EXIT_ABORTED and self._stop_checkpointed:
-            # the second Ctrl-C landed after the stop checkpoint was durable: nothing was lost,
-            # so this is the preemption it reported, not an abort
-            code = EXIT_PREEMPTED
+        code = self._outcome(code)
         return code, acted == "rollback" and code in (0, EXIT_PREEMPTED) and not self._stop_requested.is_set()
+
+    def _outcome(self, code: int) -> int:
+        """A second Ctrl-C that landed after the stop checkpoint was durable lost nothing: the
+        preemption the child reported, not an abort."""
+        return EXIT_PREEMPTED if code == EXIT_ABORTED and self._stop_checkpointed else code
 
     def _sync(self, run_dir: Path, acted: str | None, final: int | None = None) -> str | None:
         """Copy new events into the database; act on rollback, suspend and deletion."""
@@ -205,8 +207,7 @@ class LocalRun:
             service = self._service(session)
             self._ingest(service, job, run_dir / "events.jsonl")
             if final is not None:
-                if final == EXIT_ABORTED and self._stop_checkpointed:
-                    final = EXIT_PREEMPTED
+                final = self._outcome(final)
                 job.exit_code = final
                 if job.phase not in TERMINAL_PHASES | {"Suspended", "Preempted"} or (
                     final != EXIT_PREEMPTED and job.phase in ("Suspended", "Preempted")
