@@ -35,6 +35,7 @@ from spillway_runtime.optimizer_state import (
     OptimizerStateError,
     partition_states,
     replay_adam_kernel,
+    restore_in_memory_subgroups,
     restore_swapped_state,
 )
 from spillway_runtime.reporting import Reporter
@@ -507,6 +508,7 @@ class FineTuneRecipe:
         state = self.torch.load(state_file, weights_only=False)
         steps = state.get("optimizer_steps", [])
         try:
+            restore_in_memory_subgroups(self.engine, str(info.path), DS_TAG)
             restore_swapped_state(self.engine, steps)
         except OptimizerStateError as err:
             raise RunFailed(str(err), EXIT_BAD_INPUT) from None

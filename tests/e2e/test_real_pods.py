@@ -282,6 +282,9 @@ def test_suspend_resume_rollback_and_a_deleted_pod(
         patch({"resumeFrom": target["name"]})
         third = cluster.wait_for(lambda: (a := active_pods(cluster, namespace, "tiny")) and a[0] != second and a[0],
                                  POD_TIMEOUT_S, what="the rolled-back attempt's pod")
+        # The watch runs in its own thread and may lag the API reads above: wait until it
+        # has seen the new pod; what came before it in the API server's order is then in.
+        cluster.wait_for(lambda: third in pods.names(), 60, what=f"the watch to see {third}")
         assert pods.exit_code(second) == 75, pods.events
         assert pods.exited(second) < pods.index("ADDED", third), pods.events
         rolled = cluster.wait_for(

@@ -10,7 +10,8 @@ cadence, exit 75); on the others it is a copy of the uninterrupted run's own che
 which holds the same bytes (the run is deterministic) and costs no third process. The same
 holds after an in-process divergence rollback, whose reference is a fresh process started
 from the same checkpoint with the same rollback decisions (skipped batches, lower learning
-rate).
+rate). The stage 3 placement with the optimizer on NVMe also keeps one sub-group of its
+optimizer state in memory, as a sub-group too small to swap does.
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ SLOW = FaultInjection(step_sleep_seconds=0.4)  # room for the signal to land whe
 # kill is exercised once per ZeRO stage, the stage 3 one with the optimizer state on NVMe
 # (not the parameters too: the wide model's steps take four times as long).
 KILLED = [(2, "cpu", "gpu"), (3, "nvme", "gpu")]
+# Cuts the small model's optimizer state into a swapped sub-group of 704,256 elements and a
+# 48,512-element remainder under DeepSpeed's 1 MiB minimum swap size, which stays in memory:
+# DeepSpeed's NVMe load restores only the swap files, so the remainder is put back by the
+# runtime (a pod's memlock-fitted buffers cut every model this way).
+IN_MEMORY_REMAINDER = 700_000
 SUSPEND_PLACEMENT = (3, "nvme", "cpu")  # the demo's placement: its NVMe optimizer state is the hardest to restore
 RESUMED = [p for p in PLACEMENTS if p != SUSPEND_PLACEMENT]  # that one resumes after its suspend
 
@@ -65,8 +71,11 @@ def placement_job(make_job, nvme: Path, stage: int, optimizer: str, parameters: 
     # Parameters on NVMe need matrices above DeepSpeed's 1 MiB minimum swap size: the wide
     # model; every other placement trains the small one, which is four times faster.
     model = "wide" if parameters == "nvme" else "model"
+    zero: dict[str, Any] = {"stage": stage}
+    if (stage, optimizer, parameters) == (3, "nvme", "gpu"):
+        zero["sub_group_size"] = IN_MEMORY_REMAINDER
     offload = {"optimizer": optimizer, "parameters": parameters, "nvme": {"path": str(nvme)},
-               "deepspeed": {"zero_optimization": {"stage": stage}}}
+               "deepspeed": {"zero_optimization": zero}}
     return make_job(name, model=model, training={"maxSteps": MAX_STEPS}, offload=offload,
                     checkpoint={"everySteps": EVERY, "keep": 10})
 
