@@ -120,9 +120,11 @@ class CheckpointStore:
         broadcast: Callable[[Any], Any] = _identity,
         first_failure: Callable[[str | None], str | None] = _identity,
         log: Callable[[str], None] = print,
+        pinned: Callable[[], set[str]] = set,
     ):
         self.root = Path(root)
         self.keep = keep
+        self.pinned = pinned  # names pruning must spare (a rollback asked for, not yet begun)
         self.rank = rank
         self.barrier = barrier
         self.broadcast = broadcast  # rank 0's value to every rank
@@ -201,7 +203,13 @@ class CheckpointStore:
 
     def _prune(self) -> None:
         good = self.list()
-        for info in good[: max(0, len(good) - self.keep)]:
+        doomed_infos = good[: max(0, len(good) - self.keep)]
+        if doomed_infos:
+            spared = self.pinned() & {info.name for info in doomed_infos}
+            if spared:
+                self.log(f"keeping {', '.join(sorted(spared))} past checkpoint.keep: a rollback to it is pending")
+            doomed_infos = [info for info in doomed_infos if info.name not in spared]
+        for info in doomed_infos:
             # Out of sight in one rename, then deleted: a kill mid-delete leaves a staging
             # leftover (swept below next time), never a half-deleted checkpoint that lists.
             doomed = self.root / f"{STAGING}pruned-{info.name}"
@@ -308,3 +316,14 @@ class CheckpointStore:
         with contextlib.suppress(OSError):
             return (self.root / LATEST).read_text().strip() or None
         return None
+
+
+def pending_rollback(requested: str | None, own: str | None, applied: str | None) -> set[str]:
+    """What a running attempt's pruning must spare: the checkpoint the job's spec.resumeFrom
+    names now (`requested`), unless it is the rollback this attempt was started to apply
+    (`own`) or one already applied (`applied`, the volume's marker): a rollback asked for
+    after this attempt began, that the next attempt resumes from."""
+    if requested is None or requested in (own, applied):
+        return set()
+    return {requested}
+

@@ -27,11 +27,13 @@ log = logging.getLogger("spillway.runtime.status")
 
 
 class StatusPublisher:
-    def __init__(self, name: str, namespace: str, total_steps: int, patch: Callable[[dict[str, Any]], None]):
+    def __init__(self, name: str, namespace: str, total_steps: int, patch: Callable[[dict[str, Any]], None],
+                 read: Callable[[], dict[str, Any]] | None = None):
         self.name = name
         self.namespace = namespace
         self.total_steps = total_steps
         self._patch = patch
+        self._read = read
         self._checkpoints: list[dict[str, Any]] = []
         self._progress: dict[str, Any] = {}
         self._last_sent = 0.0
@@ -53,6 +55,19 @@ class StatusPublisher:
         """The good checkpoints already on the volume (earlier attempts'), listed from the
         next publish on: server-side apply removes what this manager no longer lists."""
         self._checkpoints = [self._entry(c) for c in checkpoints]
+
+    def requested_rollback(self) -> str | None:
+        """The checkpoint the job's spec.resumeFrom names now, read from the API server (a
+        user may have asked for a rollback since this pod started); None if unreadable."""
+        if self._read is None:
+            return None
+        try:
+            job = self._read()
+        except Exception as err:  # best effort, like publishing
+            log.warning("reading the job's spec.resumeFrom failed: %s", err)
+            return None
+        value = (job.get("spec") or {}).get("resumeFrom")
+        return str(value) if value else None
 
     @staticmethod
     def _entry(record: dict[str, Any]) -> dict[str, Any]:
@@ -110,14 +125,27 @@ def _iso(t: Any) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
 
 
-def _server_side_apply(name: str, namespace: str) -> Callable[[dict[str, Any]], None]:
+def _api() -> Any:
     from kubernetes import client, config
 
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
-    api = client.CustomObjectsApi()
+    return client.CustomObjectsApi()
+
+
+def _reader(name: str, namespace: str) -> Callable[[], dict[str, Any]]:
+    api = _api()
+
+    def read() -> dict[str, Any]:
+        return dict(api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, _request_timeout=10))
+
+    return read
+
+
+def _server_side_apply(name: str, namespace: str) -> Callable[[dict[str, Any]], None]:
+    api = _api()
 
     def patch(body: dict[str, Any]) -> None:
         api.patch_namespaced_custom_object_status(
@@ -142,8 +170,8 @@ def sink_from_env(total_steps: int) -> StatusPublisher | None:
     if not name or not namespace or int(os.environ.get("RANK", "0")) != 0:
         return None
     try:
-        patch = _server_side_apply(name, namespace)
+        patch, read = _server_side_apply(name, namespace), _reader(name, namespace)
     except Exception as err:
         log.warning("no status publishing (kubernetes client unavailable): %s", err)
         return None
-    return StatusPublisher(name, namespace, total_steps, patch)
+    return StatusPublisher(name, namespace, total_steps, patch, read)

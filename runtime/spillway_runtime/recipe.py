@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from spillway_runtime import k8s_status
-from spillway_runtime.checkpoint import CheckpointError, CheckpointInfo, CheckpointStore
+from spillway_runtime.checkpoint import CheckpointError, CheckpointInfo, CheckpointStore, pending_rollback
 from spillway_runtime.data import (
     CACHE_DIR_NAME,
     DatasetError,
@@ -244,6 +244,7 @@ class FineTuneRecipe:
             broadcast=self._broadcast,
             first_failure=self._first_failure,
             log=self._log,
+            pinned=self._pending_rollback,
         )
         if self.rank == 0:
             self._check_writable(Path(self.cfg.checkpoint_dir), "checkpoint.path")
@@ -267,6 +268,15 @@ class FineTuneRecipe:
             if resume_from is not None:
                 self.reporter.event("rolled_back", checkpoint=info.name, step=self.step, abandoned=abandoned)
             self.reporter.event("resumed", checkpoint=info.name, step=self.step)
+
+    def _pending_rollback(self) -> set[str]:
+        """In a pod: the checkpoint a rollback asked for after this attempt began. The operator
+        stops this pod and starts one that resumes from it; until then, this pod's own
+        checkpoints must not prune it (it would fail the rollback it was asked for)."""
+        sink = self.reporter.sink
+        if not isinstance(sink, k8s_status.StatusPublisher):
+            return set()
+        return pending_rollback(sink.requested_rollback(), self.spec.resume_from, self.store.applied_rollback())
 
     def _list_checkpoints_in_status(self) -> None:
         """In a pod: status.checkpoints lists what the volume holds, earlier attempts' included

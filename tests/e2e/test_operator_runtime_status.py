@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from spillway_runtime import k8s_status, node_probe
+from spillway_runtime.checkpoint import CheckpointStore, pending_rollback
 from spillway_runtime.hardware import NodeHardware, hardware_from_node
 from tests.e2e.operator_fixtures import CRD, job_manifest
 
@@ -71,6 +73,38 @@ def test_a_new_attempt_keeps_the_earlier_attempts_checkpoints_in_status(cluster:
     assert listed() == ["step-00000003", "step-00000006"]
     resumed({"event": "checkpoint", "name": "step-00000009", "step": 9, "loss": 1.5, "time": 1.7e9})
     assert listed() == ["step-00000003", "step-00000006", "step-00000009"]
+
+
+def test_a_rollback_asked_for_while_the_pod_runs_is_spared_by_its_pruning(
+    cluster: Any, namespace: str, tmp_path: Path
+) -> None:
+    """The running pod reads spec.resumeFrom from the API server before it prunes: the
+    checkpoint a user rolls back to outlives checkpoint.keep until the next attempt uses it."""
+    cluster.kubectl("apply", "-f", str(CRD))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/finetunejobs.spillway.dev", "--timeout=30s")
+    cluster.apply(job_manifest("pin", node="nowhere"), namespace)
+    sink = k8s_status.StatusPublisher("pin", namespace, 100, k8s_status._server_side_apply("pin", namespace),
+                                      k8s_status._reader("pin", namespace))
+    store = CheckpointStore(tmp_path, keep=2, pinned=lambda: pending_rollback(sink.requested_rollback(), None, None))
+
+    def save(step: int) -> None:
+        def write(staging: Path) -> None:
+            (staging / "weights").write_bytes(bytes([step]))
+        store.save(step, write, {})
+
+    def resume_from(value: str | None) -> None:
+        cluster.kubectl("patch", "ftj", "pin", "-n", namespace, "--type=merge", "-p",
+                        json.dumps({"spec": {"resumeFrom": value}}))
+
+    save(1)
+    save(2)
+    resume_from("step-00000001")  # what `kubectl patch` or the REST rollback writes
+    save(3)
+    save(4)
+    assert [c.name for c in store.list()] == ["step-00000001", "step-00000003", "step-00000004"]
+    resume_from(None)
+    save(5)
+    assert [c.name for c in store.list()] == ["step-00000004", "step-00000005"]
 
 
 def test_probe_annotates_its_own_node(cluster: Any, make_node: Callable[..., str], monkeypatch: Any) -> None:

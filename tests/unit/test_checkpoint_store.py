@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from spillway_runtime.checkpoint import CheckpointError, CheckpointStore
+from spillway_runtime.checkpoint import CheckpointError, CheckpointStore, pending_rollback
 
 
 def writer(payload: bytes):
@@ -83,3 +83,31 @@ def test_adopt_moves_newer_checkpoints_aside_and_marks_the_rollback(tmp_path):
     assert (tmp_path / "latest").read_text() == "step-00000001"
     assert store.applied_rollback() == "step-00000001"
     assert len(list(tmp_path.glob("abandoned-*"))) == 2
+
+
+def test_pruning_spares_a_checkpoint_a_pending_rollback_names(tmp_path):
+    logs = []
+    wanted: set[str] = set()
+    store = CheckpointStore(tmp_path, keep=2, log=logs.append, pinned=lambda: set(wanted))
+    store.save(1, writer(b"a"), {})
+    store.save(2, writer(b"b"), {})
+    wanted.add("step-00000001")  # a rollback to it is asked for while this attempt runs
+    for step in (3, 4):
+        store.save(step, writer(bytes([step])), {})
+    assert [c.step for c in store.list()] == [1, 3, 4]
+    assert store.find_good("step-00000001") is not None
+    assert any("keeping step-00000001 past checkpoint.keep" in line for line in logs)
+    wanted.clear()  # applied (or withdrawn): the usual keep again
+    store.save(5, writer(b"e"), {})
+    assert [c.step for c in store.list()] == [4, 5]
+
+
+@pytest.mark.parametrize(("requested", "own", "applied", "spared"), [
+    (None, None, None, set()),
+    ("step-00000003", None, None, {"step-00000003"}),  # asked for after this attempt began
+    ("step-00000003", "step-00000003", None, set()),  # this attempt applies it
+    ("step-00000003", None, "step-00000003", set()),  # a later attempt of the rolled-back timeline
+    ("step-00000006", "step-00000003", "step-00000003", {"step-00000006"}),  # a second rollback
+])
+def test_pending_rollback_is_only_one_not_yet_begun(requested, own, applied, spared):
+    assert pending_rollback(requested, own, applied) == spared
