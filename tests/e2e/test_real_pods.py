@@ -6,10 +6,11 @@ cluster's real node, driven by the real operator, as a user drives it with kubec
   written by the pod under its own ServiceAccount; the exported model loads with
   transformers.
 - The same job suspended (SIGTERM: the step finishes, a checkpoint, exit 75, phase
-  Suspended), resumed (earlier checkpoints still listed in status), rolled back (the old
-  pod exits before the new one is created, and keeps the named checkpoint from its pruning)
-  and its pod deleted mid-run, ends Succeeded with every step's loss, every checkpoint's
-  and the exported weights bit-equal to the uninterrupted run's.
+  Suspended), resumed (earlier checkpoints still listed in status), rolled back through
+  the REST API (the old pod exits before the new one is created, and spares the named
+  checkpoint from its pruning), its pod deleted mid-run and its training process
+  SIGKILLed, ends Succeeded with every step's loss, every checkpoint's and the exported
+  weights bit-equal to the uninterrupted run's.
 - A bad dataset line: the job ends Failed with the runtime's own message (file and line)
   in its condition and in `kubectl describe`.
 """
@@ -24,6 +25,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -36,6 +38,7 @@ from spillway_runtime.modelinfo import shape_from_config
 from spillway_runtime.tiny import build_tiny_model, write_dataset
 from tests.e2e.conftest import REPO_ROOT, Cluster
 from tests.e2e.operator_fixtures import active_pods, running_operator, wait_status
+from tests.e2e.test_api_cluster import ApiServer
 
 pytestmark = pytest.mark.e2e
 
@@ -57,6 +60,7 @@ class RealNode:
     root: Path  # on this machine, which is also the node: hostPath volumes live here
     label: str
     storage_class: str
+    image: str  # the CPU training image, loaded into the node's containerd
 
     def host_dir(self, *parts: str) -> Path:
         """A directory the training uid owns, as a provisioner would hand it over."""
@@ -134,7 +138,7 @@ def real(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             # The example is written for this cluster's real node and `spillway make-tiny`'s model.
             assert example["resources"]["nodeSelector"] == {label: "true"}
             assert example["model"]["parameterCount"] == str(shape_from_config(model).params)
-            yield RealNode(cluster, root, label, storage_class)
+            yield RealNode(cluster, root, label, storage_class, image)
     finally:
         cluster.kubectl("delete", "pv", "-l", "spillway.dev/e2e-real=true", "--wait=false", check=False)
         cluster.kubectl("delete", "storageclass", storage_class, check=False)
@@ -240,16 +244,56 @@ class PodWatch:
         self._watch.stop()  # type: ignore[no-untyped-call]
 
 
+def _kill_trainer(namespace: str, job: str) -> int:
+    """SIGKILL, from this machine, the training processes of a job's running pod (a real
+    node's containers are this machine's processes), as the kernel's OOM killer would."""
+    import psutil
+
+    killed = 0
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if "spillway_runtime" not in " ".join(proc.info["cmdline"] or []):
+                continue
+            env = proc.environ()
+            if env.get("SPILLWAY_JOB_NAMESPACE") == namespace and env.get("SPILLWAY_JOB_NAME") == job:
+                proc.kill()
+                killed += 1
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return killed
+
+
 def _weights(export: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     return load_file(str(export / "model.safetensors"))
 
 
+@pytest.fixture
+def rest(cluster: Cluster, namespace: str, tmp_path: Path) -> Iterator[tuple[ApiServer, str]]:
+    """`spillway api --kubernetes` watching the cluster, and the token of an engineer who may
+    change FineTuneJobs in the test's namespace (the REST rollback's caller)."""
+    cluster.kubectl("create", "serviceaccount", "engineer", "-n", namespace)
+    cluster.kubectl("create", "role", "ftj-edit", "--verb=get,list,watch,create,patch,delete",
+                    "--resource=finetunejobs.spillway.dev", "-n", namespace)
+    cluster.kubectl("create", "rolebinding", "engineer-ftj", "--role=ftj-edit",
+                    f"--serviceaccount={namespace}:engineer", "-n", namespace)
+    token = cluster.kubectl("create", "token", "engineer", "-n", namespace, "--duration=2h").stdout.strip()
+    server = ApiServer(SimpleNamespace(api_kubeconfig=cluster.kubeconfig), tmp_path / "api.db", tmp_path / "api.log")
+    server.start()
+    try:
+        yield server, token
+    finally:
+        server.stop()
+
+
 def test_suspend_resume_rollback_and_a_deleted_pod_lose_no_step(
-    real: RealNode, cluster: Cluster, kube_api: Any, namespace: str, uninterrupted: tuple[dict[str, Any], Path]
+    real: RealNode, cluster: Cluster, kube_api: Any, namespace: str, uninterrupted: tuple[dict[str, Any], Path],
+    rest: tuple[ApiServer, str],
 ) -> None:
     reference, reference_dir = uninterrupted
+    api, token = rest
+    jobs = f"/v1/namespaces/{namespace}/jobs"
     real.inputs(namespace)
     pods = PodWatch(kube_api, namespace, "tiny")
     checkpoints = real.job(namespace, "tiny", max_steps=MAX_STEPS)
@@ -260,6 +304,9 @@ def test_suspend_resume_rollback_and_a_deleted_pod_lose_no_step(
     def one_pod() -> str:
         return str(cluster.wait_for(lambda: (a := active_pods(cluster, namespace, "tiny")) and len(a) == 1 and a[0],
                                     POD_TIMEOUT_S, what="one active pod"))
+
+    def resumed_step(pod: str) -> int:
+        return max((e["step"] for e in _events(cluster, namespace, pod) if e["event"] == "resumed"), default=1 << 30)
 
     def patch(spec: dict[str, Any]) -> None:
         cluster.kubectl("patch", "ftj", "tiny", "-n", namespace, "--type=merge", "-p", json.dumps({"spec": spec}))
@@ -287,8 +334,14 @@ def test_suspend_resume_rollback_and_a_deleted_pod_lose_no_step(
         # Roll back to the newest checkpoint listed (an older one may be pruned by the time the
         # running pod stops: see the closing note of issue 12): the running pod checkpoints and
         # exits before the next one is even created (both would write to the same volume).
+        # Through the REST API, as a user would: it sets spec.resumeFrom.
         target = max(resumed["status"]["checkpoints"], key=lambda c: c["step"])
-        patch({"resumeFrom": target["name"]})
+        cluster.wait_for(lambda: target["name"] in [c["name"] for c in
+                                                    api.call("GET", f"{jobs}/tiny/checkpoints", token).json()["data"]],
+                         60, what="the API to record the checkpoint")
+        r = api.call("POST", f"{jobs}/tiny/rollback", token, {"checkpoint": target["name"], "reason": "e2e"})
+        assert r.status_code == 202, r.text
+        assert r.json()["toStep"] == target["step"]
         third = cluster.wait_for(lambda: (a := active_pods(cluster, namespace, "tiny")) and a[0] != second and a[0],
                                  POD_TIMEOUT_S, what="the rolled-back attempt's pod")
         # The watch runs in its own thread and may lag the API reads above: wait until it
@@ -300,26 +353,40 @@ def test_suspend_resume_rollback_and_a_deleted_pod_lose_no_step(
             lambda: [e for e in _events(cluster, namespace, third) if e["event"] == "rolled_back"],
             POD_TIMEOUT_S, interval=2, what="the new pod's rollback")
         assert rolled[0]["checkpoint"] == target["name"] and rolled[0]["step"] == target["step"]
+        done = cluster.wait_for(lambda: [x for x in api.call("GET", f"{jobs}/tiny/history", token).json()["rollbacks"]
+                                         if x["completedAt"]], 60, what="the API to record the rollback as done")
+        assert [(x["checkpoint"], x["origin"], x["requestedBy"]) for x in done] == [
+            (target["name"], "api", f"system:serviceaccount:{namespace}:engineer")]
 
         # A lost pod: the next attempt resumes from the last checkpoint.
         cluster.wait_for(lambda: any(e["event"] == "checkpoint" and e["step"] > target["step"]
                                      for e in _events(cluster, namespace, third)),
                          POD_TIMEOUT_S, interval=1, what="a checkpoint after the rollback")
         cluster.kubectl("delete", "pod", third, "-n", namespace, "--wait=false")
+
+        # The training process SIGKILLed inside its container (as the OOM killer would): no
+        # stop checkpoint, exit 137; the next attempt resumes from the last cadence checkpoint.
+        fourth = cluster.wait_for(lambda: (a := active_pods(cluster, namespace, "tiny")) and a[0] not in (first, second, third)
+                                  and a[0], POD_TIMEOUT_S, what="the attempt after the deleted pod")
+        cluster.wait_for(lambda: any(e["event"] == "checkpoint" and e["step"] > resumed_step(fourth)
+                                     for e in _events(cluster, namespace, fourth)),
+                         POD_TIMEOUT_S, interval=1, what=f"a checkpoint of {fourth}")
+        assert _kill_trainer(namespace, "tiny") >= 1
         job = _finished(real, namespace, "tiny")
     finally:
         pods.stop()
     status = job["status"]
     assert status["phase"] == "Succeeded", json.dumps(status, indent=1)[-3000:]
-    assert len(pods.names()) == 4, pods.names()  # four attempts
+    assert len(pods.names()) == 5, pods.names()  # five attempts
+    assert pods.exit_code(fourth) == 137, pods.events
 
     # No step lost or replayed differently: every step the last pod logged has the
     # uninterrupted run's loss, to the bit, and so has every kept checkpoint; the exported
     # weights are the same bytes.
-    [last] = [name for name in pods.names() if name not in (first, second, third)]
+    [last] = [name for name in pods.names() if name not in (first, second, third, fourth)]
     logged = [(e["step"], e["loss"]) for e in _events(cluster, namespace, last) if e["event"] == "step"]
     resumed_from = [e for e in _events(cluster, namespace, last) if e["event"] == "resumed"]
-    assert resumed_from and resumed_from[0]["step"] > target["step"], resumed_from  # the last one before the loss
+    assert resumed_from and resumed_from[0]["step"] > resumed_step(fourth), resumed_from  # the last before the kill
     reference_steps = {e["step"]: e["loss"] for e in _events(cluster, reference["metadata"]["namespace"], "tiny-a0-0")
                        if e["event"] == "step"}
     assert sorted(reference_steps) == list(range(1, MAX_STEPS + 1))
@@ -345,3 +412,51 @@ def test_a_bad_dataset_line_fails_the_job_with_the_runtimes_own_message(
     assert f"bad.jsonl:{BAD_LINE}: not valid JSON" in message, json.dumps(job["status"], indent=1)
     described = cluster.kubectl("describe", "ftj", "bad", "-n", namespace).stdout
     assert f"bad.jsonl:{BAD_LINE}: not valid JSON" in described, described[-3000:]
+
+
+def test_the_node_probe_daemonset_measures_and_annotates_the_real_node(
+    real: RealNode, cluster: Cluster, namespace: str
+) -> None:
+    """`helm install` with the probe on and the training image: its DaemonSet pod runs on
+    the real node (its GPU label is the real node's label here), measures the NVMe
+    directory and CPU Adam, and annotates the node with the figures and the *host* path."""
+    node = cluster.real_node
+    repository, tag = real.image.rsplit(":", 1)
+    nvme = real.root / "nvme"  # what the module's jobs spill to: the figures stay true for them
+    before = cluster.kubectl_json("get", "node", node)["metadata"].get("annotations", {})
+    release = f"p{secrets.token_hex(3)}"
+    toleration = json.dumps([{"key": real.label, "operator": "Exists", "effect": "NoSchedule"}])
+    cluster.helm(
+        "install", release, str(REPO_ROOT / "charts" / "spillway"), "-n", namespace, "--skip-crds",
+        "--set", "operator.enabled=false", "--set", "api.enabled=false",
+        "--set", f"runtimeImage.repository={repository}", "--set", f"runtimeImage.tag={tag}",
+        "--set", "runtimeImage.pullPolicy=Never",
+        "--set", f"nodeProbe.gpuNodeLabel={real.label}", "--set", f"nodeProbe.nvmeHostPath={nvme}",
+        "--set", "nodeProbe.aioSeconds=5", "--set-json", f"nodeProbe.tolerations={toleration}",
+        timeout=300,
+    )
+    try:
+        def measured() -> dict[str, str] | None:
+            annotations = cluster.kubectl_json("get", "node", node)["metadata"].get("annotations", {})
+            keys = ("spillway.dev/nvme-read-bytes-per-second", "spillway.dev/nvme-write-bytes-per-second",
+                    "spillway.dev/cpu-adam-params-per-second")
+            fresh = all(k in annotations and annotations.get(k) != before.get(k) for k in keys)
+            return annotations if fresh else None
+
+        annotations = cluster.wait_for(measured, POD_TIMEOUT_S, interval=2, what="the probe's annotations")
+        pods = cluster.kubectl_json("get", "pods", "-n", namespace, "-l", "app.kubernetes.io/component=node-probe")
+        assert [p["spec"]["nodeName"] for p in pods["items"]] == [node]
+        assert annotations[NVME_PATH_ANNOTATION] == str(nvme)  # the host's path, not the container's /nvme
+        for key in ("nvme-read-bytes-per-second", "nvme-write-bytes-per-second", "cpu-adam-params-per-second",
+                    "nvme-capacity-bytes", "nvme-free-bytes"):
+            assert float(annotations[f"spillway.dev/{key}"]) > 0, (key, annotations)
+        assert int(annotations["spillway.dev/nvme-capacity-bytes"]) == shutil.disk_usage(nvme).total
+    finally:
+        cluster.helm("uninstall", release, "-n", namespace, "--wait", timeout=300)
+        # Put the node's figures back as the module's fixture wrote them (other tests plan on them).
+        now = cluster.kubectl_json("get", "node", node)["metadata"].get("annotations", {})
+        changes = [f"{k}={before[k]}" if k in before else f"{k}-"
+                   for k in now if k.startswith("spillway.dev/") and now[k] != before.get(k)]
+        if changes:
+            cluster.kubectl("annotate", "node", node, "--overwrite", *changes)
+
