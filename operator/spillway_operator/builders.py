@@ -335,12 +335,12 @@ def build_headless_service(job: dict[str, Any]) -> dict[str, Any]:
 def _command(job: dict[str, Any], plan: OffloadPlan, attempt: int, rank: int) -> list[str]:
     config = f"{CONFIG_DIR}/{CONFIG_FILE}"
     name = job["metadata"]["name"]
-    gpus = max(1, plan.gpus_per_node)
-    if plan.nodes == 1 and gpus == 1:
+    processes = max(1, plan.processes_per_node)  # one per GPU, or resources.cpuProcesses
+    if plan.nodes == 1 and processes == 1:
         return ["python", "-m", "spillway_runtime", "--config", config]
     # Our supervisor, not torchrun: torchrun's agent exits 1 on SIGTERM and SIGKILLs the ranks
     # 30 s later, so a suspended or preempted pod could never checkpoint and exit 75.
-    command = ["python", "-m", "spillway_runtime.supervisor", f"--processes={gpus}", f"--config={config}"]
+    command = ["python", "-m", "spillway_runtime.supervisor", f"--processes={processes}", f"--config={config}"]
     if plan.nodes == 1:
         return command
     master = f"{pod_name(name, attempt, 0)}.{service_name(name)}.{job['metadata']['namespace']}.svc"
@@ -409,6 +409,10 @@ def build_pod(
         # Face, torch, Triton) go to the writable /tmp volume instead of failing.
         {"name": "HOME", "value": "/tmp"},
     ]
+    if plan.accelerator == "cpu":
+        # torch sizes its thread pool by the host's cores, not the pod's CPU request: the
+        # ranks of a CPU pod would oversubscribe the node without this.
+        env.append({"name": "OMP_NUM_THREADS", "value": str(max(1, cpu // max(1, plan.processes_per_node)))})
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "serviceAccountName": runtime_account_name(name),

@@ -147,6 +147,7 @@ def choose_placement(
                 gpus_per_node=gpus,
                 nodes=spec.resources.nodes,
                 price_per_hour=node_price,
+                cpu_processes=spec.resources.cpu_processes,
             )
         except ValueError as err:
             choice.why_not = str(err)

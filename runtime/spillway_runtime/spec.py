@@ -164,6 +164,20 @@ class Resources(SpecModel):
     placement: Literal["cheapest", "fastest"] = Field(
         "cheapest", description="How to choose among node shapes that fit"
     )
+    cpu_processes: int = Field(
+        1, ge=1, le=64,
+        description="Training processes per node with gpusPerNode 0 (DeepSpeed's CPU accelerator); "
+        "with GPUs it is one process per GPU",
+    )
+
+    @model_validator(mode="after")
+    def _cpu_processes_without_gpus(self) -> Resources:
+        if self.cpu_processes > 1 and self.gpus_per_node:
+            raise ValueError(
+                f"resources.cpuProcesses is {self.cpu_processes} with gpusPerNode {self.gpus_per_node}: "
+                "GPU nodes run one process per GPU; set gpusPerNode to 0 or drop cpuProcesses"
+            )
+        return self
 
 
 class CheckpointPolicy(SpecModel):

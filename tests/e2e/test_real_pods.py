@@ -51,6 +51,7 @@ KEEP = 5
 # A pod's first step waits for its container (a 6 GB image, already unpacked) and torch's
 # import on a loaded 2-core machine: minutes, not seconds, at worst.
 POD_TIMEOUT_S = 600
+TWO_RANK_STEPS = 12
 BAD_LINE = 4
 
 
@@ -87,7 +88,8 @@ class RealNode:
             "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": self.storage_class,
                      "volumeName": f"{namespace}-inputs", "resources": {"requests": {"storage": "1Gi"}}}}, namespace)
 
-    def job(self, namespace: str, name: str, dataset: str | None = None, max_steps: int | None = None) -> Path:
+    def job(self, namespace: str, name: str, dataset: str | None = None, max_steps: int | None = None,
+            processes: int = 1) -> Path:
         """`kubectl apply -f examples/tiny-cluster.yaml` under another name, with this
         module's storage class and an NVMe directory of its own; returns its checkpoint
         directory on this machine."""
@@ -104,6 +106,8 @@ class RealNode:
             # Longer, and slower steps (8x the tokens), so that a status update (every 5 s)
             # still finds the run going when the test acts on it.
             spec["training"].update({"maxSteps": max_steps, "microBatchSize": 8, "sequenceLength": 64})
+        if processes > 1:
+            spec["resources"]["cpuProcesses"] = processes
         self.cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(job))
         return checkpoints
 
@@ -412,6 +416,43 @@ def test_a_bad_dataset_line_fails_the_job_with_the_runtimes_own_message(
     assert f"bad.jsonl:{BAD_LINE}: not valid JSON" in message, json.dumps(job["status"], indent=1)
     described = cluster.kubectl("describe", "ftj", "bad", "-n", namespace).stdout
     assert f"bad.jsonl:{BAD_LINE}: not valid JSON" in described, described[-3000:]
+
+
+def test_a_two_rank_pod_suspends_with_75_and_resumes_to_the_same_losses(
+    real: RealNode, cluster: Cluster, kube_api: Any, namespace: str
+) -> None:
+    """Two ranks in one pod under our supervisor (resources.cpuProcesses): a suspend reaches
+    both, they checkpoint together and the pod exits 75; the resumed pod's losses equal an
+    uninterrupted two-rank run's, to the bit."""
+    real.inputs(namespace)
+    pods = PodWatch(kube_api, namespace, "two")
+    real.job(namespace, "two-ref", max_steps=TWO_RANK_STEPS, processes=2)
+    real.job(namespace, "two", max_steps=TWO_RANK_STEPS, processes=2)
+    try:
+        wait_status(cluster, namespace, "two", lambda s: (s.get("progress") or {}).get("step", 0) >= 3,
+                    POD_TIMEOUT_S, "step 3")
+        [first] = active_pods(cluster, namespace, "two")
+        cluster.kubectl("patch", "ftj", "two", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":true}}')
+        suspended = wait_status(cluster, namespace, "two", lambda s: s.get("phase") == "Suspended" and not
+                                active_pods(cluster, namespace, "two"), 300, "Suspended, no pod running")
+        cluster.wait_for(lambda: pods.exit_code(first) is not None, 60, what=f"{first}'s exit")
+        assert pods.exit_code(first) == 75, pods.events
+        stopped = max(c["step"] for c in suspended["status"]["checkpoints"])
+        cluster.kubectl("patch", "ftj", "two", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":false}}')
+        job = _finished(real, namespace, "two")
+        reference = _finished(real, namespace, "two-ref")
+    finally:
+        pods.stop()
+    assert job["status"]["phase"] == reference["status"]["phase"] == "Succeeded", json.dumps(job["status"])[-2000:]
+    [last] = [name for name in pods.names() if name != first]
+    log = _events(cluster, namespace, last)
+    assert [e["step"] for e in log if e["event"] == "resumed"] == [stopped]
+    expected = {e["step"]: e["loss"] for e in _events(cluster, namespace, "two-ref-a0-0") if e["event"] == "step"}
+    got = {e["step"]: e["loss"] for e in log if e["event"] == "step"}
+    assert sorted(got) == list(range(stopped + 1, TWO_RANK_STEPS + 1))
+    assert {s: (got[s], expected[s]) for s in got if got[s] != expected[s]} == {}
+    started = [e for e in [*log, *_events(cluster, namespace, "two-ref-a0-0")] if e["event"] == "started"]
+    assert [e["world_size"] for e in started] == [2, 2], started
 
 
 def test_the_node_probe_daemonset_measures_and_annotates_the_real_node(

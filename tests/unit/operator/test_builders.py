@@ -129,6 +129,24 @@ def test_a_hostpath_nvme_directory_is_handed_to_the_training_uid() -> None:
     assert "initContainers" not in b.build_pod(JOB, s, choice, attempt=0, rank=0, settings=SETTINGS)["spec"]
 
 
+def test_cpu_processes_run_under_the_supervisor_with_their_share_of_threads() -> None:
+    s = spec(model={"uri": "pvc://models/tiny", "parameterCount": "1M"},
+             resources={"gpusPerNode": 0, "cpuProcesses": 2})
+    choice = choose_placement(s, [node("cpu-only", "c1")], {}, SETTINGS).chosen
+    assert choice is not None and choice.plan is not None
+    assert (choice.plan.accelerator, choice.plan.processes_per_node) == ("cpu", 2)
+    pod = b.build_pod(JOB, s, choice, attempt=0, rank=0, settings=SETTINGS)
+    container = pod["spec"]["containers"][0]
+    assert container["command"][:4] == ["python", "-m", "spillway_runtime.supervisor", "--processes=2"]
+    threads = int(next(e["value"] for e in container["env"] if e["name"] == "OMP_NUM_THREADS"))
+    assert threads == max(1, int(container["resources"]["requests"]["cpu"]) // 2)
+
+
+def test_cpu_processes_with_gpus_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"resources\.cpuProcesses is 2 with gpusPerNode 1"):
+        spec(resources={"gpusPerNode": 1, "cpuProcesses": 2})
+
+
 def test_runtime_config_carries_resume_only_when_asked() -> None:
     s = spec(resumeFrom="step-00010")
     placement = choose_placement(s, [node("gpu-80g")], {}, SETTINGS)
