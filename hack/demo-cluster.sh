@@ -47,10 +47,10 @@ up() {
 	# shellcheck disable=SC1091
 	source "$SPILLWAY_CLUSTER_DIR/cluster.env"
 	log "images: operator and the CPU training image (first time: ~10 min, 6 GB)"
-	"$ROOT/hack/images" load "$CONTAINERD_SOCKET" operator runtime-cpu
-	local operator runtime
-	operator=$("$ROOT/hack/images" ref operator)
-	runtime=$("$ROOT/hack/images" ref runtime-cpu)
+	local loaded operator runtime
+	loaded=$("$ROOT/hack/images" load "$CONTAINERD_SOCKET" operator runtime-cpu)
+	operator=$(awk '$1 == "operator" { print $2 }' <<<"$loaded")
+	runtime=$(awk '$1 == "runtime-cpu" { print $2 }' <<<"$loaded")
 
 	log "inputs: the tiny model and data (spillway make-tiny)"
 	if [[ ! -f $DEMO/inputs/model/config.json ]]; then

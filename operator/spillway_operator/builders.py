@@ -228,7 +228,7 @@ def build_runtime_config(job: dict[str, Any], spec: FineTuneJobSpec, plan: Offlo
         }
     )
     nvme_dir = NVME_DIR if plan.bytes.nvme > 0 else None
-    world = plan.nodes * max(1, plan.gpus_per_node)
+    world = plan.nodes * max(1, plan.processes_per_node)  # GPUs, or resources.cpuProcesses
     ds = build_deepspeed_config(plan, wire_spec, nvme_path=nvme_dir, world_size=world)
     root = Path("/")
     return RuntimeConfig(

@@ -80,7 +80,7 @@ def prepare_local_run(
     if uses_nvme:
         _check_writable_dir(nvme_dir, "spec.offload.nvme.path", job_path)
     ds_config = build_deepspeed_config(plan, spec, nvme_path=str(nvme_dir) if uses_nvme else None,
-                                       world_size=processes if not hardware.gpu_count else plan.gpus_per_node)
+                                       world_size=plan.processes_per_node)
     validate_deepspeed_config(ds_config)
     config = RuntimeConfig(
         job=job,

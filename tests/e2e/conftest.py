@@ -179,7 +179,11 @@ class Cluster:
         )
         if proc.returncode != 0:
             raise ClusterError(f"hack/images load {' '.join(names)} exited {proc.returncode}:\n{proc.stderr}")
-        return {name: image_ref(name) for name in names}
+        loaded = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.count(" ") == 1)
+        missing = [name for name in names if name not in loaded]
+        if missing:
+            raise ClusterError(f"hack/images load did not report {missing}:\n{proc.stdout}\n{proc.stderr}")
+        return {name: loaded[name] for name in names}
 
     def on_real_node(self, pod_spec: dict[str, Any]) -> dict[str, Any]:
         """``pod_spec`` with the real node's selector and a toleration of its taint."""
@@ -386,13 +390,6 @@ def _hack_cluster(
         partial = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout
         output = log_file.read_text() if log_file else (partial or "")
         return subprocess.CompletedProcess(exc.cmd, -1, f"{output}\n(timed out after {timeout}s)", "")
-
-
-def image_ref(name: str) -> str:
-    """The reference hack/images gives image ``name`` (a hash of its inputs)."""
-    return subprocess.run(
-        [str(HACK_IMAGES), "ref", name], capture_output=True, text=True, check=True, timeout=60
-    ).stdout.strip()
 
 
 def _tail(text: str, lines: int = 60) -> str:

@@ -140,6 +140,10 @@ def test_cpu_processes_run_under_the_supervisor_with_their_share_of_threads() ->
     assert container["command"][:4] == ["python", "-m", "spillway_runtime.supervisor", "--processes=2"]
     threads = int(next(e["value"] for e in container["env"] if e["name"] == "OMP_NUM_THREADS"))
     assert threads == max(1, int(container["resources"]["requests"]["cpu"]) // 2)
+    # DeepSpeed asserts train_batch_size = micro batch x accumulation x world size at start.
+    ds = b.build_runtime_config(JOB, s, choice.plan, None).deepspeed
+    t = s.training
+    assert ds["train_batch_size"] == t.micro_batch_size * t.gradient_accumulation * 2
 
 
 def test_cpu_processes_with_gpus_is_refused_by_name() -> None:
