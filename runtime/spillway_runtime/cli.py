@@ -44,11 +44,15 @@ def probe(
     ] = None,
 ) -> None:
     """Measure this machine: GPUs, RAM, cores, NVMe capacity and speed, CPU optimizer speed."""
+    from spillway_runtime.probe import ProbeError
     from spillway_runtime.probe import probe as run_probe
 
     if nvme_host_path is not None and nvme_path is None:
         raise _fail("--nvme-host-path names where --nvme-path is on the node; give --nvme-path too")
-    hw = run_probe(nvme_path, quick=quick, aio_budget_seconds=aio_seconds)
+    try:
+        hw = run_probe(nvme_path, quick=quick, aio_budget_seconds=aio_seconds)
+    except ProbeError as err:
+        raise _fail(str(err)) from None
     if nvme_host_path is not None:
         # The container's mount point means nothing on the node: report the node's path.
         hw = hw.model_copy(update={"nvme_path": str(nvme_host_path)})

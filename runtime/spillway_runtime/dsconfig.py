@@ -13,6 +13,7 @@ Pure apart from `validate_deepspeed_config`, which imports DeepSpeed.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -27,6 +28,29 @@ class DeepSpeedConfigError(ValueError):
 # Of RLIMIT_MEMLOCK, what the swap buffers may take: the async I/O handles lock small
 # bounce buffers of their own.
 MEMLOCK_SHARE = 0.75
+
+
+def memlock_limit() -> int | None:
+    """How much this process may mlock(): None when unlimited (no limit, or CAP_IPC_LOCK,
+    which root has on most hosts). The soft limit is raised to the hard one first."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_MEMLOCK, (hard, hard))
+            soft = hard
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/status") as fh:
+            effective = next((int(line.split()[1], 16) for line in fh if line.startswith("CapEff:")), 0)
+    except OSError:
+        effective = 0
+    return None if effective & (1 << CAP_IPC_LOCK) else int(soft)
+
+
+CAP_IPC_LOCK = 14
 
 
 def fit_swap_buffers_to_memlock(

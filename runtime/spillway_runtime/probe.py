@@ -20,7 +20,13 @@ from typing import Any
 
 import psutil
 
+from spillway_runtime.dsconfig import MEMLOCK_SHARE, memlock_limit
 from spillway_runtime.hardware import AioSettings, NodeHardware
+from spillway_runtime.planner import MIN_AIO_BYTES
+
+
+class ProbeError(RuntimeError):
+    """A measurement that cannot be made here, with what to change."""
 
 
 def _cores() -> int:
@@ -123,6 +129,16 @@ def measure_aio(
     import torch
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
+    # The buffer is mlock()ed; past RLIMIT_MEMLOCK DeepSpeed dies of SIGSEGV (a container
+    # run as a non-root uid may lock 8 MiB). Measure with what training could lock too.
+    limit = memlock_limit()
+    if limit is not None:
+        io_bytes = min(io_bytes, int(limit * MEMLOCK_SHARE) // MIN_AIO_BYTES * MIN_AIO_BYTES)
+        if io_bytes < MIN_AIO_BYTES:
+            raise ProbeError(
+                f"RLIMIT_MEMLOCK is {limit:,} bytes, under the {MIN_AIO_BYTES:,} the async I/O sweep locks: raise "
+                "it (`ulimit -l`; LimitMEMLOCK=infinity in the container runtime's unit) or probe with --quick"
+            )
     aio = AsyncIOBuilder().load()
     cores = cores or _cores()
     parallelism = sorted({1, min(2, cores), min(4, cores), min(8, cores)})
@@ -131,6 +147,7 @@ def measure_aio(
         for par in parallelism
         for block in (1 << 20, 8 << 20)
         for depth in (32, 128, 8)
+        if block <= io_bytes
     ]
     deadline = time.monotonic() + budget_seconds
     directory.mkdir(parents=True, exist_ok=True)

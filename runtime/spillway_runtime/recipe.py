@@ -30,7 +30,7 @@ from spillway_runtime.data import (
     read_texts,
     token_cache_path,
 )
-from spillway_runtime.dsconfig import DeepSpeedConfigError, fit_swap_buffers_to_memlock
+from spillway_runtime.dsconfig import DeepSpeedConfigError, fit_swap_buffers_to_memlock, memlock_limit
 from spillway_runtime.optimizer_state import (
     OptimizerStateError,
     partition_states,
@@ -199,7 +199,7 @@ class FineTuneRecipe:
         ds_config = dict(self.cfg.deepspeed)
         params_per_rank = -(-self.plan.model.params // max(1, self.world_size))
         try:
-            ds_config, fitted = fit_swap_buffers_to_memlock(ds_config, params_per_rank, _memlock_limit())
+            ds_config, fitted = fit_swap_buffers_to_memlock(ds_config, params_per_rank, memlock_limit())
         except DeepSpeedConfigError as err:
             raise RunFailed(str(err), EXIT_BAD_INPUT) from None
         if fitted:
@@ -572,29 +572,6 @@ def _ask_cpuinfo_once() -> None:
 
     if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
         cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
-
-
-def _memlock_limit() -> int | None:
-    """How much this process may mlock(): None when unlimited (no limit, or CAP_IPC_LOCK,
-    which root has on most hosts). The soft limit is raised to the hard one first."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    if soft != hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_MEMLOCK, (hard, hard))
-            soft = hard
-    if soft == resource.RLIM_INFINITY:
-        return None
-    try:
-        with open("/proc/self/status") as fh:
-            effective = next((int(line.split()[1], 16) for line in fh if line.startswith("CapEff:")), 0)
-    except OSError:
-        effective = 0
-    return None if effective & (1 << CAP_IPC_LOCK) else int(soft)
-
-
-CAP_IPC_LOCK = 14
 
 
 def _import_muon_without_compiling() -> None:
