@@ -35,15 +35,27 @@ def _files(root: Path, fmt: str) -> list[Path]:
     raise DatasetError(f"dataset.uri {root}: no such file or directory")
 
 
+def _utf8(file: Path, data: bytes, lineno: int | None = None) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        where = f"{file}:{lineno}" if lineno is not None else str(file)
+        raise DatasetError(
+            f"{where}: not UTF-8 (byte 0x{data[err.start]:02x} at offset {err.start}); "
+            "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        ) from None
+
+
 def read_texts(source: DatasetSource, path: Path) -> list[str]:
     texts: list[str] = []
     for file in _files(path, source.format):
         fmt = source.format if source.format != "auto" else ("jsonl" if file.suffix == ".jsonl" else "text")
         if fmt == "text":
-            texts.extend(chunk for chunk in file.read_text(errors="replace").split("\n\n") if chunk.strip())
+            texts.extend(chunk for chunk in _utf8(file, file.read_bytes()).split("\n\n") if chunk.strip())
             continue
-        with file.open() as fh:
-            for lineno, line in enumerate(fh, 1):
+        with file.open("rb") as fh:
+            for lineno, raw in enumerate(fh, 1):
+                line = _utf8(file, raw, lineno)
                 if not line.strip():
                     continue
                 try:

@@ -25,6 +25,15 @@ class DeepSpeedConfigError(ValueError):
     pass
 
 
+# DeepSpeed's batch settings, which Spillway derives from spec.training (and the number of
+# processes); DeepSpeed asserts they agree only once the engine starts.
+BATCH_SETTINGS = {
+    "train_batch_size": "training.microBatchSize x training.gradientAccumulation (x processes)",
+    "train_micro_batch_size_per_gpu": "training.microBatchSize",
+    "gradient_accumulation_steps": "training.gradientAccumulation",
+}
+
+
 # Of RLIMIT_MEMLOCK, what the swap buffers may take: the async I/O handles lock small
 # bounce buffers of their own.
 MEMLOCK_SHARE = 0.75
@@ -205,6 +214,18 @@ def build_deepspeed_config(
 def apply_overrides(config: dict[str, Any], overrides: dict[str, Any], plan: OffloadPlan) -> dict[str, Any]:
     """Merge raw overrides, then repair or refuse what DeepSpeed would trip over."""
     overrides = copy.deepcopy(overrides)
+    for key, value in overrides.items():
+        if isinstance(config.get(key), dict) and not isinstance(value, dict):
+            raise DeepSpeedConfigError(
+                f"offload.deepspeed.{key} is {type(value).__name__} {value!r}; it is a block of settings: "
+                f"give a mapping (e.g. {key}: {{...}}) or leave it out"
+            )
+    for key, field in BATCH_SETTINGS.items():
+        if key in overrides and overrides[key] != config.get(key):
+            raise DeepSpeedConfigError(
+                f"offload.deepspeed.{key} is {overrides[key]!r} but the training settings give {config.get(key)!r}: "
+                f"set the batch with {field} and leave {key} out of offload.deepspeed"
+            )
     zero_override = overrides.get("zero_optimization", {})
     if isinstance(zero_override, dict) and "aio" in zero_override:
         # Nested aio fails DeepSpeed's validation; the user meant the top-level block.

@@ -73,8 +73,12 @@ class DatasetSource(SpecModel):
     text_field: str = Field("text", description="Field of each JSON line that holds the text", min_length=1)
 
 
+# Steps are stored as 32-bit integers (the API's PostgreSQL columns): no run comes near it.
+MAX_STEPS = 2**31 - 1
+
+
 class Training(SpecModel):
-    max_steps: int = Field(100, ge=1, description="Optimizer steps to run")
+    max_steps: int = Field(100, ge=1, le=MAX_STEPS, description="Optimizer steps to run")
     micro_batch_size: int = Field(1, ge=1, le=4096, description="Sequences per GPU per forward pass")
     gradient_accumulation: int = Field(1, ge=1, le=4096, description="Micro-batches per optimizer step")
     sequence_length: int = Field(512, ge=8, le=1_048_576, description="Tokens per packed sequence")

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from spillway_runtime.data import PackedDataset, dataset_fingerprint, read_texts, token_cache_path
+from spillway_runtime.data import DatasetError, PackedDataset, dataset_fingerprint, read_texts, token_cache_path
 from spillway_runtime.spec import DatasetSource
 from spillway_runtime.tiny import build_tiny_model, synthetic_texts, write_dataset
 
@@ -81,3 +81,15 @@ def test_fingerprint_follows_what_the_tokens_depend_on(model_dir: Path, tmp_path
     os.utime(data, ns=(0, 0))
     assert dataset_fingerprint(source, data, model_dir, 64) != second
     assert len(read_texts(source, data)) == 51
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "text"])
+def test_a_file_that_is_not_utf8_is_refused_with_file_line_and_byte(tmp_path: Path, fmt: str) -> None:
+    name = "data.jsonl" if fmt == "jsonl" else "data.txt"
+    good = '{"text": "fine"}\n' if fmt == "jsonl" else "fine\n\n"
+    bad = '{"text": "caf\u00e9"}\n' if fmt == "jsonl" else "caf\u00e9\n"
+    (tmp_path / name).write_bytes(good.encode() + bad.encode("latin-1"))
+    where = f"{name}:2" if fmt == "jsonl" else name
+    with pytest.raises(DatasetError, match=rf"{where}: not UTF-8 \(byte 0xe9 at offset \d+\); re-encode"):
+        read_texts(DatasetSource(uri=str(tmp_path / name), format=fmt), tmp_path / name)
+

@@ -74,6 +74,31 @@ def test_nvme_offload_with_stage_2_override_is_refused():
         apply_overrides(cfg, {"zero_optimization": {"stage": 2}}, plan)
 
 
+@pytest.mark.parametrize(("override", "message"), [
+    # DeepSpeed asserted this only once the engine had started: a traceback, exit 1
+    ({"train_batch_size": 999}, r"offload\.deepspeed\.train_batch_size is 999 but the training settings give 1: "
+                                r"set the batch with training\.microBatchSize x"),
+    ({"gradient_accumulation_steps": 8}, r"is 8 but the training settings give 1: set the batch with "
+                                         r"training\.gradientAccumulation"),
+    # an AttributeError traceback before
+    ({"zero_optimization": "three"}, r"offload\.deepspeed\.zero_optimization is str 'three'; it is a block"),
+    ({"aio": 5}, r"offload\.deepspeed\.aio is int 5"),
+])
+def test_overrides_that_contradict_or_misshape_the_config_are_refused_by_name(override, message):
+    spec = job({"deepspeed": override})
+    plan = plan_tiers(SHAPE, HW, spec.training, spec.offload)
+    with pytest.raises(DeepSpeedConfigError, match=message):
+        build_deepspeed_config(plan, spec, nvme_path="/nvme")
+
+
+def test_batch_overrides_that_agree_are_accepted():
+    t = job().training
+    batch = t.micro_batch_size * t.gradient_accumulation
+    spec = job({"deepspeed": {"train_batch_size": batch, "gradient_accumulation_steps": t.gradient_accumulation}})
+    plan = plan_tiers(SHAPE, HW, spec.training, spec.offload)
+    assert build_deepspeed_config(plan, spec, nvme_path="/nvme")["train_batch_size"] == batch
+
+
 def test_swap_buffers_are_fitted_under_the_memlock_limit_or_refused_by_name():
     config = {"zero_optimization": {"sub_group_size": 1_000_000_000,
                                     "offload_optimizer": {"device": "nvme", "buffer_count": 4}}}

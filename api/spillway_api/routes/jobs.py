@@ -21,6 +21,7 @@ from spillway_api.schemas import (
     RollbackPublic,
     RollbackRequest,
 )
+from spillway_runtime.spec import MAX_STEPS
 
 router = APIRouter(prefix="/v1/namespaces/{namespace}/jobs", tags=["jobs"], responses=PROBLEM_RESPONSES)
 
@@ -63,7 +64,8 @@ def delete_job(_caller: CanDelete, namespace: Namespace, name: Name, service: Se
 @router.get("/{name}/history", response_model=JobHistory, responses=NOT_FOUND)
 def job_history(
     _caller: CanGet, namespace: Namespace, name: Name, service: ServiceDep,
-    after_step: Annotated[int | None, Query(alias="afterStep", ge=0, description="Progress points after this step")]
+    after_step: Annotated[int | None, Query(alias="afterStep", ge=0, le=MAX_STEPS,
+                                                   description="Progress points after this step")]
     = None,
     limit: Annotated[int, Query(ge=1, le=10_000, description="Progress points per page")] = 1000,
 ) -> JobHistory:

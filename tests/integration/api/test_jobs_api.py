@@ -91,6 +91,13 @@ def test_bad_input_is_refused_with_field_paths(client: Any) -> None:
     r = client.get("/v1/namespaces/ns/cost", params={"since": "2026-02-01T00:00:00Z", "until": "2026-01-01T00:00:00Z"})
     assert r.status_code == 422
     assert client.get("/v1/namespaces/ns/jobs", params={"limit": 0}).status_code == 422
+    client.post("/v1/namespaces/ns/jobs", json=job_body("steps"))
+    r = client.get("/v1/namespaces/ns/jobs/steps/history", params={"afterStep": 2**64})  # a 500 (integer overflow)
+    assert r.status_code == 422 and any("afterStep" in e for e in r.json()["errors"]), r.text
+    assert client.get("/v1/namespaces/ns/jobs/steps/history", params={"afterStep": 2**31 - 1}).status_code == 200
+    r = client.get("/v1/namespaces/ns/jobs/steps/history", params={"afterStep": 2**31})  # PostgreSQL's int4
+    assert r.status_code == 422, r.text
+    client.delete("/v1/namespaces/ns/jobs/steps")
     # nothing of the refused requests was stored
     assert client.get("/v1/namespaces/ns/jobs").json()["count"] == 0
 
