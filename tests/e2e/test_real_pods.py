@@ -322,8 +322,9 @@ def test_suspend_resume_rollback_and_a_deleted_pod_lose_no_step(
         patch({"suspend": True})
         suspended = wait_status(cluster, namespace, "tiny", lambda s: s.get("phase") == "Suspended" and not
                                 active_pods(cluster, namespace, "tiny"), 300, "Suspended, no pod running")
-        cluster.wait_for(lambda: pods.exit_code(first) is not None, 60, what=f"{first}'s exit")
+        cluster.wait_for(lambda: pods.exit_code(first) is not None, 300, what=f"{first}'s exit")
         assert pods.exit_code(first) == 75
+        suspended = cluster.get("finetunejob", "tiny", namespace) or suspended  # with the stop checkpoint
         stopped = max(c["step"] for c in suspended["status"]["checkpoints"])
         assert stopped >= 4 and (checkpoints / f"step-{stopped:08d}").is_dir()
 
@@ -334,6 +335,7 @@ def test_suspend_resume_rollback_and_a_deleted_pod_lose_no_step(
         assert stopped in [c["step"] for c in resumed["status"]["checkpoints"]]
         second = one_pod()
         assert second != first
+        assert resumed_step(second) == stopped  # the suspend's own checkpoint, not an older one
 
         # Roll back to the newest checkpoint listed (an older one may be pruned by the time the
         # running pod stops: see the closing note of issue 12): the running pod checkpoints and
@@ -435,8 +437,11 @@ def test_a_two_rank_pod_suspends_with_75_and_resumes_to_the_same_losses(
         cluster.kubectl("patch", "ftj", "two", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":true}}')
         suspended = wait_status(cluster, namespace, "two", lambda s: s.get("phase") == "Suspended" and not
                                 active_pods(cluster, namespace, "two"), 300, "Suspended, no pod running")
-        cluster.wait_for(lambda: pods.exit_code(first) is not None, 60, what=f"{first}'s exit")
+        cluster.wait_for(lambda: pods.exit_code(first) is not None, 300, what=f"{first}'s exit")
         assert pods.exit_code(first) == 75, pods.events
+        # The phase says Suspended from the SIGTERM on; the stop checkpoint is in status
+        # once the pod has exited (the runtime publishes it before it exits).
+        suspended = cluster.get("finetunejob", "two", namespace) or suspended
         stopped = max(c["step"] for c in suspended["status"]["checkpoints"])
         cluster.kubectl("patch", "ftj", "two", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":false}}')
         job = _finished(real, namespace, "two")
