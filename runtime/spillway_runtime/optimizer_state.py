@@ -15,7 +15,9 @@ whole state after a resume, tensor by tensor, with the uninterrupted run's at th
   of a model cut into sub_group_size pieces, or every piece when the swap buffers are fitted
   under RLIMIT_MEMLOCK) keeps its fp32 masters and Adam moments in memory, and those are in
   that file only. They stayed as the model was built: in a pod, the first step after a
-  resume jumped from loss 4.09 to 5.61 (`restore_in_memory_subgroups`).
+  resume jumped from loss 4.09 to 5.61 (`restore_in_memory_subgroups`). With several
+  ranks, the small parameters ZeRO-3 keeps gathered whole (persistent) must then be
+  gathered again from the restored partitions, as DeepSpeed's own load does.
 Everything else (fp32 masters, both moments, 16-bit partitions, step counts, RNG) was found
 restored bit for bit.
 """
@@ -113,6 +115,14 @@ def restore_in_memory_subgroups(engine: Any, load_dir: str, tag: str) -> int:
         unflat = zero.unflatten(zero.fp16_partitioned_groups_flat[i], zero.fp16_partitioned_groups[i])
         for partitioned, restored in zip(zero.fp16_partitioned_groups[i], unflat, strict=True):
             partitioned.data = restored.data
+    # Small parameters stay gathered whole on every rank (ZeRO-3's persistent ones): free
+    # them and gather them again from the restored partitions, as DeepSpeed's own load
+    # does. With one rank the partition is the whole tensor; with two, the first step
+    # after a resume ran with the norms and biases of the model as built.
+    persistent = [p for i in in_memory for p in zero.fp16_groups[i] if getattr(p, "ds_persist", False)]
+    if persistent:
+        persistent[0].partition(persistent)
+        persistent[0].all_gather(persistent)
     return len(in_memory)
 
 
