@@ -326,4 +326,3 @@ def pending_rollback(requested: str | None, own: str | None, applied: str | None
     if requested is None or requested in (own, applied):
         return set()
     return {requested}
-

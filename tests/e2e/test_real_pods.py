@@ -505,4 +505,3 @@ def test_the_node_probe_daemonset_measures_and_annotates_the_real_node(
                    for k in now if k.startswith("spillway.dev/") and now[k] != before.get(k)]
         if changes:
             cluster.kubectl("annotate", "node", node, "--overwrite", *changes)
-

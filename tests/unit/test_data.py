@@ -92,4 +92,3 @@ def test_a_file_that_is_not_utf8_is_refused_with_file_line_and_byte(tmp_path: Pa
     where = f"{name}:2" if fmt == "jsonl" else name
     with pytest.raises(DatasetError, match=rf"{where}: not UTF-8 \(byte 0xe9 at offset \d+\); re-encode"):
         read_texts(DatasetSource(uri=str(tmp_path / name), format=fmt), tmp_path / name)
-
