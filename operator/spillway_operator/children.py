@@ -21,7 +21,7 @@ def create_children(
     spec: FineTuneJobSpec,
     chosen: Any,
     attempt: int,
-    resume: str | None,
+    config: RuntimeConfig,
     settings: OperatorSettings,
 ) -> list[str]:
     """Every child of this attempt, idempotently. The pods come as early as is safe: after
@@ -31,7 +31,6 @@ def create_children(
     plan = chosen.plan
     name = job["metadata"]["name"]
     k8s.create_if_absent(b.build_runtime_rbac(job)[0])  # the ServiceAccount
-    config = b.build_runtime_config(job, spec, plan, resume)
     k8s.apply_configmap(b.build_configmap(job, config, attempt))
     created = []
     for rank in range(plan.nodes):

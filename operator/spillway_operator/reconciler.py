@@ -538,6 +538,22 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
         raise PermanentFailure(message)
     plan = chosen.plan
 
+    attempt = int(old.get("attempt", 0))
+    resume = spec.resume_from if int(old.get("resumeAttempt", -1)) == attempt else None
+    try:
+        # What the pods would read, built once before anything is created: DeepSpeed settings
+        # that contradict the plan or the training settings end the job here, by name, rather
+        # than in a pod (or in a retry loop).
+        config = b.build_runtime_config(change.job, spec, plan, resume)
+    except ValueError as err:
+        message = str(err)
+        change.cond(b.PHASE_PLANNED, False, "InvalidSpec", message)
+        change.cond(b.PHASE_FAILED, True, "InvalidSpec", message)
+        change.phase(b.PHASE_FAILED, "InvalidSpec", message, warning=True)
+        change.status["finishedAt"] = b.rfc3339(change.now)
+        change.commit()
+        raise PermanentFailure(message) from None
+
     missing = children.missing_inputs(namespace, spec, plan, settings)
     if missing:
         message = "; ".join(missing)
@@ -550,8 +566,6 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
     if b.condition(change.conditions, "InputsReady"):
         change.cond("InputsReady", True, "Found", "every PVC and StorageClass the job names exists")
 
-    attempt = int(old.get("attempt", 0))
-    resume = spec.resume_from if int(old.get("resumeAttempt", -1)) == attempt else None
     message = (
         f"{plan.label} on {chosen.shape} ({len(chosen.nodes)} node(s)); predicted "
         f"{plan.predicted_step_seconds:.3g} s/step, ${plan.predicted_cost_usd or 0:.2f}"
@@ -568,7 +582,7 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
     # the pods exist: nothing that is not needed first stands before them.
     change.commit(post_events=False)
     try:
-        created = children.create_children(change.job, spec, chosen, attempt, resume, settings)
+        created = children.create_children(change.job, spec, chosen, attempt, config, settings)
         if created:
             # One Event, not two, when this call also moved the job to Planned (the usual case).
             pods = f"attempt {attempt}: created {', '.join(created)}"

@@ -129,6 +129,21 @@ def test_job_that_fits_nowhere_fails_with_the_short_tier(
     assert any(e["reason"] == "NoFit" for e in events_of(cluster, namespace, "huge"))
 
 
+def test_deepspeed_settings_that_contradict_the_job_fail_it_by_name_without_pods(
+    cluster: Any, namespace: str, operator: Any, make_node: Callable[..., str]
+) -> None:
+    """Found only when the operator builds what the pods read: it stayed Planned, retried
+    forever, with the reason in the operator's log alone."""
+    node = make_node("gpu-24g")
+    cluster.apply(job_manifest("contradicts", node=node, offload={"deepspeed": {"train_batch_size": 999}}), namespace)
+    job = wait_status(cluster, namespace, "contradicts", lambda s: s.get("phase") == "Failed", 30)
+    failed = next(c for c in job["status"]["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "InvalidSpec", failed
+    assert "offload.deepspeed.train_batch_size is 999" in failed["message"] and "training." in failed["message"]
+    assert pods_of(cluster, namespace, "contradicts") == []
+    assert any(e["reason"] == "InvalidSpec" and e["type"] == "Warning" for e in events_of(cluster, namespace, "contradicts"))
+
+
 def test_suspend_resume_and_rollback(cluster: Any, namespace: str, operator: Any, make_node: Callable[..., str]) -> None:
     node = make_node("gpu-48g-nvme")
     add_checkpoint_volume(cluster)
