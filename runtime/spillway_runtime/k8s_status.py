@@ -135,17 +135,15 @@ def _api() -> Any:
     return client.CustomObjectsApi()
 
 
-def _reader(name: str, namespace: str) -> Callable[[], dict[str, Any]]:
-    api = _api()
-
+def _reader(name: str, namespace: str, api: Any) -> Callable[[], dict[str, Any]]:
     def read() -> dict[str, Any]:
         return dict(api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, _request_timeout=10))
 
     return read
 
 
-def _server_side_apply(name: str, namespace: str) -> Callable[[dict[str, Any]], None]:
-    api = _api()
+def _server_side_apply(name: str, namespace: str, api: Any = None) -> Callable[[dict[str, Any]], None]:
+    api = api or _api()
 
     def patch(body: dict[str, Any]) -> None:
         api.patch_namespaced_custom_object_status(
@@ -170,7 +168,8 @@ def sink_from_env(total_steps: int) -> StatusPublisher | None:
     if not name or not namespace or int(os.environ.get("RANK", "0")) != 0:
         return None
     try:
-        patch, read = _server_side_apply(name, namespace), _reader(name, namespace)
+        api = _api()  # one client (and one kubeconfig load) for both
+        patch, read = _server_side_apply(name, namespace, api), _reader(name, namespace, api)
     except Exception as err:
         log.warning("no status publishing (kubernetes client unavailable): %s", err)
         return None

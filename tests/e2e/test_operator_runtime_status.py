@@ -84,7 +84,7 @@ def test_a_rollback_asked_for_while_the_pod_runs_is_spared_by_its_pruning(
     cluster.kubectl("wait", "--for=condition=Established", "crd/finetunejobs.spillway.dev", "--timeout=30s")
     cluster.apply(job_manifest("pin", node="nowhere"), namespace)
     sink = k8s_status.StatusPublisher("pin", namespace, 100, k8s_status._server_side_apply("pin", namespace),
-                                      k8s_status._reader("pin", namespace))
+                                      k8s_status._reader("pin", namespace, k8s_status._api()))
     store = CheckpointStore(tmp_path, keep=2, pinned=lambda: pending_rollback(sink.requested_rollback(), None, None))
 
     def save(step: int) -> None:
