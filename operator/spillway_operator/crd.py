@@ -51,13 +51,6 @@ VALIDATIONS: dict[tuple[str, ...], list[dict[str, str]]] = {
             "fieldPath": ".uri",
         }
     ],
-    ("resources",): [
-        {
-            "rule": "!has(self.gpusPerNode) || self.gpusPerNode > 0 || self.nodes == 1",
-            "message": "resources.nodes > 1 needs GPUs: set resources.gpusPerNode above 0",
-            "fieldPath": ".nodes",
-        }
-    ],
 }
 
 PRINTER_COLUMNS = [

@@ -592,8 +592,6 @@ def plan_tiers(
     gpus = hw.gpu_count if gpus_per_node is None else gpus_per_node
     if gpus > hw.gpu_count:
         raise ValueError(f"resources.gpusPerNode is {gpus} but {hw.name} has {hw.gpu_count} GPUs")
-    if nodes > 1 and gpus == 0:
-        raise ValueError("multi-node training needs GPUs: set resources.nodes to 1 on CPU-only nodes")
     ranks_per_node = gpus if gpus else max(1, cpu_processes)
 
     candidates: list[OffloadPlan] = []

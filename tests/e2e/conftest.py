@@ -170,10 +170,10 @@ class Cluster:
     def real_node(self) -> str:
         return self.settings()["NODE_NAME"]
 
-    def load_images(self, *names: str) -> dict[str, str]:
-        """Build (or reuse) images with hack/images and import them into the real
-        node's containerd; returns name -> reference (pull policy Never finds them)."""
-        sock = self.settings()["CONTAINERD_SOCKET"]
+    def load_images(self, *names: str, node: int = 1) -> dict[str, str]:
+        """Build (or reuse) images with hack/images and import them into the containerd of
+        real node 1 (or 2); returns name -> reference (pull policy Never finds them)."""
+        sock = self.settings()["CONTAINERD_SOCKET" if node == 1 else f"CONTAINERD{node}_SOCKET"]
         proc = subprocess.run(
             [str(HACK_IMAGES), "load", sock, *names], capture_output=True, text=True, timeout=IMAGES_TIMEOUT_S
         )

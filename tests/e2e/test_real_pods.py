@@ -13,6 +13,9 @@ cluster's real node, driven by the real operator, as a user drives it with kubec
   weights bit-equal to the uninterrupted run's.
 - A bad dataset line: the job ends Failed with the runtime's own message (file and line)
   in its condition and in `kubectl describe`.
+- Two ranks in one pod, and two ranks on two real nodes (rank 1 finds rank 0 by its
+  headless-Service name through the cluster's DNS): suspended and resumed, both end with
+  the losses of an uninterrupted two-rank run, to the bit.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import json
 import os
 import secrets
 import shutil
+import subprocess
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -89,12 +93,13 @@ class RealNode:
                      "volumeName": f"{namespace}-inputs", "resources": {"requests": {"storage": "1Gi"}}}}, namespace)
 
     def job(self, namespace: str, name: str, dataset: str | None = None, max_steps: int | None = None,
-            processes: int = 1) -> Path:
+            processes: int = 1, nodes: int = 1) -> Path:
         """`kubectl apply -f examples/tiny-cluster.yaml` under another name, with this
         module's storage class and an NVMe directory of its own; returns its checkpoint
-        directory on this machine."""
+        directory on this machine. With ``nodes`` 2 it spans both real nodes."""
         checkpoints = self.host_dir(f"{namespace}-{name}-checkpoints")
-        self.pv(f"{namespace}-{name}-ckpt", checkpoints, namespace, checkpoint_pvc_name(name), "ReadWriteOnce")
+        self.pv(f"{namespace}-{name}-ckpt", checkpoints, namespace, checkpoint_pvc_name(name),
+                "ReadWriteOnce" if nodes == 1 else "ReadWriteMany")
         job = yaml.safe_load(EXAMPLE.read_text())
         job["metadata"]["name"] = name
         spec = job["spec"]
@@ -108,6 +113,10 @@ class RealNode:
             spec["training"].update({"maxSteps": max_steps, "microBatchSize": 8, "sequenceLength": 64})
         if processes > 1:
             spec["resources"]["cpuProcesses"] = processes
+        if nodes > 1:
+            spec["resources"]["nodes"] = nodes
+            spec["resources"]["tolerations"].append(
+                {"key": self.cluster.settings()["NODE2_TAINT"], "operator": "Exists", "effect": "NoSchedule"})
         self.cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(job))
         return checkpoints
 
@@ -505,3 +514,64 @@ def test_the_node_probe_daemonset_measures_and_annotates_the_real_node(
                    for k in now if k.startswith("spillway.dev/") and now[k] != before.get(k)]
         if changes:
             cluster.kubectl("annotate", "node", node, "--overwrite", *changes)
+
+
+@pytest.fixture
+def second_node(real: RealNode, cluster: Cluster) -> Iterator[str]:
+    """Real node 2 made like node 1 for a test that means to use it: the training image in
+    its containerd, node 1's NVMe figures (the planner groups the two as one shape). The
+    image is removed afterwards: a second unpacked copy costs gigabytes of disk."""
+    settings = cluster.settings()
+    node = settings["NODE2_NAME"]
+    image = cluster.load_images("runtime-cpu", node=2)["runtime-cpu"]
+    assert image == real.image
+    ours = {k: v for k, v in cluster.kubectl_json("get", "node", cluster.real_node)["metadata"]["annotations"].items()
+            if k.startswith("spillway.dev/")}
+    cluster.kubectl("annotate", "node", node, "--overwrite", *[f"{k}={v}" for k, v in ours.items()])
+    try:
+        yield node
+    finally:
+        cluster.kubectl("annotate", "node", node, *[f"{k}-" for k in ours], check=False)
+        subprocess.run(["ctr", "--address", settings["CONTAINERD2_SOCKET"], "-n", "k8s.io", "images", "rm",
+                        "--sync", image], capture_output=True, timeout=300)
+
+
+def test_a_two_node_job_meets_across_real_nodes_and_resumes_to_the_same_losses(
+    real: RealNode, second_node: str, cluster: Cluster, kube_api: Any, namespace: str
+) -> None:
+    """resources.nodes 2 on two real nodes: one pod on each; rank 1 finds rank 0 by its
+    headless-Service name (CoreDNS) and their gloo traffic crosses from one node's bridge to
+    the other's. A suspend reaches both pods, both checkpoint and exit 75; the resumed pair
+    ends with the losses of an uninterrupted two-rank run in one pod, to the bit."""
+    real.inputs(namespace)
+    pods = PodWatch(kube_api, namespace, "nodes")
+    real.job(namespace, "nodes-ref", max_steps=TWO_RANK_STEPS, processes=2)
+    real.job(namespace, "nodes", max_steps=TWO_RANK_STEPS, nodes=2)
+    try:
+        wait_status(cluster, namespace, "nodes", lambda s: (s.get("progress") or {}).get("step", 0) >= 3,
+                    POD_TIMEOUT_S, "step 3")
+        first = sorted(active_pods(cluster, namespace, "nodes"))
+        placed = {p: cluster.get("pod", p, namespace)["spec"]["nodeName"] for p in first}
+        assert sorted(placed.values()) == sorted([cluster.real_node, second_node]), placed
+        cluster.kubectl("patch", "ftj", "nodes", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":true}}')
+        wait_status(cluster, namespace, "nodes", lambda s: s.get("phase") == "Suspended" and not
+                    active_pods(cluster, namespace, "nodes"), 300, "Suspended, no pod running")
+        cluster.wait_for(lambda: all(pods.exit_code(p) is not None for p in first), 300, what="both pods' exits")
+        assert [pods.exit_code(p) for p in first] == [75, 75], pods.events
+        suspended = cluster.get("finetunejob", "nodes", namespace)
+        stopped = max(c["step"] for c in suspended["status"]["checkpoints"])
+        cluster.kubectl("patch", "ftj", "nodes", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":false}}')
+        job = _finished(real, namespace, "nodes")
+        reference = _finished(real, namespace, "nodes-ref")
+    finally:
+        pods.stop()
+    assert job["status"]["phase"] == reference["status"]["phase"] == "Succeeded", json.dumps(job["status"])[-2000:]
+    [rank0] = [name for name in pods.names() if name not in first and name.endswith("-0")]
+    log = _events(cluster, namespace, rank0)
+    assert [e["step"] for e in log if e["event"] == "resumed"] == [stopped]
+    expected = {e["step"]: e["loss"] for e in _events(cluster, namespace, "nodes-ref-a0-0") if e["event"] == "step"}
+    got = {e["step"]: e["loss"] for e in log if e["event"] == "step"}
+    assert sorted(got) == list(range(stopped + 1, TWO_RANK_STEPS + 1))
+    assert {s: (got[s], expected[s]) for s in got if got[s] != expected[s]} == {}
+    started = [e for e in log if e["event"] == "started"]
+    assert [e["world_size"] for e in started] == [2], started
