@@ -20,10 +20,10 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, NoReturn
 
+from spillway_operator import admission, children, k8s, metrics, store
 from spillway_operator import builders as b
-from spillway_operator import children, k8s, metrics, store
 from spillway_operator.placement import choose_placement, plan_status
 from spillway_operator.settings import OperatorSettings
 from spillway_operator.status import StatusChange
@@ -154,6 +154,14 @@ def _read_pods(namespace: str, name: str) -> list[dict[str, Any]]:
     return k8s.list_job_pods(namespace, name)
 
 
+def _invalid(change: StatusChange, problems: list[str]) -> NoReturn:
+    message = "; ".join(problems)
+    change.cond(b.PHASE_FAILED, True, "InvalidSpec", message)
+    change.phase(b.PHASE_FAILED, "InvalidSpec", message, warning=True)
+    change.commit()
+    raise PermanentFailure(message) from None
+
+
 def _reconcile_once(namespace: str, name: str, settings: OperatorSettings) -> Result:
     job = _read_job(namespace, name)
     if job is None:
@@ -166,12 +174,7 @@ def _reconcile_once(namespace: str, name: str, settings: OperatorSettings) -> Re
     try:
         spec = parse_job(job, f"{namespace}/{name}").spec
     except SpecError as err:
-        message = "; ".join(err.problems)
-        change.cond(b.PHASE_FAILED, True, "InvalidSpec", message)
-        change.phase(b.PHASE_FAILED, "InvalidSpec", message, warning=True)
-        change.commit()
-        raise PermanentFailure(message) from None
-
+        _invalid(change, err.problems)
     status = change.old
     phase = status.get("phase") or b.PHASE_PENDING
     attempt = int(status.get("attempt", 0))
@@ -180,6 +183,10 @@ def _reconcile_once(namespace: str, name: str, settings: OperatorSettings) -> Re
         p for p in _read_pods(namespace, name) if any(o.get("uid") == uid for o in p["metadata"].get("ownerReferences") or [])
     ]
     current = [p for p in pods if _attempt_of(p) == attempt]
+    if phase in (b.PHASE_PENDING, b.PHASE_PLANNED) and not current and (problems := admission.spec_problems(spec)):
+        # What the admission webhook refuses, found here for a job it did not see (created
+        # while no webhook was registered): Failed with the reason before any pod, never retried.
+        _invalid(change, problems)
     for pod in pods:
         # Older attempts' pods that still run (a kill between commit and delete) go now.
         if _attempt_of(pod) != attempt and _active(pod) and not pod["metadata"].get("deletionTimestamp"):

@@ -211,9 +211,13 @@ def build_deepspeed_config(
     return apply_overrides(config, spec.offload.deepspeed, plan)
 
 
-def apply_overrides(config: dict[str, Any], overrides: dict[str, Any], plan: OffloadPlan) -> dict[str, Any]:
-    """Merge raw overrides, then repair or refuse what DeepSpeed would trip over."""
-    overrides = copy.deepcopy(overrides)
+# The blocks `build_deepspeed_config` always writes: an override must give each as a mapping.
+SETTINGS_BLOCKS = ("zero_optimization", "bf16", "fp16", "optimizer", "aio")
+
+
+def _refuse_contradictions(config: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """A block given as a scalar, or a batch setting that disagrees with `config`'s (those
+    `config` has: before a plan, train_batch_size may not be known)."""
     for key, value in overrides.items():
         if isinstance(config.get(key), dict) and not isinstance(value, dict):
             raise DeepSpeedConfigError(
@@ -221,11 +225,39 @@ def apply_overrides(config: dict[str, Any], overrides: dict[str, Any], plan: Off
                 f"give a mapping (e.g. {key}: {{...}}) or leave it out"
             )
     for key, field in BATCH_SETTINGS.items():
-        if key in overrides and overrides[key] != config.get(key):
+        if key in overrides and key in config and overrides[key] != config[key]:
             raise DeepSpeedConfigError(
-                f"offload.deepspeed.{key} is {overrides[key]!r} but the training settings give {config.get(key)!r}: "
+                f"offload.deepspeed.{key} is {overrides[key]!r} but the training settings give {config[key]!r}: "
                 f"set the batch with {field} and leave {key} out of offload.deepspeed"
             )
+
+
+def check_overrides(spec: FineTuneJobSpec, world_size: int | None) -> None:
+    """What can be said of offload.deepspeed before there is a plan (the admission webhook):
+    a block given as a scalar, a batch setting that contradicts spec.training
+    (train_batch_size only when the number of processes is known), a ZeRO stage that is not
+    one of DeepSpeed's. The rest waits for the plan (`apply_overrides`) and for DeepSpeed's
+    own validation."""
+    training = spec.training
+    skeleton: dict[str, Any] = {key: {} for key in SETTINGS_BLOCKS}
+    skeleton["train_micro_batch_size_per_gpu"] = training.micro_batch_size
+    skeleton["gradient_accumulation_steps"] = training.gradient_accumulation
+    if world_size:
+        skeleton["train_batch_size"] = training.micro_batch_size * training.gradient_accumulation * world_size
+    overrides = spec.offload.deepspeed
+    _refuse_contradictions(skeleton, overrides)
+    stage = (overrides.get("zero_optimization") or {}).get("stage")
+    if stage is not None and (type(stage) is not int or stage not in range(4)):
+        raise DeepSpeedConfigError(
+            f"offload.deepspeed.zero_optimization.stage is {stage!r}: DeepSpeed's ZeRO stages are the "
+            "integers 0, 1, 2 and 3; leave it out and the plan chooses"
+        )
+
+
+def apply_overrides(config: dict[str, Any], overrides: dict[str, Any], plan: OffloadPlan) -> dict[str, Any]:
+    """Merge raw overrides, then repair or refuse what DeepSpeed would trip over."""
+    overrides = copy.deepcopy(overrides)
+    _refuse_contradictions(config, overrides)
     zero_override = overrides.get("zero_optimization", {})
     if isinstance(zero_override, dict) and "aio" in zero_override:
         # Nested aio fails DeepSpeed's validation; the user meant the top-level block.

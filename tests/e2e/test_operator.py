@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import random
+import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
+from tests.bad_jobs import CORPUS, WEBHOOK_ONLY
 from tests.e2e.operator_fixtures import (
     OPERATOR_NAMESPACE,
     OperatorProcess,
@@ -142,6 +145,35 @@ def test_deepspeed_settings_that_contradict_the_job_fail_it_by_name_without_pods
     assert "offload.deepspeed.train_batch_size is 999" in failed["message"] and "training." in failed["message"]
     assert pods_of(cluster, namespace, "contradicts") == []
     assert any(e["reason"] == "InvalidSpec" and e["type"] == "Warning" for e in events_of(cluster, namespace, "contradicts"))
+
+
+def test_no_malformed_job_of_the_corpus_sits_in_planned(cluster: Any, namespace: str, operator: Any) -> None:
+    """Each job of the malformed corpus is either refused by `kubectl apply` (the CRD's schema
+    and rules) naming the field, or ends Failed (InvalidSpec, with the field in its message)
+    within 30 s, before any pod; none is left Pending or Planned."""
+    accepted: dict[str, str] = {}
+    for i, (what, job, expected) in enumerate(CORPUS):
+        if what in WEBHOOK_ONLY:
+            continue
+        field = re.split(r"[: ]", expected, maxsplit=1)[0]
+        job = {**copy.deepcopy(job), "metadata": {"name": f"bad-{i}"}}
+        proc = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(job), check=False)
+        if proc.returncode != 0:
+            assert field in proc.stderr, (what, proc.stderr)
+        else:
+            accepted[f"bad-{i}"] = field
+    assert accepted, "the API server refused every job: the operator's half is untested"
+
+    def failed_all() -> dict[str, dict[str, Any]] | None:
+        jobs = {name: cluster.get("finetunejob", name, namespace) or {} for name in accepted}
+        done = all((j.get("status") or {}).get("phase") == "Failed" for j in jobs.values())
+        return jobs if done else None
+
+    jobs = cluster.wait_for(failed_all, 30, interval=1, what=f"{sorted(accepted)} Failed")
+    for name, field in accepted.items():
+        failed = next(c for c in jobs[name]["status"]["conditions"] if c["type"] == "Failed")
+        assert failed["reason"] == "InvalidSpec" and field in failed["message"], (name, failed)
+        assert pods_of(cluster, namespace, name) == []
 
 
 def test_suspend_resume_and_rollback(cluster: Any, namespace: str, operator: Any, make_node: Callable[..., str]) -> None:

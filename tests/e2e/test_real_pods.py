@@ -224,17 +224,24 @@ class PodWatch:
 
         self.events: list[tuple[str, str, int | None]] = []  # (type, pod, trainer exit code)
         self._watch = watch.Watch()  # type: ignore[no-untyped-call]
+        self._stopped = threading.Event()
         core = client.CoreV1Api(api)
 
         def run() -> None:
-            for event in self._watch.stream(core.list_namespaced_pod, namespace,
-                                            label_selector=f"spillway.dev/job={job}", timeout_seconds=1800):
-                pod = event["object"]
-                code = None
-                for status in pod.status.container_statuses or []:
-                    if status.name == "trainer" and status.state and status.state.terminated:
-                        code = status.state.terminated.exit_code
-                self.events.append((event["type"], pod.metadata.name, code))
+            try:
+                for event in self._watch.stream(core.list_namespaced_pod, namespace,
+                                                label_selector=f"spillway.dev/job={job}", timeout_seconds=1800):
+                    pod = event["object"]
+                    code = None
+                    for status in pod.status.container_statuses or []:
+                        if status.name == "trainer" and status.state and status.state.terminated:
+                            code = status.state.terminated.exit_code
+                    self.events.append((event["type"], pod.metadata.name, code))
+            except Exception:
+                # A stopped watch ends when its stream next wakes, which may be the API
+                # server going away at the end of the session.
+                if not self._stopped.is_set():
+                    raise
 
         self._thread = threading.Thread(target=run, daemon=True)
         self._thread.start()
@@ -254,6 +261,7 @@ class PodWatch:
         return next(i for i, (t, name, _) in enumerate(self.events) if t == kind and name == pod)
 
     def stop(self) -> None:
+        self._stopped.set()
         self._watch.stop()  # type: ignore[no-untyped-call]
 
 

@@ -1,0 +1,87 @@
+"""What `kubectl apply` of a FineTuneJob is refused for: the checks of the admission webhook.
+
+Where this sits: under the webhook server (`webhook`), beside the reconciler; pure (a job,
+and on update the job as it was, in; one line per problem out, each naming the field).
+The same checks `spillway run` makes before it trains, as far as they can be made before
+a plan exists and without reading the volumes: the spec model (with its policy rules), URI
+schemes and claim names, the DeepSpeed overrides that no plan could accept, and a
+`resumeFrom` that names no checkpoint of the job. What needs the plan or the volumes is
+found by the operator and ends the job Failed with its reason (never an endless retry).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from spillway_runtime.dsconfig import DeepSpeedConfigError, check_overrides
+from spillway_runtime.runconfig import resolve_uri
+from spillway_runtime.spec import FineTuneJobSpec, SpecError, parse_job
+
+# A PersistentVolumeClaim's name: a DNS-1123 subdomain.
+_CLAIM = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+
+
+def problems(job: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
+    """Every reason to refuse ``job`` (``old``: the stored job, on an update); [] admits it."""
+    try:
+        spec = parse_job(job).spec
+    except SpecError as err:
+        return err.problems
+    return spec_problems(spec) + _resume_problems(spec, old)
+
+
+def spec_problems(spec: FineTuneJobSpec) -> list[str]:
+    """The checks past the spec model's own: URIs and the DeepSpeed overrides."""
+    found = [line for field, uri in _uris(spec) for line in _uri_problems(field, uri)]
+    try:
+        check_overrides(spec, _world_size(spec))
+    except DeepSpeedConfigError as err:
+        found.append(f"spec.{err}")
+    return found
+
+
+def _uris(spec: FineTuneJobSpec) -> list[tuple[str, str]]:
+    uris = [("spec.model.uri", spec.model.uri), ("spec.dataset.uri", spec.dataset.uri)]
+    if spec.model.tokenizer_uri:
+        uris.append(("spec.model.tokenizerUri", spec.model.tokenizer_uri))
+    return uris
+
+
+def _uri_problems(field: str, uri: str) -> list[str]:
+    try:
+        resolve_uri(uri, Path("/"))
+    except ValueError as err:
+        return [f"{field}: {err}"]
+    if uri.startswith("pvc://"):
+        claim = uri[len("pvc://"):].split("/", 1)[0]
+        if not _CLAIM.fullmatch(claim):
+            return [f"{field}: {uri!r} names no valid PersistentVolumeClaim: write pvc://CLAIM/PATH, "
+                    "CLAIM a claim in the job's namespace (lower-case letters, digits, '-' and '.')"]
+    return []
+
+
+def _world_size(spec: FineTuneJobSpec) -> int | None:
+    """Processes in all: known before a plan only when gpusPerNode is given."""
+    resources = spec.resources
+    if resources.gpus_per_node is None:
+        return None
+    per_node = resources.gpus_per_node or resources.cpu_processes
+    return resources.nodes * per_node
+
+
+def _resume_problems(spec: FineTuneJobSpec, old: dict[str, Any] | None) -> list[str]:
+    target = spec.resume_from
+    if not target:
+        return []
+    if old is None:
+        return [f"spec.resumeFrom: {target!r}: a new job has no checkpoints to resume from; leave it out "
+                "(a rollback sets it on a job that has checkpointed)"]
+    if (old.get("spec") or {}).get("resumeFrom") == target:
+        return []  # unchanged: it named a checkpoint when it was set, which may since be done and pruned
+    kept = [c.get("name") for c in (old.get("status") or {}).get("checkpoints") or []]
+    if target not in kept:
+        listed = ", ".join(str(name) for name in kept) or "none yet"
+        return [f"spec.resumeFrom: the job has no checkpoint named {target!r}; its checkpoints: {listed}"]
+    return []
