@@ -30,6 +30,7 @@ from spillway_api.models import (
     utcnow,
 )
 from spillway_api.schemas import JobCreate
+from spillway_operator.admission import new_job_problems
 from spillway_runtime.processes import EXIT_ABORTED
 from spillway_runtime.spec import FineTuneJob
 
@@ -171,6 +172,11 @@ class JobService:
             raise ApiError(422, "namespace_mismatch",
                            f"metadata.namespace {body.metadata.namespace!r} differs from the path's {namespace!r}",
                            errors=[f"metadata.namespace: must be {namespace!r} or omitted"])
+        problems = new_job_problems(body.spec)
+        if problems:
+            # What the cluster's admission webhook and the operator refuse, refused here first:
+            # a local job would fail the same way before training.
+            raise ApiError(422, "invalid_request", "the job cannot be used: " + "; ".join(problems), errors=problems)
         exists = self.session.scalar(select(Job.id).where(Job.namespace == namespace, Job.name == body.metadata.name))
         if exists is not None:
             raise ApiError(409, "job_exists", f"a job {body.metadata.name!r} already exists in {namespace!r}; "

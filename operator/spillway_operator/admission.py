@@ -32,6 +32,11 @@ def problems(job: dict[str, Any], old: dict[str, Any] | None = None) -> list[str
     return spec_problems(spec) + _resume_problems(spec, old)
 
 
+def new_job_problems(spec: FineTuneJobSpec) -> list[str]:
+    """`problems` of a job about to be created whose spec model is already parsed (the REST API)."""
+    return spec_problems(spec) + _resume_problems(spec, None)
+
+
 def spec_problems(spec: FineTuneJobSpec) -> list[str]:
     """The checks past the spec model's own: URIs and the DeepSpeed overrides."""
     found = [line for field, uri in _uris(spec) for line in _uri_problems(field, uri)]
