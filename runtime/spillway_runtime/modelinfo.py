@@ -39,9 +39,18 @@ def shape_from_config(model_dir: str | Path) -> ModelShape:
 
     path = Path(model_dir)
     raw = _read_config(path)
-    config = AutoConfig.from_pretrained(str(path if path.is_dir() else path.parent))
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    config_path = path / "config.json" if path.is_dir() else path
+    try:
+        config = AutoConfig.from_pretrained(str(config_path.parent))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, TypeError, OSError) as err:
+        # transformers' own words, which name neither the file nor what to change.
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelConfigError(
+            f"{config_path}: transformers cannot build a causal language model from it ({first}); "
+            "model.uri must point at a Hugging Face causal LM directory"
+        ) from None
     seen: set[int] = set()
     total = 0
     largest_param = 0

@@ -219,9 +219,11 @@ class FineTuneRecipe:
             from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
             self._hf_ds_config = HfDeepSpeedConfig(ds_config)
+        from safetensors import SafetensorError
+
         try:
             model = AutoModelForCausalLM.from_pretrained(self.cfg.model_dir, dtype=torch_dtype)
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, SafetensorError) as err:  # a weights file cut short: SafetensorError
             raise RunFailed(f"model.uri {self.cfg.model_dir}: cannot load the model ({err})", EXIT_BAD_INPUT) from None
         if self.spec.training.activation_checkpointing == "on" or self.plan.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
