@@ -23,7 +23,7 @@ from spillway_runtime.hardware import GPU_RESOURCE, NodeHardware
 from spillway_runtime.planner import OffloadPlan
 from spillway_runtime.runconfig import PVC_MOUNT_ROOT, RuntimeConfig, resolve_uri
 from spillway_runtime.spec import API_GROUP, API_VERSION, KIND, FineTuneJob, FineTuneJobSpec
-from spillway_runtime.units import GiB, format_bytes
+from spillway_runtime.units import GiB
 
 LABEL_JOB = "spillway.dev/job"
 LABEL_ATTEMPT = "spillway.dev/attempt"
@@ -639,7 +639,3 @@ def cost_status(
         "pricePerHourUSD": price_per_hour,
         "display": f"${usd:,.2f}",
     }
-
-
-def describe_bytes(n: int) -> str:
-    return format_bytes(n)

@@ -317,10 +317,6 @@ def namespace_terminating(err: BaseException) -> bool:
     return isinstance(err, ApiException) and err.status == 403 and "NamespaceTerminating" in str(err.body or "")
 
 
-def is_conflict(err: BaseException) -> bool:
-    return isinstance(err, ApiException) and err.status == 409
-
-
 def is_forbidden(err: BaseException) -> bool:
     """Our own RBAC refused the call: an admin has to grant something."""
     return isinstance(err, ApiException) and err.status == 403 and not namespace_terminating(err)

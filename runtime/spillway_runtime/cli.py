@@ -1,4 +1,5 @@
-"""The runtime's commands for the `spillway` CLI: probe, plan, run, make-tiny.
+"""The runtime's commands for the `spillway` CLI: probe, plan, make-tiny (`spillway run` is the
+API package's: it records the job for `spillway api`).
 
 `spillway_api.cli` assembles the full command from this and the other packages.
 """
@@ -194,33 +195,6 @@ def plan(
         raise typer.Exit(EXIT_PLAN_INFEASIBLE)
 
 
-def run(
-    job_file: Annotated[Path, typer.Argument(help="finetune.yaml")],
-    run_dir: Annotated[Path | None, typer.Option(help="Where checkpoints, events and the export go")] = None,
-    processes: Annotated[int, typer.Option(help="Training processes (ranks) on a CPU-only machine")] = 1,
-) -> None:
-    """Fine-tune on this machine with the plan's offload; no cluster needed."""
-    from spillway_runtime.local import launch, prepare_local_run
-    from spillway_runtime.modelinfo import ModelConfigError
-    from spillway_runtime.planner import PlanningError
-
-    try:
-        config = prepare_local_run(job_file, run_dir=run_dir, processes=processes)
-    except (SpecError, ModelConfigError) as err:
-        raise _fail(str(err)) from None
-    except PlanningError as err:
-        _print_plan(err.plan)
-        raise _fail(str(err), EXIT_PLAN_INFEASIBLE) from None
-    except ValueError as err:
-        raise _fail(str(err)) from None
-    _print_plan(config.plan)
-    Console().print(f"run directory: {config.run_dir}")
-    code = launch(config, processes)
-    if code == 0:
-        Console().print(f"[green]done[/green]: model exported to {config.export_dir}")
-    raise typer.Exit(code)
-
-
 def make_tiny(
     out_dir: Annotated[Path, typer.Argument(help="Directory for the model and tokenizer")],
     dataset: Annotated[Path | None, typer.Option(help="Also write a synthetic JSONL dataset here")] = None,
@@ -243,7 +217,6 @@ def make_tiny(
 def register(app: typer.Typer) -> None:
     app.command()(probe)
     app.command()(plan)
-    app.command()(run)
     app.command("make-tiny")(make_tiny)
 
 

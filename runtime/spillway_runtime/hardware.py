@@ -12,7 +12,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-ANNOTATION_PREFIX = "spillway.dev/"
 # annotation key -> NodeHardware field (all integers as decimal strings)
 ANNOTATIONS: dict[str, str] = {
     "spillway.dev/nvme-capacity-bytes": "nvme_capacity_bytes",

@@ -13,12 +13,10 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 from spillway_runtime.dsconfig import build_deepspeed_config, validate_deepspeed_config
 from spillway_runtime.hardware import NodeHardware
 from spillway_runtime.planner import OffloadPlan, PlanningError, plan_tiers
-from spillway_runtime.processes import StopSignals, TrainingProcess
 from spillway_runtime.runconfig import FaultInjection, RuntimeConfig, resolve_uri
 from spillway_runtime.spec import FineTuneJob, SpecError, load_job
 
@@ -125,13 +123,3 @@ def runtime_env(config: RuntimeConfig) -> dict[str, str]:
         # Each process gets its share of the cores; oversubscription makes gloo crawl.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.plan.processes_per_node)))
     return env
-
-
-def launch(config: RuntimeConfig, processes: int = 1, **popen: Any) -> int:
-    """Run the training process(es) to completion in the foreground: SIGTERM or Ctrl-C asks for a
-    checkpoint and exit 75, a second Ctrl-C aborts (see processes.py)."""
-    config_path = Path(config.run_dir) / "runtime.json"
-    child = TrainingProcess(runtime_command(config_path, processes), runtime_env(config), tie_to_parent=True,
-                            **popen)
-    with StopSignals(child, say=lambda message: print(f"spillway: {message}", file=sys.stderr)):
-        return child.wait()

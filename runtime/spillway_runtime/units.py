@@ -96,7 +96,3 @@ def format_count(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.1f}{unit}"
     return str(int(n))
-
-
-def gib(n: float) -> float:
-    return n / GiB

@@ -303,10 +303,6 @@ class LocalLauncher:
     def owned_elsewhere(self, job: Job) -> bool:
         return job.owner_pid not in (None, os.getpid()) and _alive(job.owner_pid)
 
-    def running_here(self, job_id: int) -> bool:
-        entry = self.runs.get(job_id)
-        return entry is not None and entry[1].is_alive()
-
     def training_here(self, job_id: int) -> bool:
         entry = self.runs.get(job_id)
         return entry is not None and entry[1].is_alive() and not entry[0].finished.is_set()
