@@ -45,10 +45,12 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import pytest
 import yaml
+
+from tests.polling import wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HACK_CLUSTER = REPO_ROOT / "hack" / "cluster"
@@ -203,15 +205,7 @@ class Cluster:
         what: str = "condition",
     ) -> T:
         """Poll ``condition`` until it returns something truthy; return it."""
-        deadline = time.monotonic() + timeout
-        last: T | None = None
-        while True:
-            last = condition()
-            if last:
-                return last
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
-            time.sleep(interval)
+        return cast(T, wait_for(condition, timeout, what, interval))
 
     def wait_for_pod_phase(
         self, namespace: str, pod: str, phases: str | tuple[str, ...], timeout: float = 30

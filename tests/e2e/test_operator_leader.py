@@ -21,6 +21,7 @@ from tests.e2e.operator_fixtures import (
     job_manifest,
     wait_status,
 )
+from tests.polling import wait_for
 
 pytestmark = pytest.mark.e2e
 LEASE = "spillway-operator"
@@ -32,13 +33,11 @@ def _holder(cluster: Any) -> str:
 
 
 def _identity(log: Path, timeout: float = 30) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def asked() -> str | None:
         found = re.search(r"waiting for lease \S+ as (\S+)", log.read_text() if log.exists() else "")
-        if found:
-            return found.group(1)
-        time.sleep(0.2)
-    raise AssertionError(f"operator never asked for the lease; log: {log.read_text()[-2000:]}")
+        return found.group(1) if found else None
+
+    return wait_for(asked, timeout, f"the operator to ask for the lease (log: {log})")
 
 
 def _replica(cluster: Any, log: Path) -> OperatorProcess:

@@ -5,13 +5,13 @@ launcher refuses them at planning time (exit 2) without training."""
 from __future__ import annotations
 
 import stat
-import time
 from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, text
 
 from spillway_api.settings import Settings
+from tests.polling import wait_for
 
 from .conftest import job_body
 
@@ -19,14 +19,11 @@ pytestmark = pytest.mark.integration
 
 
 def wait_phase(client: Any, ns: str, name: str, phases: set[str], timeout: float = 60) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
+    def reached() -> dict[str, Any] | None:
         job: dict[str, Any] = client.get(f"/v1/namespaces/{ns}/jobs/{name}").json()
-        if job.get("phase") in phases:
-            return job
-        if time.monotonic() > deadline:
-            raise AssertionError(f"job {ns}/{name} stayed {job.get('phase')}: {job}")
-        time.sleep(0.1)
+        return job if job.get("phase") in phases else None
+
+    return wait_for(reached, timeout, f"job {ns}/{name} in {sorted(phases)}", interval=0.1)
 
 
 def test_submit_list_filter_paginate_get_delete(client: Any) -> None:
