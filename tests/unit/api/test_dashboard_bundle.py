@@ -3,6 +3,7 @@ by index.html, and the page loads nothing from another origin."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 from pathlib import Path
 
@@ -33,3 +34,17 @@ def test_sources_and_lockfile_are_committed() -> None:
         assert (dash / name).is_file(), name
     assert (dash / "index.html").read_text() == (STATIC_DIR / "index.html").read_text(), \
         "static/index.html is stale: run hack/build-dashboard.sh"
+
+
+def test_the_bundle_was_built_from_the_committed_sources() -> None:
+    """dashboard/build.mjs stamps the bundle with a hash of every input it read (its own
+    code, index.html, the package files, every file under src/); a source edited without a
+    rebuild fails here."""
+    dash = REPO / "dashboard"
+    inputs = ["build.mjs", "index.html", "package.json", "package-lock.json"]
+    inputs += [str(p.relative_to(dash)) for p in (dash / "src").rglob("*") if p.is_file()]
+    digest = hashlib.sha256()
+    for name in sorted(inputs):
+        digest.update(name.encode() + b"\0" + (dash / name).read_bytes() + b"\0")
+    stamp = (STATIC_DIR / "SOURCES.sha256").read_text().strip()
+    assert stamp == digest.hexdigest(), "api/spillway_api/static/ is stale: run hack/build-dashboard.sh"
