@@ -15,6 +15,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from spillway_api.auth import Authenticator
+from spillway_api.errors import ApiError
 from spillway_api.service import Caller, JobService
 from spillway_api.settings import Settings
 
@@ -85,3 +86,28 @@ def authenticated(request: Request,
 
 
 CurrentUser = Annotated[Caller, Depends(authenticated)]
+
+
+def reject_unknown_query(request: Request) -> None:
+    """A query parameter the operation does not take is an error, not ignored: `?limt=5`
+    would otherwise answer with the default page and no word of the typo."""
+    from fastapi.routing import APIRoute
+
+    route = request.scope.get("route")
+    if not isinstance(route, APIRoute) or not request.query_params:
+        return
+    known = _query_names(route.dependant)
+    unknown = sorted(set(request.query_params) - known)
+    if unknown:
+        raise ApiError(422, "invalid_request", f"unknown query parameter(s) {unknown}; this operation takes "
+                       f"{sorted(known) or 'none'}", errors=[f"{name or '(empty name)'}: unknown query parameter"
+                                                             for name in unknown])
+
+
+def _query_names(dependant: Any) -> set[str]:
+    """The query parameters of an operation and of every dependency it has."""
+    names = {param.alias for param in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return names
+

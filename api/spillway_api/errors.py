@@ -11,6 +11,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm.exc import StaleDataError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from spillway_api.schemas import Problem
 
@@ -37,8 +38,9 @@ def problem_response(status: int, code: str, detail: str, headers: dict[str, str
 
 PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": Problem, "description": what}
-    for code, what in [(401, "No or invalid bearer token"), (403, "Not allowed in this namespace"),
-                       (422, "Invalid request"), (503, "Database unreachable")]
+    for code, what in [(400, "The body is not valid JSON (malformed_json)"), (401, "No or invalid bearer token"),
+                       (403, "Not allowed in this namespace"), (422, "Invalid request"),
+                       (503, "Database unreachable")]
 }
 
 
@@ -69,10 +71,13 @@ def install(app: FastAPI) -> None:
                                 errors=lines)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         codes = {404: "not_found", 405: "method_not_allowed", 401: "unauthorized", 403: "forbidden"}
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:
+            headers["Allow"] = ", ".join(_allowed_methods(request))
         return problem_response(exc.status_code, codes.get(exc.status_code, "http_error"), str(exc.detail),
-                                headers=getattr(exc, "headers", None))
+                                headers=headers or None)
 
     @app.exception_handler(StaleDataError)
     async def _stale(_request: Request, _exc: StaleDataError) -> JSONResponse:
@@ -91,3 +96,15 @@ def install(app: FastAPI) -> None:
         if exc.connection_invalidated:
             return await _db_down(request, exc)
         raise exc
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this path. Starlette's own 405 names only the
+    first route that matched the path, and FastAPI makes one route per method."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)
+

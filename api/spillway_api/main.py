@@ -10,11 +10,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from spillway_api import errors
 from spillway_api.auth import KubernetesAuth, NoAuth, TokenAuth, ensure_token_file
 from spillway_api.db import make_engine, make_sessionmaker, migrate
+from spillway_api.deps import reject_unknown_query
 from spillway_api.launchers.local import LocalLauncher
 from spillway_api.middleware import BodySizeLimit, Metrics, MetricsMiddleware
 from spillway_api.routes import cost, dashboard, health, jobs, plan
@@ -41,7 +42,7 @@ def create_app(settings: Settings | None = None, *, kube_api_client: Any = None)
             app.state.launchers["local"].shutdown()
             app.state.engine.dispose()
 
-    app = FastAPI(title="Spillway", version="v1", lifespan=lifespan,
+    app = FastAPI(title="Spillway", version="v1", lifespan=lifespan, dependencies=[Depends(reject_unknown_query)],
                   description="Fine-tuning jobs that spill training state to CPU RAM and NVMe: submit, watch, "
                   "roll back, and account for cost.")
     app.state.settings = settings

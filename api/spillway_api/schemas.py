@@ -7,13 +7,22 @@ with the same pydantic models the CRD is generated from.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from spillway_runtime.hardware import NodeHardware
-from spillway_runtime.spec import FineTuneJobSpec, Offload, Training
+from spillway_runtime.spec import COUNT_SCHEMA, FineTuneJobSpec, Offload, Training
 
 
 class WireModel(BaseModel):
@@ -26,8 +35,28 @@ class WireModel(BaseModel):
 class JobMetadata(WireModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
-    namespace: str | None = Field(None, description="Must match the path's namespace when given")
-    labels: dict[str, str] = Field(default_factory=dict)
+    namespace: str | None = Field(None, description="Must match the path's namespace when given",
+                                  pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
+    labels: dict[Annotated[str, Field(max_length=317)], Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=dict, max_length=64, description="Kubernetes labels (keys up to 317 characters, values 63)")
+
+
+def _json_numbers(value: Any) -> Any:
+    """JSON Schema counts 5.0 as an integer; pydantic's strict mode does not."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _json_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_numbers(v) for v in value]
+    return value
+
+
+def _strictly(model: type[BaseModel], value: Any) -> Any:
+    """A nested model of a request body, validated strictly: JSON has types, unlike YAML (where
+    `3e-3` is a string), so over the API "3" is not an integer and false is not a price, as
+    the OpenAPI says. A model's own `strict` stops at its fields; this reaches inside."""
+    return model.model_validate(_json_numbers(value), strict=True) if isinstance(value, dict) else value
 
 
 def _type_errors_are_invalid(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
@@ -50,6 +79,11 @@ class JobCreate(WireModel):
     spec: FineTuneJobSpec
 
     _spec_types = field_validator("spec", mode="wrap")(_type_errors_are_invalid)
+
+    @field_validator("spec", mode="before")
+    @classmethod
+    def _strict_types(cls, value: Any) -> Any:
+        return _strictly(FineTuneJobSpec, value)
 
 
 class JobPublic(WireModel):
@@ -158,22 +192,47 @@ class NodeShape(WireModel):
     status: dict[str, Any] = Field(default_factory=dict)
 
 
+_NOT_NULL = {"not": {"type": "null"}}
+# The model's size comes from parameterCount or from spec.model.parameterCount: the schema
+# says so, so that a client (or a fuzzer) knows it before it asks.
+_MODEL_SIZE_GIVEN: dict[str, Any] = {"anyOf": [
+    {"required": ["parameterCount"], "properties": {"parameterCount": _NOT_NULL}},
+    {"required": ["spec"], "properties": {"spec": {"required": ["model"], "properties": {"model": {
+        "required": ["parameterCount"], "properties": {"parameterCount": _NOT_NULL}}}}}},
+]}
+
+
 class PlanRequest(WireModel):
-    model_config = ConfigDict(extra="forbid")
-    parameter_count: int | str | None = Field(None, description="e.g. 13B; or give spec.model.parameterCount")
+    # Strict: JSON has types (false is not a price, "3" not a GPU count), as for JobCreate.
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_MODEL_SIZE_GIVEN)
+    parameter_count: Annotated[int | str | None, WithJsonSchema(COUNT_SCHEMA)] = Field(
+        None, description="e.g. 13B; or give spec.model.parameterCount")
     spec: FineTuneJobSpec | None = Field(None, description="Training and offload settings of the job to plan")
     training: Training | None = None
     offload: Offload | None = None
     dtype: Literal["bf16", "fp16", "fp32"] | None = None
     hardware: NodeHardware | None = Field(None, description="One machine's hardware, as `spillway probe` prints")
     nodes: list[NodeShape] | None = Field(
-        None, description="Kubernetes Node objects; omitted with no hardware: the cluster's nodes (cluster mode)"
+        None, description="Kubernetes Node objects; omitted (or empty) with no hardware: the cluster's nodes "
+        "(cluster mode) or this machine (local mode)"
     )
     node_count: int = Field(1, ge=1, le=1024)
     gpus_per_node: int | None = Field(None, ge=0, le=64)
     price_per_hour: float | None = Field(None, ge=0)
 
     _spec_types = field_validator("spec", "offload", mode="wrap")(_type_errors_are_invalid)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_numbers(cls, value: Any) -> Any:
+        return _json_numbers(value)
+
+    @field_validator("spec", "training", "offload", "hardware", mode="before")
+    @classmethod
+    def _strict_nested(cls, value: Any, info: ValidationInfo) -> Any:
+        kind: dict[str, type[BaseModel]] = {"spec": FineTuneJobSpec, "training": Training, "offload": Offload,
+                                            "hardware": NodeHardware}
+        return _strictly(kind[str(info.field_name)], value)
 
 
 class PlanPublic(WireModel):

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from spillway_runtime.spec import API_GROUP, API_VERSION, KIND, FineTuneJobSpec
+from spillway_runtime.spec import API_GROUP, API_VERSION, KIND, POLICY_TIERS, FineTuneJobSpec
 
 PLURAL = "finetunejobs"
 SINGULAR = "finetunejob"
@@ -42,6 +42,25 @@ VALIDATIONS: dict[tuple[str, ...], list[dict[str, str]]] = {
             "rule": "!has(self.warmupSteps) || !has(self.maxSteps) || self.warmupSteps <= self.maxSteps",
             "message": "training.warmupSteps must not exceed training.maxSteps",
             "fieldPath": ".warmupSteps",
+        }
+    ],
+    # The policy's allowed tiers (spec.Offload), so that kubectl apply refuses a contradiction.
+    ("offload",): [
+        {
+            "rule": f"!has(self.policy) || self.policy != '{policy}' || "
+            f"((!has(self.optimizer) || self.optimizer in {list(tiers)}) && "
+            f"(!has(self.parameters) || self.parameters in {list(tiers)}))",
+            "message": f"offload.optimizer or offload.parameters contradicts policy {policy!r}: "
+            f"with it they may be one of {list(tiers)}",
+            "fieldPath": ".policy",
+        }
+        for policy, tiers in POLICY_TIERS.items() if tiers != POLICY_TIERS["auto"]
+    ],
+    ("resources",): [
+        {
+            "rule": "!has(self.cpuProcesses) || self.cpuProcesses <= 1 || !has(self.gpusPerNode) || self.gpusPerNode == 0",
+            "message": "resources.cpuProcesses above 1 runs CPU processes: set gpusPerNode to 0 or drop cpuProcesses",
+            "fieldPath": ".cpuProcesses",
         }
     ],
     ("model",): [
@@ -85,6 +104,10 @@ def _structural(schema: dict[str, Any], defs: dict[str, Any], path: tuple[str, .
             out["description"] = schema["description"]
         return out
     nullable = False
+    if path in INT_OR_STRING_PATHS:
+        # An integer or a string (13B, 500Gi): the structural form has no union of the two.
+        out = {"description": schema["description"]} if "description" in schema else {}
+        return {**out, "x-kubernetes-int-or-string": True, "nullable": True}
     if "anyOf" in schema:
         options = [o for o in schema["anyOf"] if o.get("type") != "null"]
         nullable = len(options) < len(schema["anyOf"])

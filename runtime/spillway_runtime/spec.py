@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from spillway_runtime.units import parse_count, parse_size
+from spillway_runtime.units import COUNT_PATTERN, MAX_COUNT, MAX_SIZE, SIZE_PATTERN, parse_count, parse_size
 
 API_GROUP = "spillway.dev"
 API_VERSION = "v1alpha1"
@@ -40,7 +40,22 @@ class SpecModel(BaseModel):
     )
 
 
-Size = Annotated[int, Field(ge=0, description="Bytes; accepts units such as 24GiB, 512Mi, 2TB")]
+
+
+# What the wire carries for a size or a count: an integer, or a string such as 500Gi or 13B
+# (the models store the integer). The CRD spells these int-or-string.
+SIZE_SCHEMA: dict[str, Any] = {"anyOf": [
+    {"type": "integer", "minimum": 0, "maximum": MAX_SIZE},
+    {"type": "string", "pattern": SIZE_PATTERN + "|^auto$"},
+    {"type": "null"},
+]}
+COUNT_SCHEMA: dict[str, Any] = {"anyOf": [
+    {"type": "integer", "minimum": 1, "maximum": MAX_COUNT},
+    {"type": "string", "pattern": COUNT_PATTERN},
+    {"type": "null"},
+]}
+Size = Annotated[int | None, WithJsonSchema(SIZE_SCHEMA)]
+Count = Annotated[int | None, WithJsonSchema(COUNT_SCHEMA)]
 
 
 def _size_or_none(value: Any) -> Any:
@@ -56,7 +71,7 @@ class ModelSource(SpecModel):
     )
     dtype: DType = Field("bf16", description="Training precision of the weights and activations")
     tokenizer_uri: str | None = Field(None, description="Tokenizer directory when it differs from the model's")
-    parameter_count: int | None = Field(
+    parameter_count: Count = Field(
         None,
         description="Parameters, e.g. 13B: lets the operator plan before the model's config.json is readable",
     )
@@ -107,7 +122,7 @@ class NvmeVolume(SpecModel):
     storage_class_name: str | None = Field(
         None, description="Cluster mode: StorageClass of a generic ephemeral volume (local, WaitForFirstConsumer)"
     )
-    size: int | None = Field(None, description="Volume size (e.g. 500Gi); omitted or 'auto' sizes it from the plan")
+    size: Size = Field(None, description="Volume size (e.g. 500Gi); omitted or 'auto' sizes it from the plan")
 
     _parse_size = field_validator("size", mode="before")(_size_or_none)
 
@@ -118,7 +133,23 @@ class NvmeVolume(SpecModel):
         return self
 
 
+# The tiers each offload policy allows for the optimizer state and the parameters.
+POLICY_TIERS: dict[str, tuple[str, ...]] = {
+    "none": ("auto", "gpu"),
+    "cpu": ("auto", "cpu", "gpu"),
+    "nvme": ("auto", "cpu", "gpu", "nvme"),
+    "auto": ("auto", "cpu", "gpu", "nvme"),
+}
+
+
 class Offload(SpecModel):
+    # The policy rule in the JSON Schema too (the OpenAPI); the CRD states it in CEL (crd.py).
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {"if": {"required": ["policy"], "properties": {"policy": {"const": policy}}},
+         "then": {"properties": {"optimizer": {"enum": list(tiers)}, "parameters": {"enum": list(tiers)}}}}
+        for policy, tiers in POLICY_TIERS.items() if tiers != POLICY_TIERS["auto"]
+    ]})
+
     policy: OffloadPolicy = Field(
         "auto", description="auto: the planner picks; none: keep everything on GPU; cpu: never use NVMe; nvme: allow NVMe"
     )
@@ -131,18 +162,12 @@ class Offload(SpecModel):
 
     @model_validator(mode="after")
     def _consistent_with_policy(self) -> Offload:
-        allowed: dict[str, set[str]] = {
-            "none": {"auto", "gpu"},
-            "cpu": {"auto", "gpu", "cpu"},
-            "nvme": {"auto", "gpu", "cpu", "nvme"},
-            "auto": {"auto", "gpu", "cpu", "nvme"},
-        }
         for field in ("optimizer", "parameters"):
             choice = getattr(self, field)
-            if choice not in allowed[self.policy]:
+            if choice not in POLICY_TIERS[self.policy]:
                 raise ValueError(
                     f"{field}: {choice!r} contradicts policy {self.policy!r}; "
-                    f"with that policy {field} may be one of {sorted(allowed[self.policy])}"
+                    f"with that policy {field} may be one of {sorted(POLICY_TIERS[self.policy])}"
                 )
         if self.optimizer == "gpu" and self.parameters in ("cpu", "nvme"):
             raise ValueError(
@@ -161,6 +186,13 @@ class Toleration(SpecModel):
 
 
 class Resources(SpecModel):
+    # cpuProcesses above 1 only without GPUs, in the JSON Schema too (the CRD: CEL, crd.py).
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"required": ["cpuProcesses"], "properties": {"cpuProcesses": {"minimum": 2}}},
+        "then": {"anyOf": [{"not": {"required": ["gpusPerNode"]}},
+                           {"properties": {"gpusPerNode": {"enum": [0, None]}}}]},
+    })
+
     nodes: int = Field(1, ge=1, le=1024)
     gpus_per_node: int | None = Field(None, ge=0, le=64, description="Omitted: every GPU of the chosen node")
     node_selector: dict[str, str] = Field(default_factory=dict)
@@ -188,7 +220,7 @@ class CheckpointPolicy(SpecModel):
     every_steps: int = Field(50, ge=1, description="Checkpoint every N optimizer steps (and on SIGTERM)")
     keep: int = Field(3, ge=1, le=1000, description="Keep the last K good checkpoints")
     path: str | None = Field(None, description="Local mode: checkpoint directory (default: <run dir>/checkpoints)")
-    size: int | None = Field(None, description="Cluster mode: checkpoint PVC size; auto from the plan")
+    size: Size = Field(None, description="Cluster mode: checkpoint PVC size; auto from the plan")
     storage_class_name: str | None = None
 
     _parse_size = field_validator("size", mode="before")(_size_or_none)

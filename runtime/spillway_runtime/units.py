@@ -37,6 +37,26 @@ _SIZE_UNITS: dict[str, int] = {
 
 _COUNT_UNITS: dict[str, int] = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
+# Upper bounds, far beyond any real volume or model (8 PiB, a quadrillion parameters), that
+# a double holds exactly: JSON tools compare bounds as floats.
+MAX_SIZE = 2**53
+MAX_COUNT = 10**15
+
+
+def _any_case(unit: str) -> str:
+    return "".join(f"[{c.upper()}{c.lower()}]" for c in unit)
+
+
+def _units_pattern(units: dict[str, int]) -> str:
+    return "|".join(_any_case(u) for u in sorted(units, key=len, reverse=True) if u)
+
+
+# The spellings schemas advertise (JSON Schema regexes: no flags, so units in either case
+# are spelt out). Every string they match parses to a value within bounds; the parsers
+# accept a little more (exponents, e.g. 13e9) for people writing files by hand.
+SIZE_PATTERN = rf"^[0-9]{{1,3}}(\.[0-9]{{1,3}})? ?({_units_pattern({u: n for u, n in _SIZE_UNITS.items() if u[:1] != 'p'})})?$"
+COUNT_PATTERN = rf"^[1-9][0-9]{{0,2}}(\.[0-9]{{1,3}})? ?({_units_pattern(_COUNT_UNITS)})?$"
+
 GiB = 2**30
 MiB = 2**20
 
@@ -51,14 +71,22 @@ def parse_size(value: str | int | float) -> int:
     if isinstance(value, int | float):
         if value < 0:
             raise ValueError(f"size must not be negative, got {value}")
-        return int(value)
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError(f"{value!r} bytes is not a whole number: use e.g. 500Gi, or a number of bytes")
+        return _bounded(value, MAX_SIZE, "size")
     match = _SIZE_RE.match(value)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _SIZE_UNITS:
         raise ValueError(
             f"{value!r} is not a size: use a number with an optional unit such as 24GiB, 512Mi, 2TB or 0"
         )
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+    return _bounded(float(match.group(1)) * _SIZE_UNITS[unit], MAX_SIZE, "size")
+
+
+def _bounded(value: float, limit: int, what: str) -> int:
+    if not value <= limit:  # also inf and nan (1e400)
+        raise ValueError(f"{what} {value!r} is beyond {limit:.3g}")
+    return int(value)
 
 
 def parse_count(value: str | int | float) -> int:
@@ -68,12 +96,14 @@ def parse_count(value: str | int | float) -> int:
     if isinstance(value, int | float):
         if value <= 0:
             raise ValueError(f"count must be positive, got {value}")
-        return int(value)
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError(f"{value!r} is not a whole number of parameters: use e.g. 13B or 7000000000")
+        return _bounded(value, MAX_COUNT, "count")
     match = _SIZE_RE.match(value)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _COUNT_UNITS:
         raise ValueError(f"{value!r} is not a parameter count: use e.g. 13B, 13e9, 350M or 7000000000")
-    count = int(float(match.group(1)) * _COUNT_UNITS[unit])
+    count = _bounded(float(match.group(1)) * _COUNT_UNITS[unit], MAX_COUNT, "count")
     if count <= 0:
         raise ValueError(f"count must be positive, got {value!r}")
     return count

@@ -18,7 +18,7 @@ from fastapi.security import HTTPAuthorizationCredentials
 from spillway_api.auth import Authenticator
 from spillway_api.deps import ServiceDep, bearer
 from spillway_api.errors import PROBLEM_RESPONSES, ApiError
-from spillway_api.models import PHASES
+from spillway_api.models import Phase
 from spillway_api.schemas import JobPublic, JobsPublic
 from spillway_api.service import Caller
 
@@ -65,7 +65,7 @@ def list_all_jobs(
     _caller: Annotated[Caller, Depends(_can_list)],
     service: ServiceDep,
     namespace: Annotated[str | None, Query(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)] = None,
-    phase: Annotated[str | None, Query(description=f"One of {', '.join(PHASES)}", max_length=32)] = None,
+    phase: Annotated[Phase | None, Query(description="Only jobs in this phase")] = None,
     offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
 ) -> JobsPublic:

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Path, Query, status
 
 from spillway_api.deps import CanCreate, CanDelete, CanGet, CanList, CanPatch, ServiceDep
 from spillway_api.errors import PROBLEM_RESPONSES
-from spillway_api.models import PHASES
+from spillway_api.models import Phase
 from spillway_api.schemas import (
     CheckpointPublic,
     CheckpointsPublic,
@@ -42,7 +42,7 @@ def list_jobs(
     _caller: CanList,
     namespace: Namespace,
     service: ServiceDep,
-    phase: Annotated[str | None, Query(description=f"One of {', '.join(PHASES)}", max_length=32)] = None,
+    phase: Annotated[Phase | None, Query(description="Only jobs in this phase")] = None,
     offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
 ) -> JobsPublic:

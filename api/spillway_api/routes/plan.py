@@ -28,8 +28,11 @@ def _node_hardware(request: Request, body: PlanRequest) -> list[NodeHardware]:
                            errors=[f"nodes: {err}"]) from None
     kube = getattr(request.app.state, "kube", None)
     if kube is None:
-        raise ApiError(422, "no_hardware", "give `hardware` or `nodes`: this API runs in local mode, "
-                       "without a cluster to read node shapes from", errors=["hardware: required in local mode"])
+        # Local mode: the machine `spillway run` would train on, as `spillway probe --quick`
+        # sees it, with the data directory's disk for NVMe.
+        from spillway_runtime.probe import probe_basic
+
+        return [probe_basic(request.app.state.settings.data_dir)]
     from kubernetes import client
 
     nodes = client.CoreV1Api(kube).list_node().items
@@ -39,7 +42,8 @@ def _node_hardware(request: Request, body: PlanRequest) -> list[NodeHardware]:
 @router.post("/plan", response_model=PlansPublic)
 def plan(_caller: CurrentUser, request: Request, body: PlanRequest) -> PlansPublic:
     """Where training state would live on each node shape, the predicted step time and cost,
-    and for shapes that do not fit, which tier is short and by how much."""
+    and for shapes that do not fit, which tier is short and by how much. Without `hardware`
+    or `nodes`: the cluster's nodes (cluster mode), or this machine (local mode)."""
     raw = body.parameter_count if body.parameter_count is not None else (
         body.spec.model.parameter_count if body.spec else None)
     if raw is None:

@@ -150,7 +150,11 @@ def test_plan_dry_run(client: Any) -> None:
     small = {"metadata": {"name": "cpu-only"}, "status": {"allocatable": {"cpu": "8", "memory": "16Gi"}}}
     r = client.post("/v1/plan", json={"parameterCount": "7B", "nodes": [node, small]}).json()
     assert r["count"] == 2 and r["best"] == "gpu-80g"
-    assert client.post("/v1/plan", json={"parameterCount": "13B"}).status_code == 422
+    # Local mode with no hardware given: this machine, as `spillway probe --quick` sees it.
+    here = client.post("/v1/plan", json={"parameterCount": "125M"})
+    assert here.status_code == 200, here.text
+    [local] = here.json()["data"]
+    assert local["node"] == "local" and local["plan"]["capacity"]["cpu"] > 0
     assert client.post("/v1/plan", json={"parameterCount": "lots", "hardware": hw}).status_code == 422
 
 
