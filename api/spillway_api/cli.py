@@ -15,7 +15,8 @@ import typer
 from rich.console import Console
 
 from spillway_operator.cli import register as register_operator_commands
-from spillway_runtime.cli import EXIT_BAD_INPUT, EXIT_PLAN_INFEASIBLE, make_tiny, plan, probe
+from spillway_runtime.cli import make_tiny, plan, probe
+from spillway_runtime.contract import ExitCode
 
 err_console = Console(stderr=True)
 
@@ -69,7 +70,7 @@ def run(
         job = load_job(job_file)
     except SpecError as err:
         err_console.print(f"[red]error:[/red] {err}", highlight=False)
-        raise typer.Exit(EXIT_BAD_INPUT) from None
+        raise typer.Exit(ExitCode.BAD_INPUT) from None
     settings = Settings()
     run_dir = (run_dir or Path.cwd() / "runs" / job.metadata.name).resolve()
     sessions, job_id = record_local_job(settings, job, job_file.resolve(), run_dir)
@@ -88,7 +89,7 @@ def run(
         if isinstance(error, PlanningError):
             _print_plan(error.plan)
         err_console.print(f"[red]error:[/red] {error}", highlight=False)
-        raise typer.Exit(EXIT_PLAN_INFEASIBLE if isinstance(error, PlanningError) else EXIT_BAD_INPUT)
+        raise typer.Exit(ExitCode.PLAN_INFEASIBLE if isinstance(error, PlanningError) else ExitCode.BAD_INPUT)
     if code == 0 and local.config is not None:
         Console().print(f"[green]done[/green]: model exported to {local.config.export_dir}")
     raise typer.Exit(code)

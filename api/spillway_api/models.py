@@ -9,7 +9,7 @@ Schema changes go through Alembic (spillway_api/migrations).
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any, Literal, get_args
+from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -54,9 +54,6 @@ class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: JSON, datetime: UTCDateTime()}
 
 
-Phase = Literal["Pending", "Planning", "Running", "Suspended", "Succeeded", "Failed", "Diverged", "Preempted"]
-PHASES: tuple[str, ...] = get_args(Phase)
-TERMINAL_PHASES = frozenset({"Succeeded", "Failed", "Diverged"})
 
 
 class Job(Base):

@@ -20,7 +20,6 @@ from sqlalchemy.orm import Session
 
 from spillway_api.errors import ApiError, not_found
 from spillway_api.models import (
-    TERMINAL_PHASES,
     Checkpoint,
     CostEntry,
     Job,
@@ -31,12 +30,15 @@ from spillway_api.models import (
 )
 from spillway_api.schemas import JobCreate
 from spillway_operator.admission import new_job_problems
-from spillway_runtime.processes import EXIT_ABORTED
+from spillway_runtime.contract import TERMINAL_PHASES, ExitCode, Phase
 from spillway_runtime.spec import FineTuneJob
 
 # An abort (a second Ctrl-C) is restartable like a preemption, from the last good checkpoint
-EXIT_PHASES = {0: "Succeeded", 1: "Failed", 2: "Failed", 3: "Failed", 4: "Diverged", 75: "Preempted",
-               EXIT_ABORTED: "Preempted"}
+EXIT_PHASES: dict[int, Phase] = {
+    ExitCode.OK: "Succeeded", ExitCode.FAILED: "Failed", ExitCode.BAD_INPUT: "Failed",
+    ExitCode.PLAN_INFEASIBLE: "Failed", ExitCode.DIVERGED: "Diverged", ExitCode.PREEMPTED: "Preempted",
+    ExitCode.ABORTED: "Preempted",
+}
 
 
 @dataclass(frozen=True)
@@ -329,7 +331,7 @@ def phase_for_exit(code: int) -> str:
 
 
 def exit_message(code: int) -> str:
-    if code == EXIT_ABORTED:
+    if code == ExitCode.ABORTED:
         return "aborted (a second Ctrl-C) before the stop checkpoint; a new run resumes from the last good one"
     if code > 128:
         return f"runtime killed by signal {code - 128}"

@@ -2,7 +2,9 @@
 import { api } from "./api.js";
 import { age, duration, errorBox, h, planLabel, usd } from "./format.js";
 
-export const PHASES = ["Pending", "Planning", "Running", "Suspended", "Succeeded", "Failed", "Diverged", "Preempted"];
+// spillway_runtime/contract.py's Phase, in its order (tests/unit/api/test_dashboard_bundle.py checks).
+export const PHASES = ["Pending", "Planning", "Planned", "Scheduled", "Running", "Suspended", "Preempted", "Succeeded",
+  "Failed", "Diverged", "BudgetExceeded"];
 const POLL_MS = 3000;
 
 export function jobsPage(main, query) {

@@ -18,6 +18,7 @@ from typing import Any
 
 from spillway_operator.placement import ShapeChoice
 from spillway_operator.settings import OperatorSettings
+from spillway_runtime.contract import TERMINAL_PHASES, ExitCode, Phase
 from spillway_runtime.dsconfig import build_deepspeed_config
 from spillway_runtime.hardware import GPU_RESOURCE, NodeHardware
 from spillway_runtime.planner import OffloadPlan
@@ -41,22 +42,16 @@ NVME_DIR = f"{WORK_ROOT}/nvme"
 RENDEZVOUS_PORT = 29500
 
 # Runtime exit codes (spillway_runtime.recipe); repeated here as the operator's contract.
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
-EXIT_PLAN_INFEASIBLE = 3
-EXIT_DIVERGED = 4
-EXIT_PREEMPTED = 75
 
-PHASE_PENDING = "Pending"
-PHASE_PLANNED = "Planned"
-PHASE_SCHEDULED = "Scheduled"
-PHASE_RUNNING = "Running"
-PHASE_SUCCEEDED = "Succeeded"
-PHASE_FAILED = "Failed"
-PHASE_SUSPENDED = "Suspended"
-PHASE_BUDGET_EXCEEDED = "BudgetExceeded"
-FINISHED_PHASES = {PHASE_SUCCEEDED, PHASE_FAILED, PHASE_BUDGET_EXCEEDED}
+PHASE_PENDING: Phase = "Pending"
+PHASE_PLANNED: Phase = "Planned"
+PHASE_SCHEDULED: Phase = "Scheduled"
+PHASE_RUNNING: Phase = "Running"
+PHASE_SUCCEEDED: Phase = "Succeeded"
+PHASE_FAILED: Phase = "Failed"
+PHASE_SUSPENDED: Phase = "Suspended"
+PHASE_BUDGET_EXCEEDED: Phase = "BudgetExceeded"
+FINISHED_PHASES = TERMINAL_PHASES  # the phases a job never leaves, as the API and dashboard know them
 
 
 # ----------------------------------------------------------------- names --
@@ -569,11 +564,11 @@ def classify_pod(pod: dict[str, Any], node_exists: bool) -> PodOutcome:
     if phase == "Failed":
         code, reason, message = _exit_code(pod)
         reason = reason or status.get("reason") or "Error"
-        if code == EXIT_PREEMPTED:
+        if code == ExitCode.PREEMPTED:
             return PodOutcome(OUTCOME_PREEMPTED, code, "Preempted", "runtime checkpointed and exited 75")
-        if code in (EXIT_BAD_INPUT,):
+        if code in (ExitCode.BAD_INPUT,):
             return PodOutcome(OUTCOME_PERMANENT, code, "BadInput", message or "the runtime rejected its input")
-        if code == EXIT_DIVERGED:
+        if code == ExitCode.DIVERGED:
             return PodOutcome(OUTCOME_PERMANENT, code, "Diverged", message or "loss diverged after all rollbacks")
         return PodOutcome(OUTCOME_RETRYABLE, code, reason, message)
     if phase == "Running":

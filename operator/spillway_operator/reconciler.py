@@ -27,6 +27,7 @@ from spillway_operator import builders as b
 from spillway_operator.placement import choose_placement, plan_status
 from spillway_operator.settings import OperatorSettings
 from spillway_operator.status import StatusChange
+from spillway_runtime.contract import ExitCode
 from spillway_runtime.spec import FineTuneJobSpec, SpecError, parse_job
 
 log = logging.getLogger("spillway.operator")
@@ -389,7 +390,7 @@ def _observe(
         return _finished(change, spec, [])
     if worst.kind == b.OUTCOME_PERMANENT:
         message = f"{worst.reason}{code}: {worst.message}".strip(": ")
-        if worst.exit_code == b.EXIT_DIVERGED:
+        if worst.exit_code == ExitCode.DIVERGED:
             change.cond("Diverged", True, "Diverged", message)
         _finish(change, b.PHASE_FAILED, worst.reason, message, pods)
         change.commit()

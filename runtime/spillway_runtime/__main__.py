@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from spillway_runtime.contract import ExitCode
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -24,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from spillway_runtime.checkpoint import CheckpointError
     from spillway_runtime.data import DatasetError
-    from spillway_runtime.recipe import EXIT_BAD_INPUT, EXIT_FAILED, FineTuneRecipe, RunFailed
+    from spillway_runtime.recipe import FineTuneRecipe, RunFailed
     from spillway_runtime.runconfig import RuntimeConfig
 
     parser = argparse.ArgumentParser(prog="python -m spillway_runtime")
@@ -33,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     config = RuntimeConfig.read(args.config)
     recipe = FineTuneRecipe(config)  # installs its own stop handler
     recipe.stop_requested = recipe.stop_requested or bool(early)
-    code = EXIT_FAILED
+    code: int = ExitCode.FAILED
     try:
         recipe.setup()
         code = recipe.train()
@@ -42,9 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"spillway: {err}", file=sys.stderr)
         code = err.exit_code
     except (DatasetError, CheckpointError) as err:
-        recipe.reporter.event("failed", reason=str(err), exit_code=EXIT_BAD_INPUT)
+        recipe.reporter.event("failed", reason=str(err), exit_code=ExitCode.BAD_INPUT)
         print(f"spillway: {err}", file=sys.stderr)
-        code = EXIT_BAD_INPUT
+        code = ExitCode.BAD_INPUT
     finally:
         recipe.cleanup()
         # The outcome is decided: a signal during interpreter shutdown (when Python has put

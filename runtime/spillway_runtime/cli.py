@@ -14,18 +14,16 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from spillway_runtime.contract import ExitCode
 from spillway_runtime.hardware import NodeHardware
 from spillway_runtime.planner import ModelShape, OffloadPlan, plan_tiers
 from spillway_runtime.spec import FineTuneJob, SpecError, Training, load_job
 from spillway_runtime.units import format_bytes, format_count, parse_count, parse_size
 
-EXIT_BAD_INPUT = 2
-EXIT_PLAN_INFEASIBLE = 3
-
 err_console = Console(stderr=True, soft_wrap=True)
 
 
-def _fail(message: str, code: int = EXIT_BAD_INPUT) -> typer.Exit:
+def _fail(message: str, code: int = ExitCode.BAD_INPUT) -> typer.Exit:
     err_console.print(f"[red]error:[/red] {message}", highlight=False)
     return typer.Exit(code)
 
@@ -192,7 +190,7 @@ def plan(
             f"[red]error:[/red] {format_count(shape.params)} parameters do not fit on {hw.name}: {shorts}",
             highlight=False,
         )
-        raise typer.Exit(EXIT_PLAN_INFEASIBLE)
+        raise typer.Exit(ExitCode.PLAN_INFEASIBLE)
 
 
 def make_tiny(

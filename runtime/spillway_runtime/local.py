@@ -20,8 +20,6 @@ from spillway_runtime.planner import OffloadPlan, PlanningError, plan_tiers
 from spillway_runtime.runconfig import FaultInjection, RuntimeConfig, resolve_uri
 from spillway_runtime.spec import FineTuneJob, SpecError, load_job
 
-EXIT_PLAN_INFEASIBLE = 3
-
 
 def _require(path: Path, field: str, what: str, source: Path) -> Path:
     if not path.exists():

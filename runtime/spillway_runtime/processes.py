@@ -24,9 +24,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from spillway_runtime.recipe import EXIT_PREEMPTED
+from spillway_runtime.contract import ExitCode
 
-EXIT_ABORTED = 128 + signal.SIGINT  # a second Ctrl-C: stopped without the stop checkpoint
 _PR_SET_PDEATHSIG = 1
 
 
@@ -41,7 +40,7 @@ def exit_status(returncode: int, stop_sent: bool) -> int:
     stop request killed before its handler was installed (Python still starting) lost
     nothing a checkpoint would hold: that is a preemption too."""
     if returncode == -signal.SIGTERM and stop_sent:
-        return EXIT_PREEMPTED
+        return ExitCode.PREEMPTED
     return 128 - returncode if returncode < 0 else returncode
 
 
@@ -83,7 +82,7 @@ class TrainingProcess:
 
     def _status(self, code: int) -> int:
         if self.aborted and code == -signal.SIGKILL:  # not a child that had finished by itself
-            return EXIT_ABORTED
+            return ExitCode.ABORTED
         return exit_status(code, self.stop_sent)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from spillway_runtime import k8s_status
 from spillway_runtime.checkpoint import CheckpointError, CheckpointInfo, CheckpointStore, pending_rollback
+from spillway_runtime.contract import ExitCode
 from spillway_runtime.data import (
     CACHE_DIR_NAME,
     DatasetError,
@@ -41,18 +42,12 @@ from spillway_runtime.optimizer_state import (
 from spillway_runtime.reporting import Reporter
 from spillway_runtime.runconfig import RuntimeConfig
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
-EXIT_DIVERGED = 4
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request after a checkpoint; restartable
-
 STATE_FILE = "spillway_state.pt"
 DS_TAG = "ds"
 
 
 class RunFailed(RuntimeError):
-    def __init__(self, message: str, exit_code: int = EXIT_FAILED):
+    def __init__(self, message: str, exit_code: int = ExitCode.FAILED):
         super().__init__(message)
         self.exit_code = exit_code
 
@@ -160,7 +155,7 @@ class FineTuneRecipe:
         except (OSError, ValueError) as err:
             raise RunFailed(
                 f"model.tokenizerUri/model.uri {self.cfg.tokenizer_dir}: cannot load a tokenizer ({err})",
-                EXIT_BAD_INPUT,
+                ExitCode.BAD_INPUT,
             ) from None
         # Tokenized once per dataset, by rank 0, into a cache beside the checkpoints: the
         # other ranks, restarts and resumes map it instead of tokenizing again.
@@ -185,7 +180,7 @@ class FineTuneRecipe:
             )
         failure = self._first_failure(failure)
         if failure is not None:
-            raise RunFailed(failure, EXIT_BAD_INPUT)
+            raise RunFailed(failure, ExitCode.BAD_INPUT)
         self.dataset = PackedDataset.load(path)
         self._log(
             f"dataset: {built}{self.dataset.tokens} tokens in {len(self.dataset)} sequences "
@@ -201,7 +196,7 @@ class FineTuneRecipe:
         try:
             ds_config, fitted = fit_swap_buffers_to_memlock(ds_config, params_per_rank, memlock_limit())
         except DeepSpeedConfigError as err:
-            raise RunFailed(str(err), EXIT_BAD_INPUT) from None
+            raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
         if fitted:
             self._log(fitted)
         dtype = self.spec.model.dtype
@@ -224,7 +219,7 @@ class FineTuneRecipe:
         try:
             model = AutoModelForCausalLM.from_pretrained(self.cfg.model_dir, dtype=torch_dtype)
         except (OSError, ValueError, SafetensorError) as err:  # a weights file cut short: SafetensorError
-            raise RunFailed(f"model.uri {self.cfg.model_dir}: cannot load the model ({err})", EXIT_BAD_INPUT) from None
+            raise RunFailed(f"model.uri {self.cfg.model_dir}: cannot load the model ({err})", ExitCode.BAD_INPUT) from None
         if self.spec.training.activation_checkpointing == "on" or self.plan.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -258,7 +253,7 @@ class FineTuneRecipe:
         try:
             info = self.store.find_good(resume_from)
         except CheckpointError as err:
-            raise RunFailed(str(err), EXIT_BAD_INPUT) from None
+            raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
         abandoned: list[str] = []
         if info is not None:
             self._load(info)
@@ -296,7 +291,7 @@ class FineTuneRecipe:
             probe.unlink()
         except OSError as err:
             raise RunFailed(
-                f"{field} {directory} is not writable ({err.strerror}); choose a writable directory", EXIT_BAD_INPUT
+                f"{field} {directory} is not writable ({err.strerror}); choose a writable directory", ExitCode.BAD_INPUT
             ) from None
 
     # --- collectives -----------------------------------------------------------------------
@@ -416,13 +411,13 @@ class FineTuneRecipe:
         self.export()
         self.reporter.event("finished", step=self.step, loss=getattr(self, "last_loss", None),
                             rollbacks=self.rollbacks)
-        return EXIT_OK
+        return ExitCode.OK
 
     def _preempt(self) -> int:
         if self.step > 0 and self.last_saved_step != self.step:  # at step 0 there is nothing to keep
             self.save_checkpoint(getattr(self, "last_loss", None))
         self.reporter.event("preempted", step=self.step)
-        return EXIT_PREEMPTED
+        return ExitCode.PREEMPTED
 
     def _rollback(self, problem: str, first: int, end: int) -> None:
         policy = self.spec.rollback
@@ -432,14 +427,14 @@ class FineTuneRecipe:
             raise RunFailed(
                 f"training diverged at step {self.step + 1} ({problem}) after {self.rollbacks - 1} rollbacks; "
                 f"rollback.maxRollbacks is {policy.max_rollbacks}: lower training.learningRate or inspect the data",
-                EXIT_DIVERGED,
+                ExitCode.DIVERGED,
             )
         info = self.store.find_good()
         if info is None:
             raise RunFailed(
                 f"training diverged at step {self.step + 1} ({problem}) before the first checkpoint; "
                 "lower checkpoint.everySteps so there is one to roll back to",
-                EXIT_DIVERGED,
+                ExitCode.DIVERGED,
             )
         rollbacks, skips = self.rollbacks, [*self.skip_ranges, (first, end)]
         lr_scale = self.lr_scale * policy.lr_backoff
@@ -515,7 +510,7 @@ class FineTuneRecipe:
             raise RunFailed(
                 f"checkpoint {info.name} was written by {written_by} processes and holds no state for rank "
                 f"{self.rank}; resume with the same number of processes",
-                EXIT_BAD_INPUT,
+                ExitCode.BAD_INPUT,
             )
         state = self.torch.load(state_file, weights_only=False)
         steps = state.get("optimizer_steps", [])
@@ -523,7 +518,7 @@ class FineTuneRecipe:
             restore_in_memory_subgroups(self.engine, str(info.path), DS_TAG)
             restore_swapped_state(self.engine, steps)
         except OptimizerStateError as err:
-            raise RunFailed(str(err), EXIT_BAD_INPUT) from None
+            raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
         replay_adam_kernel(self.engine, max((s for s in steps if s is not None), default=0))
         self.engine.micro_steps = state.get("micro_steps", self.engine.micro_steps)
         self.step = state["step"]

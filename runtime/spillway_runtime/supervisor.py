@@ -30,8 +30,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from spillway_runtime.contract import ExitCode
 from spillway_runtime.processes import die_with_parent, exit_status
-from spillway_runtime.recipe import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED
 
 FAILURE_GRACE_S = 30.0  # after one rank failed, how long the others get before SIGKILL
 POLL_S = 0.2
@@ -45,10 +45,10 @@ def free_port() -> int:
 
 def combined_exit(codes: list[int]) -> int:
     """One exit code for the run: the first failure's, else 75 if a rank stopped on request, else 0."""
-    failures = [c for c in codes if c not in (EXIT_OK, EXIT_PREEMPTED)]
+    failures = [c for c in codes if c not in (ExitCode.OK, ExitCode.PREEMPTED)]
     if failures:
         return failures[0]
-    return EXIT_PREEMPTED if EXIT_PREEMPTED in codes else EXIT_OK
+    return ExitCode.PREEMPTED if ExitCode.PREEMPTED in codes else ExitCode.OK
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class Supervisor:
             self._forward_stop()
         failed_at: float | None = None
         while any(proc.poll() is None for proc in self.ranks):
-            if failed_at is None and combined_exit(self._codes()) not in (EXIT_OK, EXIT_PREEMPTED):
+            if failed_at is None and combined_exit(self._codes()) not in (ExitCode.OK, ExitCode.PREEMPTED):
                 failed_at = time.monotonic()  # the others may be blocked in a collective with it
                 self._forward_stop()
             elif failed_at is not None and time.monotonic() - failed_at > FAILURE_GRACE_S:
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         problem = "--master-port is required with --nnodes > 1 (every node must name the same one)"
     if problem:
         print(problem, file=sys.stderr)
-        return EXIT_FAILED
+        return ExitCode.FAILED
     topology = Topology(args.processes, args.nnodes, args.node_rank, args.master_addr, args.master_port)
     code = Supervisor(args.config, topology).run()
     # Keep the exit code whatever arrives during interpreter shutdown (Python restores the

@@ -28,7 +28,8 @@ import pytest
 import torch
 
 from spillway_runtime.checkpoint import LATEST, MANIFEST, checkpoint_name
-from spillway_runtime.recipe import EXIT_PREEMPTED, STATE_FILE
+from spillway_runtime.contract import ExitCode
+from spillway_runtime.recipe import STATE_FILE
 from spillway_runtime.runconfig import FaultInjection
 
 from .conftest import Run, run_job
@@ -185,7 +186,7 @@ def test_suspend_and_resume_is_bit_identical(tmp_path, make_job, tmp_path_factor
     job = placement_job(make_job, nvme, *SUSPEND_PLACEMENT)
 
     suspended = run_job(job, tmp_path / "run", faults=SLOW, signal_at_step=EVERY + 1, sig=signal.SIGTERM)
-    assert suspended.returncode == EXIT_PREEMPTED, suspended.log[-3000:]
+    assert suspended.returncode == ExitCode.PREEMPTED, suspended.log[-3000:]
     stopped_at = suspended.of("preempted")[-1]["step"]
     assert stopped_at % EVERY != 0, "the suspend checkpoint should be off the cadence"
     assert suspended.of("checkpoint")[-1]["step"] == stopped_at
@@ -227,7 +228,7 @@ def test_two_processes_suspend_and_resume_is_bit_identical(tmp_path, make_job):
     assert sorted(reference.losses()) == list(range(1, MAX_STEPS + 1))
     suspended = run_job(job("job"), tmp_path / "run", processes=2, faults=SLOW, signal_at_step=EVERY + 1,
                         sig=signal.SIGTERM)
-    assert suspended.returncode == EXIT_PREEMPTED, suspended.log[-3000:]
+    assert suspended.returncode == ExitCode.PREEMPTED, suspended.log[-3000:]
     stopped_at = suspended.of("preempted")[-1]["step"]
     resumed = run_job(job("job"), tmp_path / "run", processes=2)
     assert resumed.returncode == 0, resumed.log[-3000:]

@@ -6,7 +6,7 @@ import subprocess
 import pytest
 
 from spillway_runtime.checkpoint import CheckpointStore
-from spillway_runtime.recipe import EXIT_DIVERGED, EXIT_PREEMPTED
+from spillway_runtime.contract import ExitCode
 from spillway_runtime.runconfig import FaultInjection
 
 from .conftest import run_job
@@ -44,7 +44,7 @@ def test_loss_spike_counts_as_divergence(tmp_path, make_job):
 def test_too_many_rollbacks_fail_with_the_reason(tmp_path, make_job):
     job = make_job(training={"maxSteps": 10}, checkpoint={"everySteps": 2}, rollback={"maxRollbacks": 1})
     run = run_job(job, tmp_path / "run", faults=FaultInjection(nan_micro_batches=[8, 14]))
-    assert run.returncode == EXIT_DIVERGED
+    assert run.returncode == ExitCode.DIVERGED
     [failed] = run.of("failed")
     assert "rollback.maxRollbacks is 1" in failed["reason"]
     assert len(run.of("rollback")) == 1 and run.of("diverged")
@@ -54,7 +54,7 @@ def test_sigterm_checkpoints_the_current_step_and_exits_preempted(tmp_path, make
     job = make_job(training={"maxSteps": 12}, checkpoint={"everySteps": 100})
     run = run_job(job, tmp_path / "run", faults=FaultInjection(step_sleep_seconds=0.4), signal_at_step=3,
                   sig=signal.SIGTERM)
-    assert run.returncode == EXIT_PREEMPTED, run.log[-3000:]
+    assert run.returncode == ExitCode.PREEMPTED, run.log[-3000:]
     [preempted] = run.of("preempted")
     [checkpoint] = run.of("checkpoint")
     assert checkpoint["step"] == preempted["step"] >= 3

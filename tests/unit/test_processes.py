@@ -4,7 +4,8 @@ import signal
 
 import pytest
 
-from spillway_runtime.processes import EXIT_ABORTED, StopSignals, exit_status
+from spillway_runtime.contract import ExitCode
+from spillway_runtime.processes import StopSignals, exit_status
 from spillway_runtime.supervisor import combined_exit
 
 
@@ -65,4 +66,4 @@ def test_handlers_are_installed_and_restored():
     with StopSignals(Target()) as handler:
         assert signal.getsignal(signal.SIGTERM) is handler and signal.getsignal(signal.SIGINT) is handler
     assert signal.getsignal(signal.SIGTERM) is before
-    assert EXIT_ABORTED == 130
+    assert ExitCode.ABORTED == 130

@@ -25,18 +25,16 @@ import yaml
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from spillway_api.models import TERMINAL_PHASES, Job
+from spillway_api.models import Job
 from spillway_api.service import JobService, exit_message, phase_for_exit
 from spillway_api.settings import Settings
+from spillway_runtime.contract import TERMINAL_PHASES, ExitCode
 from spillway_runtime.local import prepare_local_run, runtime_command, runtime_env
-from spillway_runtime.processes import EXIT_ABORTED, TrainingProcess
-from spillway_runtime.recipe import EXIT_PREEMPTED
+from spillway_runtime.processes import TrainingProcess
 from spillway_runtime.spec import FineTuneJob, SpecError
 
 log = logging.getLogger(__name__)
 
-EXIT_BAD_INPUT = 2
-EXIT_PLAN_INFEASIBLE = 3
 
 
 def _alive(pid: int | None) -> bool:
@@ -105,7 +103,7 @@ class LocalRun:
 
     def _rollback_arrived_late(self, code: int) -> bool:
         """A rollback requested while the child was exiting: nobody else will start it, so we do."""
-        if self._stop_requested.is_set() or code not in (0, EXIT_PREEMPTED) or self.error is not None:
+        if self._stop_requested.is_set() or code not in (0, ExitCode.PREEMPTED) or self.error is not None:
             return False
         with self.sessions() as session:
             job = session.get(Job, self.job_id)
@@ -140,7 +138,7 @@ class LocalRun:
                 return 0, False
             job.plan = config.plan.model_dump(mode="json")
         if self._stop_requested.is_set():  # stopped while planning: nothing to start, nothing lost
-            return EXIT_PREEMPTED, False
+            return ExitCode.PREEMPTED, False
         log_file = None if self.foreground else (run_dir / "runtime.log").open("ab")
         try:
             # In its own session either way: a terminal's Ctrl-C reaches `spillway run`, which decides
@@ -158,7 +156,7 @@ class LocalRun:
     def _refused(self, err: Exception) -> int:
         from spillway_runtime.planner import PlanningError
 
-        code = EXIT_PLAN_INFEASIBLE if isinstance(err, PlanningError) else EXIT_BAD_INPUT
+        code = ExitCode.PLAN_INFEASIBLE if isinstance(err, PlanningError) else ExitCode.BAD_INPUT
         reason = str(err)
         if isinstance(err, SpecError):
             reason = "; ".join(err.problems)
@@ -188,12 +186,12 @@ class LocalRun:
             time.sleep(self.poll_seconds)
         self._sync(run_dir, acted, final=code)  # ingests the last events first
         code = self._outcome(code)
-        return code, acted == "rollback" and code in (0, EXIT_PREEMPTED) and not self._stop_requested.is_set()
+        return code, acted == "rollback" and code in (0, ExitCode.PREEMPTED) and not self._stop_requested.is_set()
 
     def _outcome(self, code: int) -> int:
         """A second Ctrl-C that landed after the stop checkpoint was durable lost nothing: the
         preemption the child reported, not an abort."""
-        return EXIT_PREEMPTED if code == EXIT_ABORTED and self._stop_checkpointed else code
+        return ExitCode.PREEMPTED if code == ExitCode.ABORTED and self._stop_checkpointed else code
 
     def _sync(self, run_dir: Path, acted: str | None, final: int | None = None) -> str | None:
         """Copy new events into the database; act on rollback, suspend and deletion."""
@@ -210,11 +208,11 @@ class LocalRun:
                 final = self._outcome(final)
                 job.exit_code = final
                 if job.phase not in TERMINAL_PHASES | {"Suspended", "Preempted"} or (
-                    final != EXIT_PREEMPTED and job.phase in ("Suspended", "Preempted")
+                    final != ExitCode.PREEMPTED and job.phase in ("Suspended", "Preempted")
                 ):
                     service.transition(job, phase_for_exit(final), exit_message(final),
                                        f"exit:{job.events_read}:{final}")
-                if acted == "rollback" and final in (0, EXIT_PREEMPTED):
+                if acted == "rollback" and final in (0, ExitCode.PREEMPTED):
                     service.transition(job, "Pending", "restarting from the requested checkpoint",
                                        f"restart:{job.version}")
                 return None

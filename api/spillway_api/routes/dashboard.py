@@ -18,9 +18,9 @@ from fastapi.security import HTTPAuthorizationCredentials
 from spillway_api.auth import Authenticator
 from spillway_api.deps import ServiceDep, bearer
 from spillway_api.errors import PROBLEM_RESPONSES, ApiError
-from spillway_api.models import Phase
 from spillway_api.schemas import JobPublic, JobsPublic
 from spillway_api.service import Caller
+from spillway_runtime.contract import Phase
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 MEDIA_TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html", ".svg": "image/svg+xml",

@@ -8,7 +8,6 @@ from fastapi import APIRouter, Path, Query, status
 
 from spillway_api.deps import CanCreate, CanDelete, CanGet, CanList, CanPatch, ServiceDep
 from spillway_api.errors import PROBLEM_RESPONSES
-from spillway_api.models import Phase
 from spillway_api.schemas import (
     CheckpointPublic,
     CheckpointsPublic,
@@ -21,6 +20,7 @@ from spillway_api.schemas import (
     RollbackPublic,
     RollbackRequest,
 )
+from spillway_runtime.contract import Phase
 from spillway_runtime.spec import MAX_STEPS
 
 router = APIRouter(prefix="/v1/namespaces/{namespace}/jobs", tags=["jobs"], responses=PROBLEM_RESPONSES)

@@ -48,3 +48,12 @@ def test_the_bundle_was_built_from_the_committed_sources() -> None:
         digest.update(name.encode() + b"\0" + (dash / name).read_bytes() + b"\0")
     stamp = (STATIC_DIR / "SOURCES.sha256").read_text().strip()
     assert stamp == digest.hexdigest(), "api/spillway_api/static/ is stale: run hack/build-dashboard.sh"
+
+
+def test_the_dashboards_phases_are_the_contracts() -> None:
+    from spillway_runtime.contract import PHASES
+
+    source = (REPO / "dashboard" / "src" / "jobs.js").read_text()
+    listed = re.search(r"export const PHASES = \[([^\]]*)\]", source)
+    assert listed is not None
+    assert tuple(re.findall(r'"([^"]+)"', listed.group(1))) == PHASES
