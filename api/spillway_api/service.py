@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
+from sqlalchemy import delete as delete_rows
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -193,8 +194,14 @@ class JobService:
         return job
 
     def delete(self, job: Job) -> None:
+        """Delete the job's row (its history goes with it, ON DELETE CASCADE). Two deletes
+        that both read the row before either removed it: the second finds nothing to delete
+        and answers 404, where the ORM's DELETE by identity raised StaleDataError (a 409 the
+        operation does not document)."""
         self.launchers[job.launcher].delete(self.session, job)
-        self.session.delete(job)
+        deleted = self.session.execute(delete_rows(Job).where(Job.id == job.id)).rowcount  # type: ignore[attr-defined]
+        if not deleted:
+            raise not_found(job.namespace, job.name)
 
     def rollback(self, job: Job, checkpoint: str, reason: str, caller: Caller) -> Rollback:
         valid = [c.name for c in self.checkpoints(job)]

@@ -8,7 +8,7 @@ import stat
 from typing import Any
 
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, func, select, text
 
 from spillway_api.settings import Settings
 from tests.polling import wait_for
@@ -186,3 +186,33 @@ def test_database_unreachable_is_503_and_nothing_half_written(client: Any, datab
     assert client.get("/readyz").status_code == 200
     names = [j["name"] for j in client.get("/v1/namespaces/ns/jobs").json()["data"]]
     assert names == ["before"]
+
+
+def test_two_deletes_of_one_job_that_race_answer_204_and_404(client: Any) -> None:
+    """Two DELETE requests that both read the job before either removed it (two sessions,
+    interleaved as two API workers would run them): one deletes, the other answers 404,
+    and the job's history goes with the row. Before, the second raised StaleDataError: a
+    409 that DELETE does not document."""
+    from spillway_api.errors import ApiError
+    from spillway_api.models import Job, Transition
+    from spillway_api.service import JobService
+
+    assert client.post("/v1/namespaces/ns/jobs", json=job_body("twice")).status_code == 201
+    app = client.app
+    first, second = app.state.sessions(), app.state.sessions()
+    try:
+        a = JobService(first, app.state.launchers, "local")
+        b = JobService(second, app.state.launchers, "local")
+        job_a, job_b = a.get("ns", "twice"), b.get("ns", "twice")
+        a.delete(job_a)
+        first.commit()
+        with pytest.raises(ApiError) as refused:
+            b.delete(job_b)
+        assert refused.value.status == 404 and refused.value.code == "job_not_found"
+        second.rollback()
+        assert first.scalar(select(func.count()).select_from(Job).where(Job.name == "twice")) == 0
+        assert first.scalar(select(func.count()).select_from(Transition).where(Transition.job_id == job_a.id)) == 0
+    finally:
+        first.close()
+        second.close()
+    assert client.get("/v1/namespaces/ns/jobs/twice").status_code == 404
