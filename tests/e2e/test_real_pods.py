@@ -26,7 +26,7 @@ import secrets
 import shutil
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -448,33 +448,51 @@ def test_a_two_rank_pod_suspends_with_75_and_resumes_to_the_same_losses(
     real.job(namespace, "two-ref", max_steps=TWO_RANK_STEPS, processes=2)
     real.job(namespace, "two", max_steps=TWO_RANK_STEPS, processes=2)
     try:
-        wait_status(cluster, namespace, "two", lambda s: (s.get("progress") or {}).get("step", 0) >= 3,
-                    POD_TIMEOUT_S, "step 3")
-        [first] = active_pods(cluster, namespace, "two")
-        cluster.kubectl("patch", "ftj", "two", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":true}}')
-        suspended = wait_status(cluster, namespace, "two", lambda s: s.get("phase") == "Suspended" and not
-                                active_pods(cluster, namespace, "two"), 300, "Suspended, no pod running")
-        cluster.wait_for(lambda: pods.exit_code(first) is not None, 300, what=f"{first}'s exit")
-        assert pods.exit_code(first) == 75, pods.events
-        # The phase says Suspended from the SIGTERM on; the stop checkpoint is in status
-        # once the pod has exited (the runtime publishes it before it exits).
-        suspended = cluster.get("finetunejob", "two", namespace) or suspended
-        stopped = max(c["step"] for c in suspended["status"]["checkpoints"])
-        cluster.kubectl("patch", "ftj", "two", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":false}}')
-        job = _finished(real, namespace, "two")
+        [first], stopped, job = _suspend_then_resume(real, pods, namespace, "two")
         reference = _finished(real, namespace, "two-ref")
     finally:
         pods.stop()
     assert job["status"]["phase"] == reference["status"]["phase"] == "Succeeded", json.dumps(job["status"])[-2000:]
     [last] = [name for name in pods.names() if name != first]
     log = _events(cluster, namespace, last)
+    _assert_resumed_as_reference(cluster, namespace, log, "two-ref-a0-0", stopped)
+    started = [e for e in [*log, *_events(cluster, namespace, "two-ref-a0-0")] if e["event"] == "started"]
+    assert [e["world_size"] for e in started] == [2, 2], started
+
+
+def _suspend_then_resume(real: RealNode, pods: PodWatch, namespace: str, name: str,
+                         while_running: Callable[[list[str]], None] = lambda _: None) -> tuple[list[str], int, dict[str, Any]]:
+    """From step 3, suspend the job (every pod of the attempt must exit 75), resume it and
+    follow it to its end. Returns the suspended attempt's pods, the stop checkpoint's step
+    and the finished job; ``while_running`` sees the pods before the suspend."""
+    cluster = real.cluster
+    wait_status(cluster, namespace, name, lambda s: (s.get("progress") or {}).get("step", 0) >= 3,
+                POD_TIMEOUT_S, "step 3")
+    first = sorted(active_pods(cluster, namespace, name))
+    while_running(first)
+    cluster.kubectl("patch", "ftj", name, "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":true}}')
+    wait_status(cluster, namespace, name, lambda s: s.get("phase") == "Suspended" and not
+                active_pods(cluster, namespace, name), 300, "Suspended, no pod running")
+    cluster.wait_for(lambda: all(pods.exit_code(p) is not None for p in first), 300, what=f"{first} to exit")
+    assert [pods.exit_code(p) for p in first] == [75] * len(first), pods.events
+    # The phase says Suspended from the SIGTERM on; the stop checkpoint is in status
+    # once the pods have exited (the runtime publishes it before it exits).
+    suspended = cluster.get("finetunejob", name, namespace)
+    assert suspended is not None
+    stopped = max(c["step"] for c in suspended["status"]["checkpoints"])
+    cluster.kubectl("patch", "ftj", name, "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":false}}')
+    return first, stopped, _finished(real, namespace, name)
+
+
+def _assert_resumed_as_reference(cluster: Cluster, namespace: str, log: list[dict[str, Any]], reference_pod: str,
+                                 stopped: int) -> None:
+    """The resumed run started from the stop checkpoint, and every later step's loss equals
+    the uninterrupted reference run's, to the bit."""
     assert [e["step"] for e in log if e["event"] == "resumed"] == [stopped]
-    expected = {e["step"]: e["loss"] for e in _events(cluster, namespace, "two-ref-a0-0") if e["event"] == "step"}
+    expected = {e["step"]: e["loss"] for e in _events(cluster, namespace, reference_pod) if e["event"] == "step"}
     got = {e["step"]: e["loss"] for e in log if e["event"] == "step"}
     assert sorted(got) == list(range(stopped + 1, TWO_RANK_STEPS + 1))
     assert {s: (got[s], expected[s]) for s in got if got[s] != expected[s]} == {}
-    started = [e for e in [*log, *_events(cluster, namespace, "two-ref-a0-0")] if e["event"] == "started"]
-    assert [e["world_size"] for e in started] == [2, 2], started
 
 
 def test_the_node_probe_daemonset_measures_and_annotates_the_real_node(
@@ -555,31 +573,20 @@ def test_a_two_node_job_meets_across_real_nodes_and_resumes_to_the_same_losses(
     pods = PodWatch(kube_api, namespace, "nodes")
     real.job(namespace, "nodes-ref", max_steps=TWO_RANK_STEPS, processes=2)
     real.job(namespace, "nodes", max_steps=TWO_RANK_STEPS, nodes=2)
-    try:
-        wait_status(cluster, namespace, "nodes", lambda s: (s.get("progress") or {}).get("step", 0) >= 3,
-                    POD_TIMEOUT_S, "step 3")
-        first = sorted(active_pods(cluster, namespace, "nodes"))
+
+    def one_pod_on_each_node(first: list[str]) -> None:
         placed = {p: cluster.get("pod", p, namespace)["spec"]["nodeName"] for p in first}
         assert sorted(placed.values()) == sorted([cluster.real_node, second_node]), placed
-        cluster.kubectl("patch", "ftj", "nodes", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":true}}')
-        wait_status(cluster, namespace, "nodes", lambda s: s.get("phase") == "Suspended" and not
-                    active_pods(cluster, namespace, "nodes"), 300, "Suspended, no pod running")
-        cluster.wait_for(lambda: all(pods.exit_code(p) is not None for p in first), 300, what="both pods' exits")
-        assert [pods.exit_code(p) for p in first] == [75, 75], pods.events
-        suspended = cluster.get("finetunejob", "nodes", namespace)
-        stopped = max(c["step"] for c in suspended["status"]["checkpoints"])
-        cluster.kubectl("patch", "ftj", "nodes", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":false}}')
-        job = _finished(real, namespace, "nodes")
+
+    try:
+        first, stopped, job = _suspend_then_resume(real, pods, namespace, "nodes", one_pod_on_each_node)
+        assert len(first) == 2
         reference = _finished(real, namespace, "nodes-ref")
     finally:
         pods.stop()
     assert job["status"]["phase"] == reference["status"]["phase"] == "Succeeded", json.dumps(job["status"])[-2000:]
     [rank0] = [name for name in pods.names() if name not in first and name.endswith("-0")]
     log = _events(cluster, namespace, rank0)
-    assert [e["step"] for e in log if e["event"] == "resumed"] == [stopped]
-    expected = {e["step"]: e["loss"] for e in _events(cluster, namespace, "nodes-ref-a0-0") if e["event"] == "step"}
-    got = {e["step"]: e["loss"] for e in log if e["event"] == "step"}
-    assert sorted(got) == list(range(stopped + 1, TWO_RANK_STEPS + 1))
-    assert {s: (got[s], expected[s]) for s in got if got[s] != expected[s]} == {}
+    _assert_resumed_as_reference(cluster, namespace, log, "nodes-ref-a0-0", stopped)
     started = [e for e in log if e["event"] == "started"]
     assert [e["world_size"] for e in started] == [2], started
