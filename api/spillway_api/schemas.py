@@ -22,6 +22,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from spillway_runtime.hardware import NodeHardware
+from spillway_runtime.planner import PlanSummary, plan_summary
 from spillway_runtime.spec import COUNT_SCHEMA, FineTuneJobSpec, Offload, Training
 
 
@@ -94,8 +95,14 @@ class JobPublic(WireModel):
     phase: str
     message: str | None
     spec: dict[str, Any]
-    plan: dict[str, Any] | None
+    plan: PlanSummary | None = Field(description="The plan in brief: the same shape for local and cluster jobs, "
+                                     "and for POST /v1/plan")
     progress: dict[str, Any] | None
+
+    @field_validator("plan", mode="before")
+    @classmethod
+    def _one_summary(cls, value: Any) -> Any:
+        return value if isinstance(value, PlanSummary) else plan_summary(value)
     exit_code: int | None
     run_dir: str | None
     created_at: datetime
@@ -239,7 +246,8 @@ class PlanPublic(WireModel):
     node: str
     feasible: bool
     label: str
-    plan: dict[str, Any]
+    plan: PlanSummary | None = Field(description="None when the planner could not plan for this node at all "
+                                     "(shortfalls says why)")
     shortfalls: list[str]
 
 

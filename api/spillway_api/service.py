@@ -32,6 +32,7 @@ from spillway_api.models import (
 from spillway_api.schemas import JobCreate
 from spillway_operator.admission import new_job_problems
 from spillway_runtime.contract import TERMINAL_PHASES, ExitCode, Phase
+from spillway_runtime.planner import plan_summary
 from spillway_runtime.spec import FineTuneJob
 
 # An abort (a second Ctrl-C) is restartable like a preemption, from the last good checkpoint
@@ -266,8 +267,6 @@ class JobService:
         kind = event.get("event")
         at = _iso(event.get("time")) or utcnow()
         if kind == "started":
-            if isinstance(event.get("plan"), dict):  # the runtime may send only the plan's label
-                job.plan = event["plan"]
             job.progress = {**(job.progress or {}), "step": event.get("step", 0),
                             "totalSteps": event.get("total_steps")}
             self.transition(job, "Running", f"started at step {event.get('step', 0)}", key, at)
@@ -281,8 +280,8 @@ class JobService:
             )
             if _insert_once(self.session, point):
                 seconds = float(event.get("step_seconds") or 0.0)
-                plan = job.plan if isinstance(job.plan, dict) else {}
-                gpus = int(plan.get("gpus_per_node") or 0) * int(plan.get("nodes") or 1)
+                plan = plan_summary(job.plan)
+                gpus = plan.gpus if plan is not None else 0
                 self.session.add(CostEntry(job_id=job.id, namespace=job.namespace, at=at, seconds=seconds,
                                            gpu_hours=seconds * gpus / 3600, usd=seconds * price_per_hour / 3600,
                                            source_key=key))

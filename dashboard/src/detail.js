@@ -89,17 +89,17 @@ export function detailPage(main, ns, name) {
     // summary cards
     const perStep = cost.entries ? cost.usd / cost.entries : null;
     const remaining = total ? Math.max(0, total - (p.step ?? 0)) : null;
-    const projected = perStep !== null && remaining !== null ? cost.usd + perStep * remaining : plan.predicted_cost_usd;
+    const projected = perStep !== null && remaining !== null ? cost.usd + perStep * remaining : plan.predictedCostUsd;
     els.summary.replaceChildren(
       card("Phase", h("span", { class: `phase phase-${job.phase.toLowerCase()}`, id: "job-phase" }, job.phase),
         job.message),
       card("Progress", `${p.step ?? 0}${total ? ` / ${total}` : ""} steps`,
         job.phase === "Running" && p.eta != null ? `ETA ${duration(p.eta)}` : null),
       card("Loss", num(p.loss), p.tokensPerSecond != null ? `${num(p.tokensPerSecond, 3)} tokens/s` : null),
-      card("Plan", h("span", { class: "mono" }, planLabel(plan)), plan.node ? `on ${plan.node}` : null),
+      card("Plan", h("span", { class: "mono" }, planLabel(plan)), plan.node ? `on ${planNodes(plan)}` : null),
       card("Cost accrued", h("span", { id: "cost-accrued" }, usd(cost.usd)), `${num(cost.gpuHours, 3)} GPU-hours`),
       card("Cost projected", h("span", { id: "cost-projected" }, usd(projected)),
-        plan.predicted_cost_usd != null ? `plan predicted ${usd(plan.predicted_cost_usd)}` : "to finish at this rate"),
+        plan.predictedCostUsd != null ? `plan predicted ${usd(plan.predictedCostUsd)}` : "to finish at this rate"),
     );
 
     // rollback / restart notice
@@ -237,12 +237,21 @@ export function tierBars(plan) {
 export function reasons(plan) {
   if (!plan.reasons) return h("p", { class: "muted" }, "No plan yet.");
   return h("div", {},
-    h("p", {}, h("span", { class: "mono" }, planLabel(plan)), ` · predicted ${stepSeconds(plan.predicted_step_seconds)}/step`),
+    h("p", {}, h("span", { class: "mono" }, planLabel(plan)), ` · predicted ${stepSeconds(plan.predictedStepSeconds)}/step`),
     h("h3", {}, "Why"), h("ul", { id: "plan-reasons" }, plan.reasons.map((r) => h("li", {}, r))),
     h("h3", {}, "Rejected alternatives"),
     plan.rejected?.length
       ? h("ul", { id: "plan-rejected" }, plan.rejected.map((r) => h("li", {}, h("span", { class: "mono" }, r.placement), ": ", r.why)))
-      : h("p", { class: "muted" }, "None."));
+      : h("p", { class: "muted" }, "None."),
+    plan.rejectedShapes?.length
+      ? [h("h3", {}, "Other node shapes"), h("ul", { id: "plan-rejected-shapes" }, plan.rejectedShapes.map((r) =>
+        h("li", {}, h("span", { class: "mono" }, r.shape), ` (${r.nodes} node${r.nodes === 1 ? "" : "s"}): `, r.why)))]
+      : null);
+}
+
+/** Where a plan runs: a cluster job's nodes, or the machine a local job plans for. */
+function planNodes(plan) {
+  return plan.nodeNames?.length ? plan.nodeNames.join(", ") : plan.node;
 }
 
 function historyTable(hist) {

@@ -41,8 +41,7 @@ export function num(v, digits = 4) {
 
 /** 'Z3 opt:nvme par:cpu', as the CRD's printer column shows it. */
 export function planLabel(plan) {
-  if (!plan || plan.zero_stage === undefined) return plan?.label || "–";
-  return `Z${plan.zero_stage} opt:${plan.optimizer} par:${plan.parameters}`;
+  return plan?.label || "–";
 }
 
 /** Element builder: h("td", {class: "x"}, "text", child). */

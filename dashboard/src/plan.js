@@ -83,13 +83,20 @@ export function planPage(main) {
   return () => {};
 }
 
+/** One figure of a plan (none when the planner could not plan for the node), and its badge. */
+function figure(c, field, format, badge) {
+  if (!c.plan) return h("td", { "data-field": field }, "–");
+  return h("td", { class: "num", "data-field": field, "data-value": c.plan[field] },
+    format(c.plan[field]), badge ? h("div", { class: "best small" }, badge) : null);
+}
+
 function table(cols) {
   const feasible = cols.filter((c) => c.feasible);
-  const fastest = feasible.length ? feasible.reduce((a, b) => (a.plan.predicted_step_seconds <= b.plan.predicted_step_seconds ? a : b)) : null;
-  const priced = feasible.filter((c) => c.plan.predicted_cost_usd != null);
-  const cheapest = priced.length ? priced.reduce((a, b) => (a.plan.predicted_cost_usd <= b.plan.predicted_cost_usd ? a : b)) : null;
+  const fastest = feasible.length ? feasible.reduce((a, b) => (a.plan.predictedStepSeconds <= b.plan.predictedStepSeconds ? a : b)) : null;
+  const priced = feasible.filter((c) => c.plan.predictedCostUsd != null);
+  const cheapest = priced.length ? priced.reduce((a, b) => (a.plan.predictedCostUsd <= b.plan.predictedCostUsd ? a : b)) : null;
   const tierCell = (c, k) => {
-    if (!c.plan.bytes) return h("td", { "data-field": `bytes.${k}` }, "–");
+    if (!c.plan) return h("td", { "data-field": `bytes.${k}` }, "–");
     const used = c.plan.bytes[k];
     const cap = c.plan.capacity[k];
     return h("td", { class: "num", "data-field": `bytes.${k}`, "data-value": used },
@@ -102,16 +109,13 @@ function table(cols) {
     ["GPU (per GPU)", (c) => tierCell(c, "gpu")],
     ["CPU RAM", (c) => tierCell(c, "cpu")],
     ["NVMe", (c) => tierCell(c, "nvme")],
-    ["Step time", (c) => h("td", { class: "num", "data-field": "predicted_step_seconds", "data-value": c.plan.predicted_step_seconds },
-      stepSeconds(c.plan.predicted_step_seconds), c === fastest ? h("div", { class: "best small" }, "fastest") : null)],
-    ["Time to finish", (c) => h("td", { class: "num", "data-field": "predicted_total_seconds", "data-value": c.plan.predicted_total_seconds },
-      duration(c.plan.predicted_total_seconds))],
-    ["Cost to finish", (c) => h("td", { class: "num", "data-field": "predicted_cost_usd", "data-value": c.plan.predicted_cost_usd },
-      usd(c.plan.predicted_cost_usd), c === cheapest ? h("div", { class: "best small" }, "cheapest") : null)],
+    ["Step time", (c) => figure(c, "predictedStepSeconds", stepSeconds, c === fastest ? "fastest" : null)],
+    ["Time to finish", (c) => figure(c, "predictedTotalSeconds", duration, null)],
+    ["Cost to finish", (c) => figure(c, "predictedCostUsd", usd, c === cheapest ? "cheapest" : null)],
     ["Short of", (c) => h("td", { "data-field": "shortfalls" }, c.shortfalls.length ? h("ul", {}, c.shortfalls.map((s) => h("li", {}, s))) : "–")],
   ];
   return h("table", { class: "data compare", id: "plan-table" },
-    h("caption", {}, `${cols[0]?.plan?.model?.name ?? ""} parameters on ${cols.length} node shape${cols.length === 1 ? "" : "s"}`),
+    h("caption", {}, `${cols.find((c) => c.plan)?.plan.modelName ?? ""} parameters on ${cols.length} node shape${cols.length === 1 ? "" : "s"}`),
     h("thead", {}, h("tr", {}, h("td", {}), cols.map((c) => h("th", { scope: "col", "data-node": c.node,
       "data-request": JSON.stringify(c.request) }, c.node)))),
     h("tbody", {}, rows.map(([label, cell]) => h("tr", {}, h("th", { scope: "row" }, label), cols.map(cell)))));

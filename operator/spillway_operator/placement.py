@@ -130,7 +130,8 @@ def choose_placement(
         hw = choice.hardware
         gpus = hw.gpu_count if gpus_wanted is None else gpus_wanted
         choice.price_per_hour, _ = gpu_hour_price(hw, pricing, settings)
-        node_price = choice.price_per_hour * (gpus if hw.gpu_count else 1) * spec.resources.nodes
+        # Per node: the planner multiplies by the job's node count itself.
+        node_price = choice.price_per_hour * (gpus if hw.gpu_count else 1)
         if gpus > hw.gpu_count:
             choice.why_not = f"resources.gpusPerNode is {gpus} but the shape has {hw.gpu_count} GPUs"
             continue
@@ -183,44 +184,28 @@ def _total_seconds(c: ShapeChoice) -> float:
     return c.plan.predicted_total_seconds
 
 
-def plan_status(placement: Placement) -> dict[str, Any]:
-    """status.plan: the chosen plan in brief, and every other shape with the reason it lost."""
+def plan_status(placement: Placement) -> dict[str, Any] | None:
+    """status.plan: the chosen plan's summary (the runtime's `PlanSummary`), with every other
+    shape and the reason it lost. Nothing fits: the closest plan, marked infeasible; no
+    shape could even be planned: None (the NoFit condition says why for each)."""
     chosen = placement.chosen
-    out: dict[str, Any] = {
-        "rejectedShapes": [
-            {"shape": c.shape, "nodes": len(c.nodes), "why": c.why_not or ""} for c in placement.shapes if c is not chosen
-        ],
-    }
     if chosen is None or chosen.plan is None:
-        return out
-    plan = chosen.plan
-    out.update(
-        {
-            "label": plan.label,
-            "shape": chosen.shape,
-            "nodes": sorted(chosen.nodes),
-            "gpuProduct": chosen.hardware.gpu_product,
-            "zeroStage": plan.zero_stage,
-            "optimizer": plan.optimizer,
-            "parameters": plan.parameters,
-            "gpusPerNode": plan.gpus_per_node,
-            "nodeCount": plan.nodes,
-            "activationCheckpointing": plan.activation_checkpointing,
-            "bytes": {
-                "gpu": plan.bytes.gpu,
-                "cpu": plan.bytes.cpu,
-                "cpuPinned": plan.bytes.cpu_pinned,
-                "nvme": plan.bytes.nvme,
-            },
-            "predictedStepSeconds": round(plan.predicted_step_seconds, 4),
-            "predictedTotalSeconds": round(plan.predicted_total_seconds, 1),
-            "predictedCostUSD": round(plan.predicted_cost_usd or 0.0, 4),
-            "pricePerHourUSD": round(_hourly(chosen, plan), 4),
-            "reasons": list(plan.reasons),
-            "rejectedPlacements": [{"placement": r.placement, "why": r.why} for r in plan.rejected],
-        }
-    )
-    return out
+        planned = [c for c in placement.shapes if c.plan is not None]
+        if not planned:
+            return None
+        chosen = min(planned, key=lambda c: (_short_bytes(c), c.shape))
+    assert chosen.plan is not None
+    rejected = [{"shape": c.shape, "nodes": len(c.nodes), "why": c.why_not or ""}
+                for c in placement.shapes if c is not chosen]
+    return chosen.plan.summary(
+        price_per_hour=round(_hourly(chosen, chosen.plan), 4), shape=chosen.shape, node_names=sorted(chosen.nodes),
+        gpu_product=chosen.hardware.gpu_product, rejected_shapes=rejected,
+    ).dump()
+
+
+def _short_bytes(c: ShapeChoice) -> int:
+    assert c.plan is not None
+    return sum(s.short_bytes for s in c.plan.shortfalls)
 
 
 def _hourly(choice: ShapeChoice, plan: OffloadPlan) -> float:

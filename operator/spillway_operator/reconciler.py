@@ -28,6 +28,7 @@ from spillway_operator.placement import choose_placement, plan_status
 from spillway_operator.settings import OperatorSettings
 from spillway_operator.status import StatusChange
 from spillway_runtime.contract import ExitCode
+from spillway_runtime.planner import PlanSummary, plan_summary
 from spillway_runtime.spec import FineTuneJobSpec, SpecError, parse_job
 
 log = logging.getLogger("spillway.operator")
@@ -232,7 +233,8 @@ def _reconcile_once(namespace: str, name: str, settings: OperatorSettings) -> Re
         change.cond(b.PHASE_SUSPENDED, False, "Resumed", "spec.suspend is false: resuming from the latest checkpoint")
         change.phase(b.PHASE_PENDING, "Resumed", "resuming from the latest checkpoint")
 
-    ranks = int((status.get("plan") or {}).get("nodeCount") or spec.resources.nodes)
+    planned = _plan(status)
+    ranks = planned.node_count if planned is not None else spec.resources.nodes
     if current and int(status.get("childrenAttempt", -1)) != attempt:
         if (namespace, name, attempt) in _children_done:
             change.piggyback["childrenAttempt"] = attempt
@@ -262,16 +264,19 @@ def _reconcile_once(namespace: str, name: str, settings: OperatorSettings) -> Re
 
 def _cost(change: StatusChange, live_seconds: float) -> dict[str, Any]:
     old = change.old.get("cost") or {}
-    plan = change.status.get("plan") or change.old.get("plan") or {}
-    gpus = int(plan.get("gpusPerNode") or 0) * int(plan.get("nodeCount") or 1)
+    plan = _plan(change.status) or _plan(change.old)
     return b.cost_status(
         change.now,
         float(old.get("settledUSD", 0.0)),
         float(old.get("settledGpuHours", 0.0)),
         live_seconds,
-        float(plan.get("pricePerHourUSD", 0.0)),
-        gpus,
+        (plan.price_per_hour_usd or 0.0) if plan is not None else 0.0,
+        plan.gpus if plan is not None else 0,
     )
+
+
+def _plan(status: dict[str, Any]) -> PlanSummary | None:
+    return plan_summary(status.get("plan"))
 
 
 def _settle(change: StatusChange, pods: list[dict[str, Any]]) -> None:
@@ -483,12 +488,12 @@ def _replan_unschedulable(
     if oldest is None or (change.now - oldest).total_seconds() < settings.replan_pending_seconds:
         return None
     placement = choose_placement(spec, _nodes(), _pricing(settings), settings)
-    old_plan = change.old.get("plan") or {}
+    old_plan = _plan(change.old)
     chosen = placement.chosen
-    if chosen is None or chosen.plan is None or sorted(chosen.nodes) == sorted(old_plan.get("nodes") or []):
+    if chosen is None or chosen.plan is None or (old_plan and sorted(chosen.nodes) == old_plan.node_names):
         return None
     message = (
-        f"pods unschedulable for {(change.now - oldest).total_seconds():.0f} s on {old_plan.get('shape')} "
+        f"pods unschedulable for {(change.now - oldest).total_seconds():.0f} s on {old_plan and old_plan.shape} "
         f"({unscheduled[:300]}); re-planning onto {chosen.shape} ({len(chosen.nodes)} node(s))"
     )
     change.event("Normal", "Replanned", message)

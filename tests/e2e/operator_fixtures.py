@@ -143,8 +143,28 @@ def wait_status(cluster: Any, ns: str, name: str, pred: Any, timeout: float = 30
         out.update(job)
         return bool(pred(job.get("status") or {}))
 
-    cluster.wait_for(check, timeout, what=what or f"{ns}/{name} status")
+    try:
+        cluster.wait_for(check, timeout, what=what or f"{ns}/{name} status")
+    except AssertionError as timed_out:
+        raise AssertionError(f"{timed_out}\n{describe_job(cluster, ns, name)}") from None
     return out
+
+
+def describe_job(cluster: Any, ns: str, name: str) -> str:
+    """What a timed-out wait on a job shows: its status, each pod's node, phase and
+    container states with its last log lines, and the namespace's latest events."""
+    job = cluster.get("finetunejob", name, ns)
+    lines = [f"job {ns}/{name} status: {json.dumps((job or {}).get('status'))[-3000:]}"]
+    for pod in pods_of(cluster, ns, name):
+        meta, status = pod["metadata"], pod.get("status") or {}
+        states = {c["name"]: c.get("state") for c in status.get("containerStatuses") or []}
+        lines.append(f"pod {meta['name']} on {pod['spec'].get('nodeName')}: {status.get('phase')} "
+                     f"{status.get('reason') or ''} {status.get('message') or ''} {json.dumps(states)}")
+        logs = cluster.kubectl("logs", "-n", ns, meta["name"], "--all-containers", "--tail=15", check=False)
+        lines.extend(f"  | {line}" for line in (logs.stdout + logs.stderr).splitlines())
+    events = cluster.kubectl("get", "events", "-n", ns, "--sort-by=.lastTimestamp", check=False)
+    lines.extend(events.stdout.splitlines()[-20:])
+    return "\n".join(lines)
 
 
 def pods_of(cluster: Any, ns: str, job: str) -> list[dict[str, Any]]:

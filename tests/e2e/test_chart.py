@@ -508,9 +508,9 @@ def test_operator_under_the_charts_service_account_runs_the_13b_example(
             raise AssertionError(f"no plan; operator log:\n{(tmp_path / 'operator.log').read_text()[-4000:]}") from None
         # 13B needs ~210 GB of state: a 24 GB GPU and 64 GiB of RAM force the optimizer to NVMe.
         assert plan["optimizer"] == "nvme" and plan["zeroStage"] == 3, plan
-        assert plan["nodes"] == [gpu]
+        assert plan["nodeNames"] == [gpu]
         assert plan["bytes"]["nvme"] > 100 * 10**9
-        assert plan["pricePerHourUSD"] == pytest.approx(0.4), "the chart's pricing ConfigMap was not read"
+        assert plan["pricePerHourUsd"] == pytest.approx(0.4), "the chart's pricing ConfigMap was not read"
 
         def pod() -> dict[str, Any] | None:
             items = cluster.kubectl_json("get", "pods", "-n", namespace, "-l", "spillway.dev/job=llama-13b-sft")["items"]

@@ -70,7 +70,7 @@ def test_plans_creates_children_retries_and_succeeds(
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert pod["spec"]["nodeName"] == node
     runtime = json.loads(cluster.get("configmap", "train-runtime", namespace)["data"]["runtime.json"])
-    assert runtime["plan"]["zero_stage"] == plan["zeroStage"]
+    assert runtime["plan"]["zero_stage"] == plan["zeroStage"]  # the full plan the pods read, and its summary
     for kind, name in [
         ("pvc", "train-checkpoints"),
         ("serviceaccount", "train-runtime"),

@@ -98,7 +98,7 @@ def test_node_loss_replans_onto_another_shape(
     cluster.apply(manifest, namespace)
     job = wait_status(cluster, namespace, "moving", lambda s: s.get("phase") == "Running", 30, "Running")
     first = job["status"]["plan"]
-    assert first["nodes"] == [big], first
+    assert first["nodeNames"] == [big], first
     assert cluster.get("pod", "moving-a0-0", namespace)["spec"]["nodeName"] == big
 
     delete_node(big)
@@ -111,7 +111,7 @@ def test_node_loss_replans_onto_another_shape(
         "re-planned run",
     )
     second = job["status"]["plan"]
-    assert second["nodes"] == [small] and second["shape"] != first["shape"]
+    assert second["nodeNames"] == [small] and second["shape"] != first["shape"]
     assert second["gpuProduct"] != first["gpuProduct"]
     assert job["status"]["preemptions"] == 1 and job["status"].get("failures", 0) == 0
     assert cluster.get("pod", "moving-a1-0", namespace)["spec"]["nodeName"] == small
@@ -139,14 +139,14 @@ def test_unschedulable_pod_is_replanned_when_a_node_joins(
         30,
         "waiter refused by the scheduler",
     )
-    assert job["status"]["plan"]["nodes"] == [first_node]
+    assert job["status"]["plan"]["nodeNames"] == [first_node]
 
     second_node = make_node("gpu-48g-nvme")
     cluster.kubectl("label", "node", second_node, f"{POOL}={pool}")
     job = wait_status(cluster, namespace, "waiter", lambda s: s.get("phase") == "Running", 40, "re-planned waiter")
     assert job["status"]["replans"] == 1 and job["status"].get("failures", 0) == 0
     assert job["status"].get("preemptions", 0) == 0
-    assert sorted(job["status"]["plan"]["nodes"]) == sorted([first_node, second_node])
+    assert sorted(job["status"]["plan"]["nodeNames"]) == sorted([first_node, second_node])
     assert active_pods(cluster, namespace, "waiter") == ["waiter-a1-0"]
     assert cluster.get("pod", "waiter-a1-0", namespace)["spec"]["nodeName"] == second_node
     assert any(e["reason"] == "Replanned" for e in events_of(cluster, namespace, "waiter"))

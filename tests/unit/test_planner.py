@@ -5,9 +5,11 @@ import pytest
 from spillway_runtime.hardware import NodeHardware, hardware_from_node
 from spillway_runtime.planner import (
     ModelShape,
+    PlanSummary,
     activation_bytes,
     minimum_cpu_for,
     model_state_bytes,
+    plan_summary,
     plan_tiers,
 )
 from spillway_runtime.spec import Offload, Training
@@ -145,3 +147,24 @@ def test_node_hardware_from_labels_and_annotations_round_trips():
     assert back.nvme_free_bytes == hw.nvme_free_bytes
     assert back.cpu_adam_params_per_s == 2.0e9
     assert plan_tiers(P13, back, TRAIN).label == plan_tiers(P13, hw, TRAIN).label
+
+
+def test_the_plan_summary_is_one_camel_case_shape_and_reads_back_what_was_stored():
+    """What a local job records, a cluster job's status.plan and POST /v1/plan share this
+    shape; a full plan stored before the summary existed reads back as the same summary."""
+    plan = plan_tiers(P13, rtx4090(64), TRAIN, price_per_hour=0.8)
+    summary = plan.summary(price_per_hour=0.8)
+    wire = summary.dump()
+    assert wire["label"] == plan.label == "Z3 opt:nvme par:cpu"
+    assert wire["zeroStage"] == 3 and wire["bytes"]["nvme"] == plan.bytes.nvme and wire["bytes"]["cpuPinned"] >= 0
+    assert wire["predictedStepSeconds"] == plan.predicted_step_seconds
+    assert wire["predictedCostUsd"] == plan.predicted_cost_usd and wire["pricePerHourUsd"] == 0.8
+    assert wire["modelParameters"] == P13.params and wire["nodeNames"] == [] and wire["shape"] is None
+    assert PlanSummary.model_validate(wire) == summary
+    assert plan_summary(wire) == summary
+    legacy = plan.model_dump(mode="json")
+    assert plan_summary(legacy) == plan.summary()
+    assert plan_summary({"label": "Z2", "nodes": ["a"]}) is None and plan_summary(None) is None
+    cpu = plan_tiers(ModelShape.from_param_count(10**8), NodeHardware(name="c", cpu_cores=8, cpu_memory_bytes=32 * GiB),
+                     TRAIN, cpu_processes=2)
+    assert cpu.processes_per_node == 2 and cpu.summary().gpus == 0 and summary.gpus == 1

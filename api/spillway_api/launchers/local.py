@@ -136,7 +136,7 @@ class LocalRun:
             job = session.get(Job, self.job_id)
             if job is None:
                 return 0, False
-            job.plan = config.plan.model_dump(mode="json")
+            job.plan = config.plan.summary(price_per_hour=self.price_per_hour or None).dump()
         if self._stop_requested.is_set():  # stopped while planning: nothing to start, nothing lost
             return ExitCode.PREEMPTED, False
         log_file = None if self.foreground else (run_dir / "runtime.log").open("ab")
@@ -164,7 +164,7 @@ class LocalRun:
             job = session.get(Job, self.job_id)
             if job is not None:
                 if isinstance(err, PlanningError):
-                    job.plan = err.plan.model_dump(mode="json")
+                    job.plan = err.plan.summary(price_per_hour=self.price_per_hour or None).dump()
                 job.exit_code = code
                 job.owner_pid = None
                 self._service(session).transition(job, "Failed", reason, f"refused:{job.version}:{time.time()}")

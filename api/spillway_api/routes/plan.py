@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Request
 
 from spillway_api.deps import CurrentUser
@@ -72,11 +70,12 @@ def plan(_caller: CurrentUser, request: Request, body: PlanRequest) -> PlansPubl
             result = plan_tiers(shape, hw, training, offload, dtype=dtype, gpus_per_node=body.gpus_per_node,
                                 nodes=body.node_count, price_per_hour=body.price_per_hour)
         except ValueError as err:
-            plans.append(PlanPublic(node=hw.name, feasible=False, label="-", plan={}, shortfalls=[str(err)]))
+            plans.append(PlanPublic(node=hw.name, feasible=False, label="-", plan=None, shortfalls=[str(err)]))
             continue
-        dumped: dict[str, Any] = result.model_dump(mode="json")
-        plans.append(PlanPublic(node=hw.name, feasible=result.feasible, label=result.label, plan=dumped,
-                                shortfalls=[s.describe() for s in result.shortfalls]))
+        hourly = None if body.price_per_hour is None else body.price_per_hour * body.node_count
+        summary = result.summary(price_per_hour=hourly)
+        plans.append(PlanPublic(node=hw.name, feasible=result.feasible, label=result.label, plan=summary,
+                                shortfalls=summary.shortfalls))
         if result.feasible and (best is None or result.predicted_step_seconds < best[0]):
             best = (result.predicted_step_seconds, hw.name)
     return PlansPublic(data=plans, count=len(plans), best=best[1] if best else None)

@@ -148,7 +148,7 @@ def test_dashboard_jobs_detail_rollback_and_plan(server: dict[str, Any], browser
     assert job["phase"] == "Succeeded", job
     page.locator('tr[data-job="local/tiny"][data-phase="Succeeded"]').wait_for()  # live update, no reload
     cells = row.locator("td")
-    assert cells.nth(2).inner_text() == f"Z{job['plan']['zero_stage']} opt:{job['plan']['optimizer']} " \
+    assert cells.nth(2).inner_text() == f"Z{job['plan']['zeroStage']} opt:{job['plan']['optimizer']} " \
         f"par:{job['plan']['parameters']}"
     assert cells.nth(3).inner_text().startswith("6/6")
     cost = api.get(base + "/cost").json()
@@ -245,9 +245,9 @@ def test_dashboard_jobs_detail_rollback_and_plan(server: dict[str, Any], browser
         assert cell("feasible").get_attribute("data-value") == str(want["feasible"]).lower()
         for tier in ("gpu", "cpu", "nvme"):
             assert int(cell(f"bytes.{tier}").get_attribute("data-value")) == want["plan"]["bytes"][tier]
-        assert float(cell("predicted_step_seconds").get_attribute("data-value")) == want["plan"]["predicted_step_seconds"]
-        assert float(cell("predicted_cost_usd").get_attribute("data-value")) == want["plan"]["predicted_cost_usd"]
-        assert cell("predicted_cost_usd").inner_text().splitlines()[0] == f"${want['plan']['predicted_cost_usd']:.2f}"
+        assert float(cell("predictedStepSeconds").get_attribute("data-value")) == want["plan"]["predictedStepSeconds"]
+        assert float(cell("predictedCostUsd").get_attribute("data-value")) == want["plan"]["predictedCostUsd"]
+        assert cell("predictedCostUsd").inner_text().splitlines()[0] == f"${want['plan']['predictedCostUsd']:.2f}"
     shot(page, "5-plan-explorer")
 
     # everything came from the API's own origin; no script errors

@@ -139,7 +139,7 @@ def test_plan_dry_run(client: Any) -> None:
     r = client.post("/v1/plan", json={"parameterCount": "13B", "hardware": hw, "pricePerHour": 1.5})
     assert r.status_code == 200, r.text
     plan = r.json()["data"][0]
-    assert plan["feasible"] and plan["plan"]["optimizer"] == "nvme" and plan["plan"]["predicted_cost_usd"] > 0
+    assert plan["feasible"] and plan["plan"]["optimizer"] == "nvme" and plan["plan"]["predictedCostUsd"] > 0
     short = client.post("/v1/plan", json={"parameterCount": "13B", "hardware": {**hw, "nvme_free_bytes": 0,
                                                                                    "nvme_capacity_bytes": 0}})
     assert not short.json()["data"][0]["feasible"]

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from spillway_api.settings import Settings
+from spillway_runtime.planner import PlanSummary
 from tests import polling
 
 from ..conftest import job_document
@@ -41,6 +42,8 @@ def test_local_job_history_checkpoints_cost_and_rollback(make_client: Any, datab
                    and j["exitCode"] is not None and j, what="the job to finish")
     assert job["phase"] == "Succeeded", job
     assert job["exitCode"] == 0 and job["plan"]["accelerator"] == "cpu" and job["progress"]["step"] == 6
+    # The plan summary a cluster job's status.plan also has, priced at the local rate.
+    assert PlanSummary.model_validate(job["plan"]).price_per_hour_usd == 3.6 and job["plan"]["zeroStage"] in (2, 3)
 
     history = client.get(base + "/history").json()
     assert [p["step"] for p in history["progress"]] == [1, 2, 3, 4, 5, 6]

@@ -13,6 +13,7 @@ import yaml
 from spillway_operator import builders as b
 from spillway_operator.placement import choose_placement, plan_status
 from spillway_operator.settings import OperatorSettings
+from spillway_runtime.planner import PlanSummary
 from spillway_runtime.spec import FineTuneJobSpec, parse_job
 
 NODES_DIR = Path(__file__).resolve().parents[3] / "hack" / "kwok" / "nodes"
@@ -52,9 +53,39 @@ def test_cheapest_and_fastest_choose_different_shapes() -> None:
     fastest = min(c.plan.predicted_total_seconds for c in fits_fast if c.plan)
     assert fast.chosen.plan.predicted_total_seconds == fastest
     status = plan_status(cheap)
-    assert status["label"].startswith("Z")
+    assert status is not None and status["label"] == cheap.chosen.plan.label
     assert len(status["rejectedShapes"]) == 2
     assert all(r["why"] for r in status["rejectedShapes"])
+    # One model: status.plan reads back as the runtime's PlanSummary, the shape a local job records.
+    summary = PlanSummary.model_validate(status)
+    assert summary.node_names == [cheap.chosen.nodes[0]] and summary.shape == cheap.chosen.shape
+    assert summary.predicted_step_seconds == cheap.chosen.plan.predicted_step_seconds
+    assert summary.bytes.nvme == cheap.chosen.plan.bytes.nvme
+    assert status == cheap.chosen.plan.summary(
+        price_per_hour=summary.price_per_hour_usd, shape=summary.shape, node_names=summary.node_names,
+        gpu_product=summary.gpu_product, rejected_shapes=summary.rejected_shapes).dump()
+
+
+def test_a_multi_node_job_costs_its_nodes_once() -> None:
+    """Two nodes of one GPU at $2/GPU-hour: $4 an hour, and the predicted cost is the
+    predicted hours times $4 (the node count was once multiplied in twice)."""
+    nodes = [node("gpu-80g", "a"), node("gpu-80g", "b")]
+    placement = choose_placement(spec(resources={"nodes": 2, "gpusPerNode": 1}), nodes, {"NVIDIA-A100-SXM4-80GB": "2.0"},
+                                 SETTINGS)
+    status = plan_status(placement)
+    assert status is not None and status["nodeCount"] == 2 and status["gpusPerNode"] == 1
+    assert status["pricePerHourUsd"] == 4.0
+    hours = status["predictedTotalSeconds"] / 3600
+    assert status["predictedCostUsd"] == pytest.approx(hours * 4.0, abs=1e-4)  # rounded to 0.01 cent
+
+
+def test_no_fit_shows_the_closest_plan_and_nothing_planned_shows_none() -> None:
+    big = spec(model={"uri": "file:///m", "parameterCount": "400B"})
+    status = plan_status(choose_placement(big, [node("gpu-24g"), node("gpu-80g")], {}, SETTINGS))
+    assert status is not None and status["feasible"] is False and status["shortfalls"]
+    assert len(status["rejectedShapes"]) == 1
+    gpus = spec(resources={"gpusPerNode": 8})
+    assert plan_status(choose_placement(gpus, [node("gpu-24g")], {}, SETTINGS)) is None
 
 
 def test_no_fit_names_short_tier_and_gib() -> None:
