@@ -254,7 +254,11 @@ class PlanPublic(WireModel):
 class PlansPublic(WireModel):
     data: list[PlanPublic]
     count: int
-    best: str | None = Field(description="Node of the fastest feasible plan, if any fits")
+    best: str | None = Field(description="Node of the plan that would run: in cluster mode the operator's "
+                             "choice (the job's resources.placement, cheapest by default), else the fastest "
+                             "feasible one; none if nothing fits")
+    excluded: dict[str, str] = Field(default_factory=dict, description="Cluster mode: nodes the job's pods could "
+                                     "not run on (not Ready, cordoned, nodeSelector, untolerated taints), and why")
 
 
 class Problem(BaseModel):

@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "finetunejobs.spillway.dev.yaml"
 CHECKPOINT_CLASS = "spillway-e2e-checkpoints"
 OPERATOR_NAMESPACE = "spillway-system"
+# A node label a test gives its own nodes, so that other tests' nodes never match its nodeSelector.
+POOL = "spillway.dev/e2e-pool"
 
 
 def free_port() -> int:

@@ -17,7 +17,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,8 +26,11 @@ import httpx
 import pytest
 import yaml
 
+from spillway_operator.placement import choose_placement, plan_status
+from spillway_operator.settings import OperatorSettings
+from spillway_runtime.spec import parse_job
 from tests import polling
-from tests.e2e.operator_fixtures import CRD, free_port
+from tests.e2e.operator_fixtures import CRD, POOL, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -42,6 +45,7 @@ SPILLWAY_API_RULES: list[dict[str, Any]] = [
     {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]},  # POST /v1/plan against the cluster
 ]
 ALL_VERBS = ["get", "list", "watch", "create", "patch", "update", "delete"]
+PRICING = "spillway-pricing"
 
 
 def job_body(name: str) -> dict[str, Any]:
@@ -60,6 +64,7 @@ class World:
     cluster: Any
     team_a: str
     team_b: str
+    system: str  # the API's own namespace, where the pricing ConfigMap lives
     tokens: dict[str, str]  # alice: every verb in team-a; reader: get/list in team-a
     api_kubeconfig: Path
     tmp: Path
@@ -75,6 +80,7 @@ class ApiServer:
         self.log = log
         self.env = {**os.environ, "KUBECONFIG": str(world.api_kubeconfig),
                     "SPILLWAY_DATABASE_URL": f"sqlite:///{db}", "SPILLWAY_DATA_DIR": str(db.parent / "data"),
+                    "SPILLWAY_OPERATOR_NAMESPACE": world.system, "SPILLWAY_OPERATOR_PRICING_CONFIGMAP": PRICING,
                     "PYTHONUNBUFFERED": "1"}
         self.env.pop("KUBERNETES_SERVICE_HOST", None)
         self.proc: subprocess.Popen[bytes] | None = None
@@ -154,6 +160,14 @@ def world(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wo
              "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
                          "name": f"spillway-api-{suffix}"},
              "subjects": [{"kind": "ServiceAccount", "name": "spillway-api", "namespace": system}]},
+            # As the chart's api-role.yaml: the pricing ConfigMap, by name, in its own namespace.
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+             "metadata": {"name": "spillway-api", "namespace": system},
+             "rules": [{"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [PRICING], "verbs": ["get"]}]},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+             "metadata": {"name": "spillway-api", "namespace": system},
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "spillway-api"},
+             "subjects": [{"kind": "ServiceAccount", "name": "spillway-api", "namespace": system}]},
         ]
         for user, verbs in (("alice", ALL_VERBS), ("reader", ["get", "list", "watch"])):
             manifests += [
@@ -172,7 +186,7 @@ def world(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wo
                   for user in ("alice", "reader")}
         api_kubeconfig = tmp / "api-kubeconfig"
         _service_account_kubeconfig(cluster, system, "spillway-api", api_kubeconfig)
-        yield World(cluster, team_a, team_b, tokens, api_kubeconfig, tmp)
+        yield World(cluster, team_a, team_b, system, tokens, api_kubeconfig, tmp)
     finally:
         for ns in (team_a, team_b, system):
             cluster.kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False)
@@ -425,3 +439,42 @@ def test_revoked_access_stops_working_within_the_cache_time(world: World, api: A
     wait_for(lambda: [api.call("GET", path, tokens[a]).status_code for a in ("unbound", "deleted")] == [403, 401],
              timeout=CACHE_SECONDS + 60, what="revoked access to be refused")
     assert time.monotonic() - revoked <= CACHE_SECONDS + 15  # the cache time, and a loaded machine's slack
+
+
+def test_the_cluster_plan_is_the_operators_placement(world: World, api: ApiServer,
+                                                     make_node: Callable[..., str]) -> None:
+    """POST /v1/plan without hardware, in cluster mode, answers what the operator would do
+    with the job: its node exclusions (a cordoned node, the nodeSelector), one plan per node
+    shape, its pricing ConfigMap, its choice (`best`), and for the winner exactly the
+    status.plan the operator would write."""
+    cluster = world.cluster
+    pool = secrets.token_hex(3)
+    nodes = [make_node(profile) for profile in ("gpu-80g", "gpu-48g-nvme", "gpu-24g")]
+    for node in nodes:
+        cluster.kubectl("label", "node", node, f"{POOL}={pool}")
+    cluster.kubectl("cordon", nodes[2])
+    prices = {"NVIDIA-A100-SXM4-80GB": "4.0", "NVIDIA-L40S": "0.5"}
+    cluster.kubectl("create", "configmap", PRICING, "-n", world.system,
+                    *[f"--from-literal={k}={v}" for k, v in prices.items()])
+    spec = {**job_body("p")["spec"], "resources": {"gpusPerNode": 1, "nodeSelector": {POOL: pool}}}
+    try:
+        answer = api.call("POST", "/v1/plan", world.tokens["alice"], {"spec": spec})
+        assert answer.status_code == 200, answer.text
+        listed = cluster.kubectl_json("get", "nodes")["items"]
+    finally:
+        cluster.kubectl("delete", "configmap", PRICING, "-n", world.system, "--ignore-not-found", check=False)
+    body = answer.json()
+    placement = choose_placement(parse_job({"metadata": {"name": "p"}, "spec": spec}).spec, listed, prices,
+                                 OperatorSettings())
+    assert placement.chosen is not None
+    assert body["best"] == sorted(placement.chosen.nodes)[0] and body["best"] in nodes[:2]
+    assert sorted(d["node"] for d in body["data"]) == sorted(nodes[:2]), body["data"]
+    assert body["excluded"][nodes[2]] == "not Ready or cordoned"
+    assert all(why.startswith("nodeSelector") for n, why in body["excluded"].items() if n not in nodes)
+    [best] = [d for d in body["data"] if d["node"] == body["best"]]
+    assert best["plan"] == plan_status(placement), "not the status.plan the operator would write"
+    price = prices[best["plan"]["gpuProduct"]]
+    assert best["plan"]["pricePerHourUsd"] == float(price), "the pricing ConfigMap was not read"
+    [other] = [d for d in body["data"] if d["node"] != body["best"]]
+    assert other["plan"]["pricePerHourUsd"] == float(prices[other["plan"]["gpuProduct"]])
+    assert [r["shape"] for r in best["plan"]["rejectedShapes"]] == [other["plan"]["shape"]]

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.operator_fixtures import (
+    POOL,
     OperatorProcess,
     active_pods,
     add_checkpoint_volume,
@@ -21,7 +22,6 @@ from tests.e2e.operator_fixtures import (
 )
 
 pytestmark = pytest.mark.e2e
-POOL = "spillway.dev/e2e-pool"
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 
 from spillway_api.deps import CurrentUser
@@ -9,7 +11,7 @@ from spillway_api.errors import PROBLEM_RESPONSES, ApiError
 from spillway_api.schemas import PlanPublic, PlanRequest, PlansPublic
 from spillway_runtime.hardware import NodeHardware, hardware_from_node
 from spillway_runtime.planner import ModelShape, plan_tiers
-from spillway_runtime.spec import Training
+from spillway_runtime.spec import FineTuneJobSpec, Offload, Training
 from spillway_runtime.units import parse_count
 
 router = APIRouter(prefix="/v1", tags=["plan"], responses=PROBLEM_RESPONSES)
@@ -24,24 +26,75 @@ def _node_hardware(request: Request, body: PlanRequest) -> list[NodeHardware]:
         except (ValueError, TypeError) as err:
             raise ApiError(422, "invalid_node", f"a node's allocatable resources cannot be read: {err}",
                            errors=[f"nodes: {err}"]) from None
-    kube = getattr(request.app.state, "kube", None)
-    if kube is None:
-        # Local mode: the machine `spillway run` would train on, as `spillway probe --quick`
-        # sees it, with the data directory's disk for NVMe.
-        from spillway_runtime.probe import probe_basic
+    # Local mode: the machine `spillway run` would train on, as `spillway probe --quick`
+    # sees it, with the data directory's disk for NVMe.
+    from spillway_runtime.probe import probe_basic
 
-        return [probe_basic(request.app.state.settings.data_dir)]
+    return [probe_basic(request.app.state.settings.data_dir)]
+
+
+def _cluster_plans(kube: Any, body: PlanRequest, params: int, training: Training, offload: Offload | None,
+                   dtype: str) -> PlansPublic:
+    """The cluster's answer is the operator's own: its node exclusions (Ready, cordons,
+    nodeSelector, taints), its grouping into shapes, its pricing ConfigMap and its choice."""
     from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
 
-    nodes = client.CoreV1Api(kube).list_node().items
-    return [hardware_from_node(kube.sanitize_for_serialization(n)) for n in nodes]
+    from spillway_operator.placement import choose_placement
+    from spillway_operator.settings import OperatorSettings
+
+    settings = OperatorSettings()
+    if body.spec is not None:
+        spec = body.spec.model_copy(deep=True)
+        spec.model.parameter_count, spec.model.dtype = params, dtype  # type: ignore[assignment]
+        if "node_count" in body.model_fields_set:
+            spec.resources.nodes = body.node_count
+        if "gpus_per_node" in body.model_fields_set:
+            spec.resources.gpus_per_node = body.gpus_per_node
+    else:
+        spec = FineTuneJobSpec.model_validate({
+            "model": {"uri": "pvc://plan/model", "parameterCount": params, "dtype": dtype},
+            "dataset": {"uri": "pvc://plan/data"},
+            "resources": {"nodes": body.node_count, "gpusPerNode": body.gpus_per_node},
+        })
+    spec.training, spec.offload = training, offload or spec.offload
+    core = client.CoreV1Api(kube)
+    nodes = [kube.sanitize_for_serialization(n) for n in core.list_node().items]
+    try:
+        pricing = core.read_namespaced_config_map(settings.pricing_configmap, settings.namespace).data or {}
+    except ApiException as err:
+        if err.status not in (403, 404):
+            raise
+        pricing = {}  # no ConfigMap (or not ours to read): the operator's default prices
+    placement = choose_placement(spec, nodes, dict(pricing), settings)
+    winner = placement.chosen
+    plans: list[PlanPublic] = []
+    for choice in placement.shapes:
+        node = sorted(choice.nodes)[0]
+        if choice.plan is None:
+            plans.append(PlanPublic(node=node, feasible=False, label="-", plan=None,
+                                    shortfalls=[choice.why_not or "not planned"]))
+            continue
+        others = [{"shape": c.shape, "nodes": len(c.nodes), "why": c.why_not or ""}
+                  for c in placement.shapes if c is not choice]
+        units = (choice.plan.gpus_per_node if choice.hardware.gpu_count else 1) * choice.plan.nodes
+        summary = choice.plan.summary(
+            price_per_hour=round(choice.price_per_hour * units, 4), shape=choice.shape,
+            node_names=sorted(choice.nodes), gpu_product=choice.hardware.gpu_product,
+            rejected_shapes=others if choice is winner else [])
+        plans.append(PlanPublic(node=node, feasible=summary.feasible, label=summary.label, plan=summary,
+                                shortfalls=summary.shortfalls or ([choice.why_not] if choice.why_not and
+                                                                  not summary.feasible else [])))
+    best = sorted(winner.nodes)[0] if winner is not None else None
+    return PlansPublic(data=plans, count=len(plans), best=best, excluded=placement.excluded_nodes)
 
 
 @router.post("/plan", response_model=PlansPublic)
 def plan(_caller: CurrentUser, request: Request, body: PlanRequest) -> PlansPublic:
     """Where training state would live on each node shape, the predicted step time and cost,
     and for shapes that do not fit, which tier is short and by how much. Without `hardware`
-    or `nodes`: the cluster's nodes (cluster mode), or this machine (local mode)."""
+    or `nodes`: in cluster mode, the operator's own placement over the cluster's nodes (its
+    exclusions, pricing and choice: `best`); in local mode, this machine."""
     raw = body.parameter_count if body.parameter_count is not None else (
         body.spec.model.parameter_count if body.spec else None)
     if raw is None:
@@ -58,6 +111,9 @@ def plan(_caller: CurrentUser, request: Request, body: PlanRequest) -> PlansPubl
     training = body.training or (body.spec.training if body.spec else Training())
     offload = body.offload or (body.spec.offload if body.spec else None)
     dtype = body.dtype or (body.spec.model.dtype if body.spec else "bf16")
+    kube = getattr(request.app.state, "kube", None)
+    if kube is not None and body.hardware is None and not body.nodes:
+        return _cluster_plans(kube, body, params, training, offload, dtype)
     plans: list[PlanPublic] = []
     seen: set[str] = set()
     best: tuple[float, str] | None = None
