@@ -25,7 +25,6 @@ export function jobsPage(main, query) {
       h("label", { for: "filter-namespace" }, "Namespace"), nsSelect,
       h("label", { for: "filter-phase" }, "Phase"), phaseSelect),
     table, status);
-  nsSelect.value = query.get("namespace") || "";
   phaseSelect.value = query.get("phase") || "";
 
   let timer = null;
@@ -63,7 +62,9 @@ export function jobsPage(main, query) {
     const before = opts.find((o) => o.value > ns) || null;
     nsSelect.insertBefore(h("option", { value: ns }, ns), before);
   }
-  if (nsSelect.value) addNamespace(nsSelect.value);
+  // The URL's namespace is an option before the first answer: a caller who may list only
+  // there (cluster mode) never asks cluster-wide.
+  if (query.get("namespace")) addNamespace(query.get("namespace"));
   nsSelect.value = query.get("namespace") || "";
 
   function onFilter() {

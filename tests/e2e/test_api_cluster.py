@@ -30,6 +30,7 @@ from spillway_operator.placement import choose_placement, plan_status
 from spillway_operator.settings import OperatorSettings
 from spillway_runtime.spec import parse_job
 from tests import polling
+from tests.browser import chromium, shot, sign_in
 from tests.e2e.operator_fixtures import CRD, POOL, free_port
 
 pytestmark = pytest.mark.e2e
@@ -441,6 +442,19 @@ def test_revoked_access_stops_working_within_the_cache_time(world: World, api: A
     assert time.monotonic() - revoked <= CACHE_SECONDS + 15  # the cache time, and a loaded machine's slack
 
 
+def _pool(cluster: Any, make_node: Callable[..., str], *profiles: str) -> tuple[str, list[str]]:
+    """Nodes of these profiles under a fresh pool label (other tests' nodes never match)."""
+    pool = secrets.token_hex(3)
+    nodes = [make_node(profile) for profile in profiles]
+    for node in nodes:
+        cluster.kubectl("label", "node", node, f"{POOL}={pool}")
+    return pool, nodes
+
+
+def _pool_spec(pool: str) -> dict[str, Any]:
+    return {**job_body("p")["spec"], "resources": {"gpusPerNode": 1, "nodeSelector": {POOL: pool}}}
+
+
 def test_the_cluster_plan_is_the_operators_placement(world: World, api: ApiServer,
                                                      make_node: Callable[..., str]) -> None:
     """POST /v1/plan without hardware, in cluster mode, answers what the operator would do
@@ -448,15 +462,12 @@ def test_the_cluster_plan_is_the_operators_placement(world: World, api: ApiServe
     shape, its pricing ConfigMap, its choice (`best`), and for the winner exactly the
     status.plan the operator would write."""
     cluster = world.cluster
-    pool = secrets.token_hex(3)
-    nodes = [make_node(profile) for profile in ("gpu-80g", "gpu-48g-nvme", "gpu-24g")]
-    for node in nodes:
-        cluster.kubectl("label", "node", node, f"{POOL}={pool}")
+    pool, nodes = _pool(cluster, make_node, "gpu-80g", "gpu-48g-nvme", "gpu-24g")
     cluster.kubectl("cordon", nodes[2])
     prices = {"NVIDIA-A100-SXM4-80GB": "4.0", "NVIDIA-L40S": "0.5"}
     cluster.kubectl("create", "configmap", PRICING, "-n", world.system,
                     *[f"--from-literal={k}={v}" for k, v in prices.items()])
-    spec = {**job_body("p")["spec"], "resources": {"gpusPerNode": 1, "nodeSelector": {POOL: pool}}}
+    spec = _pool_spec(pool)
     try:
         answer = api.call("POST", "/v1/plan", world.tokens["alice"], {"spec": spec})
         assert answer.status_code == 200, answer.text
@@ -478,3 +489,61 @@ def test_the_cluster_plan_is_the_operators_placement(world: World, api: ApiServe
     [other] = [d for d in body["data"] if d["node"] != body["best"]]
     assert other["plan"]["pricePerHourUsd"] == float(prices[other["plan"]["gpuProduct"]])
     assert [r["shape"] for r in best["plan"]["rejectedShapes"]] == [other["plan"]["shape"]]
+
+
+def test_the_dashboard_shows_a_cluster_jobs_plan_and_cost(world: World, api: ApiServer,
+                                                          make_node: Callable[..., str]) -> None:
+    """A cluster job in the dashboard (headless Chromium, the API in cluster mode): the plan
+    the operator writes to status.plan shows as it does for a local job: tier bars against
+    the node's capacity, the predicted step time, the rejected placements and node shapes,
+    and the cost in status.cost. Before there was one plan summary, a cluster job showed
+    "no capacity", no prediction and no alternatives."""
+    cluster, alice, ns = world.cluster, world.tokens["alice"], world.team_a
+    pool, _ = _pool(cluster, make_node, "gpu-80g", "gpu-48g-nvme")
+    spec = _pool_spec(pool)
+    created = api.call("POST", f"/v1/namespaces/{ns}/jobs", alice, {"metadata": {"name": "shown"}, "spec": spec})
+    assert created.status_code == 201, created.text
+    placement = choose_placement(parse_job({"metadata": {"name": "shown"}, "spec": spec}).spec,
+                                 cluster.kubectl_json("get", "nodes")["items"], {}, OperatorSettings())
+    plan = plan_status(placement)
+    assert plan is not None and plan["feasible"] and plan["rejectedShapes"]
+    # What the operator and the runtime would write (the operator does not run here).
+    patch_status(cluster, ns, "shown", {"phase": "Running", "plan": plan, "progress": {"step": 10, "totalSteps": 100},
+                                        "cost": {"usd": 1.25, "gpuHours": 0.5}})
+    job = wait_for(lambda: (j := api.call("GET", f"/v1/namespaces/{ns}/jobs/shown", alice).json())["plan"] and j,
+                   what="the watch to record the plan")
+    assert job["plan"] == plan
+
+    with chromium() as browser:
+        page = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
+        page.set_default_timeout(30_000)
+        problems: list[str] = []
+        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+        sign_in(page, api.url, alice)
+        page.goto(f"{api.url}/#/jobs?namespace={ns}")  # alice may list in her namespace only
+        row = page.locator(f'tr[data-job="{ns}/shown"]')
+        try:
+            row.wait_for()
+        except Exception:
+            raise AssertionError(f"{page.url}: {page.locator('#main').inner_text()} {problems}") from None
+        assert row.locator("td").nth(2).inner_text() == plan["label"]
+        row.get_by_role("link", name="shown").click()
+        page.locator(".tier").first.wait_for()
+        for tier in ("gpu", "cpu", "nvme"):
+            bar = page.locator(f'.tier[data-tier="{tier}"]')
+            assert int(bar.get_attribute("data-bytes")) == plan["bytes"][tier]
+            assert int(bar.get_attribute("data-capacity")) == plan["capacity"][tier]
+            assert "no capacity" not in bar.inner_text()
+        assert int(page.locator('.tier[data-tier="gpu"]').get_attribute("data-capacity")) > 0
+        step = plan["predictedStepSeconds"]
+        predicted = f"predicted {step:.2f} s/step" if step < 10 else f"predicted {step:.1f} s/step"
+        assert predicted in page.locator("#main").inner_text()
+        assert page.locator("#plan-reasons li").count() == len(plan["reasons"])
+        assert page.locator("#plan-rejected li").count() == len(plan["rejected"])
+        shapes = page.locator("#plan-rejected-shapes li")
+        assert shapes.count() == len(plan["rejectedShapes"])
+        assert plan["rejectedShapes"][0]["shape"] in shapes.first.inner_text()
+        assert page.locator("#cost-accrued").inner_text() == "$1.25"
+        assert ", ".join(plan["nodeNames"]) in page.locator("#main").inner_text()
+        shot(page, "6-cluster-job")
+        assert problems == []

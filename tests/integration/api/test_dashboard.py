@@ -24,17 +24,12 @@ import pytest
 
 from spillway_api.settings import Settings
 from tests import polling
+from tests.browser import chromium, shot
 
 from ..conftest import job_document
-from .conftest import REPO_ROOT, job_body
+from .conftest import job_body
 
 pytestmark = pytest.mark.integration
-
-CHROMIUM = os.environ.get("SPILLWAY_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
-SCREENSHOTS = REPO_ROOT / "artifacts" / "screenshots"
-
 
 def wait_for(predicate: Any, timeout: float = 120, what: str = "condition") -> Any:
     return polling.wait_for(predicate, timeout, what)
@@ -90,22 +85,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    if not Path(CHROMIUM).is_file():
-        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium (Debian's package); "
-                    "the dashboard tests need a real browser and never skip", pytrace=False)
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            yield b
-        finally:
-            b.close()
-
-
-def shot(page: Any, name: str) -> None:
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
+    with chromium() as b:
+        yield b
 
 
 def test_dashboard_jobs_detail_rollback_and_plan(server: dict[str, Any], browser: Any,
