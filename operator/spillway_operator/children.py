@@ -1,7 +1,7 @@
 """The children of a FineTuneJob's attempt, created idempotently, and the inputs they need.
 
 Where this sits: called by `reconciler` once an attempt is planned; shapes come
-from `builders`, effects go through `k8s`. Every create answers 409 for an object
+from `builders`, effects go through the reconciler's `Cluster`. Every create answers 409 for an object
 that exists, which counts as done, so any of these may run again after a kill.
 """
 
@@ -10,13 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 from spillway_operator import builders as b
-from spillway_operator import k8s, metrics, store
+from spillway_operator import metrics
+from spillway_operator.cluster import Cluster
 from spillway_operator.settings import OperatorSettings
 from spillway_runtime.runconfig import RuntimeConfig
 from spillway_runtime.spec import FineTuneJobSpec
 
 
 def create_children(
+    cluster: Cluster,
     job: dict[str, Any],
     spec: FineTuneJobSpec,
     chosen: Any,
@@ -30,46 +32,50 @@ def create_children(
     later follow in the same call. Returns the names of the pods this call created."""
     plan = chosen.plan
     name = job["metadata"]["name"]
-    k8s.create_if_absent(b.build_runtime_rbac(job)[0])  # the ServiceAccount
-    k8s.apply_configmap(b.build_configmap(job, config, attempt))
+    cluster.create(b.build_runtime_rbac(job)[0])  # the ServiceAccount
+    cluster.apply_configmap(b.build_configmap(job, config, attempt))
     created = []
     for rank in range(plan.nodes):
-        pod = k8s.create_if_absent(b.build_pod(job, spec, chosen, attempt, rank, settings))
-        if pod is not None:
-            store.pods.upsert(pod)
+        if cluster.create(b.build_pod(job, spec, chosen, attempt, rank, settings)) is not None:
             created.append(b.pod_name(name, attempt, rank))
             metrics.PODS_CREATED.inc()
-    _create_later_children(job, spec, plan, settings)
+    _create_later_children(cluster, job, spec, plan, settings)
     return created
 
 
-def _create_later_children(job: dict[str, Any], spec: FineTuneJobSpec, plan: Any, settings: OperatorSettings) -> None:
+def _create_later_children(
+    cluster: Cluster, job: dict[str, Any], spec: FineTuneJobSpec, plan: Any, settings: OperatorSettings
+) -> None:
     """The children the pods need only once they run: checkpoint PVC, rendezvous Service,
     the runtime's Role and RoleBinding."""
-    k8s.create_if_absent(b.build_checkpoint_pvc(job, spec, plan, settings))
+    cluster.create(b.build_checkpoint_pvc(job, spec, plan, settings))
     if plan.nodes > 1:
-        k8s.create_if_absent(b.build_headless_service(job))
+        cluster.create(b.build_headless_service(job))
     for obj in b.build_runtime_rbac(job)[1:]:
-        k8s.create_if_absent(obj)
+        cluster.create(obj)
 
 
-def ensure_later_children(job: dict[str, Any], spec: FineTuneJobSpec, settings: OperatorSettings) -> bool:
+def ensure_later_children(
+    cluster: Cluster, job: dict[str, Any], spec: FineTuneJobSpec, settings: OperatorSettings
+) -> bool:
     """Pods exist but status does not say their attempt's children were all created: the
     previous reconcile stopped (killed, an API error) between the pods and the rest. Create
     the rest from the plan in this attempt's ConfigMap; False when there is none to read."""
     meta = job["metadata"]
-    data = k8s.read_configmap_data(meta["namespace"], b.configmap_name(meta["name"]))
+    data = cluster.configmap_data(meta["namespace"], b.configmap_name(meta["name"]))
     if not data or b.CONFIG_FILE not in data:
         return False
     plan = RuntimeConfig.model_validate_json(data[b.CONFIG_FILE]).plan
-    _create_later_children(job, spec, plan, settings)
+    _create_later_children(cluster, job, spec, plan, settings)
     return True
 
 
-def missing_inputs(namespace: str, spec: FineTuneJobSpec, plan: Any, settings: OperatorSettings) -> list[str]:
+def missing_inputs(
+    cluster: Cluster, namespace: str, spec: FineTuneJobSpec, plan: Any, settings: OperatorSettings
+) -> list[str]:
     missing = []
     for claim in b.input_claims(spec):
-        if not k8s.pvc_exists(namespace, claim):
+        if not cluster.pvc_exists(namespace, claim):
             missing.append(f"PersistentVolumeClaim {claim!r} (from a pvc:// URI) does not exist in {namespace}")
     classes = []
     if plan.bytes.nvme > 0 and spec.offload.nvme.storage_class_name:
@@ -77,6 +83,6 @@ def missing_inputs(namespace: str, spec: FineTuneJobSpec, plan: Any, settings: O
     if spec.checkpoint.storage_class_name:
         classes.append(("checkpoint.storageClassName", spec.checkpoint.storage_class_name))
     for field_name, cls in classes:
-        if not k8s.storage_class_exists(cls, max_age=settings.pricing_cache_seconds):
+        if not cluster.storage_class_exists(cls, max_age=settings.pricing_cache_seconds):
             missing.append(f"StorageClass {cls!r} ({field_name}) does not exist")
     return missing

@@ -1,9 +1,10 @@
 """Level-triggered reconcile of one FineTuneJob: read everything, decide, act, write status.
 
-Where this sits: called by `handlers` (the work queue's workers); reads jobs,
-pods and nodes from `store`, writes status through `status.StatusChange`, makes
-children through `children`, and calls `builders` for every decision's shape and
-`k8s` for every other effect. It keeps no state between calls but a per-job lock
+Where this sits: called by `handlers` (the work queue's workers); reads jobs, pods
+and nodes and acts through a `cluster.Cluster` (the watch caches and the API server,
+or an in-memory cluster in the unit tests), writes status through
+`status.StatusChange`, makes children through `children`, and calls `builders` for
+every decision's shape. It keeps no state between calls but a per-job lock
 and a hint of which attempts' children it created, so a restarted operator
 converges from whatever it finds: child names are deterministic (`<job>-a<attempt>-<rank>`), and every
 decision that moves the job to a new attempt (counting a failure or a
@@ -22,8 +23,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn
 
-from spillway_operator import admission, children, k8s, metrics, store
+from spillway_operator import admission, children, metrics
 from spillway_operator import builders as b
+from spillway_operator.cluster import KUBE, Cluster
 from spillway_operator.placement import choose_placement, plan_status
 from spillway_operator.settings import OperatorSettings
 from spillway_operator.status import StatusChange
@@ -57,7 +59,7 @@ class Result:
     again: bool = False
 
 
-def report_forbidden(namespace: str, name: str, err: Exception) -> str:
+def report_forbidden(namespace: str, name: str, err: Exception, cluster: Cluster = KUBE) -> str:
     """The operator's own RBAC refused a call. Retrying alone cannot help, so the job says
     which permission is missing (condition `Authorized=False` and a Warning Event) while the
     handler keeps retrying for when an admin grants it. Returns the message."""
@@ -67,10 +69,10 @@ def report_forbidden(namespace: str, name: str, err: Exception) -> str:
     except ValueError:
         detail = str(body)
     message = f"the operator is not allowed to act for this job: {detail or err} (check its RBAC)"
-    job = k8s.get_job(namespace, name)
+    job = cluster.job(namespace, name, fresh=True)
     if job is None:
         return message
-    change = StatusChange(job, datetime.now(UTC))
+    change = StatusChange(job, datetime.now(UTC), cluster)
     old = b.condition(change.conditions, "Authorized") or {}
     change.cond("Authorized", False, "Forbidden", message)
     if old.get("message") != message:
@@ -79,14 +81,14 @@ def report_forbidden(namespace: str, name: str, err: Exception) -> str:
     return message
 
 
-def reconcile(namespace: str, name: str, settings: OperatorSettings) -> Result:
+def reconcile(namespace: str, name: str, settings: OperatorSettings, cluster: Cluster = KUBE) -> Result:
     """Bring one job one step closer to its spec; returns when to look again."""
     started = time.monotonic()
     try:
         with _job_lock(namespace, name):
             result = Result()
             for _ in range(MAX_PASSES):
-                result = _reconcile_once(namespace, name, settings)
+                result = _reconcile_once(cluster, namespace, name, settings)
                 if not result.again:
                     break
             return result
@@ -100,24 +102,9 @@ def reconcile(namespace: str, name: str, settings: OperatorSettings) -> Result:
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
 
 
-def node_exists(name: str) -> bool:
-    """A miss in the cache is checked with the API server: the node watch may simply be
-    behind the pod watch (a pod bound to a node registered a moment ago)."""
-    if store.nodes.synced.is_set() and store.nodes.generation(("default", name)) is not None:
-        return True
-    return k8s.node_exists(name)
-
-
-def _nodes() -> list[dict[str, Any]]:
-    """Every node as last seen: the watch-fed cache (current to the last event, so a node
-    that turned Ready or lost a taint counts at once), else a LIST."""
-    if store.nodes.synced.is_set():
-        return store.nodes.snapshot()
-    return k8s.list_nodes()
-
-
-def _pricing(settings: OperatorSettings) -> dict[str, str]:
-    return k8s.read_configmap_data(settings.namespace, settings.pricing_configmap, max_age=settings.pricing_cache_seconds) or {}
+def _pricing(cluster: Cluster, settings: OperatorSettings) -> dict[str, str]:
+    return cluster.configmap_data(settings.namespace, settings.pricing_configmap,
+                                  max_age=settings.pricing_cache_seconds) or {}
 
 
 def _active(pod: dict[str, Any]) -> bool:
@@ -130,10 +117,10 @@ def _tail_of(message: str, limit: int = 1500) -> str:
     return text if len(text) <= limit else "..." + text[-limit:]
 
 
-def _may_still_write(pod: dict[str, Any]) -> bool:
+def _may_still_write(cluster: Cluster, pod: dict[str, Any]) -> bool:
     """A pod that has not exited, on a node that still exists (a lost node's pods write nothing)."""
     node = pod["spec"].get("nodeName")
-    return _active(pod) and bool(node) and node_exists(node)
+    return _active(pod) and bool(node) and cluster.node_exists(node)
 
 
 def _attempt_of(pod: dict[str, Any]) -> int:
@@ -141,19 +128,6 @@ def _attempt_of(pod: dict[str, Any]) -> int:
         return int(pod["metadata"]["labels"][b.LABEL_ATTEMPT])
     except (KeyError, ValueError):
         return -1
-
-
-def _read_job(namespace: str, name: str) -> dict[str, Any] | None:
-    """From the cache once the handlers have filled it, else from the API server."""
-    if store.jobs.synced.is_set():
-        return store.jobs.get((namespace, name))
-    return k8s.get_job(namespace, name)
-
-
-def _read_pods(namespace: str, name: str) -> list[dict[str, Any]]:
-    if store.pods.synced.is_set():
-        return store.pods.by_index(namespace, name)
-    return k8s.list_job_pods(namespace, name)
 
 
 def _invalid(change: StatusChange, problems: list[str]) -> NoReturn:
@@ -164,15 +138,15 @@ def _invalid(change: StatusChange, problems: list[str]) -> NoReturn:
     raise PermanentFailure(message) from None
 
 
-def _reconcile_once(namespace: str, name: str, settings: OperatorSettings) -> Result:
-    job = _read_job(namespace, name)
+def _reconcile_once(cluster: Cluster, namespace: str, name: str, settings: OperatorSettings) -> Result:
+    """One pass of the state machine: each transition below decides or passes."""
+    job = cluster.job(namespace, name)
     if job is None:
         metrics.record_phase(namespace, name, None)
         return Result()
     if job["metadata"].get("deletionTimestamp"):
         return Result()
-    now = datetime.now(UTC)
-    change = StatusChange(job, now)
+    change = StatusChange(job, datetime.now(UTC), cluster)
     try:
         spec = parse_job(job, f"{namespace}/{name}").spec
     except SpecError as err:
@@ -181,9 +155,8 @@ def _reconcile_once(namespace: str, name: str, settings: OperatorSettings) -> Re
     phase = status.get("phase") or b.PHASE_PENDING
     attempt = int(status.get("attempt", 0))
     uid = job["metadata"]["uid"]
-    pods = [
-        p for p in _read_pods(namespace, name) if any(o.get("uid") == uid for o in p["metadata"].get("ownerReferences") or [])
-    ]
+    pods = [p for p in cluster.job_pods(namespace, name)
+            if any(o.get("uid") == uid for o in p["metadata"].get("ownerReferences") or [])]
     current = [p for p in pods if _attempt_of(p) == attempt]
     if phase in (b.PHASE_PENDING, b.PHASE_PLANNED) and not current and (problems := admission.spec_problems(spec)):
         # What the admission webhook refuses, found here for a job it did not see (created
@@ -192,35 +165,48 @@ def _reconcile_once(namespace: str, name: str, settings: OperatorSettings) -> Re
     for pod in pods:
         # Older attempts' pods that still run (a kill between commit and delete) go now.
         if _attempt_of(pod) != attempt and _active(pod) and not pod["metadata"].get("deletionTimestamp"):
-            k8s.delete_pod(namespace, pod["metadata"]["name"])
-
-    # Rollback: spec.resumeFrom names a checkpoint the runtime reported.
-    if spec.resume_from and spec.resume_from != status.get("appliedResumeFrom"):
-        known = [c.get("name") for c in status.get("checkpoints") or []]
-        if spec.resume_from not in known:
-            message = (
-                f"spec.resumeFrom {spec.resume_from!r} is not in status.checkpoints "
-                f"({', '.join(str(k) for k in known[-5:]) or 'none yet'}); nothing was restarted"
-            )
-            old = b.condition(change.conditions, "Rollback") or {}
-            if old.get("message") != message:
-                change.event("Warning", "UnknownCheckpoint", message)
-            change.cond("Rollback", False, "UnknownCheckpoint", message)
-        else:
-            return _start_new_attempt(
-                change,
-                spec,
-                current,
-                settings,
-                reason="RollingBack",
-                message=f"restarting from checkpoint {spec.resume_from}",
-                extra={"appliedResumeFrom": spec.resume_from, "resumeAttempt": attempt + 1},
-                rollback=True,
-            )
-
+            cluster.delete_pod(namespace, pod["metadata"]["name"])
+    decided = _rollback(change, spec, current, settings)
+    if decided is not None:
+        return decided
     if phase in b.FINISHED_PHASES:
         return _finished(change, spec, current)
+    decided = _suspend_or_resume(change, spec, phase, current, settings)
+    if decided is not None:
+        return decided
+    return _follow_attempt(change, spec, pods, current, settings)
 
+
+def _rollback(change: StatusChange, spec: FineTuneJobSpec, current: list[dict[str, Any]],
+              settings: OperatorSettings) -> Result | None:
+    """spec.resumeFrom names a checkpoint the runtime reported: a new attempt from it. One it
+    did not report is refused by a condition and a Warning, and nothing restarts."""
+    status = change.old
+    if not spec.resume_from or spec.resume_from == status.get("appliedResumeFrom"):
+        return None
+    known = [c.get("name") for c in status.get("checkpoints") or []]
+    if spec.resume_from in known:
+        return _start_new_attempt(
+            change, spec, current, settings, reason="RollingBack",
+            message=f"restarting from checkpoint {spec.resume_from}",
+            extra={"appliedResumeFrom": spec.resume_from, "resumeAttempt": int(status.get("attempt", 0)) + 1},
+            rollback=True,
+        )
+    message = (
+        f"spec.resumeFrom {spec.resume_from!r} is not in status.checkpoints "
+        f"({', '.join(str(k) for k in known[-5:]) or 'none yet'}); nothing was restarted"
+    )
+    old = b.condition(change.conditions, "Rollback") or {}
+    if old.get("message") != message:
+        change.event("Warning", "UnknownCheckpoint", message)
+    change.cond("Rollback", False, "UnknownCheckpoint", message)
+    return None
+
+
+def _suspend_or_resume(change: StatusChange, spec: FineTuneJobSpec, phase: str, current: list[dict[str, Any]],
+                       settings: OperatorSettings) -> Result | None:
+    """spec.suspend: the attempt ends (pods checkpoint on SIGTERM), counted as nothing.
+    Unsuspended: Pending again, and the rest of this pass starts the next attempt."""
     if spec.suspend:
         if phase == b.PHASE_SUSPENDED and not any(_active(p) for p in current):
             change.commit()
@@ -232,24 +218,38 @@ def _reconcile_once(namespace: str, name: str, settings: OperatorSettings) -> Re
     if phase == b.PHASE_SUSPENDED:
         change.cond(b.PHASE_SUSPENDED, False, "Resumed", "spec.suspend is false: resuming from the latest checkpoint")
         change.phase(b.PHASE_PENDING, "Resumed", "resuming from the latest checkpoint")
+    return None
 
+
+def _follow_attempt(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[str, Any]],
+                    current: list[dict[str, Any]], settings: OperatorSettings) -> Result:
+    """The current attempt: judge its pods by their worst outcome, or start them once the
+    previous attempt's pods have stopped writing."""
+    cluster, status = change.cluster, change.old
+    meta = change.job["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    attempt = int(status.get("attempt", 0))
     planned = _plan(status)
     ranks = planned.node_count if planned is not None else spec.resources.nodes
     if current and int(status.get("childrenAttempt", -1)) != attempt:
         if (namespace, name, attempt) in _children_done:
             change.piggyback["childrenAttempt"] = attempt
-        elif children.ensure_later_children(change.job, spec, settings):
+        elif children.ensure_later_children(cluster, change.job, spec, settings):
             change.status["childrenAttempt"] = attempt
     else:
         _children_done.discard((namespace, name, attempt))
     if current:
-        outcomes = [b.classify_pod(p, node_exists(p["spec"]["nodeName"]) if p["spec"].get("nodeName") else True) for p in current]
+        outcomes = [b.classify_pod(p, cluster.node_exists(p["spec"]["nodeName"]) if p["spec"].get("nodeName") else True)
+                    for p in current]
         if len(current) < ranks:
             outcomes.append(b.PodOutcome(b.OUTCOME_PENDING))
         worst = b.worst_outcome(outcomes)
-        live = sum(b.pod_run_seconds(p, now) for p in current)
-        return _observe(change, spec, current, worst, live, ranks, settings)
-    stopping = [p for p in pods if _attempt_of(p) != attempt and _may_still_write(p)]
+        ended = _attempt_ended(change, spec, current, worst, settings)
+        if ended is not None:
+            return ended
+        live = sum(b.pod_run_seconds(p, change.now) for p in current)
+        return _attempt_live(change, spec, current, worst, live, ranks, settings)
+    stopping = [p for p in pods if _attempt_of(p) != attempt and _may_still_write(cluster, p)]
     if stopping:
         # The previous attempt's pods are in their grace period, writing the stop checkpoint
         # to the volumes a new pod would mount: a rolled-back attempt started now could
@@ -259,7 +259,7 @@ def _reconcile_once(namespace: str, name: str, settings: OperatorSettings) -> Re
                  ", ".join(p["metadata"]["name"] for p in stopping))
         change.commit()
         return Result(requeue_after=settings.resync_seconds)
-    return _start_pods(change, spec, settings, ranks)
+    return _start_pods(change, spec, settings)
 
 
 def _cost(change: StatusChange, live_seconds: float) -> dict[str, Any]:
@@ -310,7 +310,7 @@ def _commit_attempt_end(
     meta = change.job["metadata"]
     for pod in pods:
         if _active(pod):
-            k8s.delete_pod(meta["namespace"], pod["metadata"]["name"], grace)
+            change.cluster.delete_pod(meta["namespace"], pod["metadata"]["name"], grace)
     return Result(again=retry_after <= 0 and not suspended, requeue_after=retry_after or None)
 
 
@@ -342,7 +342,7 @@ def _finished(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[str, 
     meta = change.job["metadata"]
     for pod in pods:
         if _active(pod) and not pod["metadata"].get("deletionTimestamp"):
-            k8s.delete_pod(meta["namespace"], pod["metadata"]["name"])
+            change.cluster.delete_pod(meta["namespace"], pod["metadata"]["name"])
     change.commit()
     ttl = spec.ttl_seconds_after_finished
     finished = b.parse_time(change.old.get("finishedAt"))
@@ -351,15 +351,15 @@ def _finished(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[str, 
     remaining = (finished + timedelta(seconds=ttl) - change.now).total_seconds()
     if remaining > 0:
         return Result(requeue_after=remaining)
-    change.job = k8s.get_job(meta["namespace"], meta["name"]) or change.job
-    k8s.post_event(
+    change.job = change.cluster.job(meta["namespace"], meta["name"], fresh=True) or change.job
+    change.cluster.post_event(
         change.job,
         "Normal",
         "Expired",
         f"ttlSecondsAfterFinished={ttl} elapsed: deleting the job",
         change.now,
     )
-    k8s.delete_job(meta["namespace"], meta["name"])
+    change.cluster.delete_job(meta["namespace"], meta["name"])
     metrics.record_phase(meta["namespace"], meta["name"], None)
     return Result()
 
@@ -375,15 +375,10 @@ def _finish(change: StatusChange, phase: str, reason: str, message: str, pods: l
     change.conditional = True
 
 
-def _observe(
-    change: StatusChange,
-    spec: FineTuneJobSpec,
-    pods: list[dict[str, Any]],
-    worst: b.PodOutcome,
-    live: float,
-    ranks: int,
-    settings: OperatorSettings,
-) -> Result:
+def _attempt_ended(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[str, Any]], worst: b.PodOutcome,
+                   settings: OperatorSettings) -> Result | None:
+    """The attempt's pods exited or lost their node: finish the job, or count the failure
+    or preemption and move to the next attempt. None while the attempt lives."""
     old = change.old
     code = f" (exit code {worst.exit_code})" if worst.exit_code is not None else ""
     # The pod's own last words (its termination message: the runtime's error, or the end of
@@ -424,7 +419,14 @@ def _observe(
         change.phase(b.PHASE_PENDING, "Preempted", message, warning=True)
         grace = 0 if worst.reason == "NodeLost" else None
         return _commit_attempt_end(change, pods, settings, counted="preemptions", grace=grace)
+    return None
 
+
+def _attempt_live(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[str, Any]], worst: b.PodOutcome,
+                  live: float, ranks: int, settings: OperatorSettings) -> Result:
+    """The attempt lives: its cost so far (and the budget), and Running, Scheduled or
+    waiting for the scheduler (re-planned when the scheduler keeps refusing it)."""
+    old = change.old
     cost = _cost(change, live)
     # Live cost changes on every reconcile of a running job: written with the next patch,
     # or on its own once `cost_update_seconds` have passed (300 running jobs would
@@ -455,7 +457,7 @@ def _observe(
     else:
         unscheduled = _unschedulable_message(pods)
         if len(pods) < ranks:
-            return _start_pods(change, spec, settings, ranks)
+            return _start_pods(change, spec, settings)
         if unscheduled:
             replanned = _replan_unschedulable(change, spec, pods, unscheduled, settings)
             if replanned is not None:
@@ -487,7 +489,7 @@ def _replan_unschedulable(
     oldest = min((t for t in created if t is not None), default=None)
     if oldest is None or (change.now - oldest).total_seconds() < settings.replan_pending_seconds:
         return None
-    placement = choose_placement(spec, _nodes(), _pricing(settings), settings)
+    placement = choose_placement(spec, change.cluster.nodes(), _pricing(change.cluster, settings), settings)
     old_plan = _plan(change.old)
     chosen = placement.chosen
     if chosen is None or chosen.plan is None or (old_plan and sorted(chosen.nodes) == old_plan.node_names):
@@ -510,10 +512,10 @@ def _unschedulable_message(pods: list[dict[str, Any]]) -> str:
     return ""
 
 
-def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorSettings, ranks: int) -> Result:
+def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorSettings) -> Result:
+    """Plan the attempt: not before retryAfter, not past the budget, on the cheapest or
+    fastest node shape that fits, with settings the runtime accepts."""
     old = change.old
-    meta = change.job["metadata"]
-    namespace = meta["namespace"]
     retry_at = b.parse_time(old.get("retryAfter"))
     if retry_at is not None and retry_at > change.now:
         change.commit()
@@ -532,12 +534,12 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
         change.phase(b.PHASE_FAILED, "ParameterCountRequired", message, warning=True)
         change.commit()
         raise PermanentFailure(message)
-    pricing = _pricing(settings)
-    placement = choose_placement(spec, _nodes(), pricing, settings)
+    pricing = _pricing(change.cluster, settings)
+    placement = choose_placement(spec, change.cluster.nodes(), pricing, settings)
     if placement.chosen is None or placement.chosen.plan is None:
         # The cache may not hold a node created a moment ago: "fits nowhere" is final, so
         # it is decided on a fresh LIST.
-        placement = choose_placement(spec, k8s.list_nodes(), pricing, settings)
+        placement = choose_placement(spec, change.cluster.nodes(fresh=True), pricing, settings)
     change.status["plan"] = plan_status(placement)
     chosen = placement.chosen
     if chosen is None or chosen.plan is None:
@@ -550,7 +552,6 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
         change.commit()
         raise PermanentFailure(message)
     plan = chosen.plan
-
     attempt = int(old.get("attempt", 0))
     resume = spec.resume_from if int(old.get("resumeAttempt", -1)) == attempt else None
     try:
@@ -566,8 +567,16 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
         change.status["finishedAt"] = b.rfc3339(change.now)
         change.commit()
         raise PermanentFailure(message) from None
+    return _create_attempt(change, spec, settings, chosen, config)
 
-    missing = children.missing_inputs(namespace, spec, plan, settings)
+
+def _create_attempt(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorSettings, chosen: Any,
+                    config: Any) -> Result:
+    """The plan is made: once every input exists, store it and create the attempt's children."""
+    namespace = change.job["metadata"]["namespace"]
+    attempt = int(change.old.get("attempt", 0))
+    plan = chosen.plan
+    missing = children.missing_inputs(change.cluster, namespace, spec, plan, settings)
     if missing:
         message = "; ".join(missing)
         old_cond = b.condition(change.conditions, "InputsReady") or {}
@@ -587,7 +596,8 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
     change.cond(b.PHASE_PLANNED, True, "Planned", message)
     change.cond(b.PHASE_SCHEDULED, False, "Pending", "pods created, waiting for the scheduler")
     change.status["retryAfter"] = None
-    if old.get("phase") in (None, b.PHASE_PENDING):
+    # Pending as stored, or as this reconcile just decided (a resumed job).
+    if change.status.get("phase", change.old.get("phase")) in (None, b.PHASE_PENDING):
         change.phase(b.PHASE_PLANNED, "Planned", message)
     change.status.setdefault("cost", _cost(change, 0.0))
     # The plan is stored before any child exists: killed after this line, the next
@@ -595,7 +605,7 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
     # the pods exist: nothing that is not needed first stands before them.
     change.commit(post_events=False)
     try:
-        created = children.create_children(change.job, spec, chosen, attempt, config, settings)
+        created = children.create_children(change.cluster, change.job, spec, chosen, attempt, config, settings)
         if created:
             # One Event, not two, when this call also moved the job to Planned (the usual case).
             pods = f"attempt {attempt}: created {', '.join(created)}"

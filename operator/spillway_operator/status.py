@@ -1,8 +1,7 @@
 """One reconcile's change to a FineTuneJob's status: fields, conditions and Events.
 
-Where this sits: used by `reconciler` for every status write; calls `k8s` (the
-patch, the Events), keeps the job cache current with the patch response, and
-records the job's phase metric.
+Where this sits: used by `reconciler` for every status write; writes through the
+`Cluster` it was made with (the patch, the Events) and records the job's phase metric.
 """
 
 from __future__ import annotations
@@ -13,7 +12,8 @@ from datetime import datetime
 from typing import Any
 
 from spillway_operator import builders as b
-from spillway_operator import k8s, metrics, store
+from spillway_operator import k8s, metrics
+from spillway_operator.cluster import Cluster
 
 log = logging.getLogger("spillway.operator")
 
@@ -24,6 +24,7 @@ class StatusChange:
 
     job: dict[str, Any]
     now: datetime
+    cluster: Cluster
     status: dict[str, Any] = field(default_factory=dict)
     # Written only along with a patch that happens anyway: live cost between its due
     # writes, the mark that an attempt's children all exist.
@@ -73,9 +74,7 @@ class StatusChange:
             patch: dict[str, Any] = {"status": patch_status}
             if self.conditional:
                 patch["metadata"] = {"resourceVersion": meta["resourceVersion"]}
-            updated = k8s.patch_job_status(meta["namespace"], meta["name"], patch)
-            store.jobs.upsert(updated)
-            self.job = updated
+            self.job = self.cluster.patch_job_status(meta["namespace"], meta["name"], patch)
         metrics.record_phase(meta["namespace"], meta["name"], (self.job.get("status") or {}).get("phase"))
         self.status = {}
         self.piggyback = {}
@@ -89,7 +88,7 @@ class StatusChange:
         events, self.events = self.events, []
         for type_, reason, message in events:
             try:
-                k8s.post_event(self.job, type_, reason, message, self.now)
+                self.cluster.post_event(self.job, type_, reason, message, self.now)
             except Exception as err:  # an Event is best effort; the status already holds the truth
                 if not k8s.is_transient(err):
                     raise

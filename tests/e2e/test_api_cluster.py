@@ -74,15 +74,17 @@ class World:
 class ApiServer:
     """`python -m spillway_api.cli api --kubernetes` on a free port, with its own SQLite file."""
 
-    def __init__(self, world: World, db: Path, log: Path):
+    def __init__(self, kubeconfig: Path, db: Path, log: Path, pricing_namespace: str | None = None):
+        """`pricing_namespace`: where the operator's pricing ConfigMap is (as the chart tells the API)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.db = db
         self.log = log
-        self.env = {**os.environ, "KUBECONFIG": str(world.api_kubeconfig),
+        self.env = {**os.environ, "KUBECONFIG": str(kubeconfig),
                     "SPILLWAY_DATABASE_URL": f"sqlite:///{db}", "SPILLWAY_DATA_DIR": str(db.parent / "data"),
-                    "SPILLWAY_OPERATOR_NAMESPACE": world.system, "SPILLWAY_OPERATOR_PRICING_CONFIGMAP": PRICING,
                     "PYTHONUNBUFFERED": "1"}
+        if pricing_namespace:
+            self.env |= {"SPILLWAY_OPERATOR_NAMESPACE": pricing_namespace, "SPILLWAY_OPERATOR_PRICING_CONFIGMAP": PRICING}
         self.env.pop("KUBERNETES_SERVICE_HOST", None)
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -197,7 +199,7 @@ def world(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wo
 
 @pytest.fixture
 def api(world: World, tmp_path: Path) -> Iterator[ApiServer]:
-    server = ApiServer(world, tmp_path / "spillway.db", tmp_path / "api.log")
+    server = ApiServer(world.api_kubeconfig, tmp_path / "spillway.db", tmp_path / "api.log", world.system)
     server.start()
     try:
         yield server

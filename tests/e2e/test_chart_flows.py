@@ -9,7 +9,6 @@ import secrets
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -70,7 +69,8 @@ def test_rest_submission_rollback_and_no_fit_through_the_installed_chart(
     operator.env["SPILLWAY_OPERATOR_NAMESPACE"] = namespace
     operator.env["SPILLWAY_OPERATOR_PRICING_CONFIGMAP"] = "spillway-pricing"
     api_kubeconfig = service_account_kubeconfig(cluster, namespace, "spillway-api", tmp_path / "api.kubeconfig")
-    api = ApiServer(SimpleNamespace(api_kubeconfig=api_kubeconfig), tmp_path / "api.db", tmp_path / "api.log")
+    # Its pricing settings as the chart gives them (the ConfigMap in the release namespace).
+    api = ApiServer(api_kubeconfig, tmp_path / "api.db", tmp_path / "api.log", namespace)
     # An ML engineer: `edit` in the namespace, which the chart's spillway-editor aggregates into.
     cluster.kubectl("create", "serviceaccount", "engineer", "-n", namespace)
     cluster.kubectl("create", "rolebinding", "engineer-edit", "--clusterrole=edit",
@@ -85,6 +85,13 @@ def test_rest_submission_rollback_and_no_fit_through_the_installed_chart(
         code, created = curl(f"{api.url}/v1/namespaces/{namespace}/jobs", token, "POST", body)
         assert code == 201, created
         assert cluster.get("ftj", "rest-13b", namespace) is not None
+        # The dry run as the engineer sees it: the operator's placement, priced from the chart's
+        # ConfigMap (the API reads it under the chart's Role; the default price would be $2).
+        code, plans = curl(f"{api.url}/v1/plan", token, "POST", {"spec": body["spec"]})
+        assert code == 200, plans
+        [mine] = [d for d in plans["data"] if d["plan"] and gpu in d["plan"]["nodeNames"]]
+        per_gpu = mine["plan"]["pricePerHourUsd"] / (mine["plan"]["gpusPerNode"] * mine["plan"]["nodeCount"])
+        assert per_gpu == pytest.approx(0.4), mine["plan"]
 
         def running_pod() -> dict[str, Any] | None:
             pods = cluster.kubectl_json("get", "pods", "-n", namespace, "-l", "spillway.dev/job=rest-13b")["items"]

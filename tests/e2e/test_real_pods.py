@@ -29,7 +29,6 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -300,7 +299,7 @@ def rest(cluster: Cluster, namespace: str, tmp_path: Path) -> Iterator[tuple[Api
     cluster.kubectl("create", "rolebinding", "engineer-ftj", "--role=ftj-edit",
                     f"--serviceaccount={namespace}:engineer", "-n", namespace)
     token = cluster.kubectl("create", "token", "engineer", "-n", namespace, "--duration=2h").stdout.strip()
-    server = ApiServer(SimpleNamespace(api_kubeconfig=cluster.kubeconfig), tmp_path / "api.db", tmp_path / "api.log")
+    server = ApiServer(cluster.kubeconfig, tmp_path / "api.db", tmp_path / "api.log")
     server.start()
     try:
         yield server, token

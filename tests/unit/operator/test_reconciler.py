@@ -1,0 +1,267 @@
+"""The reconciler's state machine against an in-memory cluster (fake_cluster.FakeCluster):
+every phase transition and every pod outcome, one reconcile at a time, asserted on what
+the cluster then holds (the job's status, its pods, the Events). What needs a real API
+server (watches, RBAC, kubelets, kwok) stays in tests/e2e."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from spillway_operator import builders as b
+from spillway_operator.reconciler import PermanentFailure, Result, reconcile
+from spillway_operator.settings import OperatorSettings
+from spillway_runtime.contract import ExitCode
+from spillway_runtime.planner import PlanSummary
+
+from .fake_cluster import FakeCluster, node
+
+NS = "team"
+SETTINGS = OperatorSettings(backoff_base_seconds=10, backoff_max_seconds=60)
+
+
+def job(name: str = "j", **spec: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "model": {"uri": "pvc://models/llama", "parameterCount": "7B"},
+        "dataset": {"uri": "pvc://data/train.jsonl"},
+        "training": {"maxSteps": 100},
+        "resources": {"gpusPerNode": 1},
+    }
+    doc.update(spec)
+    return {"apiVersion": "spillway.dev/v1alpha1", "kind": "FineTuneJob",
+            "metadata": {"name": name, "namespace": NS}, "spec": doc}
+
+
+def world(*profiles: str, **spec: Any) -> FakeCluster:
+    """A cluster with nodes of these profiles, the job's input claims, and the job."""
+    cluster = FakeCluster(*(node(p) for p in profiles or ("gpu-80g",)))
+    for claim in ("models", "data"):
+        cluster.add({"kind": "PersistentVolumeClaim", "metadata": {"name": claim, "namespace": NS}})
+    cluster.add(job(**spec))
+    return cluster
+
+
+def step(cluster: FakeCluster, name: str = "j") -> Result:
+    return reconcile(NS, name, SETTINGS, cluster)
+
+
+def status(cluster: FakeCluster, name: str = "j") -> dict[str, Any]:
+    found = cluster.get("FineTuneJob", NS, name)
+    assert found is not None
+    return dict(found.get("status") or {})
+
+
+def reasons(cluster: FakeCluster) -> list[str]:
+    return [reason for _, reason, _ in cluster.events]
+
+
+def running(cluster: FakeCluster, attempt: int = 0) -> str:
+    """Plan, create and run attempt `attempt`'s pod; returns its name."""
+    step(cluster)
+    pod = b.pod_name("j", attempt, 0)
+    assert cluster.names("Pod") == [pod], cluster.names("Pod")
+    cluster.run(NS, pod, status(cluster)["plan"]["nodeNames"][0])
+    step(cluster)
+    assert status(cluster)["phase"] == "Running"
+    return pod
+
+
+def test_a_new_job_is_planned_and_gets_its_children_before_any_runs() -> None:
+    cluster = world("gpu-80g", "gpu-24g")
+    assert step(cluster) == Result()
+    st = status(cluster)
+    assert st["phase"] == "Planned" and st.get("attempt", 0) == 0
+    plan = PlanSummary.model_validate(st["plan"])
+    assert plan.feasible and plan.attempt == 0 and plan.rejected_shapes
+    assert cluster.names("Pod") == ["j-a0-0"]
+    assert cluster.names("ConfigMap") == [b.configmap_name("j")]
+    assert "j-checkpoints" in cluster.names("PersistentVolumeClaim")
+    assert reasons(cluster) == ["Planned"] and "created j-a0-0" in cluster.events[0][2]
+    assert st["cost"]["usd"] == 0 and st["observedGeneration"] == 1
+    # Reconciling again changes nothing: the same children, no new Event.
+    step(cluster)
+    assert cluster.names("Pod") == ["j-a0-0"] and reasons(cluster) == ["Planned"]
+
+
+def test_scheduled_then_running_then_succeeded() -> None:
+    cluster = world()
+    step(cluster)
+    cluster.set_pod(NS, "j-a0-0", {"phase": "Pending"}, node_name="gpu-80g")
+    step(cluster)
+    assert status(cluster)["phase"] == "Scheduled"
+    cluster.run(NS, "j-a0-0", "gpu-80g")
+    step(cluster)
+    st = status(cluster)
+    assert st["phase"] == "Running" and st["childrenAttempt"] == 0
+    assert {c["type"]: c["status"] for c in st["conditions"]}["Running"] == "True"
+    cluster.exit(NS, "j-a0-0", 0)
+    step(cluster)
+    st = status(cluster)
+    assert st["phase"] == "Succeeded" and st["finishedAt"]
+    assert st["cost"]["settledUSD"] == st["cost"]["usd"] >= 0
+    assert reasons(cluster)[-1] == "Completed"
+
+
+def test_a_retryable_failure_backs_off_then_starts_the_next_attempt() -> None:
+    cluster = world()
+    pod = running(cluster)
+    cluster.exit(NS, pod, 1, "CUDA error: an illegal memory access")
+    result = step(cluster)
+    st = status(cluster)
+    assert (st["phase"], st["failures"], st["attempt"]) == ("Pending", 1, 1)
+    assert st["retryAfter"] and result.requeue_after == pytest.approx(10, abs=1)
+    assert "illegal memory access" in st["message"] and reasons(cluster)[-2:] == ["AttemptFailed", "BackingOff"]
+    assert cluster.names("Pod") == [pod]  # a Failed pod is not deleted: its logs stay
+    # Before retryAfter nothing starts; after it, attempt 1's pod.
+    assert step(cluster).requeue_after is not None and cluster.names("Pod") == [pod]
+    cluster.patch_job_status(NS, "j", {"status": {"retryAfter": "2000-01-01T00:00:00Z"}})
+    step(cluster)
+    assert "j-a1-0" in cluster.names("Pod") and status(cluster)["plan"]["attempt"] == 1
+
+
+def test_the_backoff_limit_ends_the_job_failed() -> None:
+    cluster = world(backoffLimit=0)
+    pod = running(cluster)
+    cluster.exit(NS, pod, 1)
+    step(cluster)
+    st = status(cluster)
+    assert st["phase"] == "Failed" and st["failures"] == 1
+    assert "backoffLimit 0 reached" in st["message"] and reasons(cluster)[-1] == "BackoffLimitExceeded"
+
+
+@pytest.mark.parametrize(("code", "reason"), [(ExitCode.BAD_INPUT, "BadInput"), (ExitCode.DIVERGED, "Diverged")])
+def test_a_permanent_exit_code_fails_the_job_without_a_retry(code: int, reason: str) -> None:
+    cluster = world()
+    pod = running(cluster)
+    cluster.exit(NS, pod, code, "dataset line 3 is not JSON")
+    step(cluster)
+    st = status(cluster)
+    assert st["phase"] == "Failed" and st.get("failures", 0) == 0 and st.get("attempt", 0) == 0
+    conditions = {c["type"]: c for c in st["conditions"]}
+    assert conditions["Failed"]["reason"] == reason
+    assert ("Diverged" in conditions) == (code == ExitCode.DIVERGED)
+
+
+def test_exit_75_is_a_preemption_not_a_failure_and_restarts_at_once() -> None:
+    cluster = world()
+    pod = running(cluster)
+    cluster.exit(NS, pod, ExitCode.PREEMPTED)
+    step(cluster)
+    st = status(cluster)
+    assert (st["preemptions"], st.get("failures", 0), st["attempt"]) == (1, 0, 1)
+    assert "j-a1-0" in cluster.names("Pod") and "Preempted" in reasons(cluster)
+
+
+def test_a_lost_node_preempts_the_attempt_and_its_pod_goes_at_once() -> None:
+    cluster = world("gpu-80g")
+    pod = running(cluster)
+    cluster.add(node("gpu-48g-nvme"))
+    cluster.remove_node("gpu-80g")
+    step(cluster)
+    st = status(cluster)
+    assert st["preemptions"] == 1 and st.get("failures", 0) == 0
+    assert (pod, 0) in cluster.deleted  # no grace: the node that would honour it is gone
+    assert cluster.names("Pod") == ["j-a1-0"] and st["plan"]["nodeNames"] == ["gpu-48g-nvme"]
+
+
+def test_suspend_stops_the_pods_and_resume_starts_a_new_attempt() -> None:
+    cluster = world()
+    pod = running(cluster)
+    cluster.set_spec(NS, "j", suspend=True)
+    step(cluster)
+    st = status(cluster)
+    assert st["phase"] == "Suspended" and st["attempt"] == 1 and (pod, None) in cluster.deleted
+    assert st.get("failures", 0) == 0 and st.get("preemptions", 0) == 0
+    step(cluster)
+    assert cluster.names("Pod") == [] and status(cluster)["phase"] == "Suspended"
+    cluster.set_spec(NS, "j", suspend=False)
+    step(cluster)
+    assert cluster.names("Pod") == ["j-a1-0"] and status(cluster)["phase"] == "Planned"
+
+
+def test_a_rollback_to_a_known_checkpoint_restarts_and_an_unknown_one_is_refused() -> None:
+    cluster = world()
+    pod = running(cluster)
+    cluster.set_spec(NS, "j", resumeFrom="step-00000009")
+    step(cluster)
+    rollback = {c["type"]: c for c in status(cluster)["conditions"]}["Rollback"]
+    assert rollback["status"] == "False" and rollback["reason"] == "UnknownCheckpoint"
+    assert cluster.names("Pod") == [pod] and status(cluster)["phase"] == "Running"
+    cluster.patch_job_status(NS, "j", {"status": {"checkpoints": [{"name": "step-00000009", "step": 9}]}})
+    step(cluster)
+    st = status(cluster)
+    assert st["appliedResumeFrom"] == "step-00000009" and st["resumeAttempt"] == 1 == st["attempt"]
+    assert "j-a1-0" in cluster.names("Pod") and "RollingBack" in reasons(cluster)
+    config = cluster.configmap_data(NS, b.configmap_name("j"))
+    assert config is not None and "step-00000009" in config[b.CONFIG_FILE]
+
+
+def test_a_job_that_fits_nowhere_fails_with_the_closest_plan() -> None:
+    cluster = world("gpu-24g", model={"uri": "pvc://models/llama", "parameterCount": "400B"})
+    with pytest.raises(PermanentFailure, match="short by"):
+        step(cluster)
+    st = status(cluster)
+    assert st["phase"] == "Failed" and st["plan"]["feasible"] is False and st["plan"]["shortfalls"]
+    assert cluster.names("Pod") == [] and reasons(cluster) == ["NoFit"]
+
+
+def test_deepspeed_settings_no_plan_accepts_fail_the_job_before_any_pod() -> None:
+    cluster = world(offload={"deepspeed": {"train_batch_size": 7}})
+    with pytest.raises(PermanentFailure, match="train_batch_size"):
+        step(cluster)
+    assert status(cluster)["phase"] == "Failed" and cluster.names("Pod") == []
+    assert {c["type"]: c for c in status(cluster)["conditions"]}["Failed"]["reason"] == "InvalidSpec"
+
+
+def test_a_missing_input_claim_holds_the_job_until_it_exists() -> None:
+    cluster = world()
+    del cluster.objects[("PersistentVolumeClaim", NS, "data")]
+    assert step(cluster).requeue_after is not None
+    assert cluster.names("Pod") == [] and reasons(cluster) == ["InputsMissing"]
+    cluster.add({"kind": "PersistentVolumeClaim", "metadata": {"name": "data", "namespace": NS}})
+    step(cluster)
+    assert cluster.names("Pod") == ["j-a0-0"]
+    assert {c["type"]: c for c in status(cluster)["conditions"]}["InputsReady"]["status"] == "True"
+
+
+def test_a_spent_budget_stops_the_job() -> None:
+    cluster = world(budget={"maxCostUSD": 0.5})
+    running(cluster)
+    cluster.patch_job_status(NS, "j", {"status": {"cost": {"settledUSD": 0.0, "usd": 0.0, "asOf": "2000-01-01T00:00:00Z"}}})
+    # An hour of the pod at the plan's price is far beyond $0.50.
+    cluster.set_pod(NS, "j-a0-0", {"startTime": "2000-01-01T00:00:00Z"})
+    step(cluster)
+    st = status(cluster)
+    assert st["phase"] == "BudgetExceeded" and st["cost"]["usd"] >= 0.5 and cluster.names("Pod") == []
+
+
+def test_a_finished_job_is_deleted_after_its_ttl() -> None:
+    cluster = world(ttlSecondsAfterFinished=0)
+    pod = running(cluster)
+    cluster.exit(NS, pod, 0)
+    step(cluster)
+    step(cluster)
+    assert cluster.get("FineTuneJob", NS, "j") is None and reasons(cluster)[-1] == "Expired"
+
+
+def test_a_status_write_decided_on_a_stale_job_is_refused_not_applied() -> None:
+    """Moving to a new attempt is a conditional patch: a job changed since it was read
+    (another operator replica, a user's patch) answers 409 and nothing is counted twice."""
+    from datetime import UTC, datetime
+
+    from kubernetes.client.exceptions import ApiException
+
+    from spillway_operator.status import StatusChange
+
+    cluster = world()
+    running(cluster)
+    stale = cluster.get("FineTuneJob", NS, "j")
+    assert stale is not None
+    cluster.patch_job_status(NS, "j", {"status": {"message": "someone else wrote"}})
+    change = StatusChange(stale, datetime.now(UTC), cluster)
+    change.status["attempt"] = 1
+    change.conditional = True
+    with pytest.raises(ApiException) as err:
+        change.commit()
+    assert err.value.status == 409 and status(cluster).get("attempt", 0) == 0
