@@ -6,6 +6,9 @@ SQLite (the embedded default) gets WAL and a busy timeout so the API and a
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,11 +59,29 @@ def alembic_config(engine: Engine) -> Config:
 
 
 def migrate(engine: Engine) -> None:
-    """Apply every pending migration (idempotent; safe with several processes on PostgreSQL,
-    where the migration takes an advisory lock)."""
-    with engine.begin() as connection:
+    """Apply every pending migration. Idempotent, and serialised across processes started
+    together (API replicas, `spillway api` beside `spillway run`): the first applies them,
+    the others wait and find nothing to do. PostgreSQL: an advisory lock held by the
+    migration's transaction; SQLite: a lock file beside the database (SQLite's own lock
+    comes only with the first write, after two processes have both decided to create the
+    tables)."""
+    with _sqlite_migration_lock(engine), engine.begin() as connection:
         if connection.dialect.name == "postgresql":
             connection.exec_driver_sql("SELECT pg_advisory_xact_lock(7243101)")
         config = alembic_config(engine)
         config.attributes["connection"] = connection
         command.upgrade(config, "head")
+
+
+@contextlib.contextmanager
+def _sqlite_migration_lock(engine: Engine) -> Iterator[None]:
+    database = engine.url.database if engine.url.get_backend_name() == "sqlite" else None
+    if not database or database == ":memory:":
+        yield
+        return
+    with open(f"{database}.migrate-lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
