@@ -59,9 +59,10 @@ def run(
     processes: Annotated[int, typer.Option(help="Training processes (ranks) on a CPU-only machine")] = 1,
 ) -> None:
     """Fine-tune on this machine with the plan's offload; the job is recorded for `spillway api`."""
-    from spillway_api.launchers.local import LocalRun, record_local_job
+    from spillway_api.launchers.local import LocalRun, local_job_exists, record_local_job
     from spillway_api.settings import Settings
     from spillway_runtime.cli import _print_plan
+    from spillway_runtime.local import prepare_local_run
     from spillway_runtime.planner import PlanningError
     from spillway_runtime.processes import StopSignals
     from spillway_runtime.spec import SpecError, load_job
@@ -73,6 +74,17 @@ def run(
         raise typer.Exit(ExitCode.BAD_INPUT) from None
     settings = Settings()
     run_dir = (run_dir or Path.cwd() / "runs" / job.metadata.name).resolve()
+    if local_job_exists(settings, job.metadata.namespace, job.metadata.name):
+        # A re-run: refused input must not rewrite the earlier run's record (its outcome,
+        # spec and history), so it is checked before the record is taken over.
+        try:
+            prepare_local_run(job_file.resolve(), run_dir=run_dir, processes=processes, job=job)
+        except (SpecError, ValueError, OSError) as err:
+            if isinstance(err, PlanningError):
+                _print_plan(err.plan)
+            err_console.print(f"[red]error:[/red] {err}", highlight=False)
+            err_console.print(f"the record of the earlier run of {job.metadata.name} is unchanged", highlight=False)
+            raise typer.Exit(ExitCode.PLAN_INFEASIBLE if isinstance(err, PlanningError) else ExitCode.BAD_INPUT) from None
     sessions, job_id = record_local_job(settings, job, job_file.resolve(), run_dir)
     local = LocalRun(sessions, job_id, processes=processes, price_per_hour=settings.local_price_per_hour,
                      poll_seconds=settings.local_poll_seconds, foreground=True)

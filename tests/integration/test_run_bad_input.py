@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Callable
@@ -168,3 +169,30 @@ def test_bad_input_found_in_training_exits_2_naming_it(
     failed = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()
               if '"failed"' in line]
     assert failed and expected in failed[-1]["reason"]
+
+
+def test_a_refused_rerun_leaves_the_earlier_run_as_it_was(tmp_path: Path, tiny_model: dict[str, Path]) -> None:
+    """`spillway run` again with the same job name and a mistake: refused with exit 2, and
+    the earlier run's record (Succeeded, its spec, its progress and history) is untouched;
+    the refusal used to turn it into Failed."""
+    good = _job(tmp_path, job_document("same", tiny_model["model"], tiny_model["data"], training={"maxSteps": 2}))
+    done = subprocess.run([sys.executable, "-m", "spillway_api.cli", "run", str(good), "--run-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    database = tmp_path / "spillway.db"
+
+    def record() -> tuple[Any, ...]:
+        with sqlite3.connect(database) as db:
+            job = db.execute("SELECT phase, message, spec, progress, exit_code, run_dir FROM jobs "
+                             "WHERE name = 'same'").fetchone()
+            transitions = db.execute("SELECT count(*) FROM transitions").fetchone()
+        return job, transitions
+
+    before = record()
+    assert before[0][0] == "Succeeded"
+    bad_dir = tmp_path / "again"
+    bad_dir.mkdir()
+    bad = _job(bad_dir, job_document("same", tiny_model["model"], bad_dir / "missing.jsonl"))
+    refused = CliRunner().invoke(build_app(), ["run", str(bad), "--run-dir", str(tmp_path / "run")])
+    assert refused.exit_code == 2 and "spec.dataset.uri" in refused.output, refused.output
+    assert record() == before

@@ -360,5 +360,19 @@ def record_local_job(settings: Settings, job: FineTuneJob, job_file: Path,
         return sessions, row.id
 
 
+def local_job_exists(settings: Settings, namespace: str, name: str) -> bool:
+    """Whether the database already records a job of this name (an earlier `spillway run`)."""
+    from spillway_api.db import make_engine, migrate
+
+    engine = make_engine(settings.database_url)
+    try:
+        migrate(engine)
+        with engine.connect() as conn:
+            found = conn.execute(select(Job.id).where(Job.namespace == namespace, Job.name == name)).first()
+        return found is not None
+    finally:
+        engine.dispose()
+
+
 def _after_commit(session: Session, action: Any) -> None:
     session.info.setdefault("after_commit", []).append(action)
