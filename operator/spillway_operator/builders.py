@@ -578,6 +578,32 @@ def classify_pod(pod: dict[str, Any], node_exists: bool) -> PodOutcome:
     return PodOutcome(OUTCOME_PENDING)
 
 
+# A container the kubelet can never start: retrying the attempt starts the same image
+# with the same settings. (ErrImagePull and ImagePullBackOff may be a registry outage:
+# they count only after the pull grace.)
+NEVER_STARTS = {"InvalidImageName", "ErrImageNeverPull", "CreateContainerConfigError"}
+PULL_FAILURES = {"ErrImagePull", "ImagePullBackOff"}
+
+
+def container_never_starts(pod: dict[str, Any], now: datetime, pull_grace_seconds: float) -> PodOutcome | None:
+    """A pod whose container cannot start (a bad image name, an image that cannot be pulled
+    for `pull_grace_seconds`, a missing Secret or ConfigMap key): a permanent outcome that
+    names the image, else None."""
+    created = parse_time((pod.get("metadata") or {}).get("creationTimestamp"))
+    images = {c.get("name"): c.get("image") for c in (pod.get("spec") or {}).get("containers") or []}
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        reason = waiting.get("reason") or ""
+        overdue = created is not None and (now - created).total_seconds() >= pull_grace_seconds
+        if reason in NEVER_STARTS or (reason in PULL_FAILURES and overdue):
+            image = cs.get("image") or images.get(cs.get("name")) or "?"
+            message = (f"container {cs.get('name')} cannot start ({reason}) with image {image}: "
+                       f"{waiting.get('message') or 'no message'}; check the operator's runtimeImage "
+                       "(SPILLWAY_OPERATOR_RUNTIME_IMAGE) and the nodes' access to it")
+            return PodOutcome(OUTCOME_PERMANENT, reason=reason, message=message)
+    return None
+
+
 def worst_outcome(outcomes: list[PodOutcome]) -> PodOutcome:
     """A multi-node attempt is as good as its worst rank."""
     order = [

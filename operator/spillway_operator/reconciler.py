@@ -239,7 +239,8 @@ def _follow_attempt(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict
     else:
         _children_done.discard((namespace, name, attempt))
     if current:
-        outcomes = [b.classify_pod(p, cluster.node_exists(p["spec"]["nodeName"]) if p["spec"].get("nodeName") else True)
+        outcomes = [b.container_never_starts(p, change.now, settings.image_pull_grace_seconds)
+                    or b.classify_pod(p, cluster.node_exists(p["spec"]["nodeName"]) if p["spec"].get("nodeName") else True)
                     for p in current]
         if len(current) < ranks:
             outcomes.append(b.PodOutcome(b.OUTCOME_PENDING))

@@ -63,6 +63,12 @@ class OperatorSettings(BaseSettings):
         description="Most seconds status.cost of a running job may lag (its asOf says when it was "
         "computed); budgets are checked on every reconcile regardless",
     )
+    image_pull_grace_seconds: float = Field(
+        300.0,
+        description="How long a training pod may fail to pull its image (ErrImagePull, ImagePullBackOff) "
+        "before the job fails with the reason: long enough for a registry hiccup, short enough that a "
+        "misspelt image does not hold GPUs for long",
+    )
     backoff_base_seconds: float = Field(
         10.0, description="First retry delay after a failed attempt; doubles per failure (as Kubernetes Jobs)"
     )

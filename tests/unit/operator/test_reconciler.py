@@ -5,13 +5,16 @@ server (watches, RBAC, kubelets, kwok) stays in tests/e2e."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from kubernetes.client.exceptions import ApiException
 
 from spillway_operator import builders as b
 from spillway_operator.reconciler import PermanentFailure, Result, reconcile
 from spillway_operator.settings import OperatorSettings
+from spillway_operator.status import StatusChange
 from spillway_runtime.contract import ExitCode
 from spillway_runtime.planner import PlanSummary
 
@@ -248,12 +251,6 @@ def test_a_finished_job_is_deleted_after_its_ttl() -> None:
 def test_a_status_write_decided_on_a_stale_job_is_refused_not_applied() -> None:
     """Moving to a new attempt is a conditional patch: a job changed since it was read
     (another operator replica, a user's patch) answers 409 and nothing is counted twice."""
-    from datetime import UTC, datetime
-
-    from kubernetes.client.exceptions import ApiException
-
-    from spillway_operator.status import StatusChange
-
     cluster = world()
     running(cluster)
     stale = cluster.get("FineTuneJob", NS, "j")
@@ -265,3 +262,32 @@ def test_a_status_write_decided_on_a_stale_job_is_refused_not_applied() -> None:
     with pytest.raises(ApiException) as err:
         change.commit()
     assert err.value.status == 409 and status(cluster).get("attempt", 0) == 0
+
+
+@pytest.mark.parametrize(("reason", "age_seconds", "fails"), [
+    ("InvalidImageName", 0, True),
+    ("CreateContainerConfigError", 0, True),
+    ("ErrImagePull", 0, False),  # within the pull grace: may be a registry hiccup
+    ("ImagePullBackOff", 400, True),
+])
+def test_a_container_that_cannot_start_fails_the_job_naming_the_image(reason: str, age_seconds: int,
+                                                                       fails: bool) -> None:
+    cluster = world()
+    step(cluster)
+    pod = cluster.get("Pod", NS, "j-a0-0")
+    assert pod is not None
+    container = pod["spec"]["containers"][0]
+    created = datetime.now(UTC) - timedelta(seconds=age_seconds)
+    cluster.objects[("Pod", NS, "j-a0-0")]["metadata"]["creationTimestamp"] = b.rfc3339(created)
+    cluster.set_pod(NS, "j-a0-0", {"phase": "Pending", "containerStatuses": [
+        {"name": container["name"], "image": container["image"],
+         "state": {"waiting": {"reason": reason, "message": "no such image"}}}]}, node_name="gpu-80g")
+    step(cluster)
+    st = status(cluster)
+    if not fails:
+        assert st["phase"] == "Scheduled"
+        return
+    failed = {c["type"]: c for c in st["conditions"]}["Failed"]
+    assert st["phase"] == "Failed" and failed["reason"] == reason and st.get("attempt", 0) == 0
+    assert container["image"] in failed["message"] and "SPILLWAY_OPERATOR_RUNTIME_IMAGE" in failed["message"]
+    assert cluster.events[-1][0] == "Warning" and cluster.names("Pod") == []
