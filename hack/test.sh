@@ -21,6 +21,12 @@ fi
 # server, kwok, a container starting), the others mostly compute (DeepSpeed on the CPU),
 # so together they take about as long as the longer one. Each line is prefixed with its
 # group; each group's summary is printed again at the end.
+# The real-pod tests import the 3.4 GB training image into both nodes' containerd (about
+# 13 GB unpacked, under the e2e group's temporary directory); the kubelets evict below 1%.
+free_gb=$(($(df -Pk "${TMPDIR:-/tmp}" | awk 'NR == 2 {print $4}') / 1024 / 1024))
+if ((free_gb < 20)); then
+  echo "== warning: ${free_gb} GB free in ${TMPDIR:-/tmp}; the whole suite needs about 20 GB (old pytest-of-$(id -un) runs can go)"
+fi
 echo "== pytest: tests/e2e and tests/unit + tests/integration, side by side"
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
