@@ -14,7 +14,7 @@ from typing import Any
 
 from spillway_operator.settings import OperatorSettings
 from spillway_runtime.hardware import NodeHardware, hardware_from_node
-from spillway_runtime.planner import ModelShape, OffloadPlan, plan_tiers
+from spillway_runtime.planner import ModelShape, OffloadPlan, PlanSummary, plan_tiers
 from spillway_runtime.spec import FineTuneJobSpec, Toleration
 
 
@@ -194,13 +194,19 @@ def plan_status(placement: Placement) -> dict[str, Any] | None:
         if not planned:
             return None
         chosen = min(planned, key=lambda c: (_short_bytes(c), c.shape))
-    assert chosen.plan is not None
+    return shape_summary(placement, chosen).dump()
+
+
+def shape_summary(placement: Placement, choice: ShapeChoice) -> PlanSummary:
+    """One shape's plan as the plan summary: priced for all the job's GPUs (or CPU nodes),
+    its nodes, and every other shape with the reason it lost."""
+    assert choice.plan is not None
     rejected = [{"shape": c.shape, "nodes": len(c.nodes), "why": c.why_not or ""}
-                for c in placement.shapes if c is not chosen]
-    return chosen.plan.summary(
-        price_per_hour=round(_hourly(chosen, chosen.plan), 4), shape=chosen.shape, node_names=sorted(chosen.nodes),
-        gpu_product=chosen.hardware.gpu_product, rejected_shapes=rejected,
-    ).dump()
+                for c in placement.shapes if c is not choice]
+    return choice.plan.summary(
+        price_per_hour=round(_hourly(choice, choice.plan), 4), shape=choice.shape, node_names=sorted(choice.nodes),
+        gpu_product=choice.hardware.gpu_product, rejected_shapes=rejected,
+    )
 
 
 def _short_bytes(c: ShapeChoice) -> int:

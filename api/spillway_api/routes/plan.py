@@ -40,7 +40,7 @@ def _cluster_plans(kube: Any, body: PlanRequest, params: int, training: Training
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
 
-    from spillway_operator.placement import choose_placement
+    from spillway_operator.placement import choose_placement, shape_summary
     from spillway_operator.settings import OperatorSettings
 
     settings = OperatorSettings()
@@ -75,13 +75,7 @@ def _cluster_plans(kube: Any, body: PlanRequest, params: int, training: Training
             plans.append(PlanPublic(node=node, feasible=False, label="-", plan=None,
                                     shortfalls=[choice.why_not or "not planned"]))
             continue
-        others = [{"shape": c.shape, "nodes": len(c.nodes), "why": c.why_not or ""}
-                  for c in placement.shapes if c is not choice]
-        units = (choice.plan.gpus_per_node if choice.hardware.gpu_count else 1) * choice.plan.nodes
-        summary = choice.plan.summary(
-            price_per_hour=round(choice.price_per_hour * units, 4), shape=choice.shape,
-            node_names=sorted(choice.nodes), gpu_product=choice.hardware.gpu_product,
-            rejected_shapes=others if choice is winner else [])
+        summary = shape_summary(placement, choice)
         plans.append(PlanPublic(node=node, feasible=summary.feasible, label=summary.label, plan=summary,
                                 shortfalls=summary.shortfalls or ([choice.why_not] if choice.why_not and
                                                                   not summary.feasible else [])))
