@@ -16,7 +16,7 @@ from rich.table import Table
 
 from spillway_runtime.contract import ExitCode
 from spillway_runtime.hardware import NodeHardware
-from spillway_runtime.planner import ModelShape, OffloadPlan, plan_tiers
+from spillway_runtime.planner import LargestFit, ModelShape, OffloadPlan, largest_model, plan_tiers
 from spillway_runtime.spec import FineTuneJob, SpecError, Training, load_job
 from spillway_runtime.units import format_bytes, format_count, parse_count, parse_size
 
@@ -133,8 +133,11 @@ def plan(
     nodes: Annotated[int, typer.Option(help="Nodes")] = 1,
     price_per_hour: Annotated[float | None, typer.Option(help="Node price in USD/hour for the cost figure")] = None,
     output: Annotated[Literal["table", "json"], typer.Option(help="table or json")] = "table",
+    max_params: Annotated[bool, typer.Option(
+        "--max-params", help="Instead: the largest model each placement fits here (settings from the job file)")] = False,
 ) -> None:
-    """Decide where training state lives; exit 3 when nothing fits, naming the short tier."""
+    """Decide where training state lives; exit 3 when nothing fits, naming the short tier.
+    With --max-params: the largest model that fits, per placement."""
     try:
         job: FineTuneJob | None = load_job(job_file) if job_file else None
         if hardware:
@@ -157,6 +160,13 @@ def plan(
             if job is not None and job_file is not None and job.spec.offload.nvme.path:
                 nvme_dir = resolve_uri(job.spec.offload.nvme.path, job_file.resolve().parent)
             hw = probe_basic(nvme_dir)
+        if max_params:
+            spec = job.spec if job else None
+            fits = largest_model(hw, spec.training if spec else Training(), spec.offload if spec else None,
+                                 dtype=spec.model.dtype if spec else "bf16", gpus_per_node=gpus_per_node,
+                                 nodes=nodes)
+            _print_largest(hw, fits, output)
+            return
         if params:
             shape = ModelShape.from_param_count(parse_count(params))
         elif job is not None and job_file is not None:
@@ -191,6 +201,24 @@ def plan(
             highlight=False,
         )
         raise typer.Exit(ExitCode.PLAN_INFEASIBLE)
+
+
+def _print_largest(hw: NodeHardware, fits: list[LargestFit], output: str) -> None:
+    if output == "json":
+        print(json.dumps([f.model_dump(mode="json") for f in fits], indent=2))
+    else:
+        table = Table("placement", "largest model", "predicted s/step", title=f"The largest model on {hw.name}")
+        for f in fits:
+            size = format_count(f.parameters) if f.parameters else (f"- ({f.why_not})" if f.why_not else "none")
+            step = f"{f.predicted_step_seconds:.3g}" if f.predicted_step_seconds is not None else "-"
+            table.add_row(f.placement, size, step)
+        Console().print(table)
+    best = max(fits, key=lambda f: f.parameters)
+    if not best.parameters:
+        err_console.print(f"[red]error:[/red] no placement fits even a 1M-parameter model on {hw.name}", highlight=False)
+        raise typer.Exit(ExitCode.PLAN_INFEASIBLE)
+    if output != "json":
+        Console().print(f"largest: {format_count(best.parameters)} parameters with {best.placement}")
 
 
 def make_tiny(

@@ -7,6 +7,7 @@ from spillway_runtime.planner import (
     ModelShape,
     PlanSummary,
     activation_bytes,
+    largest_model,
     minimum_cpu_for,
     model_state_bytes,
     plan_summary,
@@ -168,3 +169,29 @@ def test_the_plan_summary_is_one_camel_case_shape_and_reads_back_what_was_stored
     cpu = plan_tiers(ModelShape.from_param_count(10**8), NodeHardware(name="c", cpu_cores=8, cpu_memory_bytes=32 * GiB),
                      TRAIN, cpu_processes=2)
     assert cpu.processes_per_node == 2 and cpu.summary().gpus == 0 and summary.gpus == 1
+
+
+def test_the_largest_model_is_where_each_placement_stops_fitting():
+    """The seeds' first machine (one 24 GB GPU, 64 GB RAM, 2 TB NVMe): each placement's
+    answer fits, 2% more does not, and with NVMe the answer is past the 13B our reference
+    user fine-tunes there."""
+    hw = rtx4090(64)
+    fits = largest_model(hw, TRAIN)
+    assert len(fits) >= 9 and all(f.why_not is None for f in fits)
+    for f in fits:
+        stage, optimizer, parameters = int(f.placement[1]), *[part.split(":")[1] for part in f.placement.split()[1:]]
+        forced = Offload(optimizer=optimizer, parameters=parameters, deepspeed={"zero_optimization": {"stage": stage}})
+        at = plan_tiers(ModelShape.from_param_count(f.parameters), hw, TRAIN, forced)
+        beyond = plan_tiers(ModelShape.from_param_count(int(f.parameters * 1.02)), hw, TRAIN, forced)
+        assert at.label == f.placement and at.feasible and not beyond.feasible, f
+        assert f.predicted_step_seconds == at.predicted_step_seconds
+    by = {f.placement: f.parameters for f in fits}
+    assert by["Z3 opt:nvme par:nvme"] > 13e9 > by["Z3 opt:cpu par:cpu"]
+    assert by["Z3 opt:nvme par:nvme"] >= by["Z3 opt:nvme par:cpu"] >= by["Z3 opt:nvme par:gpu"] > by["Z2 opt:gpu par:gpu"]
+
+
+def test_the_largest_model_says_why_a_placement_is_out():
+    no_nvme = largest_model(rtx4090(256, nvme_tb=0), TRAIN, Offload(policy="cpu"))
+    out = {f.placement: f.why_not for f in no_nvme if f.why_not}
+    assert out and all("nvme" in p for p in out)
+    assert max(f.parameters for f in no_nvme) > 13e9  # 13B fits in 256 GB of RAM (see above)

@@ -30,3 +30,19 @@ def test_a_host_path_without_a_measured_path_is_refused(tmp_path: Path) -> None:
     proc = _probe("--nvme-host-path=/mnt/nvme0")
     assert proc.returncode != 0
     assert "--nvme-path" in proc.stderr
+
+
+def test_plan_max_params_answers_per_placement_and_exits_3_when_nothing_fits() -> None:
+    from typer.testing import CliRunner
+
+    from spillway_api.cli import build_app
+
+    runner = CliRunner()
+    ok = runner.invoke(build_app(), ["plan", "--max-params", "--gpu-memory", "24GiB", "--cpu-memory", "64GiB",
+                                     "--nvme", "2TB", "--output", "json"])
+    assert ok.exit_code == 0, ok.output
+    fits = json.loads(ok.output)
+    assert {f["placement"] for f in fits} >= {"Z2 opt:gpu par:gpu", "Z3 opt:nvme par:nvme"}
+    assert max(f["parameters"] for f in fits) > 13 * 10**9
+    none = runner.invoke(build_app(), ["plan", "--max-params", "--cpu-memory", "256MiB", "--nvme", "0"])
+    assert none.exit_code == 3 and "no placement fits" in none.output, none.output
