@@ -22,7 +22,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from spillway_runtime.hardware import NodeHardware
-from spillway_runtime.planner import PlanSummary, plan_summary
+from spillway_runtime.plan_summary import PlanSummary, plan_summary
 from spillway_runtime.spec import COUNT_SCHEMA, FineTuneJobSpec, Offload, Training
 
 

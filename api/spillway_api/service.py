@@ -32,7 +32,7 @@ from spillway_api.models import (
 from spillway_api.schemas import JobCreate
 from spillway_operator.admission import new_job_problems
 from spillway_runtime.contract import TERMINAL_PHASES, ExitCode, Phase
-from spillway_runtime.planner import plan_summary
+from spillway_runtime.plan_summary import plan_summary
 from spillway_runtime.spec import FineTuneJob
 
 # An abort (a second Ctrl-C) is restartable like a preemption, from the last good checkpoint

@@ -14,7 +14,8 @@ from typing import Any
 
 from spillway_operator.settings import OperatorSettings
 from spillway_runtime.hardware import NodeHardware, hardware_from_node
-from spillway_runtime.planner import ModelShape, OffloadPlan, PlanSummary, plan_tiers
+from spillway_runtime.plan_summary import PlanSummary
+from spillway_runtime.planner import ModelShape, OffloadPlan, plan_tiers
 from spillway_runtime.spec import FineTuneJobSpec, Toleration
 
 

@@ -30,7 +30,7 @@ from spillway_operator.placement import choose_placement, plan_status
 from spillway_operator.settings import OperatorSettings
 from spillway_operator.status import StatusChange
 from spillway_runtime.contract import ExitCode
-from spillway_runtime.planner import PlanSummary, plan_summary
+from spillway_runtime.plan_summary import PlanSummary, plan_summary
 from spillway_runtime.spec import FineTuneJobSpec, SpecError, parse_job
 
 log = logging.getLogger("spillway.operator")

@@ -16,7 +16,8 @@ from rich.table import Table
 
 from spillway_runtime.contract import ExitCode
 from spillway_runtime.hardware import NodeHardware
-from spillway_runtime.planner import LargestFit, ModelShape, OffloadPlan, largest_model, plan_tiers
+from spillway_runtime.largest import LargestFit, largest_model
+from spillway_runtime.planner import ModelShape, OffloadPlan, plan_tiers
 from spillway_runtime.spec import FineTuneJob, SpecError, Training, load_job
 from spillway_runtime.units import format_bytes, format_count, parse_count, parse_size
 

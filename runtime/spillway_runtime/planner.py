@@ -16,11 +16,10 @@ a named term below.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from pydantic.alias_generators import to_camel
+from pydantic import BaseModel, Field
 
 from spillway_runtime.hardware import (
     DEFAULT_CPU_ADAM_PARAMS_PER_S,
@@ -30,6 +29,7 @@ from spillway_runtime.hardware import (
     AioSettings,
     NodeHardware,
 )
+from spillway_runtime.plan_summary import PlanSummary
 from spillway_runtime.spec import DType, Offload, Tier, Training
 from spillway_runtime.units import GiB, format_bytes, format_count
 
@@ -226,90 +226,6 @@ class OffloadPlan(BaseModel):
             "rejected": [r.model_dump() for r in self.rejected],
             "shortfalls": [s.describe() for s in self.shortfalls], **placement,
         })
-
-
-class SummaryModel(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, validate_by_name=True, validate_by_alias=True,
-                              serialize_by_alias=True, extra="forbid")
-
-
-class TierFigures(SummaryModel):
-    gpu: int = Field(0, description="Bytes per GPU (per process on a CPU accelerator)")
-    cpu: int = Field(0, description="Bytes per node, pinned and pageable")
-    cpu_pinned: int = 0
-    nvme: int = Field(0, description="Bytes per node")
-
-
-class RejectedPlacement(SummaryModel):
-    placement: str
-    why: str
-
-
-class RejectedShape(SummaryModel):
-    shape: str
-    nodes: int = Field(description="Nodes of this shape")
-    why: str
-
-
-class PlanSummary(SummaryModel):
-    """A plan in brief, in the one shape every reader sees: a cluster job's status.plan, the
-    plan a local job records, each answer of POST /v1/plan, and the dashboard. camelCase
-    on the wire. The full `OffloadPlan` (swap and AIO settings, step-time parts) is what
-    the runtime reads; this is what people read."""
-
-    label: str = Field(description="e.g. 'Z3 opt:nvme par:cpu'")
-    feasible: bool
-    node: str = Field(description="The machine or node shape planned for")
-    accelerator: Literal["cuda", "cpu"]
-    model_name: str
-    model_parameters: int
-    node_count: int
-    gpus_per_node: int
-    processes_per_node: int
-    zero_stage: int
-    optimizer: Tier
-    parameters: Tier
-    activation_checkpointing: bool
-    bytes: TierFigures = Field(description="Planned bytes in each tier")
-    capacity: TierFigures = Field(description="What each tier holds on the node")
-    predicted_step_seconds: float
-    predicted_total_seconds: float
-    predicted_cost_usd: float | None = None
-    price_per_hour_usd: float | None = Field(None, description="For all the job's GPUs (or CPU nodes)")
-    tokens_per_step: int
-    reasons: list[str] = Field(default_factory=list)
-    rejected: list[RejectedPlacement] = Field(default_factory=list, description="Placements not chosen, and why")
-    shortfalls: list[str] = Field(default_factory=list, description="Why it does not fit, tier by tier")
-    # The cluster's part: which nodes, and the shapes that lost. Empty for a local run.
-    shape: str | None = None
-    node_names: list[str] = Field(default_factory=list)
-    gpu_product: str | None = None
-    rejected_shapes: list[RejectedShape] = Field(default_factory=list)
-    attempt: int | None = Field(None, description="The attempt this plan was made for")
-
-    @property
-    def gpus(self) -> int:
-        """GPUs the job holds: what a GPU-hour counts."""
-        return self.gpus_per_node * self.node_count if self.accelerator == "cuda" else 0
-
-    def dump(self) -> dict[str, object]:
-        return self.model_dump(mode="json")
-
-
-def plan_summary(raw: object) -> PlanSummary | None:
-    """A stored plan read back as the one summary. A full `OffloadPlan` (what local jobs
-    recorded before there was one summary) is summarised; anything else (nothing planned
-    yet, another version's shape) is None: the next plan replaces it."""
-    if not isinstance(raw, dict) or not raw:
-        return None
-    try:
-        return PlanSummary.model_validate(raw)
-    except ValidationError:
-        pass
-    try:
-        return OffloadPlan.model_validate(raw).summary()
-    except ValidationError:
-        return None
 
 
 class PlanningError(ValueError):
@@ -782,78 +698,3 @@ __all__ = [
     "model_state_bytes",
     "plan_tiers",
 ]
-
-
-# --- The largest model ----------------------------------------------------------------
-
-
-class LargestFit(BaseModel):
-    """The largest Llama-shaped model one placement fits on a node, with the settings given."""
-
-    placement: str
-    parameters: int = Field(description="0 when this placement fits no model here")
-    predicted_step_seconds: float | None = None
-    why_not: str | None = Field(None, description="Why the placement is out (the job's settings, no NVMe)")
-
-
-def largest_model(
-    hw: NodeHardware,
-    training: Training | None = None,
-    offload: Offload | None = None,
-    *,
-    dtype: DType = "bf16",
-    gpus_per_node: int | None = None,
-    nodes: int = 1,
-    cpu_processes: int = 1,
-) -> list[LargestFit]:
-    """For each placement the settings allow: the largest parameter count that fits (a
-    Llama shape from `ModelShape.from_param_count`, sequence length and batch as given),
-    found by bisection on the same arithmetic `plan_tiers` uses, to 3 significant digits,
-    and the predicted step time at that size. The answer to "what is the biggest model I
-    can fine-tune here?"."""
-    training = training or Training()
-    offload = offload or Offload()
-    gpus = hw.gpu_count if gpus_per_node is None else gpus_per_node
-    if gpus > hw.gpu_count:
-        raise ValueError(f"resources.gpusPerNode is {gpus} but {hw.name} has {hw.gpu_count} GPUs")
-    ranks_per_node = gpus if gpus else max(1, cpu_processes)
-    out: list[LargestFit] = []
-    for stage, optimizer, parameters in _PLACEMENTS:
-        label = _label(stage, optimizer, parameters)
-        why = _allowed(offload, stage, optimizer, parameters)
-        if why is None and "nvme" in (optimizer, parameters) and hw.nvme_free_bytes <= 0:
-            why = "node has no NVMe volume"
-        if why is not None:
-            out.append(LargestFit(placement=label, parameters=0, why_not=why))
-            continue
-
-        def plan_at(params: int, s: int = stage, o: Tier = optimizer, p: Tier = parameters) -> OffloadPlan:
-            return _evaluate(ModelShape.from_param_count(params), hw, training, dtype, s, o, p, gpus, nodes,
-                             training.activation_checkpointing, None, ranks_per_node)
-
-        params = _largest_fitting(lambda n: plan_at(n).feasible)
-        step = plan_at(params).predicted_step_seconds if params else None
-        out.append(LargestFit(placement=label, parameters=params, predicted_step_seconds=step))
-    return out
-
-
-LARGEST_SEARCHED = 10**13  # 10T parameters: beyond any node
-
-
-def _largest_fitting(fits: Callable[[int], bool], low: int = 10**6) -> int:
-    """The largest count in [low, LARGEST_SEARCHED] that fits, to 3 significant digits
-    (bisection on a log scale: memory grows with the count); 0 when not even `low` fits."""
-    if not fits(low):
-        return 0
-    if fits(LARGEST_SEARCHED):
-        return LARGEST_SEARCHED
-    lo, hi = low, LARGEST_SEARCHED
-    while hi - lo > max(1, lo // 2000):
-        mid = (lo + hi) // 2 if hi < 4 * lo else math.isqrt(lo * hi)
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    digits = len(str(lo)) - 3
-    rounded = lo // 10**digits * 10**digits if digits > 0 else lo
-    return rounded if fits(rounded) else lo

@@ -3,14 +3,13 @@
 import pytest
 
 from spillway_runtime.hardware import NodeHardware, hardware_from_node
+from spillway_runtime.largest import largest_model
+from spillway_runtime.plan_summary import PlanSummary, plan_summary
 from spillway_runtime.planner import (
     ModelShape,
-    PlanSummary,
     activation_bytes,
-    largest_model,
     minimum_cpu_for,
     model_state_bytes,
-    plan_summary,
     plan_tiers,
 )
 from spillway_runtime.spec import Offload, Training

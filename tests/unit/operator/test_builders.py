@@ -13,7 +13,7 @@ import yaml
 from spillway_operator import builders as b
 from spillway_operator.placement import choose_placement, plan_status
 from spillway_operator.settings import OperatorSettings
-from spillway_runtime.planner import PlanSummary
+from spillway_runtime.plan_summary import PlanSummary
 from spillway_runtime.spec import FineTuneJobSpec, parse_job
 
 NODES_DIR = Path(__file__).resolve().parents[3] / "hack" / "kwok" / "nodes"

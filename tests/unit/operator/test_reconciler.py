@@ -16,7 +16,7 @@ from spillway_operator.reconciler import PermanentFailure, Result, reconcile
 from spillway_operator.settings import OperatorSettings
 from spillway_operator.status import StatusChange
 from spillway_runtime.contract import ExitCode
-from spillway_runtime.planner import PlanSummary
+from spillway_runtime.plan_summary import PlanSummary
 
 from .fake_cluster import FakeCluster, node
 
