@@ -17,6 +17,13 @@ if [ $# -gt 0 ]; then
   echo "== pytest $*"
   exec "$PY" -m pytest -p no:cacheprovider "$@"
 fi
+# The test cluster's images, before the tests and outside their timeouts: a change to
+# pyproject.toml or requirements.lock rebuilds the training image's DeepSpeed layer
+# (20+ minutes on 2 cores), which a test fixture's 15-minute limit does not cover. Warm,
+# this is a hash check of the inputs.
+if [ -x hack/images ] && [ -x hack/cluster ]; then
+  echo "== images: operator, runtime-cpu (cached by a hash of their inputs)"; hack/images build operator runtime-cpu
+fi
 # The whole suite as two pytest runs at once: the e2e tests mostly wait (on the API
 # server, kwok, a container starting), the others mostly compute (DeepSpeed on the CPU),
 # so together they take about as long as the longer one. Each line is prefixed with its
