@@ -13,7 +13,15 @@ from collections.abc import Callable
 from pydantic import BaseModel, Field
 
 from spillway_runtime.hardware import NodeHardware
-from spillway_runtime.planner import _PLACEMENTS, ModelShape, OffloadPlan, _allowed, _evaluate, _label
+from spillway_runtime.planner import (
+    _PLACEMENTS,
+    ModelShape,
+    OffloadPlan,
+    _allowed,
+    _evaluate,
+    _label,
+    _processes,
+)
 from spillway_runtime.spec import DType, Offload, Tier, Training
 
 
@@ -43,10 +51,7 @@ def largest_model(
     can fine-tune here?"."""
     training = training or Training()
     offload = offload or Offload()
-    gpus = hw.gpu_count if gpus_per_node is None else gpus_per_node
-    if gpus > hw.gpu_count:
-        raise ValueError(f"resources.gpusPerNode is {gpus} but {hw.name} has {hw.gpu_count} GPUs")
-    ranks_per_node = gpus if gpus else max(1, cpu_processes)
+    gpus, ranks_per_node = _processes(hw, gpus_per_node, cpu_processes)
     out: list[LargestFit] = []
     for stage, optimizer, parameters in _PLACEMENTS:
         label = _label(stage, optimizer, parameters)

@@ -591,6 +591,14 @@ def _evaluate(
     )
 
 
+def _processes(hw: NodeHardware, gpus_per_node: int | None, cpu_processes: int) -> tuple[int, int]:
+    """(GPUs per node, training processes per node): one per GPU, or the CPU processes."""
+    gpus = hw.gpu_count if gpus_per_node is None else gpus_per_node
+    if gpus > hw.gpu_count:
+        raise ValueError(f"resources.gpusPerNode is {gpus} but {hw.name} has {hw.gpu_count} GPUs")
+    return gpus, gpus if gpus else max(1, cpu_processes)
+
+
 def plan_tiers(
     shape: ModelShape,
     hw: NodeHardware,
@@ -610,10 +618,7 @@ def plan_tiers(
     """
     training = training or Training()
     offload = offload or Offload()
-    gpus = hw.gpu_count if gpus_per_node is None else gpus_per_node
-    if gpus > hw.gpu_count:
-        raise ValueError(f"resources.gpusPerNode is {gpus} but {hw.name} has {hw.gpu_count} GPUs")
-    ranks_per_node = gpus if gpus else max(1, cpu_processes)
+    gpus, ranks_per_node = _processes(hw, gpus_per_node, cpu_processes)
 
     candidates: list[OffloadPlan] = []
     rejected: list[Rejection] = []

@@ -169,6 +169,15 @@ def describe_job(cluster: Any, ns: str, name: str) -> str:
     return "\n".join(lines)
 
 
+def pool_nodes(cluster: Any, make_node: Any, *profiles: str) -> tuple[str, list[str]]:
+    """Nodes of the given profiles sharing a fresh pool label (other tests' nodes never match)."""
+    pool = secrets.token_hex(3)
+    nodes = [make_node(profile) for profile in profiles]
+    for node in nodes:
+        cluster.kubectl("label", "node", node, f"{POOL}={pool}")
+    return pool, nodes
+
+
 def pods_of(cluster: Any, ns: str, job: str) -> list[dict[str, Any]]:
     data = cluster.kubectl_json("get", "pods", "-n", ns, "-l", f"spillway.dev/job={job}")
     return list(data.get("items", []))

@@ -31,7 +31,7 @@ from spillway_operator.settings import OperatorSettings
 from spillway_runtime.spec import parse_job
 from tests import polling
 from tests.browser import chromium, shot, sign_in
-from tests.e2e.operator_fixtures import CRD, POOL, free_port
+from tests.e2e.operator_fixtures import CRD, POOL, free_port, pool_nodes
 
 pytestmark = pytest.mark.e2e
 
@@ -444,15 +444,6 @@ def test_revoked_access_stops_working_within_the_cache_time(world: World, api: A
     assert time.monotonic() - revoked <= CACHE_SECONDS + 15  # the cache time, and a loaded machine's slack
 
 
-def _pool(cluster: Any, make_node: Callable[..., str], *profiles: str) -> tuple[str, list[str]]:
-    """Nodes of these profiles under a fresh pool label (other tests' nodes never match)."""
-    pool = secrets.token_hex(3)
-    nodes = [make_node(profile) for profile in profiles]
-    for node in nodes:
-        cluster.kubectl("label", "node", node, f"{POOL}={pool}")
-    return pool, nodes
-
-
 def _pool_spec(pool: str) -> dict[str, Any]:
     return {**job_body("p")["spec"], "resources": {"gpusPerNode": 1, "nodeSelector": {POOL: pool}}}
 
@@ -464,7 +455,7 @@ def test_the_cluster_plan_is_the_operators_placement(world: World, api: ApiServe
     shape, its pricing ConfigMap, its choice (`best`), and for the winner exactly the
     status.plan the operator would write."""
     cluster = world.cluster
-    pool, nodes = _pool(cluster, make_node, "gpu-80g", "gpu-48g-nvme", "gpu-24g")
+    pool, nodes = pool_nodes(cluster, make_node, "gpu-80g", "gpu-48g-nvme", "gpu-24g")
     cluster.kubectl("cordon", nodes[2])
     prices = {"NVIDIA-A100-SXM4-80GB": "4.0", "NVIDIA-L40S": "0.5"}
     cluster.kubectl("create", "configmap", PRICING, "-n", world.system,
@@ -501,7 +492,7 @@ def test_the_dashboard_shows_a_cluster_jobs_plan_and_cost(world: World, api: Api
     and the cost in status.cost. Before there was one plan summary, a cluster job showed
     "no capacity", no prediction and no alternatives."""
     cluster, alice, ns = world.cluster, world.tokens["alice"], world.team_a
-    pool, _ = _pool(cluster, make_node, "gpu-80g", "gpu-48g-nvme")
+    pool, _ = pool_nodes(cluster, make_node, "gpu-80g", "gpu-48g-nvme")
     spec = _pool_spec(pool)
     created = api.call("POST", f"/v1/namespaces/{ns}/jobs", alice, {"metadata": {"name": "shown"}, "spec": spec})
     assert created.status_code == 201, created.text

@@ -3,7 +3,6 @@ headless Service) and re-planning when the nodes a job can use change under it."
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,6 +16,7 @@ from tests.e2e.operator_fixtures import (
     events_of,
     job_manifest,
     pods_of,
+    pool_nodes,
     running_operator,
     wait_status,
 )
@@ -28,15 +28,6 @@ pytestmark = pytest.mark.e2e
 def operator(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
     with running_operator(cluster, tmp_path_factory.mktemp("operator") / "operator.log") as op:
         yield op
-
-
-def pool_nodes(cluster: Any, make_node: Callable[..., str], *profiles: str) -> tuple[str, list[str]]:
-    """Nodes of the given profiles sharing a fresh pool label (other tests' nodes never match)."""
-    pool = secrets.token_hex(3)
-    nodes = [make_node(profile) for profile in profiles]
-    for node in nodes:
-        cluster.kubectl("label", "node", node, f"{POOL}={pool}")
-    return pool, nodes
 
 
 def test_multi_node_job_one_rank_per_node_with_rendezvous(
