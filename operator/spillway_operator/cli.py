@@ -10,11 +10,14 @@ from __future__ import annotations
 import functools
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from spillway_operator.crd import CRD_FILE, render_crd_yaml
+
+if TYPE_CHECKING:
+    from spillway_operator.settings import OperatorSettings
 
 
 def crds(
@@ -70,6 +73,8 @@ def operator(
     kopf.configure(verbose=verbose, log_format=kopf.LogFormat.PLAIN)
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
     liveness = f"http://0.0.0.0:{settings.liveness_port}/healthz" if settings.liveness_port else None
+    if settings.webhook_port:
+        _serve_webhook(settings)
     run = functools.partial(
         kopf.run,
         standalone=True,  # no kopf peering: exclusivity comes from the Lease below
@@ -104,6 +109,17 @@ def operator(
         elector.release()
     if elector.lost.is_set():
         raise typer.Exit(1)  # restarted by the Deployment, it comes back as a follower
+
+
+def _serve_webhook(settings: OperatorSettings) -> None:
+    """Every replica serves the admission webhook, leader or not: started before the lease."""
+    from spillway_operator.certs import CertKeeper, KubeTlsStore, service_dns_names
+    from spillway_operator.webhook import WebhookServer
+
+    store = KubeTlsStore(settings.namespace, settings.webhook_secret, settings.webhook_configuration)
+    keeper = CertKeeper(store, service_dns_names(settings.webhook_service, settings.namespace),
+                        settings.webhook_cert_days)
+    WebhookServer(keeper, settings.webhook_port, check_seconds=settings.webhook_cert_check_seconds).start()
 
 
 def register(app: typer.Typer) -> None:

@@ -77,6 +77,10 @@ def storage() -> client.StorageV1Api:
     return client.StorageV1Api(api_client())
 
 
+def admission() -> client.AdmissionregistrationV1Api:
+    return client.AdmissionregistrationV1Api(api_client())
+
+
 # ----------------------------------------------------------------- reads --
 
 
@@ -198,6 +202,7 @@ def _creator(kind: str) -> Callable[..., Any]:
         "PersistentVolumeClaim": core().create_namespaced_persistent_volume_claim,
         "ServiceAccount": core().create_namespaced_service_account,
         "Service": core().create_namespaced_service,
+        "Secret": core().create_namespaced_secret,
         "Role": rbac().create_namespaced_role,
         "RoleBinding": rbac().create_namespaced_role_binding,
     }
@@ -235,6 +240,41 @@ def apply_configmap(obj: dict[str, Any]) -> None:
         field_manager=FIELD_MANAGER,
         _preload_content=False,
     )
+
+
+def read_secret(namespace: str, name: str) -> dict[str, Any] | None:
+    try:
+        return _json(_call(core().read_namespaced_secret, name, namespace, _preload_content=False))
+    except ApiException as err:
+        if err.status == 404:
+            return None
+        raise
+
+
+def replace_secret(obj: dict[str, Any]) -> bool:
+    """Replace a Secret only if it is unchanged since `metadata.resourceVersion`; False if it changed."""
+    try:
+        _call(core().replace_namespaced_secret, obj["metadata"]["name"], obj["metadata"]["namespace"], obj,
+              field_manager=FIELD_MANAGER, _preload_content=False)
+        return True
+    except ApiException as err:
+        if err.status in (404, 409):
+            return False
+        raise
+
+
+def read_webhook_configuration(name: str) -> dict[str, Any]:
+    return _json(_call(admission().read_validating_webhook_configuration, name, _preload_content=False))
+
+
+def set_webhook_ca_bundle(name: str, ca_bundle: str) -> None:
+    """Set caBundle (base64 PEM) on every webhook of the ValidatingWebhookConfiguration `name`
+    (a JSON patch per webhook, so the chart's other fields stay as Helm applied them)."""
+    webhooks = read_webhook_configuration(name).get("webhooks") or []
+    patch = [{"op": "add", "path": f"/webhooks/{i}/clientConfig/caBundle", "value": ca_bundle}
+             for i in range(len(webhooks))]
+    if patch:
+        _call(admission().patch_validating_webhook_configuration, name, patch, _preload_content=False)
 
 
 def delete_pod(namespace: str, name: str, grace_seconds: int | None = None) -> None:

@@ -104,6 +104,29 @@ class OperatorSettings(BaseSettings):
     metrics_port: int = Field(8080, description="Port of the Prometheus /metrics endpoint (0 disables it)")
     liveness_port: int = Field(8081, description="Port of kopf's /healthz liveness endpoint (0 disables it)")
     run_as_user: int = Field(1000, description="UID of the training container; non-root by default")
+    webhook_port: int = Field(
+        0,
+        description="HTTPS port of the validating admission webhook, served by every replica (0: none; "
+        "the chart sets it and registers the webhook)",
+    )
+    webhook_service: str = Field(
+        "spillway-operator-webhook", description="Service the API server calls the webhook through (its DNS names "
+        "go into the serving certificate)"
+    )
+    webhook_configuration: str = Field(
+        "spillway-finetunejob-validation",
+        description="ValidatingWebhookConfiguration whose caBundle the operator keeps trusting its certificate",
+    )
+    webhook_secret: str = Field(
+        "spillway-webhook-tls", description="Secret in `namespace` holding the webhook's certificate and key"
+    )
+    webhook_cert_days: float = Field(
+        365.0, gt=0, description="Validity of a certificate the operator makes; renewed at two thirds of it"
+    )
+    webhook_cert_check_seconds: float = Field(
+        3600.0, gt=0,
+        description="Seconds between checks of the certificate (renewal, and picking up one another replica made)",
+    )
 
 
 @lru_cache(maxsize=1)

@@ -235,6 +235,30 @@ def test_rendered_values_reach_the_processes(helm: Callable[..., Any]) -> None:
     assert ("ClusterRoleBinding", None, "spillway-operator-jobs") not in bindings
 
 
+def test_the_webhook_is_registered_for_the_operators_replicas(helm: Callable[..., Any]) -> None:
+    by_name = {f"{d['kind']}/{d['metadata']['name']}": d for d in render(helm, MATRIX["namespaced-with-metrics"])}
+    [hook] = by_name["ValidatingWebhookConfiguration/spillway-spillway-system-finetunejobs"]["webhooks"]
+    assert hook["failurePolicy"] == "Ignore" and hook["sideEffects"] == "None"
+    assert "caBundle" not in hook["clientConfig"]  # the operator's: an upgrade must not blank it
+    assert hook["clientConfig"]["service"] == {"name": "spillway-operator-webhook", "namespace": "spillway-system",
+                                               "path": "/validate-finetunejob", "port": 443}
+    assert hook["rules"] == [{"apiGroups": ["spillway.dev"], "apiVersions": ["*"], "resources": ["finetunejobs"],
+                              "operations": ["CREATE", "UPDATE"], "scope": "Namespaced"}]
+    assert hook["namespaceSelector"]["matchExpressions"][0]["values"] == ["team-a", "team-b"]
+    service = by_name["Service/spillway-operator-webhook"]["spec"]
+    operator = by_name["Deployment/spillway-operator"]["spec"]["template"]
+    assert service["selector"].items() <= operator["metadata"]["labels"].items()
+    [container] = operator["spec"]["containers"]
+    port = next(p for p in container["ports"] if p["name"] == service["ports"][0]["targetPort"])
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["SPILLWAY_OPERATOR_WEBHOOK_PORT"] == str(port["containerPort"]) == "8443"
+    assert env["SPILLWAY_OPERATOR_WEBHOOK_CONFIGURATION"] == "spillway-spillway-system-finetunejobs"
+    assert env["SPILLWAY_OPERATOR_WEBHOOK_SERVICE"] == "spillway-operator-webhook"
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "webhook", "scheme": "HTTPS"}
+    off = render(helm, {"operator.webhook.enabled": False})
+    assert not [d for d in off if "webhook" in d["metadata"]["name"] or d["kind"].endswith("WebhookConfiguration")]
+
+
 @pytest.mark.parametrize(
     ("values", "message"),
     [
@@ -245,6 +269,7 @@ def test_rendered_values_reach_the_processes(helm: Callable[..., Any]) -> None:
         ({"database.type": "mysql"}, "/database/type"),
         ({"operatr": {"enabled": True}}, "additional properties 'operatr' not allowed"),
         ({"pricing.gpuHourUSD": {"NVIDIA-L4": "cheap"}}, "/pricing/gpuHourUSD/NVIDIA-L4"),
+        ({"operator.webhook.failurePolicy": "Maybe"}, "/operator/webhook/failurePolicy"),
     ],
 )
 def test_bad_values_are_refused_with_the_reason(helm: Callable[..., Any], values: dict[str, Any], message: str) -> None:
@@ -335,7 +360,7 @@ def running_on(cluster: Cluster, namespace: str, component: str) -> list[str] | 
     return None
 
 
-CLUSTER_KINDS = "clusterroles,clusterrolebindings"
+CLUSTER_KINDS = "clusterroles,clusterrolebindings,validatingwebhookconfigurations"
 NAMESPACED_KINDS = "deployments,daemonsets,services,serviceaccounts,configmaps,roles,rolebindings,persistentvolumeclaims"
 
 
@@ -377,6 +402,8 @@ def test_install_rbac_upgrade_and_uninstall(
         (operator, "create", "roles.rbac.authorization.k8s.io", "-n", elsewhere),
         (operator, "get", "configmap/spillway-pricing", "-n", namespace),
         (operator, "get", "storageclasses.storage.k8s.io"),
+        (operator, "update", "secret/spillway-webhook-tls", "-n", namespace),
+        (operator, "patch", f"validatingwebhookconfigurations/spillway-{namespace}-finetunejobs"),
         (api, "create", "tokenreviews.authentication.k8s.io"),
         (api, "create", "subjectaccessreviews.authorization.k8s.io"),
         (api, "create", "finetunejobs.spillway.dev", "-n", elsewhere),
@@ -386,6 +413,8 @@ def test_install_rbac_upgrade_and_uninstall(
     denied = [
         (operator, "get", "secrets", "-n", namespace),
         (operator, "patch", "nodes"),
+        (operator, "get", "secret/spillway-pricing-token", "-n", namespace),
+        (operator, "patch", "validatingwebhookconfigurations/other-webhooks"),
         (operator, "create", "deployments.apps", "-n", elsewhere),
         (operator, "escalate", "roles.rbac.authorization.k8s.io", "-n", elsewhere),
         (operator, "create", "clusterrolebindings.rbac.authorization.k8s.io"),

@@ -8,8 +8,12 @@ runtime-cpu`, 6.5 GB; they are not run here yet: see hack/CLUSTER.md.)"""
 
 from __future__ import annotations
 
+import base64
+import copy
+import datetime as dt
 import json
 import os
+import re
 import secrets
 import subprocess
 import time
@@ -19,12 +23,95 @@ from typing import Any
 
 import pytest
 
+from spillway_operator.certs import CERT_KEY, KEY_KEY, make_cert, service_dns_names
+from tests.bad_jobs import CORPUS, with_
 from tests.e2e.conftest import REPO_ROOT, Cluster
 from tests.e2e.operator_fixtures import free_port
 
 pytestmark = pytest.mark.e2e
 
 RUNTIME_UID = 1000
+CERT_CHECK_SECONDS = 2
+WEBHOOK = "finetunejobs.validation.spillway.dev"
+
+
+def _apply(cluster: Cluster, namespace: str, job: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    return cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(job), check=False)
+
+
+def _the_webhook_refuses_the_corpus_and_renews_its_certificate(cluster: Cluster, namespace: str, release: str) -> None:
+    """`kubectl apply` of each malformed job is refused, by the CRD's schema or by the
+    operator's webhook, with the field named; the webhook's certificate, found past two
+    thirds of its life, is renewed by the operator and the webhook goes on answering."""
+    by_webhook = []
+    for i, (what, job, expected) in enumerate(CORPUS):
+        proc = _apply(cluster, namespace, {**copy.deepcopy(job), "metadata": {"name": f"bad-{i}"}})
+        assert proc.returncode != 0, f"{what}: admitted"
+        field = re.split(r"[: ]", expected, maxsplit=1)[0]
+        assert field in proc.stderr, (what, proc.stderr)
+        if f'admission webhook "{WEBHOOK}" denied the request' in proc.stderr:
+            by_webhook.append(what)
+            assert expected in proc.stderr, (what, proc.stderr)
+    # The CRD's schema catches what it can; the rest only the webhook could.
+    assert {"s3 model uri", "ZeRO stage as a word", "resumeFrom on a new job", "batch contradicts training"} <= set(
+        by_webhook), by_webhook
+    assert cluster.kubectl_json("get", "ftj", "-n", namespace)["items"] == []
+
+    configuration = f"{release}-spillway-{namespace}-finetunejobs"
+    secret = f"{release}-spillway-webhook-tls"
+    aging = make_cert(service_dns_names(f"{release}-spillway-operator-webhook", namespace), 365,
+                      dt.datetime.now(dt.UTC) - dt.timedelta(days=250))
+    cluster.kubectl("patch", "secret", secret, "-n", namespace, "--type=merge", "-p", json.dumps(
+        {"data": {CERT_KEY: base64.b64encode(aging.cert_pem).decode(),
+                  KEY_KEY: base64.b64encode(aging.key_pem).decode()}}))
+
+    def renewed() -> bytes | None:
+        held = base64.b64decode(cluster.kubectl_json("get", "secret", secret, "-n", namespace)["data"][CERT_KEY])
+        return held if held != aging.cert_pem else None
+
+    new = cluster.wait_for(renewed, 30 + 3 * CERT_CHECK_SECONDS, interval=1, what="the certificate renewed")
+    webhooks = cluster.kubectl_json("get", "validatingwebhookconfiguration", configuration)["webhooks"]
+    trusted = base64.b64decode(webhooks[0]["clientConfig"]["caBundle"])
+    assert new.strip() in trusted and aging.cert_pem.strip() in trusted
+    bad = {**with_("model.uri", "s3://bucket/llama"), "metadata": {"name": "after-renewal"}}
+
+    def refused_by_the_webhook() -> bool:
+        # Each replica serves the new certificate from its next check on (a TLS error here
+        # would be failurePolicy Ignore admitting the job: deleted, and asked again).
+        proc = _apply(cluster, namespace, bad)
+        if proc.returncode == 0:
+            cluster.kubectl("delete", "ftj", "after-renewal", "-n", namespace, "--wait=true", timeout=60)
+            time.sleep(CERT_CHECK_SECONDS)
+            return False
+        return f'admission webhook "{WEBHOOK}" denied the request' in proc.stderr
+
+    cluster.wait_for(refused_by_the_webhook, 30, what="the webhook answering with its renewed certificate")
+
+
+def _with_the_webhook_down_a_bad_job_is_admitted_and_failed_by_the_operator(
+    cluster: Cluster, namespace: str, release: str
+) -> None:
+    """failurePolicy Ignore (the chart's default): with no replica to answer, the API server
+    admits the job, and the operator, once back, fails it by name before any pod."""
+    deployment = f"deployment/{release}-spillway-operator"
+    cluster.kubectl("scale", deployment, "-n", namespace, "--replicas=0")
+    cluster.wait_for(lambda: not cluster.kubectl_json(
+        "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/component=operator")["items"], 120,
+        interval=1, what="the operator's pods gone")
+    bad = {**with_("offload.deepspeed", {"zero_optimization": {"stage": "three"}}), "metadata": {"name": "unchecked"}}
+    proc = _apply(cluster, namespace, bad)
+    assert proc.returncode == 0, proc.stderr
+    cluster.kubectl("scale", deployment, "-n", namespace, "--replicas=1")
+
+    def failed() -> dict[str, Any] | None:
+        job = cluster.get("finetunejob", "unchecked", namespace) or {}
+        return job if (job.get("status") or {}).get("phase") == "Failed" else None
+
+    job = cluster.wait_for(failed, 180, interval=1, what="the unchecked job Failed by the operator")
+    condition = next(c for c in job["status"]["conditions"] if c["type"] == "Failed")
+    assert condition["reason"] == "InvalidSpec"
+    assert "spec.offload.deepspeed.zero_optimization.stage is 'three'" in condition["message"], condition
+    assert cluster.kubectl_json("get", "pods", "-n", namespace, "-l", "spillway.dev/job=unchecked")["items"] == []
 
 
 def test_the_chart_runs_in_containers_and_its_operator_makes_pods_on_the_real_node(
@@ -66,6 +153,7 @@ def test_the_chart_runs_in_containers_and_its_operator_makes_pods_on_the_real_no
         "--set-json", f"api.tolerations={toleration}",
         "--set", "nodeProbe.enabled=false",
         "--set", "operator.watchNamespaces={" + namespace + "}",
+        "--set", f"operator.webhook.certCheckSeconds={CERT_CHECK_SECONDS}",
         timeout=300,
     )
     try:
@@ -120,6 +208,12 @@ def test_the_chart_runs_in_containers_and_its_operator_makes_pods_on_the_real_no
         job = cluster.get("finetunejob", "tiny", namespace) or {}
         assert job.get("status", {}).get("plan"), job.get("status")
         cluster.kubectl("delete", "ftj", "tiny", "-n", namespace, "--wait=true", timeout=120)
+
+        _the_webhook_refuses_the_corpus_and_renews_its_certificate(cluster, namespace, release)
+        _with_the_webhook_down_a_bad_job_is_admitted_and_failed_by_the_operator(cluster, namespace, release)
     finally:
         cluster.helm("uninstall", release, "-n", namespace, "--wait", timeout=300)
         cluster.kubectl("delete", "pv", storage_class, f"{storage_class}-ckpt", "--wait=false", check=False)
+    # The operator's certificate Secret goes with the chart's webhook configuration, its owner.
+    cluster.wait_for(lambda: cluster.get("secret", f"{release}-spillway-webhook-tls", namespace) is None, 60,
+                     interval=1, what="the webhook's Secret garbage-collected")

@@ -87,3 +87,17 @@ app.kubernetes.io/component: {{ .component }}
   value: sqlite:////var/lib/spillway/spillway.db
 {{- end }}
 {{- end }}
+
+{{/* The admission webhook's Service, configuration (cluster-scoped: the namespace makes it unique) and Secret. */}}
+{{- define "spillway.webhookService" -}}
+{{ include "spillway.fullname" . }}-operator-webhook
+{{- end }}
+{{- define "spillway.webhookConfiguration" -}}
+{{ include "spillway.fullname" . }}-{{ .Release.Namespace }}-finetunejobs
+{{- end }}
+{{- define "spillway.webhookSecret" -}}
+{{ include "spillway.fullname" . }}-webhook-tls
+{{- end }}
+{{- define "spillway.webhookEnabled" -}}
+{{- if and .Values.operator.enabled .Values.operator.webhook.enabled }}true{{ end }}
+{{- end }}
