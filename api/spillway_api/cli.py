@@ -87,7 +87,7 @@ def run(
             raise typer.Exit(ExitCode.PLAN_INFEASIBLE if isinstance(err, PlanningError) else ExitCode.BAD_INPUT) from None
     sessions, job_id = record_local_job(settings, job, job_file.resolve(), run_dir)
     local = LocalRun(sessions, job_id, processes=processes, price_per_hour=settings.local_price_per_hour,
-                     poll_seconds=settings.local_poll_seconds, foreground=True)
+                     poll_seconds=settings.local_poll_seconds, foreground=True, origin="rerun")
 
     def planned(config: Any) -> None:
         _print_plan(config.plan)

@@ -89,10 +89,37 @@ class Job(Base):
     # UPDATE ... WHERE version = <read>: of two concurrent changes one matches no row (409).
     # Launchers' status writes leave it alone, so they never make a user's request fail.
     version: Mapped[int] = mapped_column(Integer, default=1)
+    # The attempt now under way or last ended (`Attempt.number`); 0 before the first starts.
+    attempt: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
     transitions: Mapped[list[Transition]] = relationship(
         back_populates="job", cascade="all, delete-orphan", passive_deletes=True, order_by="Transition.id"
     )
+
+
+class Attempt(Base):
+    """One run of a job: a `spillway run` (first or again), a restart after a rollback,
+    suspend or preemption, or a cluster attempt (status.attempt). Its outcome, steps and
+    cost are its own: a later attempt, or a refused one, never rewrites them."""
+
+    __tablename__ = "attempts"
+    __table_args__ = (UniqueConstraint("job_id", "number", name="uq_attempts_number"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    number: Mapped[int] = mapped_column(Integer)
+    # submit (the first), rerun (`spillway run` again), restart (rollback, resume or
+    # preemption in this process), cluster (the operator's attempt counter)
+    origin: Mapped[str] = mapped_column(String(16))
+    phase: Mapped[str] = mapped_column(String(32))
+    reason: Mapped[str | None] = mapped_column(Text)
+    spec: Mapped[dict[str, Any] | None]
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    ended_at: Mapped[datetime | None]
+    first_step: Mapped[int | None] = mapped_column(Integer)
+    last_step: Mapped[int | None] = mapped_column(Integer)
+    last_loss: Mapped[float | None] = mapped_column(Float)
+    exit_code: Mapped[int | None] = mapped_column(Integer)
 
 
 class Transition(Base):
@@ -106,6 +133,7 @@ class Transition(Base):
     reason: Mapped[str | None] = mapped_column(Text)
     at: Mapped[datetime] = mapped_column(default=utcnow)
     source_key: Mapped[str] = mapped_column(String(128))
+    attempt: Mapped[int | None] = mapped_column(Integer)
 
     job: Mapped[Job] = relationship(back_populates="transitions")
 
@@ -130,6 +158,7 @@ class ProgressPoint(Base):
     nvme_bytes: Mapped[int | None] = mapped_column(BigInteger)
     at: Mapped[datetime] = mapped_column(default=utcnow)
     source_key: Mapped[str] = mapped_column(String(128))
+    attempt: Mapped[int | None] = mapped_column(Integer)
 
 
 class Checkpoint(Base):
@@ -182,6 +211,7 @@ class CostEntry(Base):
     gpu_hours: Mapped[float] = mapped_column(Float)
     usd: Mapped[float] = mapped_column(Float)
     source_key: Mapped[str] = mapped_column(String(128))
+    attempt: Mapped[int | None] = mapped_column(Integer)
 
 
 class WatchBookmark(Base):

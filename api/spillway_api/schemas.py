@@ -108,6 +108,7 @@ class JobPublic(WireModel):
     created_at: datetime
     updated_at: datetime
     version: int
+    attempt: int = Field(description="The attempt under way or last ended (see /attempts); 0 before the first")
 
 
 class JobsPublic(WireModel):
@@ -120,6 +121,31 @@ class TransitionPublic(WireModel):
     to_phase: str
     reason: str | None
     at: datetime
+    attempt: int | None
+
+
+class AttemptPublic(WireModel):
+    number: int = Field(description="1 for the first run; one more for each later run of the job")
+    origin: Literal["submit", "rerun", "restart", "cluster"] = Field(
+        description="submit: the first run; rerun: `spillway run` of a recorded job; restart: a resume, rollback "
+        "or preemption restart on this machine; cluster: an attempt of the operator (status.attempt + 1)")
+    phase: str = Field(description="Its own outcome (or state, while it runs); Stopped: restarted by a rollback "
+                       "or resume")
+    reason: str | None
+    started_at: datetime
+    ended_at: datetime | None
+    first_step: int | None
+    last_step: int | None
+    last_loss: float | None
+    exit_code: int | None
+    usd: float
+    gpu_hours: float
+    seconds: float
+
+
+class AttemptsPublic(WireModel):
+    data: list[AttemptPublic]
+    count: int
 
 
 class ProgressPointPublic(WireModel):
@@ -133,6 +159,7 @@ class ProgressPointPublic(WireModel):
     cpu_bytes: int | None
     nvme_bytes: int | None
     at: datetime
+    attempt: int | None
 
 
 class RollbackPublic(WireModel):

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from spillway_api.errors import ApiError, not_found
 from spillway_api.models import (
+    Attempt,
     Checkpoint,
     CostEntry,
     Job,
@@ -41,6 +42,8 @@ EXIT_PHASES: dict[int, Phase] = {
     ExitCode.PLAN_INFEASIBLE: "Failed", ExitCode.DIVERGED: "Diverged", ExitCode.PREEMPTED: "Preempted",
     ExitCode.ABORTED: "Preempted",
 }
+# Phases that end an attempt: a later run of the job is a new attempt.
+ATTEMPT_ENDS: frozenset[str] = TERMINAL_PHASES | {"Suspended", "Preempted", "Deleted"}
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,18 @@ class JobService:
             ).all(),
             "progress_count": total,
         }
+
+    def attempts(self, job: Job) -> list[dict[str, Any]]:
+        """Every attempt of the job, oldest first, each with the cost charged while it ran."""
+        costs = {row[0]: row[1:] for row in self.session.execute(
+            select(CostEntry.attempt, func.sum(CostEntry.usd), func.sum(CostEntry.gpu_hours),
+                   func.sum(CostEntry.seconds))
+            .where(CostEntry.job_id == job.id).group_by(CostEntry.attempt)).all()}
+        rows = self.session.scalars(select(Attempt).where(Attempt.job_id == job.id).order_by(Attempt.number)).all()
+        return [{**{c: getattr(a, c) for c in ("number", "origin", "phase", "reason", "started_at", "ended_at",
+                                                "first_step", "last_step", "last_loss", "exit_code")},
+                 **dict(zip(("usd", "gpu_hours", "seconds"), costs.get(a.number, (0.0, 0.0, 0.0)), strict=True))}
+                for a in rows]
 
     def checkpoints(self, job: Job) -> list[Checkpoint]:
         return list(self.session.scalars(
@@ -252,15 +267,59 @@ class JobService:
 
     # -- history ---------------------------------------------------------------------------
 
+    def begin_attempt(self, job: Job, origin: str, reason: str, at: datetime | None = None,
+                      number: int | None = None, previous_phase: str | None = None) -> Attempt:
+        """Start the job's next attempt (or attempt `number`, the cluster's count). One still
+        open ends now, in `previous_phase` when given (what the cluster says became of it)."""
+        at = at or utcnow()
+        current = self.current_attempt(job)
+        if current is not None and current.ended_at is None:
+            current.ended_at = at
+            if previous_phase:
+                current.phase = previous_phase
+        attempt = Attempt(job_id=job.id, number=number or job.attempt + 1, origin=origin, phase=job.phase,
+                          reason=reason, spec=job.spec, started_at=at)
+        self.session.add(attempt)
+        job.attempt = attempt.number
+        self.session.flush()
+        return attempt
+
+    def current_attempt(self, job: Job) -> Attempt | None:
+        if not job.attempt:
+            return None
+        return self.session.scalars(
+            select(Attempt).where(Attempt.job_id == job.id, Attempt.number == job.attempt)).one_or_none()
+
+    def set_exit_code(self, job: Job, code: int | None) -> None:
+        job.exit_code = code
+        attempt = self.current_attempt(job)
+        if attempt is not None and (attempt.ended_at is None or code is not None):
+            attempt.exit_code = code
+
     def transition(self, job: Job, phase: str, reason: str | None, key: str, at: datetime | None = None) -> None:
         if job.phase == phase and job.transitions:
             return
+        at = at or utcnow()
         if _insert_once(self.session, Transition(job_id=job.id, from_phase=job.phase if job.transitions else None,
-                                                 to_phase=phase, reason=reason, at=at or utcnow(), source_key=key)):
+                                                 to_phase=phase, reason=reason, at=at, source_key=key,
+                                                 attempt=job.attempt or None)):
             self.session.refresh(job, ["transitions"])
         job.phase = phase
         if reason:
             job.message = reason
+        attempt = self.current_attempt(job)
+        if attempt is not None and attempt.ended_at is None:  # an ended attempt's outcome is kept
+            attempt.phase = phase
+            attempt.reason = reason or attempt.reason
+            if phase in ATTEMPT_ENDS:
+                attempt.ended_at = at
+
+    def record_step(self, job: Job, step: int, loss: float | None) -> None:
+        """The current attempt's steps: where it started and how far it got."""
+        attempt = self.current_attempt(job)
+        if attempt is not None:  # a cluster object can end it and report its last step at once
+            attempt.first_step = step if attempt.first_step is None else min(attempt.first_step, step)
+            attempt.last_step, attempt.last_loss = step, loss
 
     def record_event(self, job: Job, event: dict[str, Any], key: str, price_per_hour: float) -> None:
         """One line of the runtime's events.jsonl."""
@@ -276,7 +335,7 @@ class JobService:
                 job_id=job.id, step=int(event.get("step", 0)), loss=event.get("loss"), learning_rate=event.get("lr"),
                 step_seconds=event.get("step_seconds"), tokens_per_second=event.get("tokens_per_s"),
                 eta_seconds=event.get("eta_seconds"), gpu_bytes=tiers.get("gpu"), cpu_bytes=tiers.get("cpu"),
-                nvme_bytes=tiers.get("nvme"), at=at, source_key=key,
+                nvme_bytes=tiers.get("nvme"), at=at, source_key=key, attempt=job.attempt or None,
             )
             if _insert_once(self.session, point):
                 seconds = float(event.get("step_seconds") or 0.0)
@@ -284,7 +343,8 @@ class JobService:
                 gpus = plan.gpus if plan is not None else 0
                 self.session.add(CostEntry(job_id=job.id, namespace=job.namespace, at=at, seconds=seconds,
                                            gpu_hours=seconds * gpus / 3600, usd=seconds * price_per_hour / 3600,
-                                           source_key=key))
+                                           source_key=key, attempt=job.attempt or None))
+                self.record_step(job, point.step, point.loss)
             job.progress = {**(job.progress or {}), "step": point.step, "loss": point.loss,
                             "tokensPerSecond": point.tokens_per_second, "eta": point.eta_seconds}
         elif kind == "checkpoint":
@@ -306,7 +366,7 @@ class JobService:
                             key, at)
         elif kind == "failed":
             phase = EXIT_PHASES.get(int(event.get("exit_code") or 1), "Failed")
-            job.exit_code = event.get("exit_code")
+            self.set_exit_code(job, event.get("exit_code"))
             self.transition(job, phase, str(event.get("reason", "failed")), key, at)
         elif kind == "exported":
             job.message = f"model exported to {event.get('path')}"

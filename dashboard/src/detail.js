@@ -32,6 +32,7 @@ export function detailPage(main, ns, name) {
     tiers: h("div", { id: "tiers" }),
     reasons: h("div", { id: "reasons" }),
     checkpoints: h("div", { id: "checkpoints" }),
+    attempts: h("div", { id: "attempts" }),
     history: h("div", { id: "history" }),
     error: h("div", {}),
   };
@@ -46,6 +47,7 @@ export function detailPage(main, ns, name) {
         els.tiers),
       h("section", { "aria-labelledby": "h-reasons" }, h("h2", { id: "h-reasons" }, "Plan"), els.reasons)),
     h("section", { "aria-labelledby": "h-ckpt" }, h("h2", { id: "h-ckpt" }, "Checkpoints"), els.checkpoints),
+    h("section", { "aria-labelledby": "h-attempts" }, h("h2", { id: "h-attempts" }, "Attempts"), els.attempts),
     h("section", { "aria-labelledby": "h-hist" }, h("h2", { id: "h-hist" }, "History"), els.history),
   );
   document.title = `${name} · Spillway`;
@@ -60,11 +62,13 @@ export function detailPage(main, ns, name) {
   async function refresh() {
     clearTimeout(timer);
     try {
-      const [job, hist, ckpts, cost] = await Promise.all([
-        api(base), api(`${base}/history?limit=10000`), api(`${base}/checkpoints`), api(`${base}/cost`)]);
+      const [job, hist, ckpts, cost, attempts] = await Promise.all([
+        api(base), api(`${base}/history?limit=10000`), api(`${base}/checkpoints`), api(`${base}/cost`),
+        api(`${base}/attempts`)]);
       if (stopped) return;
       els.error.replaceChildren();
       render(job, hist, ckpts.data, cost);
+      els.attempts.replaceChildren(attemptTable(attempts.data));
     } catch (err) {
       if (stopped) return;
       els.error.replaceChildren(errorBox(err));
@@ -148,6 +152,21 @@ export function detailPage(main, ns, name) {
       els.checkpoints.replaceChildren(checkpointTable(ckpts, job));
     }
     els.history.replaceChildren(historyTable(hist));
+  }
+
+  function attemptTable(attempts) {
+    if (!attempts.length) return h("p", { class: "muted" }, "Not started yet.");
+    const steps = (a) => (a.firstStep === null ? "–" : `${a.firstStep}–${a.lastStep}`);
+    return h("table", { class: "data", id: "attempt-table" },
+      h("caption", { class: "sr-only" }, "Attempts: each run of the job with its own outcome, steps and cost"),
+      h("thead", {}, h("tr", {}, ["#", "Origin", "Phase", "Steps", "Last loss", "Started", "Ended", "Cost", "Reason"]
+        .map((c) => h("th", { scope: "col" }, c)))),
+      h("tbody", {}, attempts.map((a) => h("tr", { "data-attempt": a.number, "data-phase": a.phase },
+        h("th", { scope: "row", class: "num" }, a.number), h("td", {}, a.origin),
+        h("td", {}, h("span", { class: `phase phase-${a.phase.toLowerCase()}` }, a.phase)),
+        h("td", { class: "num" }, steps(a)), h("td", { class: "num" }, num(a.lastLoss)),
+        h("td", {}, time(a.startedAt)), h("td", {}, time(a.endedAt)), h("td", { class: "num" }, usd(a.usd)),
+        h("td", {}, a.reason ?? "")))));
   }
 
   function checkpointTable(ckpts, job) {

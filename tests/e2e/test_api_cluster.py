@@ -301,8 +301,8 @@ def test_submit_watch_restart_rollback_suspend_delete(world: World, api: ApiServ
         "progress": {"step": 10, "totalSteps": 100, "loss": 2.0, "updatedAt": "2026-01-01T00:00:10Z"},
         "checkpoints": [{"name": "step-5", "step": 5, "loss": 2.5}, {"name": "step-10", "step": 10, "loss": 2.0}],
         "cost": {"gpuHours": 1.0, "usd": 2.0}})
-    patch_status(cluster, ns, "flow", {"phase": "Preempted"})
-    patch_status(cluster, ns, "flow", {"phase": "Running"})
+    patch_status(cluster, ns, "flow", {"phase": "Preempted", "preemptions": 1})
+    patch_status(cluster, ns, "flow", {"phase": "Running", "attempt": 1})
     cluster.apply(ftj_manifest("outside"), ns)  # made with kubectl, never through the API
     api.start()
     wait_for(lambda: api.call("GET", f"{base}/outside", token).status_code == 200, what="the kubectl-made job")
@@ -316,6 +316,11 @@ def test_submit_watch_restart_rollback_suspend_delete(world: World, api: ApiServ
     assert [c["name"] for c in checkpoints["data"]] == ["step-5", "step-10"]
     cost = api.call("GET", f"{base}/flow/cost", token).json()
     assert cost["usd"] == pytest.approx(2.0) and cost["gpuHours"] == pytest.approx(1.0) and cost["entries"] == 2
+    # The operator's attempts: the first ended preempted with its own steps and cost.
+    attempts = api.call("GET", f"{base}/flow/attempts", token).json()["data"]
+    assert [(a["number"], a["origin"], a["phase"], a["firstStep"], a["lastStep"]) for a in attempts] == [
+        (1, "cluster", "Preempted", 5, 10), (2, "cluster", "Running", None, None)]
+    assert attempts[0]["usd"] == pytest.approx(2.0) and attempts[1]["usd"] == 0
     outside = _history(api, token, ns, "outside")
     assert [(t["toPhase"], t["reason"]) for t in outside["transitions"]] == [("Pending", "created in the cluster")]
 

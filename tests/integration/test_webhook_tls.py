@@ -10,7 +10,6 @@ import http.client
 import json
 import socket
 import ssl
-import time
 from typing import Any
 
 import pytest
@@ -18,6 +17,7 @@ import pytest
 from spillway_operator.certs import CERT_KEY, KEY_KEY, CertKeeper, ServingCert, bundle, make_cert, service_dns_names
 from spillway_operator.webhook import PATH, WebhookServer
 from tests.bad_jobs import with_
+from tests.polling import wait_for
 from tests.unit.operator.fake_tls_store import FakeTlsStore
 
 NAMES = service_dns_names("spillway-operator-webhook", "spillway-system")
@@ -54,15 +54,15 @@ def server() -> Any:
     store = FakeTlsStore()
     webhook = WebhookServer(CertKeeper(store, NAMES, 365), _free_port(), host="127.0.0.1", check_seconds=3600)
     webhook.start()
-    deadline = time.monotonic() + 60
-    while True:
+
+    def listening() -> bool:
         try:
             socket.create_connection(("127.0.0.1", webhook.port), timeout=1).close()
-            break
+            return True
         except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
+            return False
+
+    wait_for(listening, 60, what="the webhook listening")
     yield webhook, store
     webhook.shutdown()
 

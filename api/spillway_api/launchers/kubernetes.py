@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from spillway_api.errors import ApiError
 from spillway_api.models import CostEntry, Job, ProgressPoint, WatchBookmark, utcnow
-from spillway_api.service import JobService, _insert_once, _iso
+from spillway_api.service import ATTEMPT_ENDS, JobService, _insert_once, _iso
 from spillway_api.settings import Settings
 from spillway_runtime.spec import API_GROUP, API_VERSION
 
@@ -127,6 +127,7 @@ def record_object(session: Session, obj: dict[str, Any], event_type: str, price_
         return
     status: dict[str, Any] = obj.get("status") or {}
     if not stale:
+        _follow_attempts(service, job, job.status or {}, status)
         job.spec = obj.get("spec") or job.spec
         job.status = status
     if status.get("plan"):
@@ -153,7 +154,9 @@ def record_object(session: Session, obj: dict[str, Any], event_type: str, price_
             tokens_per_second=_float(progress.get("tokensPerSecond")),
             eta_seconds=_float(progress.get("etaSeconds", progress.get("eta"))),
             gpu_bytes=_int(tiers.get("gpu")), cpu_bytes=_int(tiers.get("cpu")), nvme_bytes=_int(tiers.get("nvme")),
-            at=_iso(progress.get("updatedAt")) or utcnow(), source_key=key[:128]))
+            at=_iso(progress.get("updatedAt")) or utcnow(), source_key=key[:128], attempt=job.attempt or None))
+        if not stale:
+            service.record_step(job, int(progress["step"]), _float(progress.get("loss")))
     for ckpt in status.get("checkpoints") or []:
         if ckpt.get("name"):
             service.add_checkpoint(job, ckpt)
@@ -167,6 +170,25 @@ def record_object(session: Session, obj: dict[str, Any], event_type: str, price_
     if cost.get("usd") is not None or cost.get("gpuHours") is not None:
         _record_cost(session, job, float(cost.get("usd") or 0.0), float(cost.get("gpuHours") or 0.0), rv,
                      price_per_gpu_hour)
+
+
+def _follow_attempts(service: JobService, job: Job, before: dict[str, Any], status: dict[str, Any]) -> None:
+    """The operator counts attempts in status.attempt (0 first): a higher count starts the
+    next attempt here; the one it replaces ended as the operator's counters say."""
+    if not status.get("phase"):
+        return
+    number = int(status.get("attempt") or 0) + 1
+    if number <= job.attempt:
+        return
+    ended = None
+    if int(status.get("failures") or 0) > int(before.get("failures") or 0):
+        ended = "Failed"
+    elif int(status.get("preemptions") or 0) > int(before.get("preemptions") or 0):
+        ended = "Preempted"
+    elif job.attempt and job.phase not in ATTEMPT_ENDS:
+        ended = "Stopped"  # restarted by a rollback or a resume
+    service.begin_attempt(job, "cluster", f"attempt {number - 1} of the operator", number=number,
+                          previous_phase=ended)
 
 
 def _float(value: Any) -> float | None:
@@ -204,7 +226,7 @@ def _record_cost(session: Session, job: Job, usd: float, gpu_hours: float, rv: s
     if d_usd > 1e-9 or d_hours > 1e-9:
         _insert_once(session, CostEntry(job_id=job.id, namespace=job.namespace, at=utcnow(),
                                         seconds=max(0.0, d_hours) * 3600, gpu_hours=max(0.0, d_hours),
-                                        usd=max(0.0, d_usd), source_key=f"cost:{rv}"))
+                                        usd=max(0.0, d_usd), source_key=f"cost:{rv}", attempt=job.attempt or None))
 
 
 class FineTuneJobWatch:

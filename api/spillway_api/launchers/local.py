@@ -54,8 +54,11 @@ class LocalRun:
 
     def __init__(self, sessions: sessionmaker[Session], job_id: int, *, processes: int = 1,
                  price_per_hour: float = 0.0, poll_seconds: float = 0.5, output: IO[Any] | None = None,
-                 foreground: bool = False):
+                 foreground: bool = False, origin: str = "restart"):
         self.sessions = sessions
+        # What the first attempt of this run is (`Attempt.origin`): "rerun" for `spillway
+        # run` of a recorded job, "restart" for a resume or rollback; "submit" for a job's first.
+        self.origin = origin
         self.job_id = job_id
         self.processes = processes
         self.price_per_hour = price_per_hour
@@ -116,8 +119,10 @@ class LocalRun:
             if job is None:
                 return 0, False
             job.owner_pid = os.getpid()
-            job.exit_code = None
             service = self._service(session)
+            origin, self.origin = ("submit" if not job.attempt else self.origin), "restart"
+            service.begin_attempt(job, origin, f"{origin} on this machine")
+            service.set_exit_code(job, None)
             # rollbacks pending now are what this attempt carries out (spec.resumeFrom is already set)
             pending = service.pending_rollback(job)
             self._carried_out = pending.id if pending is not None else None
@@ -165,7 +170,7 @@ class LocalRun:
             if job is not None:
                 if isinstance(err, PlanningError):
                     job.plan = err.plan.summary(price_per_hour=self.price_per_hour or None).dump()
-                job.exit_code = code
+                self._service(session).set_exit_code(job, code)
                 job.owner_pid = None
                 self._service(session).transition(job, "Failed", reason, f"refused:{job.version}:{time.time()}")
         if not isinstance(err, SpecError | ValueError | PlanningError | OSError):
@@ -206,7 +211,7 @@ class LocalRun:
             self._ingest(service, job, run_dir / "events.jsonl")
             if final is not None:
                 final = self._outcome(final)
-                job.exit_code = final
+                service.set_exit_code(job, final)
                 if job.phase not in TERMINAL_PHASES | {"Suspended", "Preempted"} or (
                     final != ExitCode.PREEMPTED and job.phase in ("Suspended", "Preempted")
                 ):

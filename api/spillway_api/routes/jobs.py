@@ -9,6 +9,8 @@ from fastapi import APIRouter, Path, Query, status
 from spillway_api.deps import CanCreate, CanDelete, CanGet, CanList, CanPatch, ServiceDep
 from spillway_api.errors import PROBLEM_RESPONSES
 from spillway_api.schemas import (
+    AttemptPublic,
+    AttemptsPublic,
     CheckpointPublic,
     CheckpointsPublic,
     JobCost,
@@ -71,6 +73,13 @@ def job_history(
 ) -> JobHistory:
     """Status transitions, rollbacks and the progress series (paged by step)."""
     return JobHistory.model_validate(service.history(service.get(namespace, name), after_step, limit))
+
+
+@router.get("/{name}/attempts", response_model=AttemptsPublic, responses=NOT_FOUND)
+def job_attempts(_caller: CanGet, namespace: Namespace, name: Name, service: ServiceDep) -> AttemptsPublic:
+    """Every run of the job, oldest first, each with its own outcome, steps and cost."""
+    rows = service.attempts(service.get(namespace, name))
+    return AttemptsPublic(data=[AttemptPublic.model_validate(r) for r in rows], count=len(rows))
 
 
 @router.get("/{name}/checkpoints", response_model=CheckpointsPublic, responses=NOT_FOUND)

@@ -202,6 +202,12 @@ def test_dashboard_jobs_detail_rollback_and_plan(server: dict[str, Any], browser
     assert loss.get_attribute("data-runs") == "2" and loss.get_attribute("data-rollbacks") == "1"
     assert page.locator("#marker-list li[data-kind=restart]").inner_text() == "restarted at step 2"
     assert "Restarted from step-00000002" in page.locator("#restart-banner").inner_text()
+    # Each run its own row: the first kept its outcome when the rollback started the second.
+    page.locator('#attempt-table tr[data-attempt="2"][data-phase="Succeeded"]').wait_for()
+    rows = [[c.inner_text() for c in page.locator(f'#attempt-table tr[data-attempt="{n}"] > *').all()] for n in (1, 2)]
+    assert [r[:4] for r in rows] == [["1", "submit", "Succeeded", "1\u20136"], ["2", "restart", "Succeeded", "3\u20136"]], rows
+    attempts = api.get(base + "/attempts").json()["data"]
+    assert [r[7] for r in rows] == [f"${a['usd']:.4f}" if a["usd"] < 1 else f"${a['usd']:.2f}" for a in attempts]
     shot(page, "4-detail-after-rollback")
 
     # -- plan explorer: the page's numbers are POST /v1/plan's --------------------------------

@@ -92,6 +92,12 @@ def test_local_job_history_checkpoints_cost_and_rollback(make_client: Any, datab
     assert steps == [1, 2, 3, 4, 5, 6, *range(restart_from + 1, 7)]
     assert history["rollbacks"][0]["reason"] == f"loss spike, {winner['checkpoint']}"
     assert "resumeFrom" not in client.get(base).json()["spec"] or client.get(base).json()["spec"]["resumeFrom"] is None
+    # The rollback's run is the job's second attempt; the first keeps its outcome and cost.
+    attempts = client.get(base + "/attempts").json()["data"]
+    assert [(a["number"], a["origin"], a["phase"], a["firstStep"], a["lastStep"]) for a in attempts] == [
+        (1, "submit", "Succeeded", 1, 6), (2, "restart", "Succeeded", restart_from + 1, 6)]
+    assert attempts[0]["usd"] == pytest.approx(cost["usd"])
+    assert sum(a["usd"] for a in attempts) == pytest.approx(client.get(base + "/cost").json()["usd"])
 
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
@@ -115,6 +121,27 @@ def test_spillway_run_is_recorded_for_the_api(make_client: Any, database_url: st
     history = client.get("/v1/namespaces/default/jobs/cli-run/history").json()
     assert [p["step"] for p in history["progress"]] == [1, 2, 3, 4]
     assert client.get("/v1/namespaces/default/jobs/cli-run/cost").json()["usd"] > 0
+
+    # Run again, longer: a second attempt, resumed from the first's last checkpoint; the
+    # first keeps its own outcome, steps and cost. A refused run of the name adds nothing.
+    doc["spec"]["training"]["maxSteps"] = 6
+    job_file.write_text(yaml.safe_dump(doc))
+    again = subprocess.run([sys.executable, "-m", "spillway_api.cli", "run", str(job_file), "--run-dir",
+                            str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    refused = {**doc, "spec": {**doc["spec"], "model": {"uri": str(tmp_path / "missing")}}}
+    job_file.write_text(yaml.safe_dump(refused))
+    result = subprocess.run([sys.executable, "-m", "spillway_api.cli", "run", str(job_file), "--run-dir",
+                             str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 2, result.stderr
+    attempts = client.get("/v1/namespaces/default/jobs/cli-run/attempts").json()
+    assert [(a["number"], a["origin"], a["phase"], a["firstStep"], a["lastStep"], a["exitCode"])
+            for a in attempts["data"]] == [(1, "submit", "Succeeded", 1, 4, 0), (2, "rerun", "Succeeded", 5, 6, 0)]
+    assert all(a["usd"] > 0 and a["endedAt"] for a in attempts["data"])
+    total = client.get("/v1/namespaces/default/jobs/cli-run/cost").json()["usd"]
+    assert sum(a["usd"] for a in attempts["data"]) == pytest.approx(total)
+    job = client.get("/v1/namespaces/default/jobs/cli-run").json()
+    assert job["phase"] == "Succeeded" and job["attempt"] == 2 and job["spec"]["training"]["maxSteps"] == 6
 
     # bad input keeps the runtime's exit code and still leaves a record
     bad = job_document("cli-bad", tmp_path / "missing", tiny_model["data"])
