@@ -4,6 +4,11 @@ Texts are read from a .jsonl or .txt file (or a directory of them), tokenized on
 joined with EOS and cut into fixed-length sequences, kept as uint32 in a cache file
 beside the checkpoints that every rank maps and every restart reuses. Batches are a pure function of
 (seed, micro-batch index, rank), so resuming needs only the index: no iterator state.
+
+Chat and completion records (`sft`) are documents with a loss mask: packed whole, kept
+apart (each document's positions restart, and no token attends to another document's),
+or one per sequence with `packing: false`. Their mask and document ids are a second
+array beside the tokens, [rows, 2, sequence_length].
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ def _files(root: Path, fmt: str) -> list[Path]:
     if root.is_file():
         return [root]
     if root.is_dir():
-        suffixes = {"jsonl": {".jsonl"}, "text": {".txt"}}.get(fmt, {".jsonl", ".txt"})
+        suffixes = {"text": {".txt"}, "auto": {".jsonl", ".txt"}}.get(fmt, {".jsonl"})
         found = sorted(p for p in root.rglob("*") if p.suffix in suffixes and p.is_file())
         if found:
             return found
@@ -84,11 +89,17 @@ def token_cache_path(cache_dir: Path, fingerprint: str) -> Path:
     return cache_dir / f"tokens-{fingerprint}.npy"
 
 
+# Bumped when how records become tokens and masks changes: older caches are not reused.
+DOCUMENTS_VERSION = 1
+
+
 def dataset_fingerprint(source: DatasetSource, path: Path, tokenizer_dir: Path, sequence_length: int) -> str:
     """What the packed tokens depend on, cheaply: every dataset file's path, size and mtime,
-    the dataset settings, the tokenizer's files, the sequence length."""
+    the dataset settings (format, fields, chat template, packing, bad records), the
+    tokenizer's files, the sequence length."""
     h = hashlib.sha256()
-    h.update(json.dumps([source.format, source.text_field, sequence_length, TOKEN_DTYPE]).encode())
+    settings = source.model_dump(mode="json", exclude={"uri"})
+    h.update(json.dumps([settings, sequence_length, TOKEN_DTYPE, DOCUMENTS_VERSION], sort_keys=True).encode())
     for file in _files(path, source.format):
         st = file.stat()
         h.update(f"{file.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
@@ -98,14 +109,52 @@ def dataset_fingerprint(source: DatasetSource, path: Path, tokenizer_dir: Path, 
     return h.hexdigest()[:32]
 
 
+def read_documents(source: DatasetSource, path: Path, tokenizer: Any, sequence_length: int) -> Any:
+    """The chat or completion records of ``path`` as documents (`sft.Documents`)."""
+    from spillway_runtime.sft import read_documents as read
+
+    return read(source, _files(path, source.format), _utf8, tokenizer, sequence_length)
+
+
 @dataclass
 class PackedDataset:
     """Token ids packed into rows of `sequence_length`: a 2-D uint32 array, in RAM or mapped
-    from the token cache (pages shared by every rank on the node and dropped under pressure)."""
+    from the token cache (pages shared by every rank on the node and dropped under pressure).
+    With `meta` (chat and completion data): per token, whether its loss is learned and its
+    document's id in the row (0: padding)."""
 
     rows: Any  # numpy [num_rows, sequence_length], uint32
     tokens: int
+    meta: Any = None  # numpy [num_rows, 2, sequence_length], uint32: (learn, document)
     _perms: dict[tuple[int, int], Any] = field(default_factory=dict)
+
+    @classmethod
+    def build_documents(cls, docs: list[tuple[list[int], list[int]]], pad_id: int, sequence_length: int,
+                        packing: bool) -> PackedDataset:
+        """Documents (each at most a sequence long) into rows, in order: with `packing`, as many
+        whole documents as fit in a row, else one per row; the rest of a row is padding."""
+        import numpy as np
+
+        rows: list[list[tuple[list[int], list[int]]]] = []
+        used = sequence_length
+        for ids, learn in docs:
+            if not packing or used + len(ids) > sequence_length:
+                rows.append([])
+                used = 0
+            rows[-1].append((ids, learn))
+            used += len(ids)
+        tokens = np.full((len(rows), sequence_length), pad_id, dtype=TOKEN_DTYPE)
+        meta = np.zeros((len(rows), 2, sequence_length), dtype=TOKEN_DTYPE)
+        for r, row in enumerate(rows):
+            at = 0
+            for d, (ids, learn) in enumerate(row, 1):
+                end = at + len(ids)
+                tokens[r, at:end] = ids
+                meta[r, 0, at:end] = learn
+                meta[r, 0, at] = 0  # a document's first token is never predicted (from the one before it)
+                meta[r, 1, at:end] = d
+                at = end
+        return cls(rows=tokens, tokens=int(sum(len(ids) for ids, _ in docs)), meta=meta)
 
     def _permutation(self, seed: int, epoch: int) -> Any:
         import torch
@@ -144,20 +193,12 @@ class PackedDataset:
     def save(self, path: Path) -> None:
         """Write the rows as .npy atomically (aside, fsynced, renamed); older caches in the
         same directory go (one dataset per job: an edited dataset replaces its tokens)."""
-        import numpy as np
-
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-        try:
-            with tmp.open("wb") as fh:
-                np.save(fh, np.ascontiguousarray(self.rows))
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        if self.meta is not None:  # first: a cache whose tokens exist is complete
+            _save_atomically(_meta_path(path), self.meta)
+        _save_atomically(path, self.rows)
         for stale in path.parent.glob("tokens-*.npy"):
-            if stale != path:
+            if stale not in (path, _meta_path(path)):
                 stale.unlink(missing_ok=True)
 
     @classmethod
@@ -166,22 +207,66 @@ class PackedDataset:
         import numpy as np
 
         rows = np.load(path, mmap_mode="r")
-        return cls(rows=rows, tokens=int(rows.size))
+        meta_path = _meta_path(path)
+        if not meta_path.is_file():
+            return cls(rows=rows, tokens=int(rows.size))
+        meta = np.load(meta_path, mmap_mode="r")
+        return cls(rows=rows, tokens=int((meta[:, 1] > 0).sum()), meta=meta)
 
     def __len__(self) -> int:
         return int(self.rows.shape[0])
 
-    def micro_batch(self, index: int, rank: int, world_size: int, micro_batch_size: int, seed: int) -> Any:
-        """Rows for global micro-batch `index` on `rank`. Epochs reshuffle with seed + epoch."""
+    def micro_batch(self, index: int, rank: int, world_size: int, micro_batch_size: int, seed: int) -> dict[str, Any]:
+        """The model's inputs for global micro-batch `index` on `rank` (input_ids and labels;
+        for documents also position_ids and a 4-D attention mask that keeps them apart).
+        Epochs reshuffle with seed + epoch."""
         import torch
 
         n = len(self)
         per_micro = micro_batch_size * world_size
         start = index * per_micro + rank * micro_batch_size
-        positions = [start + i for i in range(micro_batch_size)]
-        out = []
-        for pos in positions:
+        picked = []
+        for pos in range(start, start + micro_batch_size):
             epoch, offset = divmod(pos, n)
-            row = self.rows[int(self._permutation(seed, epoch)[offset])]
-            out.append(torch.from_numpy(row.astype("int64")))
-        return torch.stack(out)
+            picked.append(int(self._permutation(seed, epoch)[offset]))
+        ids = torch.stack([torch.from_numpy(self.rows[i].astype("int64")) for i in picked])
+        if self.meta is None:
+            return {"input_ids": ids, "labels": ids}
+        meta = torch.stack([torch.from_numpy(self.meta[i].astype("int64")) for i in picked])
+        return document_inputs(ids, meta[:, 0], meta[:, 1])
+
+
+def document_inputs(ids: Any, learn: Any, documents: Any) -> dict[str, Any]:
+    """input_ids, labels (-100 where nothing is learned), position_ids restarting at each
+    document, and a boolean [batch, 1, seq, seq] mask: causal, within a document (padding,
+    document 0, attends causally among itself so that no row is all masked)."""
+    import torch
+
+    length = ids.shape[1]
+    labels = ids.masked_fill(learn == 0, -100)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    index = torch.arange(length).expand_as(documents)
+    first = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=1).values
+    causal = torch.tril(torch.ones(length, length, dtype=torch.bool))
+    same = documents[:, :, None] == documents[:, None, :]
+    return {"input_ids": ids, "labels": labels, "position_ids": index - first,
+            "attention_mask": (causal & same)[:, None]}
+
+
+def _meta_path(path: Path) -> Path:
+    return path.with_name(path.name.replace(".npy", ".meta.npy"))
+
+
+def _save_atomically(path: Path, array: Any) -> None:
+    import numpy as np
+
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+    try:
+        with tmp.open("wb") as fh:
+            np.save(fh, np.ascontiguousarray(array))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -28,6 +28,7 @@ from spillway_runtime.data import (
     DatasetError,
     PackedDataset,
     dataset_fingerprint,
+    read_documents,
     read_texts,
     token_cache_path,
 )
@@ -168,9 +169,7 @@ class FineTuneRecipe:
             )
             path = token_cache_path(Path(self.cfg.checkpoint_dir) / CACHE_DIR_NAME, fingerprint)
             if self.rank == 0 and not path.is_file():
-                texts = read_texts(self.spec.dataset, dataset_path)
-                PackedDataset.build(texts, self.tokenizer, sequence_length).save(path)
-                built = f"{len(texts)} texts tokenized, "
+                built = self._tokenize(dataset_path, sequence_length, path)
         except DatasetError as err:
             failure = str(err)
         except OSError as err:
@@ -186,6 +185,19 @@ class FineTuneRecipe:
             f"dataset: {built}{self.dataset.tokens} tokens in {len(self.dataset)} sequences "
             f"({'written to' if built else 'mapped from'} {path})"
         )
+
+    def _tokenize(self, dataset_path: Path, sequence_length: int, path: Path) -> str:
+        source = self.spec.dataset
+        if source.format not in ("chat", "completion"):
+            texts = read_texts(source, dataset_path)
+            PackedDataset.build(texts, self.tokenizer, sequence_length).save(path)
+            return f"{len(texts)} texts tokenized, "
+        read = read_documents(source, dataset_path, self.tokenizer, sequence_length)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        PackedDataset.build_documents(read.docs, int(pad or 0), sequence_length, source.packing).save(path)
+        learned = sum(sum(learn) for _, learn in read.docs)
+        skipped = f", {read.skipped} bad records skipped (first: {read.first_skipped})" if read.skipped else ""
+        return f"{len(read.docs)} {source.format} records tokenized ({learned} tokens learned){skipped}, "
 
     def _setup_engine(self) -> None:
         import deepspeed
@@ -342,8 +354,7 @@ class FineTuneRecipe:
     def _micro_loss(self, position: int) -> Any:
         t = self.spec.training
         batch = self.dataset.micro_batch(position, self.rank, self.world_size, t.micro_batch_size, t.seed)
-        batch = batch.to(self.engine.device)
-        loss = self.engine(input_ids=batch, labels=batch).loss
+        loss = self.engine(**{k: v.to(self.engine.device) for k, v in batch.items()}).loss
         faults = self.cfg.faults
         if position in faults.nan_micro_batches:
             loss = loss * float("nan")

@@ -82,10 +82,42 @@ class ModelSource(SpecModel):
         return None if value is None else parse_count(value)
 
 
+DatasetFormat = Literal["auto", "jsonl", "text", "chat", "completion"]
+
+
 class DatasetSource(SpecModel):
     uri: str = Field(description="A .jsonl or .txt file, or a directory of them", min_length=1)
-    format: Literal["auto", "jsonl", "text"] = Field("auto", description="auto picks by file extension")
+    format: DatasetFormat = Field(
+        "auto",
+        description="auto picks jsonl or text by file extension; chat: JSON lines with OpenAI-style `messages`, "
+        "the loss on assistant turns only; completion: JSON lines with a prompt and a completion, the loss on "
+        "the completion only",
+    )
     text_field: str = Field("text", description="Field of each JSON line that holds the text", min_length=1)
+    messages_field: str = Field("messages", min_length=1, description="chat: field holding the conversation")
+    prompt_field: str = Field("prompt", min_length=1, description="completion: field holding the prompt")
+    completion_field: str = Field("completion", min_length=1, description="completion: field holding the answer")
+    chat_template: str | None = Field(
+        None, min_length=1, max_length=65536,
+        description="chat: a Jinja chat template, for a tokenizer without one (it replaces the tokenizer's)",
+    )
+    packing: bool = Field(
+        True,
+        description="chat and completion: pack whole conversations into each sequence, kept apart (positions "
+        "restart, no token attends across); false: one per sequence, padded. text and jsonl always pack",
+    )
+    on_bad_record: Literal["fail", "skip"] = Field(
+        "fail",
+        description="chat and completion: a malformed record ends the run naming file:line (fail), or is "
+        "skipped and counted in the log (skip)",
+    )
+
+    @model_validator(mode="after")
+    def _fields_of_its_format(self) -> DatasetSource:
+        if self.chat_template is not None and self.format != "chat":
+            raise ValueError(f"chatTemplate applies to format chat only, not {self.format!r}; remove it "
+                             "or set format: chat")
+        return self
 
 
 # Steps are stored as 32-bit integers (the API's PostgreSQL columns): no run comes near it.

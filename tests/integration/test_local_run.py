@@ -64,6 +64,60 @@ def test_spillway_run_trains_with_optimizer_on_nvme_and_exports(tmp_path, tiny_m
     assert out.loss.item() < first  # the exported weights are the trained ones, not the initial ones
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.mark.integration
+def test_spillway_run_fine_tunes_on_chat_data_learning_the_answers_only(tmp_path, tiny_model):
+    """Chat records through `spillway run`: packed whole and apart, the loss on the
+    assistant's turns only; a bad record is skipped and counted when asked to."""
+    records = [{"messages": [{"role": "user", "content": f"what is {a} plus {b}?"},
+                             {"role": "assistant", "content": f"{a + b}"}]}
+               for a in range(12) for b in range(12)]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"messages": "oops"}\n')
+    doc = job_document("chat", tiny_model["model"], data,
+                       training={"maxSteps": 30, "learningRate": 3e-3, "microBatchSize": 4, "sequenceLength": 64},
+                       offload={"policy": "cpu"}, checkpoint={"everySteps": 15, "keep": 1})
+    doc["spec"]["dataset"].update({"format": "chat", "chatTemplate": CHAT_TEMPLATE, "onBadRecord": "skip"})
+    job = tmp_path / "chat.yaml"
+    job.write_text(yaml.safe_dump(doc))
+    result = spillway("run", str(job), "--run-dir", str(tmp_path / "run"), env={"COLUMNS": "200"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    log = result.stdout + result.stderr
+    assert "144 chat records tokenized" in log and "1 bad records skipped" in log and "chat.jsonl:145" in log
+    steps = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    losses = [e["loss"] for e in steps if e["event"] == "step"]
+    assert len(losses) == 30 and losses[-1] < 0.6 * losses[0], losses
+
+    # What it learned is the answers: the exported model's loss on an answer falls more
+    # than on the question that precedes it.
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from spillway_runtime.data import PackedDataset, read_documents
+    from spillway_runtime.spec import DatasetSource
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run" / "final")
+    source = DatasetSource(uri=str(data), format="chat", chatTemplate=CHAT_TEMPLATE, onBadRecord="skip")
+    batch = PackedDataset.build_documents(read_documents(source, data, tokenizer, 64).docs[:8],
+                                          tokenizer.pad_token_id, 64, packing=False).micro_batch(0, 0, 1, 8, 0)
+    answers = batch["labels"]
+    questions = batch["input_ids"].masked_fill(answers != -100, -100)
+    questions[:, 0] = -100
+
+    def loss(model_dir, labels):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        with torch.no_grad():
+            return model(**{**batch, "labels": labels}).loss.item()
+
+    before = {k: loss(tiny_model["model"], v) for k, v in (("answer", answers), ("question", questions))}
+    after = {k: loss(tmp_path / "run" / "final", v) for k, v in (("answer", answers), ("question", questions))}
+    assert after["answer"] < 0.5 * before["answer"], (before, after)
+    assert after["answer"] / before["answer"] < after["question"] / before["question"], (before, after)
+
+
 @pytest.mark.integration
 def test_plan_cli_reference_points_and_infeasible_exit():
     ok = spillway("plan", "--params", "13B", "--gpu-memory", "24GiB", "--cpu-memory", "64GiB", "--nvme", "2TB",

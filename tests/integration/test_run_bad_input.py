@@ -118,6 +118,8 @@ BEFORE_TRAINING: list[Case] = [
      "stage"),
     ("bf16 as a scalar", _ds({"bf16": True}), "offload.deepspeed.bf16 is bool"),
     ("an unknown dataset format", _spec_case("dataset.format", "parquet"), "spec.dataset.format"),
+    ("a chat template for text data", _spec_case("dataset.chatTemplate", "{{ messages }}"), "chatTemplate applies"),
+    ("bad records neither failed nor skipped", _spec_case("dataset.onBadRecord", "ignore"), "spec.dataset.onBadRecord"),
 ]
 
 IN_TRAINING: list[Case] = [
@@ -129,6 +131,16 @@ IN_TRAINING: list[Case] = [
     ("a tokenizer directory without a tokenizer", _tokenizer_case({"README": b"nothing here"}), "tokenizer"),
     ("a tokenizer.json that is not JSON", _tokenizer_case({"tokenizer.json": b"{broken",
                                                           "tokenizer_config.json": b"{}"}), "tokenizer"),
+    ("chat data for a tokenizer without a chat template", _dataset_case(
+        b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n',
+        format="chat"), "give one in dataset.chatTemplate"),
+    ("a chat line with an unknown role", _dataset_case(
+        b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+        b'{"messages": [{"role": "wizard", "content": "hi"}]}\n',
+        format="chat", chatTemplate="{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"),
+     "bad.jsonl:2: messages[0].role is 'wizard'"),
+    ("a completion line without its completion", _dataset_case(b'{"prompt": "2 plus 2 is"}\n', format="completion"),
+     "bad.jsonl:1: no field 'completion'"),
 ]
 
 

@@ -54,8 +54,8 @@ def test_cache_round_trip_is_mapped_and_batches_match(tokenizer: Any, tmp_path: 
     assert isinstance(loaded.rows, np.memmap) and not loaded.rows.flags.writeable
     assert loaded.tokens == packed.tokens and np.array_equal(loaded.rows, packed.rows)
     for index in (0, 7, len(packed) // 2):  # the third wraps into the second epoch
-        a = packed.micro_batch(index, rank=1, world_size=2, micro_batch_size=4, seed=3)
-        b = loaded.micro_batch(index, rank=1, world_size=2, micro_batch_size=4, seed=3)
+        a = packed.micro_batch(index, rank=1, world_size=2, micro_batch_size=4, seed=3)["input_ids"]
+        b = loaded.micro_batch(index, rank=1, world_size=2, micro_batch_size=4, seed=3)["input_ids"]
         assert str(a.dtype) == "torch.int64" and a.shape == (4, 32)
         assert a.equal(b)
 
