@@ -65,6 +65,9 @@ CORPUS: list[tuple[str, dict[str, Any], str]] = [
     ("keep zero checkpoints", with_("checkpoint.keep", 0), "spec.checkpoint.keep"),
     ("checkpoint size as a word", with_("checkpoint.size", "big"), "spec.checkpoint.size"),
     ("resumeFrom on a new job", with_("resumeFrom", "step-3"), "spec.resumeFrom: 'step-3': a new job has no checkpoints"),
+    ("evaluation without held-out data", with_("training.evalEverySteps", 5),
+     "training.evalEverySteps needs dataset.validation"),
+    ("chat template on text data", with_("dataset.chatTemplate", "{{ messages }}"), "chatTemplate applies"),
 ]
 
 # Refused only with the stored job at hand (the webhook); the operator handles the field

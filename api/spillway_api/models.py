@@ -161,6 +161,22 @@ class ProgressPoint(Base):
     attempt: Mapped[int | None] = mapped_column(Integer)
 
 
+class Evaluation(Base):
+    """A held-out loss: the runtime's `eval` event, or status.progress.evalLoss."""
+
+    __tablename__ = "evaluations"
+    __table_args__ = (UniqueConstraint("job_id", "source_key", name="uq_evaluations_source"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    loss: Mapped[float | None] = mapped_column(Float)
+    tokens: Mapped[int | None] = mapped_column(BigInteger)
+    at: Mapped[datetime] = mapped_column(default=utcnow)
+    source_key: Mapped[str] = mapped_column(String(128))
+    attempt: Mapped[int | None] = mapped_column(Integer)
+
+
 class Checkpoint(Base):
     __tablename__ = "checkpoints"
     __table_args__ = (UniqueConstraint("job_id", "name", name="uq_checkpoints_name"),)

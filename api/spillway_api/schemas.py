@@ -173,11 +173,20 @@ class RollbackPublic(WireModel):
     completed_at: datetime | None
 
 
+class EvaluationPublic(WireModel):
+    step: int
+    loss: float | None = Field(description="Mean loss over the held-out data's learned tokens")
+    tokens: int | None
+    at: datetime
+    attempt: int | None
+
+
 class JobHistory(WireModel):
     transitions: list[TransitionPublic]
     progress: list[ProgressPointPublic]
     rollbacks: list[RollbackPublic]
     progress_count: int = Field(description="Progress points recorded in all; `progress` holds one page")
+    evaluations: list[EvaluationPublic] = Field(description="Held-out losses (dataset.validation), in order")
 
 
 class CheckpointPublic(WireModel):

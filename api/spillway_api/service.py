@@ -24,6 +24,7 @@ from spillway_api.models import (
     Attempt,
     Checkpoint,
     CostEntry,
+    Evaluation,
     Job,
     ProgressPoint,
     Rollback,
@@ -135,6 +136,9 @@ class JobService:
                 select(Rollback).where(Rollback.job_id == job.id).order_by(Rollback.id)
             ).all(),
             "progress_count": total,
+            "evaluations": self.session.scalars(
+                select(Evaluation).where(Evaluation.job_id == job.id).order_by(Evaluation.id)
+            ).all(),
         }
 
     def attempts(self, job: Job) -> list[dict[str, Any]]:
@@ -347,6 +351,8 @@ class JobService:
                 self.record_step(job, point.step, point.loss)
             job.progress = {**(job.progress or {}), "step": point.step, "loss": point.loss,
                             "tokensPerSecond": point.tokens_per_second, "eta": point.eta_seconds}
+        elif kind == "eval":
+            self.add_evaluation(job, event.get("step"), event.get("eval_loss"), event.get("tokens"), key, at)
         elif kind == "checkpoint":
             self.add_checkpoint(job, event)
         elif kind == "rollback":
@@ -370,6 +376,18 @@ class JobService:
             self.transition(job, phase, str(event.get("reason", "failed")), key, at)
         elif kind == "exported":
             job.message = f"model exported to {event.get('path')}"
+
+    def add_evaluation(self, job: Job, step: Any, loss: Any, tokens: Any, key: str,
+                       at: datetime | None = None) -> None:
+        """A held-out loss at a step; the job's progress shows the latest."""
+        if step is None:
+            return
+        value = float(loss) if isinstance(loss, int | float) and loss == loss else None
+        if _insert_once(self.session, Evaluation(job_id=job.id, step=int(step), loss=value,
+                                                 tokens=int(tokens) if isinstance(tokens, int) else None,
+                                                 at=at or utcnow(), source_key=key[:128],
+                                                 attempt=job.attempt or None)):
+            job.progress = {**(job.progress or {}), "evalLoss": value, "evalStep": int(step)}
 
     def add_checkpoint(self, job: Job, info: dict[str, Any]) -> None:
         name = str(info.get("name"))

@@ -33,9 +33,12 @@ function markerPlugin(markers) {
   };
 }
 
-/** Loss over steps: one series per run (a restart begins a new one), markers as vertical lines. */
-export function lossChart(el, runs, markers) {
-  const steps = [...new Set(runs.flatMap((r) => r.points.map((p) => p.step)))].sort((a, b) => a - b);
+/** Loss over steps: one series per run (a restart begins a new one), the held-out loss as
+ * one more (dashed), markers as vertical lines. */
+export function lossChart(el, runs, markers, evaluations = []) {
+  const evals = evaluations.filter((e) => e.loss !== null);
+  const steps = [...new Set([...runs.flatMap((r) => r.points.map((p) => p.step)), ...evals.map((e) => e.step)])]
+    .sort((a, b) => a - b);
   const index = new Map(steps.map((s, i) => [s, i]));
   const data = [steps];
   for (const run of runs) {
@@ -47,6 +50,13 @@ export function lossChart(el, runs, markers) {
     label: r.label, stroke: RUN_COLORS[i % RUN_COLORS.length], width: 2,
     points: { show: true, size: 5 }, spanGaps: false,
   }))];
+  if (evals.length) {
+    const ys = new Array(steps.length).fill(null);
+    for (const e of evals) ys[index.get(e.step)] = e.loss; // a re-evaluated step shows its latest
+    data.push(ys);
+    series.push({ label: "held-out", stroke: "#b45309", width: 2, dash: [6, 4], points: { show: true, size: 6 },
+      spanGaps: true });
+  }
   const u = new uPlot({
     width: width(el), height: 280, series,
     scales: { x: { time: false } },

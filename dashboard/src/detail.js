@@ -99,7 +99,8 @@ export function detailPage(main, ns, name) {
         job.message),
       card("Progress", `${p.step ?? 0}${total ? ` / ${total}` : ""} steps`,
         job.phase === "Running" && p.eta != null ? `ETA ${duration(p.eta)}` : null),
-      card("Loss", num(p.loss), p.tokensPerSecond != null ? `${num(p.tokensPerSecond, 3)} tokens/s` : null),
+      card("Loss", num(p.loss), [p.evalLoss != null ? `held-out ${num(p.evalLoss)} at step ${p.evalStep}` : null,
+        p.tokensPerSecond != null ? `${num(p.tokensPerSecond, 3)} tokens/s` : null].filter(Boolean).join(" · ") || null),
       card("Plan", h("span", { class: "mono" }, planLabel(plan)), plan.node ? `on ${planNodes(plan)}` : null),
       card("Cost accrued", h("span", { id: "cost-accrued" }, usd(cost.usd)), `${num(cost.gpuHours, 3)} GPU-hours`),
       card("Cost projected", h("span", { id: "cost-projected" }, usd(projected)),
@@ -120,19 +121,21 @@ export function detailPage(main, ns, name) {
     }
 
     // charts: rebuilt only when their data changed
-    const key = `${hist.progressCount}|${hist.progress.length}|${ckpts.length}|${hist.rollbacks.length}`;
+    const key = `${hist.progressCount}|${hist.progress.length}|${ckpts.length}|${hist.rollbacks.length}|`
+      + `${hist.evaluations.length}`;
     if (key !== chartKey) {
       chartKey = key;
       charts.forEach((c) => c.destroy());
       charts = [];
       const plotted = hist.progress.filter((x) => x.loss !== null).length;
       Object.assign(els.loss.dataset, { points: String(plotted), runs: String(runs.length),
-        checkpoints: String(ckpts.length), rollbacks: String(hist.rollbacks.length), restarts: String(restarts.length) });
+        checkpoints: String(ckpts.length), rollbacks: String(hist.rollbacks.length), restarts: String(restarts.length),
+        evaluations: String(hist.evaluations.length) });
       els.loss.setAttribute("aria-label", `Loss over steps: ${plotted} points in ${runs.length} run(s)`);
       els.loss.replaceChildren();
       els.tput.replaceChildren();
       if (hist.progress.length) {
-        charts.push(lossChart(els.loss, runs, markers), throughputChart(els.tput, hist.progress));
+        charts.push(lossChart(els.loss, runs, markers, hist.evaluations), throughputChart(els.tput, hist.progress));
       } else {
         els.loss.append(h("p", { class: "muted" }, "No steps recorded yet."));
       }

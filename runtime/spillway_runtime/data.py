@@ -126,7 +126,33 @@ class PackedDataset:
     rows: Any  # numpy [num_rows, sequence_length], uint32
     tokens: int
     meta: Any = None  # numpy [num_rows, 2, sequence_length], uint32: (learn, document)
+    index: Any = None  # numpy int64: the rows of `rows` this dataset is (a split), None: all
     _perms: dict[tuple[int, int], Any] = field(default_factory=dict)
+
+    def split(self, fraction: float, seed: int) -> tuple[PackedDataset, PackedDataset]:
+        """(training, held out): ``fraction`` of the rows, at least one, chosen with ``seed``;
+        both share the (mapped) arrays."""
+        import numpy as np
+        import torch
+
+        n = len(self)
+        held = max(1, round(n * fraction))
+        if held >= n:
+            raise DatasetError(f"dataset.validation.fraction {fraction} of {n} sequences leaves none to train on; "
+                               "lower it or add data")
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7_919 + 17)).numpy()
+        base = self.index if self.index is not None else np.arange(n)
+        parts = np.sort(base[order[held:]]), np.sort(base[order[:held]])
+        return tuple(PackedDataset(rows=self.rows, meta=self.meta, index=p, tokens=self._tokens(p))  # type: ignore[return-value]
+                     for p in parts)
+
+    def _tokens(self, rows: Any) -> int:
+        if self.meta is None:
+            return int(len(rows) * self.rows.shape[1])
+        return int(sum(int((self.meta[r, 1] > 0).sum()) for r in rows))
+
+    def _row(self, logical: int) -> int:
+        return int(self.index[logical]) if self.index is not None else logical
 
     @classmethod
     def build_documents(cls, docs: list[tuple[list[int], list[int]]], pad_id: int, sequence_length: int,
@@ -214,21 +240,36 @@ class PackedDataset:
         return cls(rows=rows, tokens=int((meta[:, 1] > 0).sum()), meta=meta)
 
     def __len__(self) -> int:
-        return int(self.rows.shape[0])
+        return int(self.rows.shape[0]) if self.index is None else len(self.index)
 
     def micro_batch(self, index: int, rank: int, world_size: int, micro_batch_size: int, seed: int) -> dict[str, Any]:
         """The model's inputs for global micro-batch `index` on `rank` (input_ids and labels;
         for documents also position_ids and a 4-D attention mask that keeps them apart).
         Epochs reshuffle with seed + epoch."""
-        import torch
-
         n = len(self)
         per_micro = micro_batch_size * world_size
         start = index * per_micro + rank * micro_batch_size
         picked = []
         for pos in range(start, start + micro_batch_size):
             epoch, offset = divmod(pos, n)
-            picked.append(int(self._permutation(seed, epoch)[offset]))
+            picked.append(self._row(int(self._permutation(seed, epoch)[offset])))
+        return self._inputs(picked)
+
+    def eval_batch(self, index: int, rank: int, world_size: int, micro_batch_size: int) -> dict[str, Any]:
+        """Held-out micro-batch `index` on `rank`, in order. Past the end the rows repeat
+        (every rank runs as many forwards, as ZeRO-3 needs) with no labels, so they count
+        for nothing."""
+        start = (index * world_size + rank) * micro_batch_size
+        rows = [self._row(pos % len(self)) for pos in range(start, start + micro_batch_size)]
+        inputs = self._inputs(rows)
+        counted = max(0, min(micro_batch_size, len(self) - start))
+        inputs["labels"] = inputs["labels"].clone()
+        inputs["labels"][counted:] = -100
+        return inputs
+
+    def _inputs(self, picked: list[int]) -> dict[str, Any]:
+        import torch
+
         ids = torch.stack([torch.from_numpy(self.rows[i].astype("int64")) for i in picked])
         if self.meta is None:
             return {"input_ids": ids, "labels": ids}

@@ -93,7 +93,13 @@ class StatusPublisher:
                 "etaSeconds": _num(record.get("eta_seconds")),
                 "bytes": record.get("bytes") or {},
                 "updatedAt": _iso(record.get("time")),
+                # the last evaluation's, until the next one
+                **{k: v for k, v in self._progress.items() if k in ("evalLoss", "evalStep")},
             }
+        elif kind == "eval":
+            self._progress = {**self._progress, "evalLoss": _num(record.get("eval_loss")),
+                              "evalStep": int(record.get("step", 0))}
+            force = True
         elif kind == "checkpoint":
             entry = self._entry(record)
             self._checkpoints = [c for c in self._checkpoints if c["name"] != entry["name"]] + [entry]

@@ -181,6 +181,14 @@ class FineTuneRecipe:
         if failure is not None:
             raise RunFailed(failure, ExitCode.BAD_INPUT)
         self.dataset = PackedDataset.load(path)
+        self.held_out: PackedDataset | None = None
+        if self.spec.dataset.validation is not None:
+            try:
+                self.dataset, self.held_out = self.dataset.split(self.spec.dataset.validation.fraction,
+                                                                 self.spec.training.seed)
+            except DatasetError as err:
+                raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
+            self._log(f"validation: {len(self.held_out)} sequences held out, {len(self.dataset)} to train on")
         self._log(
             f"dataset: {built}{self.dataset.tokens} tokens in {len(self.dataset)} sequences "
             f"({'written to' if built else 'mapped from'} {path})"
@@ -417,12 +425,49 @@ class FineTuneRecipe:
                 bytes=self._tier_bytes(),
             )
             self.last_loss = loss
+            if self.held_out is not None and (self.step == t.max_steps or (
+                    t.eval_every_steps and self.step % t.eval_every_steps == 0)):
+                self.evaluate()
             if self.step % every == 0 or self.step == t.max_steps:
                 self.save_checkpoint(loss)
         self.export()
         self.reporter.event("finished", step=self.step, loss=getattr(self, "last_loss", None),
                             rollbacks=self.rollbacks)
         return ExitCode.OK
+
+    def evaluate(self) -> float:
+        """The held-out loss (mean over its learned tokens, all ranks) of the weights now;
+        reported as an `eval` event. No gradient, no optimizer, no random state is touched,
+        so training goes on exactly as without it."""
+        import torch
+
+        assert self.held_out is not None
+        t = self.spec.training
+        per_forward = t.micro_batch_size * self.world_size
+        batches = -(-len(self.held_out) // per_forward)
+        if t.eval_batches:
+            batches = min(batches, t.eval_batches)
+        total = torch.zeros(2, dtype=torch.float64)
+        self.engine.eval()
+        try:
+            with torch.no_grad():
+                for index in range(batches):
+                    batch = self.held_out.eval_batch(index, self.rank, self.world_size, t.micro_batch_size)
+                    tokens = int((batch["labels"][:, 1:] != -100).sum())
+                    loss = self.engine(**{k: v.to(self.engine.device) for k, v in batch.items()}).loss
+                    if tokens:
+                        total += torch.tensor([float(loss.float().item()) * tokens, tokens], dtype=torch.float64)
+        finally:
+            self.engine.train()
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(total)
+        value = float(total[0] / total[1]) if total[1] else float("nan")
+        self.reporter.event("eval", step=self.step, eval_loss=value,
+                            perplexity=float(torch.tensor(value).exp()) if value == value else None,
+                            tokens=int(total[1]))
+        return value
 
     def _preempt(self) -> int:
         if self.step > 0 and self.last_saved_step != self.step:  # at step 0 there is nothing to keep

@@ -85,6 +85,14 @@ class ModelSource(SpecModel):
 DatasetFormat = Literal["auto", "jsonl", "text", "chat", "completion"]
 
 
+class Validation(SpecModel):
+    fraction: float = Field(
+        gt=0, le=0.5,
+        description="Sequences of the training data held out for evaluation (chosen with training.seed; never "
+        "trained on)",
+    )
+
+
 class DatasetSource(SpecModel):
     uri: str = Field(description="A .jsonl or .txt file, or a directory of them", min_length=1)
     format: DatasetFormat = Field(
@@ -111,6 +119,9 @@ class DatasetSource(SpecModel):
         description="chat and completion: a malformed record ends the run naming file:line (fail), or is "
         "skipped and counted in the log (skip)",
     )
+    validation: Validation | None = Field(
+        None, description="Held-out data: its loss is evaluated every training.evalEverySteps and at the end"
+    )
 
     @model_validator(mode="after")
     def _fields_of_its_format(self) -> DatasetSource:
@@ -133,6 +144,13 @@ class Training(SpecModel):
     min_learning_rate_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor as a fraction of learningRate")
     warmup_steps: int = Field(0, ge=0)
     weight_decay: float = Field(0.0, ge=0, le=1)
+    eval_every_steps: int = Field(
+        0, ge=0, le=MAX_STEPS,
+        description="Steps between evaluations of dataset.validation (0: at the end only); needs dataset.validation",
+    )
+    eval_batches: int | None = Field(
+        None, ge=1, le=1_000_000, description="At most this many micro-batches per evaluation (none: all of it)"
+    )
     gradient_clipping: float = Field(1.0, ge=0, description="Max gradient norm; 0 disables clipping")
     activation_checkpointing: ActivationCheckpointing = Field(
         "auto", description="auto turns it on when activations would not fit next to the model state"
@@ -285,6 +303,13 @@ class FineTuneJobSpec(SpecModel):
     suspend: bool = False
     ttl_seconds_after_finished: int | None = Field(None, ge=0)
     backoff_limit: int = Field(3, ge=0, le=100)
+
+    @model_validator(mode="after")
+    def _evaluation_has_data(self) -> FineTuneJobSpec:
+        if self.training.eval_every_steps and self.dataset.validation is None:
+            raise ValueError("training.evalEverySteps needs dataset.validation (e.g. validation: {fraction: 0.05}); "
+                             "add it or remove evalEverySteps")
+        return self
 
 
 class ObjectMeta(BaseModel):

@@ -92,3 +92,35 @@ def test_a_file_that_is_not_utf8_is_refused_with_file_line_and_byte(tmp_path: Pa
     where = f"{name}:2" if fmt == "jsonl" else name
     with pytest.raises(DatasetError, match=rf"{where}: not UTF-8 \(byte 0xe9 at offset \d+\); re-encode"):
         read_texts(DatasetSource(uri=str(tmp_path / name), format=fmt), tmp_path / name)
+
+
+def test_held_out_rows_are_never_trained_on_and_the_split_is_fixed_by_the_seed(tokenizer: Any) -> None:
+    packed = PackedDataset.build(synthetic_texts(300), tokenizer, 32)
+    train, held = packed.split(0.1, seed=5)
+    assert len(held) == round(len(packed) * 0.1) and len(train) + len(held) == len(packed)
+    assert set(train.index.tolist()).isdisjoint(held.index.tolist())
+    again = packed.split(0.1, seed=5)[1]
+    assert again.index.tolist() == held.index.tolist()
+    assert packed.split(0.1, seed=6)[1].index.tolist() != held.index.tolist()
+    seen = set()
+    for i in range(3 * len(train)):  # three epochs of training batches
+        rows = train.micro_batch(i, rank=0, world_size=1, micro_batch_size=1, seed=1)["input_ids"]
+        seen.add(tuple(rows[0].tolist()))
+    held_rows = {tuple(packed.rows[r].astype("int64").tolist()) for r in held.index}
+    assert seen.isdisjoint(held_rows) and len(seen) == len(train)
+    with pytest.raises(DatasetError, match="leaves none to train on"):
+        PackedDataset(rows=np.zeros((1, 8), dtype=np.uint32), tokens=8).split(0.5, seed=1)
+
+
+def test_an_evaluation_batch_past_the_end_counts_nothing(tokenizer: Any) -> None:
+    packed = PackedDataset.build(synthetic_texts(300), tokenizer, 32)
+    _, held = packed.split(0.05, seed=1)
+    n = len(held)
+    per = 2 * 3  # world size 2, micro-batch 3
+    last = (n - 1) // per
+    counted = 0
+    for index in range(last + 1):
+        for rank in (0, 1):
+            labels = held.eval_batch(index, rank, 2, 3)["labels"]
+            counted += int((labels[:, 0] != -100).sum())
+    assert counted == n  # every held-out row once, the repeats none

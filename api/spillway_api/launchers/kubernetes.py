@@ -157,6 +157,9 @@ def record_object(session: Session, obj: dict[str, Any], event_type: str, price_
             at=_iso(progress.get("updatedAt")) or utcnow(), source_key=key[:128], attempt=job.attempt or None))
         if not stale:
             service.record_step(job, int(progress["step"]), _float(progress.get("loss")))
+    if progress.get("evalStep") is not None:
+        service.add_evaluation(job, _int(progress.get("evalStep")), _float(progress.get("evalLoss")), None,
+                               f"eval:{progress.get('evalStep')}:{progress.get('evalLoss')}")
     for ckpt in status.get("checkpoints") or []:
         if ckpt.get("name"):
             service.add_checkpoint(job, ckpt)

@@ -57,7 +57,8 @@ def test_cluster_attempts_keep_their_own_outcome_steps_and_cost(database_url: st
         _object(8, phase="Running", attempt=3, failures=1, preemptions=1,
                 progress={"step": 4, "loss": 2.3, "updatedAt": "t4d"}, cost={"usd": 4.0, "gpuHours": 2.0}),
         _object(9, phase="Succeeded", attempt=3, failures=1, preemptions=1,
-                progress={"step": 8, "loss": 1.9, "updatedAt": "t8d"}, cost={"usd": 5.0, "gpuHours": 2.5}),
+                progress={"step": 8, "loss": 1.9, "updatedAt": "t8d", "evalLoss": 2.05, "evalStep": 8},
+                cost={"usd": 5.0, "gpuHours": 2.5}),
     ]
     for obj in events:
         with sessions.begin() as session:
@@ -82,6 +83,8 @@ def test_cluster_attempts_keep_their_own_outcome_steps_and_cost(database_url: st
             ("Pending", None), ("Running", 1), ("Planned", 2), ("Running", 2), ("Preempted", 2), ("Running", 3),
             ("Succeeded", 4)]
         assert [(p.step, p.attempt) for p in history["progress"]] == [(3, 1), (6, 1), (5, 2), (6, 3), (4, 4), (8, 4)]
+        assert [(e.step, e.loss, e.attempt) for e in history["evaluations"]] == [(8, 2.05, 4)]
+        assert job.progress["evalLoss"] == 2.05
     engine.dispose()
 
 

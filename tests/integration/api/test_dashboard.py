@@ -113,8 +113,10 @@ def test_dashboard_jobs_detail_rollback_and_plan(server: dict[str, Any], browser
     assert page.evaluate("sessionStorage.getItem('spillway.token')") == server["token"]
 
     # -- jobs table: a job created through the API appears without reloading -------------------
-    doc = job_document("tiny", tiny_model["model"], tiny_model["data"], training={"maxSteps": 6, "warmupSteps": 1},
+    doc = job_document("tiny", tiny_model["model"], tiny_model["data"],
+                       training={"maxSteps": 6, "warmupSteps": 1, "evalEverySteps": 3},
                        checkpoint={"everySteps": 2, "keep": 5})
+    doc["spec"]["dataset"]["validation"] = {"fraction": 0.1}
     r = api.post("/v1/namespaces/local/jobs", json={"metadata": doc["metadata"], "spec": doc["spec"]})
     assert r.status_code == 201, r.text
     r = api.post("/v1/namespaces/team-b/jobs", json=job_body("refused"))  # no such model: fails at planning
@@ -154,10 +156,14 @@ def test_dashboard_jobs_detail_rollback_and_plan(server: dict[str, Any], browser
     page.locator('#loss-chart[data-points="6"]').wait_for()
     assert loss.get_attribute("data-checkpoints") == "3" and loss.get_attribute("data-restarts") == "0"
     assert page.locator("#loss-chart canvas").count() == 1 and page.locator("#tput-chart canvas").count() == 1
-    # uPlot's own data: one x per recorded step, the losses the API recorded
+    # uPlot's own data: one x per recorded step, the losses the API recorded, and the
+    # held-out losses (every 3 steps) as a second line
     xs, *ys = page.evaluate("document.querySelector('#loss-chart').uplot.data")
     assert xs == [p["step"] for p in history["progress"]]
-    assert ys == [[p["loss"] for p in history["progress"]]]
+    evals = {e["step"]: e["loss"] for e in history["evaluations"]}
+    assert sorted(evals) == [3, 6] and loss.get_attribute("data-evaluations") == "2"
+    assert ys == [[p["loss"] for p in history["progress"]], [evals.get(s) for s in xs]]
+    assert page.evaluate("document.querySelector('#loss-chart').uplot.series[2].label") == "held-out"
     assert page.locator("#marker-list li[data-kind=checkpoint]").count() == 3
     for tier in ("gpu", "cpu", "nvme"):
         bar = page.locator(f'.tier[data-tier="{tier}"]')

@@ -105,6 +105,7 @@ def test_spillway_run_is_recorded_for_the_api(make_client: Any, database_url: st
                                                tiny_model: dict[str, Path]) -> None:
     doc = job_document("cli-run", tiny_model["model"], tiny_model["data"], training={"maxSteps": 4, "warmupSteps": 1},
                        checkpoint={"everySteps": 2})
+    doc["spec"]["dataset"]["validation"] = {"fraction": 0.1}  # evaluated at the end of each run
     job_file = tmp_path / "cli-run.yaml"
     job_file.write_text(yaml.safe_dump(doc))
     env = {**os.environ, "SPILLWAY_DATABASE_URL": database_url, "SPILLWAY_DATA_DIR": str(tmp_path / "data"),
@@ -142,6 +143,9 @@ def test_spillway_run_is_recorded_for_the_api(make_client: Any, database_url: st
     assert sum(a["usd"] for a in attempts["data"]) == pytest.approx(total)
     job = client.get("/v1/namespaces/default/jobs/cli-run").json()
     assert job["phase"] == "Succeeded" and job["attempt"] == 2 and job["spec"]["training"]["maxSteps"] == 6
+    evaluations = client.get("/v1/namespaces/default/jobs/cli-run/history").json()["evaluations"]
+    assert [(e["step"], e["attempt"]) for e in evaluations] == [(4, 1), (6, 2)]
+    assert evaluations[1]["loss"] < evaluations[0]["loss"] and job["progress"]["evalStep"] == 6
 
     # bad input keeps the runtime's exit code and still leaves a record
     bad = job_document("cli-bad", tmp_path / "missing", tiny_model["data"])

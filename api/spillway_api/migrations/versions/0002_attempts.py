@@ -1,4 +1,5 @@
-"""attempts: each run of a job keeps its own outcome, steps and cost
+"""attempts and evaluations: each run of a job keeps its own outcome, steps and cost;
+held-out losses
 
 Revision ID: 0002
 Revises: 0001
@@ -44,6 +45,21 @@ def upgrade() -> None:
     )
     with op.batch_alter_table('attempts', schema=None) as batch_op:
         batch_op.create_index(batch_op.f('ix_attempts_job_id'), ['job_id'], unique=False)
+    op.create_table('evaluations',
+    sa.Column('id', sa.Integer(), nullable=False),
+    sa.Column('job_id', sa.Integer(), nullable=False),
+    sa.Column('step', sa.Integer(), nullable=False),
+    sa.Column('loss', sa.Float(), nullable=True),
+    sa.Column('tokens', sa.BigInteger(), nullable=True),
+    sa.Column('at', spillway_api.models.UTCDateTime(timezone=True), nullable=False),
+    sa.Column('source_key', sa.String(length=128), nullable=False),
+    sa.Column('attempt', sa.Integer(), nullable=True),
+    sa.ForeignKeyConstraint(['job_id'], ['jobs.id'], ondelete='CASCADE'),
+    sa.PrimaryKeyConstraint('id'),
+    sa.UniqueConstraint('job_id', 'source_key', name='uq_evaluations_source')
+    )
+    with op.batch_alter_table('evaluations', schema=None) as batch_op:
+        batch_op.create_index(batch_op.f('ix_evaluations_job_id'), ['job_id'], unique=False)
     with op.batch_alter_table('jobs', schema=None) as batch_op:
         batch_op.add_column(sa.Column('attempt', sa.Integer(), server_default='0', nullable=False))
     for table in ('transitions', 'progress_points', 'cost_entries'):
@@ -74,3 +90,6 @@ def downgrade() -> None:
     with op.batch_alter_table('attempts', schema=None) as batch_op:
         batch_op.drop_index(batch_op.f('ix_attempts_job_id'))
     op.drop_table('attempts')
+    with op.batch_alter_table('evaluations', schema=None) as batch_op:
+        batch_op.drop_index(batch_op.f('ix_evaluations_job_id'))
+    op.drop_table('evaluations')

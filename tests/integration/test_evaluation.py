@@ -1,0 +1,57 @@
+"""Evaluation on held-out data: its loss every `evalEverySteps` and at the end, from rows
+never trained on, and without changing training: the losses of a run that evaluates every
+3 steps are bit-equal to one that evaluates only at the end, and a run SIGKILLed and
+resumed reports the same training and held-out losses as the uninterrupted one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from spillway_runtime.runconfig import FaultInjection
+
+from .conftest import run_job
+
+pytestmark = pytest.mark.integration
+
+STEPS = 12
+
+
+def _job(make_job: Any, name: str, every: int) -> Path:
+    path = make_job(name, training={"maxSteps": STEPS, "evalEverySteps": every, "microBatchSize": 2},
+                    checkpoint={"everySteps": 3, "keep": 5}, offload={"policy": "cpu"})
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["dataset"]["validation"] = {"fraction": 0.1}
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _evals(run: Any) -> dict[int, float]:
+    return {e["step"]: e["eval_loss"] for e in run.of("eval")}
+
+
+def test_evaluation_reports_held_out_loss_and_leaves_training_as_it_was(tmp_path: Path, make_job: Any) -> None:
+    every = run_job(_job(make_job, "every", 3), tmp_path / "every")
+    assert every.returncode == 0, every.log[-3000:]
+    end_only = run_job(_job(make_job, "end", 0), tmp_path / "end")
+    assert end_only.returncode == 0, end_only.log[-3000:]
+
+    assert every.losses() == end_only.losses() and len(every.losses()) == STEPS
+    evals = _evals(every)
+    assert sorted(evals) == [3, 6, 9, 12] and _evals(end_only) == {12: evals[12]}
+    assert evals[12] < 0.8 * evals[3], evals
+    [first] = every.of("eval")[:1]
+    assert first["tokens"] > 0 and first["perplexity"] == pytest.approx(2.718281828 ** first["eval_loss"], rel=1e-6)
+    assert "sequences held out" in every.log
+
+    killed = run_job(_job(make_job, "killed", 3), tmp_path / "killed", faults=FaultInjection(step_sleep_seconds=0.4),
+                     signal_at_step=7)
+    assert killed.returncode == -9, killed.log[-3000:]
+    resumed = run_job(_job(make_job, "killed", 3), tmp_path / "killed")
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    assert resumed.of("resumed")[-1]["step"] == 6
+    assert resumed.losses() == every.losses()
+    assert _evals(resumed) == evals
