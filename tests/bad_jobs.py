@@ -68,6 +68,7 @@ CORPUS: list[tuple[str, dict[str, Any], str]] = [
     ("evaluation without held-out data", with_("training.evalEverySteps", 5),
      "training.evalEverySteps needs dataset.validation"),
     ("chat template on text data", with_("dataset.chatTemplate", "{{ messages }}"), "chatTemplate applies"),
+    ("keepBest without held-out data", with_("checkpoint.keepBest", True), "checkpoint.keepBest needs dataset.validation"),
 ]
 
 # Refused only with the stored job at hand (the webhook); the operator handles the field

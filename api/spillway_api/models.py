@@ -189,6 +189,7 @@ class Checkpoint(Base):
     time: Mapped[datetime | None]
     size_bytes: Mapped[int | None] = mapped_column(BigInteger)
     sha256: Mapped[str | None] = mapped_column(String(64))
+    eval_loss: Mapped[float | None] = mapped_column(Float)
 
 
 class Rollback(Base):

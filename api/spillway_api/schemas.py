@@ -196,6 +196,7 @@ class CheckpointPublic(WireModel):
     time: datetime | None
     size_bytes: int | None
     sha256: str | None
+    eval_loss: float | None = Field(None, description="Held-out loss of these weights, when evaluated at its step")
 
 
 class CheckpointsPublic(WireModel):

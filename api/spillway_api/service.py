@@ -396,7 +396,7 @@ class JobService:
         _insert_once(self.session, Checkpoint(
             job_id=job.id, name=name, step=int(info.get("step") or 0), loss=info.get("loss"),
             time=_iso(info.get("time")), size_bytes=info.get("sizeBytes") or info.get("size_bytes"),
-            sha256=info.get("sha256")))
+            sha256=info.get("sha256"), eval_loss=info.get("evalLoss")))
 
     def complete_rollbacks(self, job: Job, at: datetime | None = None) -> None:
         for pending in self.session.scalars(

@@ -47,6 +47,7 @@ class CheckpointInfo:
     size_bytes: int
     sha256: str  # digest of the manifest's file table: identifies the checkpoint as a whole
     path: Path
+    eval_loss: float | None = None  # the held-out loss of these weights, when evaluated at this step
 
     def public(self) -> dict[str, Any]:
         return {
@@ -56,6 +57,7 @@ class CheckpointInfo:
             "time": self.time,
             "sizeBytes": self.size_bytes,
             "sha256": self.sha256,
+            **({"evalLoss": self.eval_loss} if self.eval_loss is not None else {}),
         }
 
 
@@ -121,9 +123,11 @@ class CheckpointStore:
         first_failure: Callable[[str | None], str | None] = _identity,
         log: Callable[[str], None] = print,
         pinned: Callable[[], set[str]] = set,
+        keep_best: bool = False,
     ):
         self.root = Path(root)
         self.keep = keep
+        self.keep_best = keep_best  # also spare the checkpoint with the lowest held-out loss
         self.pinned = pinned  # names pruning must spare (a rollback asked for, not yet begun)
         self.rank = rank
         self.barrier = barrier
@@ -199,7 +203,8 @@ class CheckpointStore:
         os.replace(staging, final)
         _fsync_dir(self.root)
         write_atomic(self.root / LATEST, name.encode())
-        return CheckpointInfo(name, step, meta.get("loss"), manifest["time"], size, digest, final)
+        return CheckpointInfo(name, step, meta.get("loss"), manifest["time"], size, digest, final,
+                              meta.get("evalLoss"))
 
     def _prune(self) -> None:
         good = self.list()
@@ -208,6 +213,10 @@ class CheckpointStore:
             spared = self.pinned() & {info.name for info in doomed_infos}
             if spared:
                 self.log(f"keeping {', '.join(sorted(spared))} past checkpoint.keep: a rollback to it is pending")
+            best = self.best(good) if self.keep_best else None
+            if best is not None and best.name in {info.name for info in doomed_infos}:
+                spared.add(best.name)
+                self.log(f"keeping {best.name} past checkpoint.keep: the lowest held-out loss ({best.eval_loss})")
             doomed_infos = [info for info in doomed_infos if info.name not in spared]
         for info in doomed_infos:
             # Out of sight in one rename, then deleted: a kill mid-delete leaves a staging
@@ -219,6 +228,12 @@ class CheckpointStore:
         for stale in self.root.glob(f"{STAGING}*"):
             shutil.rmtree(stale, ignore_errors=True)
 
+    @staticmethod
+    def best(infos: builtins.list[CheckpointInfo]) -> CheckpointInfo | None:
+        """The checkpoint with the lowest held-out loss (the earliest of equals), if any was evaluated."""
+        scored = [info for info in infos if info.eval_loss is not None]
+        return min(scored, key=lambda info: (info.eval_loss, info.step)) if scored else None
+
     # --- reading ----------------------------------------------------------------------
 
     def _info_from(self, public: dict[str, Any] | None, path: Path) -> CheckpointInfo:
@@ -226,7 +241,7 @@ class CheckpointStore:
             raise CheckpointError(f"checkpoint at {path} has no manifest")
         return CheckpointInfo(
             public["name"], public["step"], public.get("loss"), public["time"], public["sizeBytes"],
-            public["sha256"], path,
+            public["sha256"], path, public.get("evalLoss"),
         )
 
     def read_manifest(self, path: Path) -> dict[str, Any] | None:

@@ -78,6 +78,7 @@ class StatusPublisher:
             "time": _iso(record.get("time")),
             "sizeBytes": int(record.get("sizeBytes") or 0),
             "sha256": str(record.get("sha256") or ""),
+            **({"evalLoss": _num(record.get("evalLoss"))} if record.get("evalLoss") is not None else {}),
         }
 
     def __call__(self, record: dict[str, Any]) -> None:

@@ -262,6 +262,7 @@ class FineTuneRecipe:
             first_failure=self._first_failure,
             log=self._log,
             pinned=self._pending_rollback,
+            keep_best=self.spec.checkpoint.keep_best,
         )
         if self.rank == 0:
             self._check_writable(Path(self.cfg.checkpoint_dir), "checkpoint.path")
@@ -464,6 +465,7 @@ class FineTuneRecipe:
 
             dist.all_reduce(total)
         value = float(total[0] / total[1]) if total[1] else float("nan")
+        self.last_eval = (self.step, value)
         self.reporter.event("eval", step=self.step, eval_loss=value,
                             perplexity=float(torch.tensor(value).exp()) if value == value else None,
                             tokens=int(total[1]))
@@ -542,6 +544,9 @@ class FineTuneRecipe:
 
         meta = {"loss": loss, "worldSize": self.world_size, "plan": self.plan.label,
                 "dataPosition": self.data_position, "config": self.spec.model_dump(mode="json")}
+        evaluated = getattr(self, "last_eval", None)
+        if evaluated is not None and evaluated[0] == self.step:
+            meta["evalLoss"] = evaluated[1]
         try:
             info = self.store.save(self.step, write, meta)
         except CheckpointError as err:

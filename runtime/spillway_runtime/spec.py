@@ -269,6 +269,12 @@ class Resources(SpecModel):
 class CheckpointPolicy(SpecModel):
     every_steps: int = Field(50, ge=1, description="Checkpoint every N optimizer steps (and on SIGTERM)")
     keep: int = Field(3, ge=1, le=1000, description="Keep the last K good checkpoints")
+    keep_best: bool = Field(
+        False,
+        description="Also keep the checkpoint with the lowest held-out loss, even outside `keep` (needs "
+        "dataset.validation; a checkpoint counts when its step was evaluated: evalEverySteps a multiple of "
+        "everySteps, or the end)",
+    )
     path: str | None = Field(None, description="Local mode: checkpoint directory (default: <run dir>/checkpoints)")
     size: Size = Field(None, description="Cluster mode: checkpoint PVC size; auto from the plan")
     storage_class_name: str | None = None
@@ -309,6 +315,9 @@ class FineTuneJobSpec(SpecModel):
         if self.training.eval_every_steps and self.dataset.validation is None:
             raise ValueError("training.evalEverySteps needs dataset.validation (e.g. validation: {fraction: 0.05}); "
                              "add it or remove evalEverySteps")
+        if self.checkpoint.keep_best and self.dataset.validation is None:
+            raise ValueError("checkpoint.keepBest needs dataset.validation to tell the best checkpoint; add it or "
+                             "remove keepBest")
         return self
 
 

@@ -46,6 +46,8 @@ def test_evaluation_reports_held_out_loss_and_leaves_training_as_it_was(tmp_path
     [first] = every.of("eval")[:1]
     assert first["tokens"] > 0 and first["perplexity"] == pytest.approx(2.718281828 ** first["eval_loss"], rel=1e-6)
     assert "sequences held out" in every.log
+    # Checkpoints at evaluated steps carry their held-out loss (what checkpoint.keepBest ranks by).
+    assert {c["step"]: c.get("evalLoss") for c in every.of("checkpoint")} == evals
 
     killed = run_job(_job(make_job, "killed", 3), tmp_path / "killed", faults=FaultInjection(step_sleep_seconds=0.4),
                      signal_at_step=7)

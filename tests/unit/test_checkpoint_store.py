@@ -111,3 +111,19 @@ def test_pruning_spares_a_checkpoint_a_pending_rollback_names(tmp_path):
 ])
 def test_pending_rollback_is_only_one_not_yet_begun(requested, own, applied, spared):
     assert pending_rollback(requested, own, applied) == spared
+
+
+def test_keep_best_spares_the_lowest_held_out_loss_outside_keep(tmp_path):
+    logs = []
+    store = CheckpointStore(tmp_path, keep=1, log=logs.append, keep_best=True)
+    for step, held_out in [(1, 3.0), (2, 1.0), (3, None), (4, 2.0), (5, 1.0)]:
+        meta = {"loss": 9.0} | ({"evalLoss": held_out} if held_out is not None else {})
+        store.save(step, writer(b"x"), meta)
+    # step 2 is the best (the earlier of two equal ones), step 5 the latest
+    assert [(c.name, c.eval_loss) for c in store.list()] == [("step-00000002", 1.0), ("step-00000005", 1.0)]
+    assert store.list()[0].public()["evalLoss"] == 1.0
+    assert any("step-00000002 past checkpoint.keep: the lowest held-out loss (1.0)" in line for line in logs)
+    plain = CheckpointStore(tmp_path / "plain", keep=1)
+    for step, held_out in [(1, 1.0), (2, 2.0)]:
+        plain.save(step, writer(b"x"), {"evalLoss": held_out})
+    assert [c.step for c in plain.list()] == [2]

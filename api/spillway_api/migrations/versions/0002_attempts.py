@@ -65,6 +65,8 @@ def upgrade() -> None:
     for table in ('transitions', 'progress_points', 'cost_entries'):
         with op.batch_alter_table(table, schema=None) as batch_op:
             batch_op.add_column(sa.Column('attempt', sa.Integer(), nullable=True))
+    with op.batch_alter_table('checkpoints', schema=None) as batch_op:
+        batch_op.add_column(sa.Column('eval_loss', sa.Float(), nullable=True))
 
     # What was recorded before: one attempt per job that has a history.
     terminal = ", ".join(f"'{phase}'" for phase in TERMINAL)
@@ -82,6 +84,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    with op.batch_alter_table('checkpoints', schema=None) as batch_op:
+        batch_op.drop_column('eval_loss')
     for table in ('cost_entries', 'progress_points', 'transitions'):
         with op.batch_alter_table(table, schema=None) as batch_op:
             batch_op.drop_column('attempt')
