@@ -68,6 +68,10 @@ CORPUS: list[tuple[str, dict[str, Any], str]] = [
     ("evaluation without held-out data", with_("training.evalEverySteps", 5),
      "training.evalEverySteps needs dataset.validation"),
     ("chat template on text data", with_("dataset.chatTemplate", "{{ messages }}"), "chatTemplate applies"),
+    ("validation with a file and a fraction", with_("dataset.validation", {"uri": "file:///v.jsonl", "fraction": 0.1}),
+     "exactly one of validation.uri"),
+    ("an s3 validation file", with_("dataset.validation", {"uri": "s3://b/v.jsonl"}),
+     "spec.dataset.validation.uri: unsupported URI scheme 's3'"),
     ("keepBest without held-out data", with_("checkpoint.keepBest", True), "checkpoint.keepBest needs dataset.validation"),
 ]
 

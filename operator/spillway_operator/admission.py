@@ -51,6 +51,8 @@ def _uris(spec: FineTuneJobSpec) -> list[tuple[str, str]]:
     uris = [("spec.model.uri", spec.model.uri), ("spec.dataset.uri", spec.dataset.uri)]
     if spec.model.tokenizer_uri:
         uris.append(("spec.model.tokenizerUri", spec.model.tokenizer_uri))
+    if spec.dataset.validation and spec.dataset.validation.uri:
+        uris.append(("spec.dataset.validation.uri", spec.dataset.validation.uri))
     return uris
 
 

@@ -174,7 +174,8 @@ def _meta(job: dict[str, Any], name: str, component: str, extra: dict[str, str] 
 
 
 def _claims(spec: FineTuneJobSpec) -> list[str]:
-    uris = [spec.model.uri, spec.dataset.uri, spec.model.tokenizer_uri or ""]
+    held_out = spec.dataset.validation.uri if spec.dataset.validation else None
+    uris = [spec.model.uri, spec.dataset.uri, spec.model.tokenizer_uri or "", held_out or ""]
     claims = []
     for uri in uris:
         if uri.startswith("pvc://"):
@@ -232,6 +233,8 @@ def build_runtime_config(job: dict[str, Any], spec: FineTuneJobSpec, plan: Offlo
         model_dir=str(resolve_uri(spec.model.uri, root)),
         tokenizer_dir=str(resolve_uri(spec.model.tokenizer_uri or spec.model.uri, root)),
         dataset_path=str(resolve_uri(spec.dataset.uri, root)),
+        validation_path=(str(resolve_uri(spec.dataset.validation.uri, root))
+                         if spec.dataset.validation and spec.dataset.validation.uri else None),
         run_dir=RUN_DIR,
         checkpoint_dir=CHECKPOINT_DIR,
         nvme_dir=nvme_dir,

@@ -65,6 +65,9 @@ def prepare_local_run(
     )
     dataset_path = _require(resolve_uri(spec.dataset.uri, base), "spec.dataset.uri", "dataset file or directory",
                             job_path)
+    held_out = spec.dataset.validation.uri if spec.dataset.validation else None
+    validation_path = (_require(resolve_uri(held_out, base), "spec.dataset.validation.uri",
+                                "validation file or directory", job_path) if held_out else None)
     run_dir = (run_dir or Path.cwd() / "runs" / job.metadata.name).resolve()
     checkpoint_dir = resolve_uri(spec.checkpoint.path, base) if spec.checkpoint.path else run_dir / "checkpoints"
     nvme_dir = resolve_uri(spec.offload.nvme.path, base) if spec.offload.nvme.path else run_dir / "nvme"
@@ -84,6 +87,7 @@ def prepare_local_run(
         model_dir=str(model_dir),
         tokenizer_dir=str(tokenizer_dir),
         dataset_path=str(dataset_path),
+        validation_path=str(validation_path) if validation_path else None,
         run_dir=str(run_dir),
         checkpoint_dir=str(checkpoint_dir),
         nvme_dir=str(nvme_dir) if uses_nvme else None,

@@ -158,20 +158,39 @@ class FineTuneRecipe:
                 f"model.tokenizerUri/model.uri {self.cfg.tokenizer_dir}: cannot load a tokenizer ({err})",
                 ExitCode.BAD_INPUT,
             ) from None
-        # Tokenized once per dataset, by rank 0, into a cache beside the checkpoints: the
-        # other ranks, restarts and resumes map it instead of tokenizing again.
+        cache = Path(self.cfg.checkpoint_dir) / CACHE_DIR_NAME
+        self.dataset, built, path = self._cached_tokens(Path(self.cfg.dataset_path), cache, "spec.dataset.uri")
+        self.held_out: PackedDataset | None = None
+        validation = self.spec.dataset.validation
+        if validation is not None and self.cfg.validation_path:
+            self.held_out, _, _ = self._cached_tokens(Path(self.cfg.validation_path), cache / "validation",
+                                                      "spec.dataset.validation.uri")
+            self._log(f"validation: {len(self.held_out)} sequences from {self.cfg.validation_path}")
+        elif validation is not None and validation.fraction is not None:
+            try:
+                self.dataset, self.held_out = self.dataset.split(validation.fraction, self.spec.training.seed)
+            except DatasetError as err:
+                raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
+            self._log(f"validation: {len(self.held_out)} sequences held out, {len(self.dataset)} to train on")
+        self._log(
+            f"dataset: {built}{self.dataset.tokens} tokens in {len(self.dataset)} sequences "
+            f"({'written to' if built else 'mapped from'} {path})"
+        )
+
+    def _cached_tokens(self, source: Path, cache: Path, field: str) -> tuple[PackedDataset, str, Path]:
+        """The tokens of ``source``: tokenized once, by rank 0, into a cache beside the
+        checkpoints that the other ranks, restarts and resumes map instead of tokenizing again.
+        (The dataset, what was built (for the log), the cache file.)"""
         sequence_length = self.spec.training.sequence_length
-        dataset_path = Path(self.cfg.dataset_path)
         failure, built = None, ""
+        path = cache / "unset"
         try:
-            fingerprint = dataset_fingerprint(
-                self.spec.dataset, dataset_path, Path(self.cfg.tokenizer_dir), sequence_length
-            )
-            path = token_cache_path(Path(self.cfg.checkpoint_dir) / CACHE_DIR_NAME, fingerprint)
+            fingerprint = dataset_fingerprint(self.spec.dataset, source, Path(self.cfg.tokenizer_dir), sequence_length)
+            path = token_cache_path(cache, fingerprint)
             if self.rank == 0 and not path.is_file():
-                built = self._tokenize(dataset_path, sequence_length, path)
+                built = self._tokenize(source, sequence_length, path)
         except DatasetError as err:
-            failure = str(err)
+            failure = str(err).replace("dataset.uri", field.removeprefix("spec."), 1)
         except OSError as err:
             failure = (
                 f"checkpoint.path {self.cfg.checkpoint_dir}: cannot write the tokenized dataset "
@@ -180,19 +199,7 @@ class FineTuneRecipe:
         failure = self._first_failure(failure)
         if failure is not None:
             raise RunFailed(failure, ExitCode.BAD_INPUT)
-        self.dataset = PackedDataset.load(path)
-        self.held_out: PackedDataset | None = None
-        if self.spec.dataset.validation is not None:
-            try:
-                self.dataset, self.held_out = self.dataset.split(self.spec.dataset.validation.fraction,
-                                                                 self.spec.training.seed)
-            except DatasetError as err:
-                raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
-            self._log(f"validation: {len(self.held_out)} sequences held out, {len(self.dataset)} to train on")
-        self._log(
-            f"dataset: {built}{self.dataset.tokens} tokens in {len(self.dataset)} sequences "
-            f"({'written to' if built else 'mapped from'} {path})"
-        )
+        return PackedDataset.load(path), built, path
 
     def _tokenize(self, dataset_path: Path, sequence_length: int, path: Path) -> str:
         source = self.spec.dataset

@@ -31,6 +31,7 @@ class RuntimeConfig(BaseModel):
     model_dir: str
     tokenizer_dir: str
     dataset_path: str
+    validation_path: str | None = None  # dataset.validation.uri, resolved
     run_dir: str
     checkpoint_dir: str
     nvme_dir: str | None = None

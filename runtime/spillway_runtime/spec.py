@@ -86,11 +86,21 @@ DatasetFormat = Literal["auto", "jsonl", "text", "chat", "completion"]
 
 
 class Validation(SpecModel):
-    fraction: float = Field(
-        gt=0, le=0.5,
-        description="Sequences of the training data held out for evaluation (chosen with training.seed; never "
-        "trained on)",
+    uri: str | None = Field(
+        None, min_length=1,
+        description="A held-out file or directory in the dataset's format (local path, file:// or pvc://)",
     )
+    fraction: float | None = Field(
+        None, gt=0, le=0.5,
+        description="Or: sequences of the training data held out (chosen with training.seed; never trained on)",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Validation:
+        if (self.uri is None) == (self.fraction is None):
+            raise ValueError("give exactly one of validation.uri (a held-out file) and validation.fraction "
+                             "(a share of the training data)")
+        return self
 
 
 class DatasetSource(SpecModel):

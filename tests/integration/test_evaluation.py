@@ -57,3 +57,21 @@ def test_evaluation_reports_held_out_loss_and_leaves_training_as_it_was(tmp_path
     assert resumed.of("resumed")[-1]["step"] == 6
     assert resumed.losses() == every.losses()
     assert _evals(resumed) == evals
+
+
+def test_a_validation_file_is_evaluated_and_its_bad_line_named(tmp_path: Path, make_job: Any,
+                                                                tiny_model: dict[str, Path]) -> None:
+    held_out = tmp_path / "held-out.jsonl"
+    lines = tiny_model["data"].read_text().splitlines()
+    held_out.write_text("\n".join(lines[:60]) + "\n")
+    path = make_job("file", training={"maxSteps": 4, "evalEverySteps": 2}, offload={"policy": "cpu"})
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["dataset"]["validation"] = {"uri": str(held_out)}
+    path.write_text(yaml.safe_dump(doc))
+    run = run_job(path, tmp_path / "file")
+    assert run.returncode == 0, run.log[-3000:]
+    assert sorted(_evals(run)) == [2, 4] and f"sequences from {held_out}" in run.log
+    held_out.write_text(lines[0] + "\n" + '{"body": "no text field"}\n')
+    bad = run_job(path, tmp_path / "bad")
+    assert bad.returncode == 2, bad.log[-3000:]
+    assert f"{held_out}:2: no field 'text'" in bad.log
