@@ -225,11 +225,12 @@ def _print_largest(hw: NodeHardware, fits: list[LargestFit], output: str) -> Non
 def make_tiny(
     out_dir: Annotated[Path, typer.Argument(help="Directory for the model and tokenizer")],
     dataset: Annotated[Path | None, typer.Option(help="Also write a synthetic JSONL dataset here")] = None,
+    chat_dataset: Annotated[Path | None, typer.Option(help="Also write the same data as chat records here")] = None,
     hidden_size: int = 128,
     layers: int = 4,
 ) -> None:
     """Build a tiny Llama model, tokenizer and dataset locally (nothing is downloaded)."""
-    from spillway_runtime.tiny import build_tiny_model, write_dataset
+    from spillway_runtime.tiny import build_tiny_model, write_chat_dataset, write_dataset
 
     if (out_dir / "config.json").exists():
         Console().print(f"{out_dir} already holds a model; kept")
@@ -239,6 +240,9 @@ def make_tiny(
     if dataset is not None and not dataset.exists():
         write_dataset(dataset)
         Console().print(f"dataset written to {dataset}")
+    if chat_dataset is not None and not chat_dataset.exists():
+        write_chat_dataset(chat_dataset)
+        Console().print(f"chat dataset written to {chat_dataset}")
 
 
 def register(app: typer.Typer) -> None:

@@ -37,6 +37,22 @@ def write_dataset(path: Path, count: int = 2000, seed: int = 0) -> Path:
     return path
 
 
+def write_chat_dataset(path: Path, count: int = 2000, seed: int = 0) -> Path:
+    """The same arithmetic as `write_dataset`, as chat records: the user asks, the assistant answers."""
+    rng = random.Random(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as fh:
+        for _ in range(count):
+            a, b = rng.randint(0, 10), rng.randint(0, 10)
+            op = rng.choice(["plus", "times", "minus"])
+            value = {"plus": a + b, "times": a * b, "minus": a - b}[op]
+            messages = [{"role": "system", "content": "Answer with the number."},
+                        {"role": "user", "content": f"what is {_NUMBER_WORDS[a]} {op} {_NUMBER_WORDS[b]}?"},
+                        {"role": "assistant", "content": f"{a} {op} {b} is {value}."}]
+            fh.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
 def build_tiny_model(
     out_dir: Path,
     *,

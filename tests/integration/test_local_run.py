@@ -119,6 +119,28 @@ def test_spillway_run_fine_tunes_on_chat_data_learning_the_answers_only(tmp_path
 
 
 @pytest.mark.integration
+def test_the_chat_example_runs_as_its_comment_says(tmp_path):
+    """examples/chat-local.yaml with the commands in its comment (a shorter run)."""
+    repo = Path(__file__).resolve().parents[2]
+    (tmp_path / "examples").mkdir()
+    doc = yaml.safe_load((repo / "examples" / "chat-local.yaml").read_text())
+    doc["spec"]["training"].update(maxSteps=20, evalEverySteps=5)
+    doc["spec"]["checkpoint"]["everySteps"] = 5
+    (tmp_path / "examples" / "chat-local.yaml").write_text(yaml.safe_dump(doc))
+    made = spillway("make-tiny", "runs/models/tiny-llama", "--chat-dataset", "runs/data/arithmetic-chat.jsonl",
+                    cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    result = spillway("run", "examples/chat-local.yaml", cwd=tmp_path, env={"COLUMNS": "200"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    events = [json.loads(line) for line in (tmp_path / "runs" / "chat-local" / "events.jsonl").read_text().splitlines()]
+    evals = {e["step"]: e["eval_loss"] for e in events if e["event"] == "eval"}
+    assert sorted(evals) == [5, 10, 15, 20] and evals[20] < evals[5]
+    best = min(evals, key=lambda s: (evals[s], s))
+    kept = sorted(p.name for p in (tmp_path / "runs" / "chat-local" / "checkpoints").glob("step-*"))
+    assert kept == sorted({f"step-{best:08d}", "step-00000020"})
+
+
+@pytest.mark.integration
 def test_plan_cli_reference_points_and_infeasible_exit():
     ok = spillway("plan", "--params", "13B", "--gpu-memory", "24GiB", "--cpu-memory", "64GiB", "--nvme", "2TB",
                   "--output", "json")
