@@ -236,21 +236,12 @@ class NodeShape(WireModel):
     status: dict[str, Any] = Field(default_factory=dict)
 
 
-_NOT_NULL = {"not": {"type": "null"}}
-# The model's size comes from parameterCount or from spec.model.parameterCount: the schema
-# says so, so that a client (or a fuzzer) knows it before it asks.
-_MODEL_SIZE_GIVEN: dict[str, Any] = {"anyOf": [
-    {"required": ["parameterCount"], "properties": {"parameterCount": _NOT_NULL}},
-    {"required": ["spec"], "properties": {"spec": {"required": ["model"], "properties": {"model": {
-        "required": ["parameterCount"], "properties": {"parameterCount": _NOT_NULL}}}}}},
-]}
-
-
 class PlanRequest(WireModel):
     # Strict: JSON has types (false is not a price, "3" not a GPU count), as for JobCreate.
-    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_MODEL_SIZE_GIVEN)
+    model_config = ConfigDict(extra="forbid", strict=True)
     parameter_count: Annotated[int | str | None, WithJsonSchema(COUNT_SCHEMA)] = Field(
-        None, description="e.g. 13B; or give spec.model.parameterCount")
+        None, description="e.g. 13B; or give spec.model.parameterCount. Neither: the answer is the largest model "
+        "each placement fits on each node shape (`largest`)")
     spec: FineTuneJobSpec | None = Field(None, description="Training and offload settings of the job to plan")
     training: Training | None = None
     offload: Offload | None = None
@@ -288,9 +279,24 @@ class PlanPublic(WireModel):
     shortfalls: list[str]
 
 
+class LargestFitPublic(WireModel):
+    placement: str
+    parameters: int = Field(description="The largest parameter count that fits (3 significant digits); 0: none")
+    predicted_step_seconds: float | None = None
+    why_not: str | None = Field(None, description="Why the placement is out (the settings given, no NVMe)")
+
+
+class LargestPublic(WireModel):
+    node: str
+    placements: list[LargestFitPublic]
+
+
 class PlansPublic(WireModel):
     data: list[PlanPublic]
     count: int
+    largest: list[LargestPublic] = Field(
+        default_factory=list, description="Without a parameter count: per node shape, the largest model each "
+        "placement fits with the training settings given, and its predicted step time")
     best: str | None = Field(description="Node of the plan that would run: in cluster mode the operator's "
                              "choice (the job's resources.placement, cheapest by default), else the fastest "
                              "feasible one; none if nothing fits")

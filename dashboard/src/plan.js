@@ -51,7 +51,9 @@ export function planPage(main) {
     h("div", { class: "actions" },
       h("button", { type: "submit", id: "plan-compare" }, "Compare node shapes"),
       h("button", { type: "button", class: "secondary", id: "plan-cluster", onclick: () => compare(true) },
-        "Use the cluster's nodes")));
+        "Use the cluster's nodes"),
+      h("button", { type: "button", class: "secondary", id: "plan-largest", onclick: () => compare(false, true) },
+        "Largest model per shape")));
   main.replaceChildren(h("h1", {}, "Plan explorer"),
     h("p", {}, "Where the training state would live on each node shape, how long a step takes and what the run costs — before anything runs."),
     form, results);
@@ -59,9 +61,9 @@ export function planPage(main) {
 
   function val(id) { return form.querySelector(`#${id}`).value.trim(); }
 
-  async function compare(cluster = false) {
+  async function compare(cluster = false, largest = false) {
     const common = {
-      parameterCount: val("plan-params"),
+      ...(largest ? {} : { parameterCount: val("plan-params") }),
       training: { maxSteps: Number(val("plan-steps")), sequenceLength: Number(val("plan-seq")),
         microBatchSize: Number(val("plan-mbs")) },
     };
@@ -74,6 +76,10 @@ export function planPage(main) {
     results.replaceChildren(h("p", { class: "muted" }, "Planning…"));
     try {
       const answers = await Promise.all(requests.map((r) => api("/v1/plan", { method: "POST", body: r })));
+      if (largest) {
+        results.replaceChildren(largestTable(answers.flatMap((a) => a.largest)));
+        return;
+      }
       const cols = answers.flatMap((a, i) => a.data.map((p) => ({ ...p, request: requests[i] })));
       results.replaceChildren(table(cols));
     } catch (err) {
@@ -81,6 +87,31 @@ export function planPage(main) {
     }
   }
   return () => {};
+}
+
+/** 15200000000 -> "15.2B". */
+export function count(n) {
+  const units = [[1e12, "T"], [1e9, "B"], [1e6, "M"]];
+  const [size, unit] = units.find(([s]) => n >= s) || [1, ""];
+  return `${Number((n / size).toPrecision(3))}${unit}`;
+}
+
+/** The largest model each placement fits, per node shape: placements down, shapes across. */
+function largestTable(shapes) {
+  const placements = [...new Set(shapes.flatMap((s) => s.placements.map((p) => p.placement)))];
+  const cell = (shape, label) => {
+    const p = shape.placements.find((x) => x.placement === label);
+    if (!p || p.whyNot) return h("td", { "data-node": shape.node, "data-placement": label, class: "muted" },
+      p ? p.whyNot : "–");
+    if (!p.parameters) return h("td", { "data-node": shape.node, "data-placement": label, "data-value": 0 }, "none");
+    return h("td", { class: "num", "data-node": shape.node, "data-placement": label, "data-value": p.parameters },
+      count(p.parameters), h("div", { class: "muted small" }, `${stepSeconds(p.predictedStepSeconds)} / step`));
+  };
+  return h("table", { class: "data compare", id: "largest-table" },
+    h("caption", {}, "The largest model each placement fits, with the sequence length and batch above"),
+    h("thead", {}, h("tr", {}, h("td", {}), shapes.map((s) => h("th", { scope: "col", "data-node": s.node }, s.node)))),
+    h("tbody", {}, placements.map((label) => h("tr", {}, h("th", { scope: "row", class: "mono" }, label),
+      shapes.map((s) => cell(s, label))))));
 }
 
 /** One figure of a plan (none when the planner could not plan for the node), and its badge. */

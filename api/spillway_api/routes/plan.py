@@ -8,8 +8,9 @@ from fastapi import APIRouter, Request
 
 from spillway_api.deps import CurrentUser
 from spillway_api.errors import PROBLEM_RESPONSES, ApiError
-from spillway_api.schemas import PlanPublic, PlanRequest, PlansPublic
+from spillway_api.schemas import LargestFitPublic, LargestPublic, PlanPublic, PlanRequest, PlansPublic
 from spillway_runtime.hardware import NodeHardware, hardware_from_node
+from spillway_runtime.largest import largest_model
 from spillway_runtime.planner import ModelShape, plan_tiers
 from spillway_runtime.spec import FineTuneJobSpec, Offload, Training
 from spillway_runtime.units import parse_count
@@ -83,17 +84,52 @@ def _cluster_plans(kube: Any, body: PlanRequest, params: int, training: Training
     return PlansPublic(data=plans, count=len(plans), best=best, excluded=placement.excluded_nodes)
 
 
+def _largest(request: Request, body: PlanRequest, training: Training, offload: Offload | None,
+             dtype: Any) -> PlansPublic:
+    """Per node shape (the hardware or nodes given, the cluster's nodes, or this machine):
+    the largest model each placement fits."""
+    kube = getattr(request.app.state, "kube", None)
+    if kube is not None and body.hardware is None and not body.nodes:
+        from kubernetes import client
+
+        machines = []
+        for node in client.CoreV1Api(kube).list_node().items:
+            try:
+                machines.append(hardware_from_node(kube.sanitize_for_serialization(node)))
+            except (ValueError, TypeError):
+                continue  # a node whose resources cannot be read is not a shape to answer for
+    else:
+        machines = _node_hardware(request, body)
+    answers: list[LargestPublic] = []
+    seen: set[str] = set()
+    for hw in machines:
+        if hw.shape_key() in seen:
+            continue
+        seen.add(hw.shape_key())
+        fits = largest_model(hw, training, offload, dtype=dtype, gpus_per_node=body.gpus_per_node,
+                             nodes=body.node_count)
+        answers.append(LargestPublic(node=hw.name, placements=[LargestFitPublic.model_validate(f.model_dump())
+                                                               for f in fits]))
+    ranked = [(max((p.parameters for p in a.placements), default=0), a.node) for a in answers]
+    best = max(ranked)[1] if ranked and max(ranked)[0] > 0 else None
+    return PlansPublic(data=[], count=0, best=best, largest=answers)
+
+
 @router.post("/plan", response_model=PlansPublic)
 def plan(_caller: CurrentUser, request: Request, body: PlanRequest) -> PlansPublic:
     """Where training state would live on each node shape, the predicted step time and cost,
     and for shapes that do not fit, which tier is short and by how much. Without `hardware`
     or `nodes`: in cluster mode, the operator's own placement over the cluster's nodes (its
-    exclusions, pricing and choice: `best`); in local mode, this machine."""
+    exclusions, pricing and choice: `best`); in local mode, this machine. Without a parameter
+    count: the largest model each placement fits on each node shape (`largest`; `best` is the
+    shape that fits the largest)."""
     raw = body.parameter_count if body.parameter_count is not None else (
         body.spec.model.parameter_count if body.spec else None)
+    training = body.training or (body.spec.training if body.spec else Training())
+    offload = body.offload or (body.spec.offload if body.spec else None)
+    dtype = body.dtype or (body.spec.model.dtype if body.spec else "bf16")
     if raw is None:
-        raise ApiError(422, "no_model_size", "give parameterCount (e.g. 13B) or spec.model.parameterCount",
-                       errors=["parameterCount: required"])
+        return _largest(request, body, training, offload, dtype)
     try:
         params = parse_count(raw)
         if params <= 0:
@@ -102,9 +138,6 @@ def plan(_caller: CurrentUser, request: Request, body: PlanRequest) -> PlansPubl
     except (ValueError, TypeError) as err:
         raise ApiError(422, "invalid_parameter_count", f"parameterCount {raw!r}: {err}",
                        errors=[f"parameterCount: {err}"]) from None
-    training = body.training or (body.spec.training if body.spec else Training())
-    offload = body.offload or (body.spec.offload if body.spec else None)
-    dtype = body.dtype or (body.spec.model.dtype if body.spec else "bf16")
     kube = getattr(request.app.state, "kube", None)
     if kube is not None and body.hardware is None and not body.nodes:
         return _cluster_plans(kube, body, params, training, offload, dtype)

@@ -223,8 +223,10 @@ def test_dashboard_jobs_detail_rollback_and_plan(server: dict[str, Any], browser
     page.locator("#plan-table").wait_for()
     heads = page.locator("#plan-table thead th[data-node]")
     assert heads.count() == 3
+    compared = []
     for i in range(heads.count()):
         request = json.loads(heads.nth(i).get_attribute("data-request"))
+        compared.append(request)
         assert request["parameterCount"] == "13B"
         answer = api.post("/v1/plan", json=request)
         assert answer.status_code == 200, answer.text
@@ -242,6 +244,26 @@ def test_dashboard_jobs_detail_rollback_and_plan(server: dict[str, Any], browser
         assert float(cell("predictedCostUsd").get_attribute("data-value")) == want["plan"]["predictedCostUsd"]
         assert cell("predictedCostUsd").inner_text().splitlines()[0] == f"${want['plan']['predictedCostUsd']:.2f}"
     shot(page, "5-plan-explorer")
+
+    # -- the largest model per shape: the same form, no size, POST /v1/plan's `largest` -------
+    page.click("#plan-largest")
+    page.locator("#largest-table").wait_for()
+    heads = [h.get_attribute("data-node") for h in page.locator("#largest-table thead th[data-node]").all()]
+    assert heads == [r["hardware"]["name"] for r in compared]
+    for request in compared:
+        del request["parameterCount"]
+        [want] = api.post("/v1/plan", json=request).json()["largest"]
+        node = want["node"]
+        for fit in want["placements"]:
+            shown = page.locator(f'#largest-table td[data-node="{node}"][data-placement="{fit["placement"]}"]')
+            if fit["whyNot"]:
+                assert shown.inner_text() == fit["whyNot"]
+            else:
+                assert int(shown.get_attribute("data-value")) == fit["parameters"]
+    first = {c.get_attribute("data-placement"): int(c.get_attribute("data-value"))
+             for c in page.locator(f'#largest-table td[data-node="{heads[0]}"][data-value]').all()}
+    assert first["Z3 opt:nvme par:nvme"] > first["Z3 opt:cpu par:cpu"] > 0
+    shot(page, "6-largest-model")
 
     # everything came from the API's own origin; no script errors
     assert all(u.startswith(server["url"]) for u in requests), [u for u in requests if not u.startswith(server["url"])]

@@ -158,6 +158,36 @@ def test_plan_dry_run(client: Any) -> None:
     assert client.post("/v1/plan", json={"parameterCount": "lots", "hardware": hw}).status_code == 422
 
 
+def test_plan_without_a_size_answers_the_largest_model_per_placement(client: Any) -> None:
+    from spillway_runtime.hardware import NodeHardware
+    from spillway_runtime.largest import largest_model
+    from spillway_runtime.spec import Training
+
+    hw = {"name": "box", "gpu_count": 1, "gpu_product": "RTX 4090", "gpu_memory_bytes": 24 << 30,
+          "cpu_cores": 16, "cpu_memory_bytes": 64 << 30, "nvme_capacity_bytes": 2 * 10**12,
+          "nvme_free_bytes": 2 * 10**12}
+    training = {"sequenceLength": 1024, "microBatchSize": 1}
+    r = client.post("/v1/plan", json={"hardware": hw, "training": training})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["data"] == [] and body["best"] == "box"
+    [box] = body["largest"]
+    expected = largest_model(NodeHardware.model_validate(hw), Training.model_validate(training))
+    assert [(p["placement"], p["parameters"], p["predictedStepSeconds"], p["whyNot"]) for p in box["placements"]] \
+        == [(f.placement, f.parameters, f.predicted_step_seconds, f.why_not) for f in expected]
+    by = {p["placement"]: p["parameters"] for p in box["placements"]}
+    # The seeds' first case: more fits as state moves off the GPU (the README's figures).
+    assert by["Z3 opt:nvme par:nvme"] > by["Z3 opt:nvme par:cpu"] > by["Z3 opt:cpu par:cpu"] > 10**9
+    # Nodes of one shape answer once; a policy rules placements out by name.
+    node = {"metadata": {"name": "n1", "labels": {"nvidia.com/gpu.product": "NVIDIA-L4", "nvidia.com/gpu.memory": "24576"}},
+            "status": {"allocatable": {"cpu": "16", "memory": "64Gi", "nvidia.com/gpu": "1"}}}
+    twin = {**node, "metadata": {**node["metadata"], "name": "n2"}}
+    r = client.post("/v1/plan", json={"nodes": [node, twin], "offload": {"policy": "cpu"}}).json()
+    [shape] = r["largest"]
+    assert shape["node"] == "n1"
+    assert all(p["whyNot"] for p in shape["placements"] if "nvme" in p["placement"])
+
+
 def test_metrics_count_requests(client: Any) -> None:
     client.get("/v1/namespaces/ns/jobs")
     body = client.get("/metrics").text
