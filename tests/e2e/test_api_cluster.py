@@ -93,18 +93,22 @@ class ApiServer:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "spillway_api.cli", "api", "--kubernetes", "--port", str(self.port)],
                 env=self.env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def ready() -> bool:
+            assert self.proc is not None
             if self.proc.poll() is not None:
                 raise AssertionError(f"the API exited {self.proc.returncode}:\n{self.log.read_text()[-4000:]}")
             try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return
+                return httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200
             except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the API did not start in {timeout}s:\n{self.log.read_text()[-4000:]}")
-            time.sleep(0.1)
+                return False
+
+        try:
+            polling.wait_for(ready, timeout, what="the API's /readyz", interval=0.1)
+        except AssertionError as err:
+            if "timed out" not in str(err):
+                raise
+            raise AssertionError(f"the API did not start in {timeout}s:\n{self.log.read_text()[-4000:]}") from None
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> float:
         """Signal the process and wait for it; returns how long it took to exit."""
