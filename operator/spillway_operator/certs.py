@@ -53,7 +53,9 @@ def make_cert(dns_names: list[str], days: float, now: dt.datetime) -> ServingCer
     # A name of its own per certificate: while the old and new one are both in caBundle, a
     # verifier looking for the issuer by name must not find the other one.
     serial = x509.random_serial_number()
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, dns_names[0]),
+    # The names are in subjectAltName (what verifiers check); a common name is at most 64
+    # characters, which a Service's DNS name in a long namespace is not.
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "spillway admission webhook"),
                       x509.NameAttribute(NameOID.SERIAL_NUMBER, f"{serial:x}")])
     key_id = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
     cert = (

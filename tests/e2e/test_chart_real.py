@@ -39,6 +39,14 @@ def _apply(cluster: Cluster, namespace: str, job: dict[str, Any]) -> subprocess.
     return cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(job), check=False)
 
 
+def _pods_told(cluster: Cluster, namespace: str) -> str:
+    """What a failed rollout leaves to read: the pods, their events and their logs."""
+    described = cluster.kubectl("describe", "pods", "-n", namespace, check=False).stdout[-6000:]
+    logs = cluster.kubectl("logs", "-n", namespace, "-l", "app.kubernetes.io/component=operator", "--tail=60",
+                           "--all-containers", check=False)
+    return f"{described}\n--- operator logs ---\n{logs.stdout[-6000:]}{logs.stderr[-2000:]}"
+
+
 def _the_webhook_refuses_the_corpus_and_renews_its_certificate(cluster: Cluster, namespace: str, release: str) -> None:
     """`kubectl apply` of each malformed job is refused, by the CRD's schema or by the
     operator's webhook, with the field named; the webhook's certificate, found past two
@@ -158,8 +166,9 @@ def test_the_chart_runs_in_containers_and_its_operator_makes_pods_on_the_real_no
     )
     try:
         for deployment in ("operator", "api"):
-            cluster.kubectl("rollout", "status", f"deployment/{release}-spillway-{deployment}", "-n", namespace,
-                            "--timeout=300s", timeout=320)
+            rollout = cluster.kubectl("rollout", "status", f"deployment/{release}-spillway-{deployment}", "-n",
+                                      namespace, "--timeout=300s", timeout=320, check=False)
+            assert rollout.returncode == 0, f"{deployment} not rolled out:\n{_pods_told(cluster, namespace)}"
         pods = cluster.kubectl_json("get", "pods", "-n", namespace)["items"]
         assert {p["spec"]["nodeName"] for p in pods} == {node}
         assert all(p["status"]["phase"] == "Running" for p in pods), [p["status"] for p in pods]

@@ -34,6 +34,15 @@ def test_a_made_certificate_names_the_service_and_is_its_own_authority() -> None
     cert.verify_directly_issued_by(cert)
 
 
+def test_a_namespace_of_the_longest_name_kubernetes_allows_gets_a_certificate() -> None:
+    # Found in a real pod: the chart in a 63-character namespace, whose Service DNS name
+    # exceeds the 64 characters a common name may have; the operator crashed at start.
+    names = service_dns_names("r5a0d6b-spillway-operator-webhook", "n" * 63)
+    cert = make_cert(names, 365, T0).certificate
+    assert cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName) == names
+
+
 def test_renewal_is_due_at_two_thirds_of_the_lifetime_or_when_a_name_is_missing() -> None:
     cert = make_cert(NAMES, 300, T0).certificate
     two_thirds = T0 - dt.timedelta(minutes=1) + (dt.timedelta(days=300, minutes=1)) * 2 / 3
