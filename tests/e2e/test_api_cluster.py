@@ -222,6 +222,7 @@ def _routes(ns: str, job: str) -> list[tuple[str, str, str, Any]]:
         ("GET", f"{one}/history", f"{concrete}/jobs/{job}/history", None),
         ("GET", f"{one}/checkpoints", f"{concrete}/jobs/{job}/checkpoints", None),
         ("GET", f"{one}/cost", f"{concrete}/jobs/{job}/cost", None),
+        ("GET", f"{one}/attempts", f"{concrete}/jobs/{job}/attempts", None),
         ("POST", f"{one}/rollback", f"{concrete}/jobs/{job}/rollback", {"checkpoint": "nope", "reason": "matrix"}),
         ("POST", f"{one}/suspend", f"{concrete}/jobs/{job}/suspend", None),
         ("POST", f"{one}/resume", f"{concrete}/jobs/{job}/resume", None),
@@ -262,7 +263,7 @@ def test_every_route_needs_a_token_and_rbac_in_its_namespace(world: World, api: 
     assert world.cluster.get("finetunejob", "matrix", world.team_a)["spec"].get("suspend") in (None, False)
 
     # Alice may do everything in team-a (each answer comes from the handler, not from auth).
-    expected_a = [200, 201, 200, 200, 200, 200, 409, 200, 200, 200, 204]
+    expected_a = [200, 201, 200, 200, 200, 200, 200, 409, 200, 200, 200, 204]
     got = [api.call(method, path, alice, body).status_code for method, _, path, body in routes]
     assert got == expected_a
     assert world.cluster.get("finetunejob", "matrix", world.team_a) is None

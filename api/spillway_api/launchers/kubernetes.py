@@ -148,14 +148,14 @@ def record_object(session: Session, obj: dict[str, Any], event_type: str, price_
         key = f"progress:{progress['step']}:{progress.get('loss')}"
         if progress.get("updatedAt"):
             key += f":{progress['updatedAt']}"
-        _insert_once(session, ProgressPoint(
+        new = _insert_once(session, ProgressPoint(
             job_id=job.id, step=int(progress["step"]), loss=_float(progress.get("loss")),
             learning_rate=_float(progress.get("learningRate")),
             tokens_per_second=_float(progress.get("tokensPerSecond")),
             eta_seconds=_float(progress.get("etaSeconds", progress.get("eta"))),
             gpu_bytes=_int(tiers.get("gpu")), cpu_bytes=_int(tiers.get("cpu")), nvme_bytes=_int(tiers.get("nvme")),
             at=_iso(progress.get("updatedAt")) or utcnow(), source_key=key[:128], attempt=job.attempt or None))
-        if not stale:
+        if new and not stale:  # every status event repeats the last progress: only a new point is a step
             service.record_step(job, int(progress["step"]), _float(progress.get("loss")))
     if progress.get("evalStep") is not None:
         service.add_evaluation(job, _int(progress.get("evalStep")), _float(progress.get("evalLoss")), None,

@@ -49,14 +49,18 @@ def test_cluster_attempts_keep_their_own_outcome_steps_and_cost(database_url: st
         _object(4, phase="Planned", attempt=1, failures=1, cost={"usd": 2.0, "gpuHours": 1.0}),
         _object(5, phase="Running", attempt=1, failures=1, progress={"step": 5, "loss": 2.2, "updatedAt": "t5b"},
                 cost={"usd": 2.5, "gpuHours": 1.25}),
-        # Preempted: the attempt ends in that phase, the next one starts later.
-        _object(6, phase="Preempted", attempt=1, failures=1, preemptions=1, cost={"usd": 2.5, "gpuHours": 1.25}),
-        _object(7, phase="Running", attempt=2, failures=1, preemptions=1,
+        # Preempted: the attempt ends in that phase, the next one starts later. Status keeps
+        # showing the last progress, which is no step of the next attempt.
+        _object(6, phase="Preempted", attempt=1, failures=1, preemptions=1, cost={"usd": 2.5, "gpuHours": 1.25},
+                progress={"step": 5, "loss": 2.2, "updatedAt": "t5b"}),
+        _object(7, phase="Planned", attempt=2, failures=1, preemptions=1, cost={"usd": 2.5, "gpuHours": 1.25},
+                progress={"step": 5, "loss": 2.2, "updatedAt": "t5b"}),
+        _object(8, phase="Running", attempt=2, failures=1, preemptions=1,
                 progress={"step": 6, "loss": 2.1, "updatedAt": "t6c"}, cost={"usd": 3.5, "gpuHours": 1.75}),
         # A rollback restarts it while Running: neither a failure nor a preemption.
-        _object(8, phase="Running", attempt=3, failures=1, preemptions=1,
+        _object(9, phase="Running", attempt=3, failures=1, preemptions=1,
                 progress={"step": 4, "loss": 2.3, "updatedAt": "t4d"}, cost={"usd": 4.0, "gpuHours": 2.0}),
-        _object(9, phase="Succeeded", attempt=3, failures=1, preemptions=1,
+        _object(10, phase="Succeeded", attempt=3, failures=1, preemptions=1,
                 progress={"step": 8, "loss": 1.9, "updatedAt": "t8d", "evalLoss": 2.05, "evalStep": 8},
                 cost={"usd": 5.0, "gpuHours": 2.5}),
     ]
@@ -80,8 +84,8 @@ def test_cluster_attempts_keep_their_own_outcome_steps_and_cost(database_url: st
         assert job.attempt == 4 and job.phase == "Succeeded"
         history = JobService(session, {}, "kubernetes").history(job, None, 100)
         assert [(t.to_phase, t.attempt) for t in history["transitions"]] == [
-            ("Pending", None), ("Running", 1), ("Planned", 2), ("Running", 2), ("Preempted", 2), ("Running", 3),
-            ("Succeeded", 4)]
+            ("Pending", None), ("Running", 1), ("Planned", 2), ("Running", 2), ("Preempted", 2), ("Planned", 3),
+            ("Running", 3), ("Succeeded", 4)]
         assert [(p.step, p.attempt) for p in history["progress"]] == [(3, 1), (6, 1), (5, 2), (6, 3), (4, 4), (8, 4)]
         assert [(e.step, e.loss, e.attempt) for e in history["evaluations"]] == [(8, 2.05, 4)]
         assert job.progress["evalLoss"] == 2.05
