@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH_DIR = Path(os.environ.get("SPILLWAY_BENCH_DIR", ROOT / "runs" / "bench"))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-# name -> (hidden size, layers, heads): parameter counts 0.75M, 6.5M, 26M
-MODELS = {"tiny": (128, 4, 4), "wide": (768, 1, 6), "small": (512, 8, 8)}
+# name -> (hidden size, layers, heads): parameter counts 0.75M, 6.5M, 26M, 211M
+MODELS = {"tiny": (128, 4, 4), "wide": (768, 1, 6), "small": (512, 8, 8), "large": (1024, 20, 16)}
 
 
 def model_dir(name: str) -> Path:

@@ -191,12 +191,13 @@ def input_claims(spec: FineTuneJobSpec) -> list[str]:
 
 
 def checkpoint_size_bytes(spec: FineTuneJobSpec, plan: OffloadPlan) -> int:
-    """Auto size: `keep` checkpoints of 16-bit weights plus fp32 master and Adam moments
-    (~14 B/param), plus one being written, plus 1 GiB for the data position and logs."""
+    """Auto size: `keep` checkpoints (`plan.checkpoint_bytes`: 12 B/param under ZeRO-3, 14
+    under ZeRO-2), the best one when `keepBest` keeps it beyond those, one being written,
+    and 1 GiB for the tokenized dataset, the data position and logs."""
     if spec.checkpoint.size:
         return spec.checkpoint.size
-    per = plan.model.params * 14
-    return per * (spec.checkpoint.keep + 1) + GiB
+    count = spec.checkpoint.keep + 1 + (1 if spec.checkpoint.keep_best else 0)
+    return plan.checkpoint_bytes * count + GiB
 
 
 def nvme_volume_bytes(spec: FineTuneJobSpec, plan: OffloadPlan, settings: OperatorSettings) -> int:

@@ -9,6 +9,11 @@ rejects that checkpoint and falls back to the previous good one, saying so.
 Every rank writes its own shard (DeepSpeed does this inside `save_fn`); rank 0
 writes the manifest, renames and prunes. Torch-free: callers pass `barrier`
 and `broadcast` for multi-process runs.
+
+A save may finish later (`begin`, then `finish`): `save_fn` returns a `wait` that blocks
+until this rank's files are on disk and returns their checksums (computed as they were
+written, see `ckpt_io`), which the manifest takes instead of reading the files again.
+Such files are checked on load as they are read (`deferred`), not beforehand.
 """
 
 from __future__ import annotations
@@ -26,16 +31,35 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from spillway_runtime.ckpt_io import BLOCK_HASH, chunked_digest
+
 MANIFEST = "manifest.json"
 LATEST = "latest"
 ROLLBACK_MARKER = "rolled-back-to"
 ABANDONED = "abandoned-"
 PREFIX = "step-"
 STAGING = ".staging-"
+DIGESTS = ".digests-rank"  # a rank's checksums of what it wrote, read by rank 0's commit
+
+# What `save_fn` may return: a wait for the rest of its files, returning (path, size, checksum) of each.
+Wait = Callable[[], list[tuple[Path, int, str]]]
 
 
 class CheckpointError(RuntimeError):
     pass
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint begun (`CheckpointStore.begin`) whose files may still be being written."""
+
+    name: str
+    step: int
+    staging: Path
+    meta: dict[str, Any]
+    wait: Wait | None
+    failure: str | None
+    began: float  # time.monotonic() when the save was asked for
 
 
 @dataclass
@@ -124,6 +148,7 @@ class CheckpointStore:
         log: Callable[[str], None] = print,
         pinned: Callable[[], set[str]] = set,
         keep_best: bool = False,
+        digest: Callable[[Path], str] = chunked_digest,
     ):
         self.root = Path(root)
         self.keep = keep
@@ -134,14 +159,20 @@ class CheckpointStore:
         self.broadcast = broadcast  # rank 0's value to every rank
         self.first_failure = first_failure  # the first non-None value across ranks, to every rank
         self.log = log
+        self.digest = digest  # a file's chunked checksum (BLOCK_HASH entries)
 
     # --- writing ----------------------------------------------------------------------
 
-    def save(self, step: int, save_fn: Callable[[Path], None], meta: dict[str, Any]) -> CheckpointInfo:
+    def save(self, step: int, save_fn: Callable[[Path], Wait | None], meta: dict[str, Any]) -> CheckpointInfo:
         """`save_fn(staging_dir)` writes this rank's files; returns the committed checkpoint."""
+        return self.finish(self.begin(step, save_fn, meta))
+
+    def begin(self, step: int, save_fn: Callable[[Path], Wait | None], meta: dict[str, Any]) -> PendingSave:
+        """Start a checkpoint: `save_fn` writes what it must now and may return a wait for
+        the rest. Every rank calls `finish` with the result, even when this failed."""
+        began = time.monotonic()
         name = checkpoint_name(step)
         staging = self.root / f"{STAGING}{name}"
-        final = self.root / name
         failure: str | None = None
         if self.rank == 0:
             try:
@@ -151,16 +182,31 @@ class CheckpointStore:
             except OSError as err:
                 failure = self._describe(err)
         failure = self.broadcast(failure)
+        wait: Wait | None = None
         if failure is None:
             try:
-                save_fn(staging)
+                wait = save_fn(staging)
             except (OSError, RuntimeError) as err:  # torch.save reports ENOSPC as RuntimeError
                 failure = self._describe(err)
-            failure = self.first_failure(failure)
+        return PendingSave(name, step, staging, meta, wait, failure, began)
+
+    def finish(self, pending: PendingSave) -> CheckpointInfo:
+        """Wait for this rank's files, then commit (rank 0) once every rank has written."""
+        name, staging, final = pending.name, pending.staging, self.root / pending.name
+        failure = pending.failure
+        if failure is None and pending.wait is not None:
+            try:
+                written = pending.wait()
+                sums = {str(path.relative_to(staging)): {"sha256": digest, "size": size, "hash": BLOCK_HASH}
+                        for path, size, digest in written}
+                write_atomic(staging / f"{DIGESTS}{self.rank}.json", json.dumps(sums).encode())
+            except (OSError, RuntimeError) as err:
+                failure = self._describe(err)
+        failure = self.first_failure(failure)
         public: dict[str, Any] | None = None
         if self.rank == 0 and failure is None:
             try:
-                public = self._commit(name, step, staging, final, meta).public()
+                public = self._commit(name, pending.step, staging, final, pending.meta).public()
             except OSError as err:
                 failure = self._describe(err)
         if self.rank == 0 and failure is not None:
@@ -185,12 +231,19 @@ class CheckpointStore:
         return str(err)
 
     def _commit(self, name: str, step: int, staging: Path, final: Path, meta: dict[str, Any]) -> CheckpointInfo:
+        known: dict[str, dict[str, Any]] = {}
+        for sums in sorted(staging.glob(f"{DIGESTS}*.json")):
+            known.update(json.loads(sums.read_text()))
+            sums.unlink()
         files: dict[str, dict[str, Any]] = {}
         size = 0
         for path in sorted(p for p in staging.rglob("*") if p.is_file()):
             rel = str(path.relative_to(staging))
             nbytes = path.stat().st_size
-            files[rel] = {"sha256": _sha256(path), "size": nbytes}
+            entry = known.get(rel)
+            if entry is None or entry["size"] != nbytes:
+                entry = {"sha256": _sha256(path), "size": nbytes}
+            files[rel] = entry
             size += nbytes
         _fsync_tree(staging)
         digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
@@ -262,8 +315,10 @@ class CheckpointStore:
                 out.append(self._info_from(manifest, path))
         return sorted(out, key=lambda c: c.step)
 
-    def verify(self, path: Path) -> str | None:
-        """None when every file matches its manifest entry, else what is wrong."""
+    def verify(self, path: Path, *, deep: bool = True) -> str | None:
+        """None when every file matches its manifest entry, else what is wrong. With
+        `deep=False`, files with a chunked checksum are only checked for presence and size:
+        the caller checks them as it reads them (`deferred`)."""
         manifest = self.read_manifest(path)
         if manifest is None:
             return "manifest missing or unreadable"
@@ -271,15 +326,29 @@ class CheckpointStore:
             file = path / rel
             if not file.is_file():
                 return f"{rel} is missing"
-            if file.stat().st_size != entry["size"] or _sha256(file) != entry["sha256"]:
+            if file.stat().st_size != entry["size"]:
+                return f"{rel} does not match its size"
+            if entry.get("hash") == BLOCK_HASH:
+                if deep and self.digest(file) != entry["sha256"]:
+                    return f"{rel} does not match its checksum"
+            elif _sha256(file) != entry["sha256"]:
                 return f"{rel} does not match its sha256"
         return None
 
-    def find_good(self, name: str | None = None) -> CheckpointInfo | None:
-        """The named checkpoint, or the newest good one; verified on rank 0, agreed by all."""
+    def deferred(self, path: Path) -> dict[Path, str]:
+        """The files of a checkpoint that `verify(deep=False)` left to be checked as they are
+        read: resolved path -> chunked checksum."""
+        manifest = self.read_manifest(path) or {"files": {}}
+        return {(path / rel).resolve(): entry["sha256"] for rel, entry in manifest["files"].items()
+                if entry.get("hash") == BLOCK_HASH}
+
+    def find_good(self, name: str | None = None, *, deep: bool = True,
+                  rejected: set[str] | None = None) -> CheckpointInfo | None:
+        """The named checkpoint, or the newest good one not `rejected`; verified on rank 0
+        (see `verify` for `deep`), agreed by all."""
         chosen: dict[str, Any] | None = None
         if self.rank == 0:
-            candidates = self.list()
+            candidates = [c for c in self.list() if c.name not in (rejected or set())]
             if name is not None:
                 candidates = [c for c in candidates if c.name == name]
                 if not candidates:
@@ -291,7 +360,7 @@ class CheckpointStore:
                     # the pointer wins over directory order, newer dirs without it are ignored
                     candidates = [c for c in candidates if c.name <= latest] or candidates
             for info in reversed(candidates):
-                problem = self.verify(info.path)
+                problem = self.verify(info.path, deep=deep)
                 if problem is None:
                     chosen = info.public()
                     break

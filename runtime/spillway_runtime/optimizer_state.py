@@ -24,6 +24,7 @@ restored bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,11 +78,11 @@ def restore_swapped_state(engine: Any, steps: list[int | None]) -> None:
         state["step"] = step
 
 
-def restore_in_memory_subgroups(engine: Any, load_dir: str, tag: str) -> int:
+def restore_in_memory_subgroups(engine: Any, load_dir: str, tag: str, load: Callable[[str], Any]) -> int:
     """Put back what an NVMe-offloaded load leaves out: every sub-group DeepSpeed keeps in
     memory (too small to swap) gets its fp32 masters, Adam state and 16-bit partition from
-    the ZeRO checkpoint file, as DeepSpeed's own load does when nothing is swapped. Returns
-    how many sub-groups it restored."""
+    the ZeRO checkpoint file (read with `load`, the checkpoint engine's), as DeepSpeed's own
+    load does when nothing is swapped. Returns how many sub-groups it restored."""
     import torch
     from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT
 
@@ -94,7 +95,7 @@ def restore_in_memory_subgroups(engine: Any, load_dir: str, tag: str) -> int:
     path = Path(engine._get_zero_ckpt_name(load_dir, tag))
     if not path.is_file():
         raise OptimizerStateError(f"checkpoint has no ZeRO optimizer file {path} for this rank's in-memory optimizer state")
-    saved = torch.load(path, map_location="cpu", weights_only=False)[OPTIMIZER_STATE_DICT]  # ZeRO's state dict
+    saved = load(str(path))[OPTIMIZER_STATE_DICT]  # ZeRO's state dict
     flats = saved[FP32_FLAT_GROUPS]
     states = saved[OPTIMIZER_STATE_DICT]["state"]  # the base optimizer's
     base = getattr(zero, "optimizer", zero)
@@ -157,3 +158,31 @@ def replay_adam_kernel(engine: Any, step: int) -> None:
     update(0, 0.0, 0.0)
     for t in range(1, step + 1):
         update(t, beta1, beta2)
+
+
+def strip_swapped_subgroups(engine: Any, state_dict: Any, path: str) -> Any:
+    """The ZeRO file's state dict without the sub-groups whose state is in swap files.
+
+    With the optimizer on NVMe, DeepSpeed's load restores those sub-groups from the copied
+    swap files alone and never reads them from this file; `restore_in_memory_subgroups`
+    reads the others. Saving them here too doubled a checkpoint (24 bytes per parameter
+    where 12 hold the fp32 masters and both moments). Their step count is kept. Returns a
+    new dict; the optimizer's own state is untouched.
+    """
+    import torch
+    from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT
+
+    zero = engine.optimizer
+    inner = state_dict.get(OPTIMIZER_STATE_DICT) if isinstance(state_dict, dict) else None
+    if getattr(zero, "optimizer_swapper", None) is None or not isinstance(inner, dict) or FP32_FLAT_GROUPS not in inner:
+        return state_dict
+    swapped = {i for i in range(len(zero.fp32_partitioned_groups_flat)) if zero._swappable_optimizer_subgroup(i)}
+    flats = [torch.empty(0, dtype=flat.dtype) if i in swapped else flat
+             for i, flat in enumerate(inner[FP32_FLAT_GROUPS])]
+    base = inner[OPTIMIZER_STATE_DICT]
+    states = {
+        i: {k: v for k, v in state.items() if not torch.is_tensor(v) or v.numel() <= 1} if i in swapped else state
+        for i, state in base["state"].items()
+    }
+    return {**state_dict, OPTIMIZER_STATE_DICT: {**inner, FP32_FLAT_GROUPS: flats,
+                                                 OPTIMIZER_STATE_DICT: {**base, "state": states}}}

@@ -175,6 +175,13 @@ class SwapSettings(BaseModel):
     pin_memory: bool = True
 
 
+# What one checkpoint holds per parameter: the fp32 masters and both Adam moments, once each
+# (12 B), and under ZeRO-1/2 the 16-bit weights too (2 B); ZeRO-3 rebuilds those from the
+# masters. Measured by tests/integration/test_exact_resume.py for every placement.
+CHECKPOINT_BYTES_PER_PARAM = {3: 12}
+CHECKPOINT_BYTES_PER_PARAM_DEFAULT = 14
+
+
 class OffloadPlan(BaseModel):
     feasible: bool
     node: str
@@ -201,6 +208,13 @@ class OffloadPlan(BaseModel):
     reasons: list[str] = Field(default_factory=list)
     rejected: list[Rejection] = Field(default_factory=list)
     model: ModelShape
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """The size of one checkpoint of this plan, all ranks together (data position, RNG and
+        the small files are under a megabyte more)."""
+        per = CHECKPOINT_BYTES_PER_PARAM.get(self.zero_stage, CHECKPOINT_BYTES_PER_PARAM_DEFAULT)
+        return self.model.params * per
 
     @property
     def label(self) -> str:

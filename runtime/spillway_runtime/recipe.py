@@ -21,7 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from spillway_runtime import k8s_status
-from spillway_runtime.checkpoint import CheckpointError, CheckpointInfo, CheckpointStore, pending_rollback
+from spillway_runtime.checkpoint import (
+    STAGING,
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointStore,
+    PendingSave,
+    pending_rollback,
+)
 from spillway_runtime.contract import ExitCode
 from spillway_runtime.data import (
     CACHE_DIR_NAME,
@@ -39,6 +46,7 @@ from spillway_runtime.optimizer_state import (
     replay_adam_kernel,
     restore_in_memory_subgroups,
     restore_swapped_state,
+    strip_swapped_subgroups,
 )
 from spillway_runtime.reporting import Reporter
 from spillway_runtime.runconfig import RuntimeConfig
@@ -260,6 +268,12 @@ class FineTuneRecipe:
         )
 
     def _setup_checkpoints(self) -> None:
+        from spillway_runtime.ds_checkpoint import SpillwayCheckpointEngine, direct_io
+
+        self.pending: PendingSave | None = None
+        self.ckpt = SpillwayCheckpointEngine(direct_io(self.plan.aio, memlock_limit()),
+                                             functools.partial(strip_swapped_subgroups, self.engine))
+        self.engine.checkpoint_engine = self.ckpt
         self.store = CheckpointStore(
             Path(self.cfg.checkpoint_dir),
             self.spec.checkpoint.keep,
@@ -270,6 +284,7 @@ class FineTuneRecipe:
             log=self._log,
             pinned=self._pending_rollback,
             keep_best=self.spec.checkpoint.keep_best,
+            digest=self.ckpt.io.digest,
         )
         if self.rank == 0:
             self._check_writable(Path(self.cfg.checkpoint_dir), "checkpoint.path")
@@ -278,16 +293,11 @@ class FineTuneRecipe:
         resume_from = self.spec.resume_from
         if resume_from is not None and self.store.applied_rollback() == resume_from:
             resume_from = None
-        try:
-            info = self.store.find_good(resume_from)
-        except CheckpointError as err:
-            raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
+        info = self._load_good(resume_from)
         abandoned: list[str] = []
-        if info is not None:
-            self._load(info)
-            if resume_from is not None:
-                abandoned = self.store.adopt(info.name) if self.rank == 0 else []
-                self._barrier()
+        if info is not None and resume_from is not None:
+            abandoned = self.store.adopt(info.name) if self.rank == 0 else []
+            self._barrier()
         self._list_checkpoints_in_status()
         if info is not None:
             if resume_from is not None:
@@ -392,6 +402,8 @@ class FineTuneRecipe:
             position = self._next_position()
             loss = self._micro_loss(position)
             self.engine.backward(loss)
+            if self.pending is not None and self.engine.is_gradient_accumulation_boundary():
+                self.settle_checkpoint()  # the optimizer step changes what it is writing
             self.engine.step()
             total += float(loss.detach().float().item())
             self.data_position = position + 1
@@ -438,6 +450,7 @@ class FineTuneRecipe:
                 self.evaluate()
             if self.step % every == 0 or self.step == t.max_steps:
                 self.save_checkpoint(loss)
+        self.settle_checkpoint()
         self.export()
         self.reporter.event("finished", step=self.step, loss=getattr(self, "last_loss", None),
                             rollbacks=self.rollbacks)
@@ -479,8 +492,10 @@ class FineTuneRecipe:
         return value
 
     def _preempt(self) -> int:
+        self.settle_checkpoint()  # the checkpoint in flight first: SIGTERM waits for it
         if self.step > 0 and self.last_saved_step != self.step:  # at step 0 there is nothing to keep
             self.save_checkpoint(getattr(self, "last_loss", None))
+            self.settle_checkpoint()
         self.reporter.event("preempted", step=self.step)
         return ExitCode.PREEMPTED
 
@@ -494,17 +509,17 @@ class FineTuneRecipe:
                 f"rollback.maxRollbacks is {policy.max_rollbacks}: lower training.learningRate or inspect the data",
                 ExitCode.DIVERGED,
             )
-        info = self.store.find_good()
+        self.settle_checkpoint()
+        rollbacks, skips = self.rollbacks, [*self.skip_ranges, (first, end)]
+        lr_scale = self.lr_scale * policy.lr_backoff
+        bad_step = self.step + 1
+        info = self._load_good(None)
         if info is None:
             raise RunFailed(
                 f"training diverged at step {self.step + 1} ({problem}) before the first checkpoint; "
                 "lower checkpoint.everySteps so there is one to roll back to",
                 ExitCode.DIVERGED,
             )
-        rollbacks, skips = self.rollbacks, [*self.skip_ranges, (first, end)]
-        lr_scale = self.lr_scale * policy.lr_backoff
-        bad_step = self.step + 1
-        self._load(info)
         # What happened since the checkpoint is kept: the count, the skipped batches, the lower LR.
         self.rollbacks, self.skip_ranges, self.lr_scale = rollbacks, skips, lr_scale
         self.reporter.event(
@@ -544,46 +559,104 @@ class FineTuneRecipe:
             },
         }
 
-    def save_checkpoint(self, loss: float | None) -> CheckpointInfo:
-        def write(staging: Path) -> None:
-            self.engine.save_checkpoint(str(staging), tag=DS_TAG, save_latest=False)
+    def save_checkpoint(self, loss: float | None) -> None:
+        """Begin a checkpoint of this step: what is small is written now, the tensors in the
+        background while the next step's forward and backward run (`settle_checkpoint`)."""
+        from spillway_runtime.ds_checkpoint import BackgroundWrite, swap_file_jobs, without_swap_copy
+
+        self.settle_checkpoint()
+        background: list[BackgroundWrite] = []
+
+        def write(staging: Path) -> Any:
+            with without_swap_copy(self.engine):
+                self.engine.save_checkpoint(str(staging), tag=DS_TAG, save_latest=False)
             self.torch.save(self._state(), staging / f"rank{self.rank}-{STATE_FILE}")
+            jobs = self.ckpt.take_jobs() + swap_file_jobs(self.engine, staging / DS_TAG, self.rank)
+            background.append(BackgroundWrite(self.ckpt.io, jobs))
+            return lambda: [(w.path, w.size, w.digest) for w in background[0].wait()]
 
         meta = {"loss": loss, "worldSize": self.world_size, "plan": self.plan.label,
                 "dataPosition": self.data_position, "config": self.spec.model_dump(mode="json")}
         evaluated = getattr(self, "last_eval", None)
         if evaluated is not None and evaluated[0] == self.step:
             meta["evalLoss"] = evaluated[1]
+        self.pending = self.store.begin(self.step, write, meta)
+        self.pending_stall = time.monotonic() - self.pending.began
+        self.pending_background = background
+
+    def settle_checkpoint(self) -> CheckpointInfo | None:
+        """Wait for the checkpoint in flight to be durable and commit it (every rank)."""
+        pending, self.pending = getattr(self, "pending", None), None
+        if pending is None:
+            return None
+        waited = time.monotonic()
         try:
-            info = self.store.save(self.step, write, meta)
+            info = self.store.finish(pending)
         except CheckpointError as err:
-            self.reporter.event("checkpoint_failed", step=self.step, reason=str(err))
+            self.reporter.event("checkpoint_failed", step=pending.step, reason=str(err))
             raise RunFailed(str(err)) from None
-        self.last_saved_step = self.step
+        stall = self.pending_stall + time.monotonic() - waited
+        background = self.pending_background[0].seconds if self.pending_background else 0.0
+        self.last_saved_step = pending.step
         self._list_checkpoints_in_status()
-        self.reporter.event("checkpoint", **info.public())
+        self.reporter.event("checkpoint", **info.public(), stall_seconds=round(stall, 4),
+                            background_seconds=round(background, 4))
         return info
+
+    def _load_good(self, name: str | None) -> CheckpointInfo | None:
+        """Load the named checkpoint, or the newest good one: a file found damaged as it is
+        read rejects that checkpoint (on every rank) and the previous one is tried."""
+        from spillway_runtime.ckpt_io import CheckpointIOError
+
+        rejected: set[str] = set()
+        while True:
+            try:
+                info = self.store.find_good(name, deep=False, rejected=rejected)
+            except CheckpointError as err:
+                raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
+            if info is None:
+                return None
+            problem: str | None = None
+            try:
+                self._load(info)
+            except CheckpointIOError as err:
+                problem = str(err)
+            problem = self._first_failure(problem)
+            if problem is None:
+                return info
+            if name is not None:
+                raise RunFailed(f"resumeFrom: checkpoint {name} is damaged ({problem})", ExitCode.BAD_INPUT)
+            self._log(f"checkpoint {info.name} rejected: {problem}; falling back to the previous one")
+            rejected.add(info.name)
 
     def _load(self, info: CheckpointInfo) -> None:
         import numpy as np
 
-        load_path, _ = self.engine.load_checkpoint(
-            str(info.path), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
-        )
-        if load_path is None:
-            raise RunFailed(f"DeepSpeed could not load checkpoint {info.name} from {info.path}")
-        state_file = info.path / f"rank{self.rank}-{STATE_FILE}"
-        if not state_file.exists():
-            written_by = (self.store.read_manifest(info.path) or {}).get("worldSize")
-            raise RunFailed(
-                f"checkpoint {info.name} was written by {written_by} processes and holds no state for rank "
-                f"{self.rank}; resume with the same number of processes",
-                ExitCode.BAD_INPUT,
+        from spillway_runtime.ds_checkpoint import load_view
+
+        self.ckpt.expected = self.store.deferred(info.path)
+        scratch = self.store.root / f"{STAGING}load-view-rank{self.rank}"
+        with load_view(self.engine, self.ckpt.io, info.path, DS_TAG, scratch, self.rank, self.ckpt.expected) as root:
+            load_path, _ = self.engine.load_checkpoint(
+                str(root), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
             )
+            if load_path is None:
+                raise RunFailed(f"DeepSpeed could not load checkpoint {info.name} from {info.path}")
+            state_file = info.path / f"rank{self.rank}-{STATE_FILE}"
+            if not state_file.exists():
+                written_by = (self.store.read_manifest(info.path) or {}).get("worldSize")
+                raise RunFailed(
+                    f"checkpoint {info.name} was written by {written_by} processes and holds no state for rank "
+                    f"{self.rank}; resume with the same number of processes",
+                    ExitCode.BAD_INPUT,
+                )
+            try:
+                restore_in_memory_subgroups(self.engine, str(root), DS_TAG, self.ckpt.load)
+            except OptimizerStateError as err:
+                raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
         state = self.torch.load(state_file, weights_only=False)
         steps = state.get("optimizer_steps", [])
         try:
-            restore_in_memory_subgroups(self.engine, str(info.path), DS_TAG)
             restore_swapped_state(self.engine, steps)
         except OptimizerStateError as err:
             raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
@@ -621,6 +694,10 @@ class FineTuneRecipe:
         self._barrier()
 
     def cleanup(self) -> None:
+        for write in getattr(self, "pending_background", []):
+            write.thread.join()  # a failed run's checkpoint in flight: its staging is swept later
+        if getattr(self, "ckpt", None) is not None:
+            self.ckpt.io.close()
         self.reporter.close()
         engine = getattr(self, "engine", None)
         if engine is not None and hasattr(engine, "destroy"):

@@ -146,6 +146,12 @@ def reference_run(references, make_job, tmp_path_factory, placement) -> tuple[Ru
             assert measured == pytest.approx(predicted, rel=0.10)
         else:
             assert predicted == 0 and measured == 0
+        # each tensor once: fp32 masters and both moments, + the 16-bit weights under ZeRO-2,
+        # as the planner sizes the checkpoint volume (with the optimizer on NVMe DeepSpeed's
+        # own save held the optimizer state twice, 24 B/param); the small files are under 1 MiB
+        size = json.loads((run.run_dir / "checkpoints" / checkpoint_name(MAX_STEPS) / MANIFEST).read_text())["sizeBytes"]
+        assert run.config.plan.checkpoint_bytes <= size <= run.config.plan.checkpoint_bytes + (1 << 20), (
+            size / run.config.plan.model.params)
         references[placement] = run
     return references[placement], Path(references[placement].config.run_dir).parent / "nvme"
 

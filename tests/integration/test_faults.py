@@ -78,6 +78,31 @@ def test_damaged_latest_checkpoint_falls_back_to_previous(tmp_path, make_job):
     assert any("step-00000006 rejected" in e.get("message", "") for e in again.of("log"))
 
 
+@pytest.mark.parametrize("optimizer", ["cpu", "nvme"])
+def test_a_flipped_bit_in_a_tensor_file_is_found_as_it_is_read_and_the_previous_checkpoint_used(
+        tmp_path, make_job, optimizer):
+    """The large files are checked while they are loaded, not read twice: one bit flipped in
+    the optimizer state (the ZeRO file's tensors, or a copied swap file with the optimizer on
+    NVMe) rejects that checkpoint and the restart resumes from the one before."""
+    offload = {"optimizer": optimizer, "nvme": {"path": str(tmp_path / "nvme")},
+               "deepspeed": {"zero_optimization": {"stage": 3}}}
+    job = make_job(training={"maxSteps": 6}, checkpoint={"everySteps": 2}, offload=offload)
+    first = run_job(job, tmp_path / "run")
+    assert first.returncode == 0, first.log[-3000:]
+    latest = tmp_path / "run" / "checkpoints" / "step-00000006"
+    pattern = "offloaded_tensors/*/exp_avg_sq-*" if optimizer == "nvme" else "*optim_states.pt.tensors"
+    [damaged] = list((latest / "ds").glob(pattern))
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    damaged.write_bytes(bytes(data))
+    job2 = make_job(training={"maxSteps": 8}, checkpoint={"everySteps": 2}, offload=offload)
+    again = run_job(job2, tmp_path / "run")
+    assert again.returncode == 0, again.log[-3000:]
+    assert again.of("resumed")[-1]["checkpoint"] == "step-00000004"
+    rejected = [e["message"] for e in again.of("log") if "step-00000006 rejected" in e.get("message", "")]
+    assert rejected and f"{damaged.name} does not match its checksum" in rejected[0]
+
+
 def test_malformed_dataset_names_file_and_line(tmp_path, make_job, tiny_model):
     data = tmp_path / "broken.jsonl"
     data.write_text('{"text": "fine"}\n{"text": "fine"}\nnot json at all\n')

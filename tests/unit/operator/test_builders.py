@@ -251,3 +251,15 @@ def test_cost_accrues_from_pod_time() -> None:
     cost = b.cost_status(now, 1.0, 0.5, seconds, 8.0, 4)
     assert cost["usd"] == 9.0 and cost["gpuHours"] == 4.5 and cost["display"] == "$9.00"
     assert cost["asOf"] == "2026-01-01T01:00:00Z"
+
+
+@pytest.mark.parametrize(("checkpoint", "copies"), [({"keep": 3}, 4), ({"keep": 2, "keepBest": True}, 4)])
+def test_checkpoint_volume_holds_kept_checkpoints_of_the_plans_real_size(checkpoint, copies) -> None:
+    dataset = {"uri": "file:///d", "validation": {"fraction": 0.1}}
+    s = spec(checkpoint=checkpoint, dataset=dataset)
+    choice = choose_placement(s, [node("gpu-24g", "n1")], {}, SETTINGS).chosen
+    assert choice is not None and choice.plan is not None
+    plan = choice.plan
+    per_param = {3: 12}.get(plan.zero_stage, 14)  # fp32 masters and both moments, + bf16 weights under ZeRO-2
+    assert plan.checkpoint_bytes == plan.model.params * per_param
+    assert b.checkpoint_size_bytes(s, plan) == copies * plan.checkpoint_bytes + 2**30

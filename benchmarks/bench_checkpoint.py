@@ -1,0 +1,178 @@
+"""Benchmark: checkpoints at the disk's speed, while training goes on.
+
+Trains the 211M-parameter model in-process (bf16, ZeRO-3), once with the optimizer state on
+NVMe and the parameters on the CPU, once with the optimizer state in CPU RAM, and for each:
+
+- before: DeepSpeed's own `save_checkpoint` (torch.save through the page cache, and with the
+  optimizer on NVMe its buffered copy of the swap files), the stall and bytes it costs;
+- after: Spillway's checkpoint, begun after a step and settled inside the next one, as
+  training does it: bytes per parameter, the stall (what the step waited) against the
+  median step time, and the write throughput against a direct-I/O write of a new file of
+  the same size measured in the same run;
+- load: the checkpoint read back into the engine, out of the page cache (evicted first),
+  against a direct read of that file of the same size.
+
+Targets: write and load >= 0.7 of their baselines; stall <= 1 step; <= 14 bytes/param.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import BENCH_DIR, write_job
+
+PLACEMENTS = {"nvme": {"optimizer": "nvme", "parameters": "cpu"}, "cpu": {"optimizer": "cpu", "parameters": "gpu"}}
+
+
+def evict(root: Path) -> None:
+    """Drop a tree's files from the page cache, so that reading them measures the disk."""
+    for path in root.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def direct_baselines(directory: Path, size: int, aio) -> tuple[float, float]:
+    """Seconds to write a new file of `size` bytes with direct I/O (fsynced), and to read it back."""
+    import torch
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    handle = AsyncIOBuilder().load().aio_handle(aio.block_size, aio.queue_depth, False, True,
+                                                aio.intra_op_parallelism)
+    chunk = 64 << 20
+    buf = handle.new_cpu_locked_tensor(chunk, torch.empty(0, dtype=torch.uint8))
+    buf.random_(0, 127)
+    path = directory / f"baseline-{time.time_ns()}"
+    size = size // 4096 * 4096
+    try:
+        start = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        for offset in range(0, size, chunk):
+            handle.sync_pwrite(buf[:min(chunk, size - offset)], str(path), offset)
+        os.fsync(fd)
+        os.close(fd)
+        write_s = time.perf_counter() - start
+        evict(path.parent)
+        start = time.perf_counter()
+        for offset in range(0, size, chunk):
+            handle.sync_pread(buf[:min(chunk, size - offset)], str(path), offset)
+        read_s = time.perf_counter() - start
+    finally:
+        handle.free_cpu_locked_tensor(buf)
+        path.unlink(missing_ok=True)
+    return write_s, read_s
+
+
+def deepspeed_save(recipe, target: Path) -> float:
+    """DeepSpeed's own checkpoint of the engine's state, as Spillway saved it before: seconds."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    ours = recipe.engine.checkpoint_engine
+    recipe.engine.checkpoint_engine = TorchCheckpointEngine()
+    try:
+        start = time.perf_counter()
+        recipe.engine.save_checkpoint(str(target), tag="ds", save_latest=False)
+        for path in target.rglob("*"):  # what the store's commit did: every file durable
+            if path.is_file():
+                fd = os.open(path, os.O_RDONLY)
+                os.fsync(fd)
+                os.close(fd)
+        return time.perf_counter() - start
+    finally:
+        recipe.engine.checkpoint_engine = ours
+
+
+def run(placement: str, steps: int) -> dict[str, float]:
+    from spillway_runtime.local import prepare_local_run
+    from spillway_runtime.probe import probe_basic
+    from spillway_runtime.recipe import FineTuneRecipe
+
+    nvme = BENCH_DIR / "ckpt-nvme"
+    shutil.rmtree(nvme, ignore_errors=True)
+    job = write_job(f"bench-ckpt-{placement}", "large", steps=steps + 4, micro_batch=2, sequence=64, stage=3,
+                    offload={**PLACEMENTS[placement], "nvme": {"path": str(nvme)}})
+    run_dir = BENCH_DIR / f"run-ckpt-{placement}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    config = prepare_local_run(job, run_dir=run_dir, hardware=probe_basic(nvme))
+    recipe = FineTuneRecipe(config)
+    recipe.setup()
+    params = config.plan.model.params
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        recipe.train_step()
+        recipe.step += 1
+        times.append(time.perf_counter() - start)
+    step_s = statistics.median(times[1:])
+
+    before_dir = run_dir / "deepspeed-save"
+    before_s = deepspeed_save(recipe, before_dir)
+    before_bytes = tree_bytes(before_dir)
+    shutil.rmtree(before_dir)
+
+    events: list[dict] = []
+    original = recipe.reporter.event
+    recipe.reporter.event = lambda name, **fields: (events.append({"event": name, **fields}), original(name, **fields))
+    recipe.save_checkpoint(1.0)
+    start = time.perf_counter()
+    recipe.train_step()  # settles the checkpoint before its optimizer step
+    recipe.step += 1
+    with_checkpoint_s = time.perf_counter() - start
+    [saved] = [e for e in events if e["event"] == "checkpoint"]
+    info = recipe.store.list()[-1]
+
+    write_s, read_s = direct_baselines(Path(config.checkpoint_dir), info.size_bytes, config.plan.aio)
+    evict(info.path)
+    start = time.perf_counter()
+    recipe._load(info)
+    load_s = time.perf_counter() - start
+    recipe.cleanup()
+    return {
+        "params": params, "step_s": step_s, "before_s": before_s, "before_bytes": before_bytes,
+        "bytes": info.size_bytes, "stall_s": saved["stall_seconds"], "background_s": saved["background_seconds"],
+        "with_checkpoint_s": with_checkpoint_s, "write_s": write_s, "read_s": read_s, "load_s": load_s,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--placement", choices=sorted(PLACEMENTS), action="append")
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+    for placement in args.placement or ["nvme", "cpu"]:
+        r = run(placement, args.steps)
+        gb = r["bytes"] / 1e9
+        print(f"== optimizer on {placement}: {r['params']:,} parameters, step {r['step_s']:.2f} s (median)")
+        print(f"before (DeepSpeed's save): {r['before_bytes'] / r['params']:.1f} B/param, "
+              f"{r['before_bytes'] / 1e9:.2f} GB, training stopped {r['before_s']:.2f} s")
+        print(f"after: {r['bytes'] / r['params']:.2f} B/param, {gb:.2f} GB; written in the background in "
+              f"{r['background_s']:.2f} s ({gb / r['background_s']:.2f} GB/s); the step with it took "
+              f"{r['with_checkpoint_s']:.2f} s")
+        print(f"baselines: direct write {gb / r['write_s']:.2f} GB/s, direct read {gb / r['read_s']:.2f} GB/s; "
+              f"load {r['load_s']:.2f} s ({gb / r['load_s']:.2f} GB/s)")
+        print(f"RATIO {placement} write / direct write = {r['write_s'] / r['background_s']:.2f}  (target >= 0.7)")
+        print(f"RATIO {placement} load / direct read = {r['read_s'] / r['load_s']:.2f}  (target >= 0.7)")
+        print(f"RATIO {placement} stall / step = {r['stall_s'] / r['step_s']:.2f}  (target <= 1; "
+              f"before {r['before_s'] / r['step_s']:.2f})")
+        print(f"RATIO {placement} bytes / param = {r['bytes'] / r['params']:.2f}  (target <= 14; "
+              f"before {r['before_bytes'] / r['params']:.2f})")
+
+
+if __name__ == "__main__":
+    main()
