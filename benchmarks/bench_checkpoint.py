@@ -120,15 +120,17 @@ def run(placement: str, steps: int) -> dict[str, float]:
         recipe.step += 1
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times[1:])
+    print(f"steps: {', '.join(f'{t:.1f}' for t in times)} s", flush=True)
 
     before_dir = run_dir / "deepspeed-save"
     before_s = deepspeed_save(recipe, before_dir)
     before_bytes = tree_bytes(before_dir)
     shutil.rmtree(before_dir)
+    print(f"DeepSpeed's save: {before_s:.1f} s, {before_bytes / 1e9:.2f} GB", flush=True)
 
     events: list[dict] = []
     original = recipe.reporter.event
-    recipe.reporter.event = lambda name, **fields: (events.append({"event": name, **fields}), original(name, **fields))
+    recipe.reporter.event = lambda kind, **fields: (events.append({"event": kind, **fields}), original(kind, **fields))
     recipe.save_checkpoint(1.0)
     start = time.perf_counter()
     recipe.train_step()  # settles the checkpoint before its optimizer step
@@ -153,7 +155,7 @@ def run(placement: str, steps: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--placement", choices=sorted(PLACEMENTS), action="append")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     for placement in args.placement or ["nvme", "cpu"]:
         r = run(placement, args.steps)

@@ -3,7 +3,7 @@ and its prediction for a real run matches what lands on disk and in RAM."""
 
 import pytest
 
-from spillway_runtime.planner import model_state_bytes
+from spillway_runtime.estimates import model_state_bytes
 
 
 @pytest.mark.integration
