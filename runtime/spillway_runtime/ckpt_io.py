@@ -212,16 +212,48 @@ class DirectIO:
         return self.write_stream(path, iter(views), sum(int(v.numel()) for v in views))
 
     def copy_file(self, source: Path, target: Path) -> Written:
-        """Copy, reading and writing through buffers (both direct), hashing the bytes."""
+        """Copy through the two buffers, no copy between them: each chunk is read into one,
+        then written from it (and hashed) while the next chunk is read into the other."""
         size = source.stat().st_size
-        return self.write_stream(target, self.read_stream(source, size), size)
+        hashes: list[Future[bytes] | None] = [None, None]
+        digests: list[bytes] = []
+        out = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        src = os.open(source, os.O_RDONLY)
+        try:
+            offset, slot = 0, 0
+            while offset < size:
+                channel = self.writers[slot]
+                self._settle(slot, hashes, digests)
+                n = min(self.chunk, size - offset)
+                aligned = self._aligned(n)
+                data = memoryview(channel.buffer.numpy())[:n]
+                if aligned:
+                    channel.read(aligned, source, offset)
+                    channel.wait()
+                if aligned < n:  # the tail, through the page cache
+                    if os.preadv(src, [data[aligned:]], offset + aligned) != n - aligned:
+                        raise CheckpointIOError(f"{source} ended early")
+                    os.pwrite(out, data[aligned:], offset + aligned)
+                if aligned:
+                    channel.write(aligned, target, offset)
+                hashes[slot] = self.pool.submit(_sha256, data)
+                offset += n
+                slot = 1 - slot
+            self._settle(slot, hashes, digests)
+            self._settle(1 - slot, hashes, digests)
+            os.fsync(out)
+        finally:
+            for channel in self.writers:
+                channel.wait()
+            os.close(src)
+            os.close(out)
+        return Written(target, size, combine(digests))
 
     # --- reading ----------------------------------------------------------------------
 
     def read_stream(self, path: Path, size: int) -> Iterator[Any]:
         """The file's bytes as uint8 tensors of up to one chunk, each valid until the next is
-        asked for. Reads one chunk ahead. Uses buffers of its own: it may feed `write_stream`
-        (a copy), which uses the writers'."""
+        asked for. Reads one chunk ahead, into buffers of its own."""
         readers = self._channels()
         plain = os.open(path, os.O_RDONLY)
         try:
