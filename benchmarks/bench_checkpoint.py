@@ -52,8 +52,9 @@ def tree_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
-def direct_baselines(directory: Path, size: int, aio) -> tuple[float, float]:
-    """Seconds to write a new file of `size` bytes with direct I/O (fsynced), and to read it back."""
+def direct_baselines(directory: Path, size: int, aio) -> tuple[float, float, float]:
+    """Seconds to write a new file of `size` bytes with direct I/O (fsynced), to read it back,
+    and to copy it to a new file (read and write one chunk at a time, fsynced)."""
     import torch
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
@@ -77,10 +78,21 @@ def direct_baselines(directory: Path, size: int, aio) -> tuple[float, float]:
         for offset in range(0, size, chunk):
             handle.sync_pread(buf[:min(chunk, size - offset)], str(path), offset)
         read_s = time.perf_counter() - start
+        evict(path.parent)
+        copy = path.with_name(path.name + "-copy")
+        start = time.perf_counter()
+        fd = os.open(copy, os.O_WRONLY | os.O_CREAT, 0o644)
+        for offset in range(0, size, chunk):
+            handle.sync_pread(buf[:min(chunk, size - offset)], str(path), offset)
+            handle.sync_pwrite(buf[:min(chunk, size - offset)], str(copy), offset)
+        os.fsync(fd)
+        os.close(fd)
+        copy_s = time.perf_counter() - start
+        copy.unlink()
     finally:
         handle.free_cpu_locked_tensor(buf)
         path.unlink(missing_ok=True)
-    return write_s, read_s
+    return write_s, read_s, copy_s
 
 
 def deepspeed_save(recipe, target: Path) -> float:
@@ -148,7 +160,7 @@ def run(placement: str, steps: int) -> dict[str, float]:
     alone = [e for e in events if e["event"] == "checkpoint"][-1]
     info = recipe.store.list()[-1]
 
-    write_s, read_s = direct_baselines(Path(config.checkpoint_dir), info.size_bytes, config.plan.aio)
+    write_s, read_s, copy_s = direct_baselines(Path(config.checkpoint_dir), info.size_bytes, config.plan.aio)
     evict(info.path)
     copying = {"s": 0.0}
     copy_file = recipe.ckpt.io.copy_file
@@ -169,7 +181,7 @@ def run(placement: str, steps: int) -> dict[str, float]:
         "params": params, "step_s": step_s, "before_s": before_s, "before_bytes": before_bytes,
         "bytes": info.size_bytes, "stall_s": saved["stall_seconds"], "background_s": saved["background_seconds"],
         "with_checkpoint_s": with_checkpoint_s, "write_s": write_s, "read_s": read_s, "load_s": load_s,
-        "alone_s": alone["background_seconds"], "load_copy_s": copying["s"],
+        "alone_s": alone["background_seconds"], "load_copy_s": copying["s"], "copy_s": copy_s,
     }
 
 
@@ -192,12 +204,17 @@ def main() -> None:
     print(f"after: {r['bytes'] / r['params']:.2f} B/param, {gb:.2f} GB; written in {r['alone_s']:.2f} s alone "
           f"({gb / r['alone_s']:.2f} GB/s), in {r['background_s']:.2f} s beside training "
           f"({gb / r['background_s']:.2f} GB/s), where the step with it took {r['with_checkpoint_s']:.2f} s")
-    print(f"baselines: direct write {gb / r['write_s']:.2f} GB/s, direct read {gb / r['read_s']:.2f} GB/s; "
+    print(f"baselines: direct write {gb / r['write_s']:.2f} GB/s, direct read {gb / r['read_s']:.2f} GB/s, "
+          f"direct copy {gb / r['copy_s']:.2f} GB/s; "
           f"load {r['load_s']:.2f} s ({gb / r['load_s']:.2f} GB/s), of which copying swap files "
           f"{r['load_copy_s']:.2f} s")
     print(f"RATIO {placement} write / direct write = {r['write_s'] / r['alone_s']:.2f}  (target >= 0.7; "
           f"beside training {r['write_s'] / r['background_s']:.2f})")
     print(f"RATIO {placement} load / direct read = {r['read_s'] / r['load_s']:.2f}  (target >= 0.7)")
+    if placement == "nvme":  # its save and load copy the swap files: each byte is read and written
+        print(f"RATIO nvme write / direct copy = {r['copy_s'] / r['alone_s']:.2f}; load / direct copy = "
+              f"{r['copy_s'] / r['load_s']:.2f}; swap-file copy in the load / direct copy = "
+              f"{r['copy_s'] / max(r['load_copy_s'], 1e-9):.2f}")
     print(f"RATIO {placement} stall / step = {r['stall_s'] / r['step_s']:.2f}  (target <= 1; "
           f"before {r['before_s'] / r['step_s']:.2f})")
     print(f"RATIO {placement} bytes / param = {r['bytes'] / r['params']:.2f}  (target <= 14; "

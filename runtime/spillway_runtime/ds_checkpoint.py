@@ -73,7 +73,18 @@ class SpillwayCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self.io = io
         self.zero_file_filter = zero_file_filter  # (state_dict, path) -> state_dict
         self.jobs: list[Job] = []
+        self.defer = False  # queue the large tensors (inside `deferring`), else write them at once
         self.expected: dict[Path, str] = {}  # file -> checksum, for `load`
+
+    @contextlib.contextmanager
+    def deferring(self) -> Iterator[None]:
+        """Saves inside this queue their large tensors for `take_jobs`; any other save through
+        this engine (DeepSpeed's `save_16bit_model`, say) writes them before it returns."""
+        self.defer = True
+        try:
+            yield
+        finally:
+            self.defer = False
 
     def create(self, info: CheckpointCommitInfo) -> None:
         return None
@@ -91,8 +102,10 @@ class SpillwayCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             state_dict = self.zero_file_filter(state_dict, path)
         skeleton, tensors = split_state(state_dict)
         torch.save(skeleton, path)
-        if tensors:
+        if tensors and self.defer:
             self.jobs.append(Job(Path(path + TENSOR_SUFFIX), tensors))
+        elif tensors:
+            self.io.write_tensors(Path(path + TENSOR_SUFFIX), tensors)
 
     def load(self, path: str, map_location: Any = None) -> Any:
         import torch

@@ -568,7 +568,7 @@ class FineTuneRecipe:
         background: list[BackgroundWrite] = []
 
         def write(staging: Path) -> Any:
-            with without_swap_copy(self.engine):
+            with without_swap_copy(self.engine), self.ckpt.deferring():
                 self.engine.save_checkpoint(str(staging), tag=DS_TAG, save_latest=False)
             self.torch.save(self._state(), staging / f"rank{self.rank}-{STATE_FILE}")
             jobs = self.ckpt.take_jobs() + swap_file_jobs(self.engine, staging / DS_TAG, self.rank)

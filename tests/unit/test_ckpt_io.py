@@ -156,3 +156,25 @@ def test_locked_buffers_fit_under_rlimit_memlock(memlock, direct, chunk):
             assert 4 * io.chunk <= memlock * 0.15
     finally:
         io.close()
+
+
+def test_deepspeeds_files_round_trip_through_the_checkpoint_engine_now_or_in_the_background(io, tmp_path):
+    from spillway_runtime.ckpt_io import CheckpointIOError
+    from spillway_runtime.ds_checkpoint import BackgroundWrite, SpillwayCheckpointEngine
+
+    engine = SpillwayCheckpointEngine(io)
+    state = {"fp32_groups": [torch.randn(300_000), torch.randn(10)], "step": 7, "scaler": {"scale": 1.0}}
+    engine.save(state, str(tmp_path / "now.pt"))  # outside `deferring`: written before it returns
+    assert (tmp_path / "now.pt.tensors").stat().st_size == 300_000 * 4 and not engine.take_jobs()
+    with engine.deferring():
+        engine.save(state, str(tmp_path / "later.pt"))
+    assert not (tmp_path / "later.pt.tensors").exists()
+    jobs = engine.take_jobs()
+    [written] = BackgroundWrite(io, jobs).wait()
+    for name in ("now.pt", "later.pt"):
+        back = engine.load(str(tmp_path / name))
+        assert back["step"] == 7 and back["scaler"] == {"scale": 1.0}
+        assert all(torch.equal(a, b) for a, b in zip(back["fp32_groups"], state["fp32_groups"], strict=True))
+    engine.expected = {written.path.resolve(): "0" * 64}
+    with pytest.raises(CheckpointIOError, match="later.pt.tensors does not match its checksum"):
+        engine.load(str(tmp_path / "later.pt"))
