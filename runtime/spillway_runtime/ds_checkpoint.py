@@ -21,6 +21,7 @@ calls for every file:
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import threading
 import time
@@ -50,13 +51,28 @@ MEMLOCK_SHARE = 0.15
 MIN_CHUNK = 1 << 20
 
 
-def direct_io(aio: Any, memlock: int | None) -> DirectIO:
+def direct_io(aio: Any, memlock: int | None, directory: Path) -> DirectIO:
     """A `DirectIO` with the node's tuned async I/O settings (the plan's `aio`), its four
     locked buffers fitted under RLIMIT_MEMLOCK (`memlock`, None when unlimited); through the
-    page cache where they would be under `MIN_CHUNK` each."""
+    page cache where they would be under `MIN_CHUNK` each, or where `directory`'s
+    filesystem refuses O_DIRECT."""
     chunk = CHUNK if memlock is None else min(CHUNK, int(memlock * MEMLOCK_SHARE) // 4)
     return DirectIO(chunk=max(chunk, MIN_CHUNK), block_size=aio.block_size, queue_depth=aio.queue_depth,
-                    parallelism=aio.intra_op_parallelism, direct=chunk >= MIN_CHUNK)
+                    parallelism=aio.intra_op_parallelism, direct=chunk >= MIN_CHUNK and takes_direct_io(directory))
+
+
+def takes_direct_io(directory: Path) -> bool:
+    probe = directory / f".direct-io-probe-{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+        os.close(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
 
 
 @dataclass

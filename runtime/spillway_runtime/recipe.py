@@ -271,8 +271,8 @@ class FineTuneRecipe:
         from spillway_runtime.ds_checkpoint import SpillwayCheckpointEngine, direct_io
 
         self.pending: PendingSave | None = None
-        self.ckpt = SpillwayCheckpointEngine(direct_io(self.plan.aio, memlock_limit()),
-                                             functools.partial(strip_swapped_subgroups, self.engine))
+        io = direct_io(self.plan.aio, memlock_limit(), Path(self.cfg.checkpoint_dir))
+        self.ckpt = SpillwayCheckpointEngine(io, functools.partial(strip_swapped_subgroups, self.engine))
         self.engine.checkpoint_engine = self.ckpt
         self.store = CheckpointStore(
             Path(self.cfg.checkpoint_dir),
@@ -568,10 +568,13 @@ class FineTuneRecipe:
         background: list[BackgroundWrite] = []
 
         def write(staging: Path) -> Any:
-            with without_swap_copy(self.engine), self.ckpt.deferring():
-                self.engine.save_checkpoint(str(staging), tag=DS_TAG, save_latest=False)
-            self.torch.save(self._state(), staging / f"rank{self.rank}-{STATE_FILE}")
-            jobs = self.ckpt.take_jobs() + swap_file_jobs(self.engine, staging / DS_TAG, self.rank)
+            try:
+                with without_swap_copy(self.engine), self.ckpt.deferring():
+                    self.engine.save_checkpoint(str(staging), tag=DS_TAG, save_latest=False)
+                self.torch.save(self._state(), staging / f"rank{self.rank}-{STATE_FILE}")
+            finally:
+                jobs = self.ckpt.take_jobs()  # a failed save leaves none queued for the next
+            jobs += swap_file_jobs(self.engine, staging / DS_TAG, self.rank)
             background.append(BackgroundWrite(self.ckpt.io, jobs))
             return lambda: [(w.path, w.size, w.digest) for w in background[0].wait()]
 

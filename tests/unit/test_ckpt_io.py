@@ -145,11 +145,11 @@ def test_a_damaged_tensor_file_fails_a_deep_check_and_is_left_to_the_reader_othe
     (None, True, 32 << 20), (1 << 30, True, 32 << 20), (64 << 20, True, (64 << 20) * 15 // 100 // 4 // 4096 * 4096),
     (8 << 20, False, 1 << 20),  # a pod's default: 8 MiB, three quarters of it the optimizer swapper's
 ])
-def test_locked_buffers_fit_under_rlimit_memlock(memlock, direct, chunk):
+def test_locked_buffers_fit_under_rlimit_memlock(memlock, direct, chunk, tmp_path):
     from spillway_runtime.ds_checkpoint import direct_io
     from spillway_runtime.hardware import AioSettings
 
-    io = direct_io(AioSettings(), memlock)
+    io = direct_io(AioSettings(), memlock, tmp_path)
     try:
         assert (io.direct, io.chunk) == (direct, chunk)
         if direct and memlock:
@@ -176,5 +176,5 @@ def test_deepspeeds_files_round_trip_through_the_checkpoint_engine_now_or_in_the
         assert back["step"] == 7 and back["scaler"] == {"scale": 1.0}
         assert all(torch.equal(a, b) for a, b in zip(back["fp32_groups"], state["fp32_groups"], strict=True))
     engine.expected = {written.path.resolve(): "0" * 64}
-    with pytest.raises(CheckpointIOError, match="later.pt.tensors does not match its checksum"):
+    with pytest.raises(CheckpointIOError, match=r"later\.pt\.tensors does not match its checksum"):
         engine.load(str(tmp_path / "later.pt"))
