@@ -1,8 +1,8 @@
 """Dependencies as `Annotated` aliases: a session per request, the job service, the caller.
 
-`SessionDep` commits when the handler returns and then runs what launchers queued
-for after the commit (starting a local run), so nothing starts for a request that
-did not commit. `Allowed(verb)` authenticates and authorizes for the path's namespace.
+`SessionDep` commits when the handler returns, before the response is sent, and then
+runs what launchers queued for after the commit (starting a local run), so nothing
+starts for a request that did not commit. `Allowed(verb)` authenticates and authorizes for the path's namespace.
 """
 
 from __future__ import annotations
@@ -37,7 +37,11 @@ def get_session(request: Request) -> Iterator[Session]:
         action()
 
 
-SessionDep = Annotated[Session, Depends(get_session)]
+# scope="function": the commit (and what waits for it) runs before the response is sent. By
+# default FastAPI ends a `yield` dependency after sending it: a client could hear 200 for a
+# change not yet committed, and its next request, reading the row before that commit, lost
+# its compare-and-set to it (a 409 on a resume right after a suspend).
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 
 
 def get_settings_dep(request: Request) -> Settings:
