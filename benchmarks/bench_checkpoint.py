@@ -38,14 +38,11 @@ PLACEMENTS = {"nvme": (3, {"optimizer": "nvme", "parameters": "gpu"}), "cpu": (2
 
 def evict(root: Path) -> None:
     """Drop a tree's files from the page cache, so that reading them measures the disk."""
+    from spillway_runtime.probe import _drop_page_cache
+
     for path in root.rglob("*"):
         if path.is_file() and not path.is_symlink():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            _drop_page_cache(str(path))
 
 
 def tree_bytes(root: Path) -> int:
