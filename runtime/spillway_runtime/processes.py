@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import threading
 from collections.abc import Callable
@@ -27,6 +28,14 @@ from typing import Any, Protocol
 from spillway_runtime.contract import ExitCode
 
 _PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    """A port the kernel has just handed out from its ephemeral range: outside Kubernetes' NodePort
+    range (30000-32767), which a kube-proxy on the same host holds open."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def die_with_parent() -> None:

@@ -48,6 +48,7 @@ from spillway_runtime.optimizer_state import (
     restore_swapped_state,
     strip_swapped_subgroups,
 )
+from spillway_runtime.processes import free_port
 from spillway_runtime.reporting import Reporter
 from spillway_runtime.runconfig import RuntimeConfig
 
@@ -139,7 +140,8 @@ class FineTuneRecipe:
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        if "MASTER_PORT" not in os.environ:  # one process, no supervisor
+            os.environ["MASTER_PORT"] = str(free_port())
         _ask_cpuinfo_once()
         import deepspeed
         import numpy as np

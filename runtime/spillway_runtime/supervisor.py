@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,16 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from spillway_runtime.contract import ExitCode
-from spillway_runtime.processes import die_with_parent, exit_status
+from spillway_runtime.processes import die_with_parent, exit_status, free_port
 
 FAILURE_GRACE_S = 30.0  # after one rank failed, how long the others get before SIGKILL
 POLL_S = 0.2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def combined_exit(codes: list[int]) -> int:

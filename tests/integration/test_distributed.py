@@ -48,7 +48,7 @@ def test_two_nodes_rendezvous_and_a_stop_on_one_node_stops_both_with_75(tmp_path
 
     from spillway_runtime.checkpoint import CheckpointStore, checkpoint_name
     from spillway_runtime.local import prepare_local_run, runtime_env
-    from spillway_runtime.supervisor import free_port
+    from spillway_runtime.processes import free_port
     from tests import polling
 
     job = make_job(training={"maxSteps": 200}, checkpoint={"everySteps": 1000},
