@@ -12,8 +12,8 @@ calls for every file:
   ZeRO file (`optimizer.state_dict()`) and as a copy of the swap files
   (`offloaded_tensors/`), and its load reads only the swap files. The ZeRO file keeps only
   the sub-groups that stay in memory (`strip_swapped_subgroups`), and the swap files are
-  copied by us, in the background, with direct I/O, instead of DeepSpeed's buffered
-  `copytree` inside the save.
+  moved into the checkpoint rather than copied, and read from it by the swapper's next
+  swap-in (`SwapFiles`), instead of DeepSpeed's buffered `copytree` on save and on load.
 - `load` reads the large tensors back with direct I/O and checks each file's checksum as
   it reads, against the manifest (`expect`): one pass over the bytes, not two.
 """
@@ -80,6 +80,7 @@ class Job:
     target: Path
     tensors: list[Any] = field(default_factory=list)
     source: Path | None = None  # a file to copy instead
+    in_place: bool = False  # a file already there, to checksum
 
 
 class SpillwayCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
@@ -159,7 +160,9 @@ class BackgroundWrite:
     def _run(self) -> None:
         try:
             for job in self.jobs:
-                if job.source is not None:
+                if job.in_place:
+                    self.written.append(Written(job.target, job.target.stat().st_size, self.io.digest(job.target)))
+                elif job.source is not None:
                     job.target.parent.mkdir(parents=True, exist_ok=True)
                     self.written.append(self.io.copy_file(job.source, job.target))
                 else:
@@ -181,14 +184,6 @@ class BackgroundWrite:
         return self.written
 
 
-def swap_folder(engine: Any) -> Path | None:
-    """Where the optimizer's state is swapped to, when it is on NVMe."""
-    swapper = getattr(engine.optimizer, "optimizer_swapper", None)
-    if swapper is None or not engine.zero_nvme_offload_optimizer():
-        return None
-    return Path(swapper.swap_folder)
-
-
 def saved_swap_dir(tag_dir: Path, rank: int) -> Path:
     """Where DeepSpeed's load looks for a rank's swap files: `<tag>/offloaded_tensors/rank<NN>`."""
     from deepspeed.checkpoint.ds_to_universal import dp_index_to_str
@@ -196,60 +191,144 @@ def saved_swap_dir(tag_dir: Path, rank: int) -> Path:
     return tag_dir / OFFLOADED / f"rank{dp_index_to_str(rank)}"
 
 
-def swap_file_jobs(engine: Any, tag_dir: Path, rank: int) -> list[Job]:
-    """Copies of the optimizer's swap files (not the gradients') into the checkpoint."""
-    folder = swap_folder(engine)
-    if folder is None:
-        return []
-    target = saved_swap_dir(tag_dir, rank)
-    return [Job(target / src.name, source=src) for src in sorted(folder.iterdir())
-            if src.is_file() and "gradient" not in src.name]
+class SwapFiles:
+    """The optimizer's swap files (optimizer on NVMe) in checkpoints, moved rather than copied.
+
+    DeepSpeed's swapper reads a sub-group's files at its swap-in, in the optimizer step, and
+    writes them back at its swap-out, to the same paths (a file that is not there is
+    created). So a checkpoint takes the files as they stand after a step by renaming them
+    into itself (`save_jobs`; the background write only checksums them) and records each in
+    `pending`; the swapper's next swap-in of that tensor reads it from the checkpoint (the
+    hook `__init__` installs), and its swap-out writes a new file in the swap folder. A file
+    of a checkpoint is never written again. A second checkpoint before the next step links
+    the same files. A load (`load_view`) checks the files where they are and leaves them
+    there for the next swap-in, instead of DeepSpeed's buffered copy of every byte into the
+    swap folder. Where the swap folder and the checkpoints are on different filesystems,
+    the save copies the files instead (direct I/O, in the background).
+
+    Pending reads point into the staging directory until the store commits it
+    (`committed`), which the recipe does before the next optimizer step. A checkpoint that
+    fails to commit ends the run (the recipe's `RunFailed`): the restart loads the last
+    good checkpoint, whatever the swap folder holds.
+    """
+
+    def __init__(self, swapper: Any):
+        self.swapper = swapper
+        self.folder = Path(swapper.swap_folder)
+        self.pending: dict[str, Path] = {}  # swap path -> where the state is until the next swap-in
+        for name in ("_swap_in_parameter", "_swap_in_optimizer_state"):  # partitioned, pipelined
+            original = getattr(swapper, name, None)
+            if original is not None:
+                setattr(swapper, name, self._reading_pending(original))
+
+    @classmethod
+    def of(cls, engine: Any) -> SwapFiles | None:
+        swapper = getattr(engine.optimizer, "optimizer_swapper", None)
+        if swapper is None or not engine.zero_nvme_offload_optimizer():
+            return None
+        return cls(swapper)
+
+    def _reading_pending(self, swap_in: Any) -> Any:
+        def swap_in_pending(aio_handle: Any, parameter: Any, *args: Any, **kwargs: Any) -> Any:
+            info = self.swapper._get_param_swap_info(parameter)
+            redirected = []
+            for tensor in info.tensors if info is not None and self.pending else []:
+                source = self.pending.pop(tensor.swap_path, None)
+                if source is not None:
+                    redirected.append((tensor, tensor.swap_path))
+                    tensor.swap_path = str(source)
+            try:  # the reads are submitted (file names copied) before this returns
+                return swap_in(aio_handle, parameter, *args, **kwargs)
+            finally:
+                for tensor, path in redirected:
+                    tensor.swap_path = path
+
+        return swap_in_pending
+
+    def _key(self, name: str) -> str:
+        return os.path.join(self.swapper.swap_folder, name)  # as DeepSpeed builds swap_path
+
+    def names(self) -> list[str]:
+        """The optimizer's swap files (not the gradients'), wherever they are now."""
+        here = {p.name for p in self.folder.iterdir() if p.is_file() and "gradient" not in p.name}
+        return sorted(here | {Path(key).name for key in self.pending})
+
+    def where(self, name: str) -> Path:
+        """Where the current state of swap file `name` is."""
+        return self.pending.get(self._key(name), Path(self._key(name)))
+
+    def save_jobs(self, tag_dir: Path, rank: int) -> list[Job]:
+        """Put this rank's swap files into the checkpoint at `tag_dir`: what the background
+        write must then do with each (checksum it, or copy it)."""
+        target_dir = saved_swap_dir(tag_dir, rank)
+        target_dir.mkdir(parents=True, exist_ok=True)
+        same_fs = os.stat(self.folder).st_dev == os.stat(target_dir).st_dev
+        jobs = []
+        for name in self.names():
+            key, target = self._key(name), target_dir / name
+            earlier = self.pending.get(key)
+            moved = False
+            with contextlib.suppress(OSError):  # then copied
+                if earlier is not None:
+                    os.link(earlier, target)
+                    moved = True
+                elif same_fs:
+                    os.rename(key, target)
+                    moved = True
+            jobs.append(Job(target, in_place=True) if moved else Job(target, source=earlier or Path(key)))
+            if moved or earlier is not None:  # an earlier checkpoint may be pruned at this one's commit
+                self.pending[key] = target
+        return jobs
+
+    def committed(self, staging: Path, final: Path) -> None:
+        """The store renamed `staging` to `final`: pending reads follow."""
+        for key, path in self.pending.items():
+            if path.is_relative_to(staging):
+                self.pending[key] = final / path.relative_to(staging)
+
+    @contextlib.contextmanager
+    def load_view(self, io: DirectIO, root: Path, tag: str, scratch: Path, rank: int,
+                  expected: dict[Path, str]) -> Iterator[Path]:
+        """The checkpoint at `root` as DeepSpeed's load should see it: a view of symbolic
+        links in `scratch` whose swap-file folder is empty (DeepSpeed copies nothing), this
+        rank's swap files checked against `expected` where they are and pending for the
+        swapper's next swap-in."""
+        saved_dir = saved_swap_dir(root / tag, rank)
+        self.pending.clear()
+        if not saved_dir.is_dir():
+            raise CheckpointIOError(f"the checkpoint holds no optimizer swap files for rank {rank} ({saved_dir})")
+        shutil.rmtree(scratch, ignore_errors=True)
+        try:
+            view = scratch / root.name
+            for src in sorted(root.rglob("*")):
+                rel = src.relative_to(root)
+                if OFFLOADED in rel.parts:
+                    continue
+                if src.is_dir():
+                    (view / rel).mkdir(parents=True, exist_ok=True)
+                else:
+                    (view / rel).parent.mkdir(parents=True, exist_ok=True)
+                    (view / rel).symlink_to(src.resolve())
+            for saved in sorted(saved_dir.iterdir()):
+                want = expected.get(saved.resolve())
+                if want is not None and io.digest(saved) != want:
+                    raise CheckpointIOError(f"{saved} does not match its checksum")
+                self.pending[self._key(saved.name)] = saved.resolve()
+            (view / saved_dir.relative_to(root)).mkdir(parents=True, exist_ok=True)
+            yield view
+        except BaseException:
+            self.pending.clear()
+            raise
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 @contextlib.contextmanager
 def without_swap_copy(engine: Any) -> Iterator[None]:
     """Inside `engine.save_checkpoint`, skip DeepSpeed's buffered copy of the swap files
-    (`swap_file_jobs` copies them): in its save that is the only use of this check."""
+    (`SwapFiles.save_jobs` moves them): in its save that is the only use of this check."""
     engine.zero_nvme_offload_optimizer = lambda: False
     try:
         yield
     finally:
         del engine.zero_nvme_offload_optimizer
-
-
-@contextlib.contextmanager
-def load_view(engine: Any, io: DirectIO, root: Path, tag: str, scratch: Path, rank: int,
-              expected: dict[Path, str]) -> Iterator[Path]:
-    """The checkpoint at `root` as DeepSpeed's load should see it, with this rank's swap
-    files already in the swap folder: copied (and checked against `expected`) with direct
-    I/O here, so that DeepSpeed's own buffered copy finds nothing left to do. Yields the
-    directory to load from: `root` itself when the optimizer is not on NVMe, else a view
-    of symbolic links in `scratch` with empty swap-file folders."""
-    folder = swap_folder(engine)
-    saved_dir = saved_swap_dir(root / tag, rank)
-    if folder is None:
-        yield root
-        return
-    if not saved_dir.is_dir():
-        raise CheckpointIOError(f"the checkpoint holds no optimizer swap files for rank {rank} ({saved_dir})")
-    shutil.rmtree(scratch, ignore_errors=True)
-    try:
-        view = scratch / root.name
-        for src in sorted(root.rglob("*")):
-            rel = src.relative_to(root)
-            if OFFLOADED in rel.parts:
-                continue
-            if src.is_dir():
-                (view / rel).mkdir(parents=True, exist_ok=True)
-            else:
-                (view / rel).parent.mkdir(parents=True, exist_ok=True)
-                (view / rel).symlink_to(src.resolve())
-        for saved in sorted(saved_dir.iterdir()):
-            copied = io.copy_file(saved, folder / saved.name)
-            want = expected.get(saved.resolve())
-            if want is not None and copied.digest != want:
-                raise CheckpointIOError(f"{saved} does not match its checksum")
-        (view / saved_dir.relative_to(root)).mkdir(parents=True, exist_ok=True)
-        yield view
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)

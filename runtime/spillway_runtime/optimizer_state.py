@@ -43,11 +43,13 @@ def partition_states(engine: Any) -> list[dict[str, Any]]:
     return [base.state[flat] for flat in flats]
 
 
-def restore_swapped_state(engine: Any, steps: list[int | None]) -> None:
+def restore_swapped_state(engine: Any, steps: list[int | None],
+                          where: Callable[[str], Path] | None = None) -> None:
     """Register both Adam moments of every swapped sub-group, and every partition's step count.
 
     The moments are placeholders that the swapper fills from the restored swap files at the
-    next swap-in; the step count drives the bias correction.
+    next swap-in; the step count drives the bias correction. `where(file name)` says where a
+    swap file's state is (a checkpoint's file, until the next swap-in reads it).
     """
     import torch
 
@@ -70,7 +72,8 @@ def restore_swapped_state(engine: Any, steps: list[int | None]) -> None:
         flat = zero.fp32_partitioned_groups_flat[index]
         numel = int(zero.fp16_partitioned_groups_flat_numel[index])
         for name in ("exp_avg", "exp_avg_sq"):
-            swap_file = Path(swapper.swap_folder) / f"{name}-{flat.ds_id}.tensor.swp"
+            file_name = f"{name}-{flat.ds_id}.tensor.swp"
+            swap_file = where(file_name) if where else Path(swapper.swap_folder) / file_name
             if not swap_file.exists():
                 raise OptimizerStateError(f"checkpoint restore left no swap file {swap_file} for Adam's {name}")
             # A stride-0 view: the right size to the swapper, no memory until swapped in.

@@ -270,9 +270,10 @@ class FineTuneRecipe:
         )
 
     def _setup_checkpoints(self) -> None:
-        from spillway_runtime.ds_checkpoint import SpillwayCheckpointEngine, direct_io
+        from spillway_runtime.ds_checkpoint import SpillwayCheckpointEngine, SwapFiles, direct_io
 
         self.pending: PendingSave | None = None
+        self.swap_files = SwapFiles.of(self.engine)  # the optimizer's, on NVMe
         io = direct_io(self.plan.aio, memlock_limit(), Path(self.cfg.checkpoint_dir))
         self.ckpt = SpillwayCheckpointEngine(io, functools.partial(strip_swapped_subgroups, self.engine))
         self.engine.checkpoint_engine = self.ckpt
@@ -564,7 +565,7 @@ class FineTuneRecipe:
     def save_checkpoint(self, loss: float | None) -> None:
         """Begin a checkpoint of this step: what is small is written now, the tensors in the
         background while the next step's forward and backward run (`settle_checkpoint`)."""
-        from spillway_runtime.ds_checkpoint import BackgroundWrite, swap_file_jobs, without_swap_copy
+        from spillway_runtime.ds_checkpoint import BackgroundWrite, without_swap_copy
 
         self.settle_checkpoint()
         background: list[BackgroundWrite] = []
@@ -576,7 +577,8 @@ class FineTuneRecipe:
                 self.torch.save(self._state(), staging / f"rank{self.rank}-{STATE_FILE}")
             finally:
                 jobs = self.ckpt.take_jobs()  # a failed save leaves none queued for the next
-            jobs += swap_file_jobs(self.engine, staging / DS_TAG, self.rank)
+            if self.swap_files is not None:
+                jobs += self.swap_files.save_jobs(staging / DS_TAG, self.rank)
             background.append(BackgroundWrite(self.ckpt.io, jobs))
             return lambda: [(w.path, w.size, w.digest) for w in background[0].wait()]
 
@@ -600,6 +602,8 @@ class FineTuneRecipe:
         except CheckpointError as err:
             self.reporter.event("checkpoint_failed", step=pending.step, reason=str(err))
             raise RunFailed(str(err)) from None
+        if self.swap_files is not None:
+            self.swap_files.committed(pending.staging, info.path)
         stall = self.pending_stall + time.monotonic() - waited
         background = self.pending_background[0].seconds if self.pending_background else 0.0
         self.last_saved_step = pending.step
@@ -637,11 +641,11 @@ class FineTuneRecipe:
     def _load(self, info: CheckpointInfo) -> None:
         import numpy as np
 
-        from spillway_runtime.ds_checkpoint import load_view
-
         self.ckpt.expected = self.store.deferred(info.path)
         scratch = self.store.root / f"{STAGING}load-view-rank{self.rank}"
-        with load_view(self.engine, self.ckpt.io, info.path, DS_TAG, scratch, self.rank, self.ckpt.expected) as root:
+        view = contextlib.nullcontext(info.path) if self.swap_files is None else self.swap_files.load_view(
+            self.ckpt.io, info.path, DS_TAG, scratch, self.rank, self.ckpt.expected)
+        with view as root:
             load_path, _ = self.engine.load_checkpoint(
                 str(root), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
             )
@@ -662,7 +666,7 @@ class FineTuneRecipe:
         state = self.torch.load(state_file, weights_only=False)
         steps = state.get("optimizer_steps", [])
         try:
-            restore_swapped_state(self.engine, steps)
+            restore_swapped_state(self.engine, steps, self.swap_files.where if self.swap_files else None)
         except OptimizerStateError as err:
             raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
         replay_adam_kernel(self.engine, max((s for s in steps if s is not None), default=0))

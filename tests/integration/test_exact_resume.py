@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from spillway_runtime.checkpoint import LATEST, MANIFEST, checkpoint_name
+from spillway_runtime.checkpoint import LATEST, MANIFEST, CheckpointStore, checkpoint_name
 from spillway_runtime.contract import ExitCode
 from spillway_runtime.recipe import STATE_FILE
 from spillway_runtime.runconfig import FaultInjection
@@ -152,6 +152,13 @@ def reference_run(references, make_job, tmp_path_factory, placement) -> tuple[Ru
         size = json.loads((run.run_dir / "checkpoints" / checkpoint_name(MAX_STEPS) / MANIFEST).read_text())["sizeBytes"]
         assert run.config.plan.checkpoint_bytes <= size <= run.config.plan.checkpoint_bytes + (1 << 20), (
             size / run.config.plan.model.params)
+        # with the optimizer on NVMe a checkpoint's swap files are the ones the swapper wrote,
+        # moved into it; the next step reads them from there and writes new ones: no file of
+        # any checkpoint (six kept, the first 23 steps old) was written after its commit
+        store = CheckpointStore(run.run_dir / "checkpoints", keep=10)
+        kept = store.list()
+        assert len(kept) == 6
+        assert {info.name: store.verify(info.path, deep=True) for info in kept} == {info.name: None for info in kept}
         references[placement] = run
     return references[placement], Path(references[placement].config.run_dir).parent / "nvme"
 
