@@ -23,7 +23,7 @@ from pydantic.alias_generators import to_camel
 
 from spillway_runtime.hardware import NodeHardware
 from spillway_runtime.plan_summary import PlanSummary, plan_summary
-from spillway_runtime.spec import COUNT_SCHEMA, FineTuneJobSpec, Offload, Training
+from spillway_runtime.spec import COUNT_SCHEMA, FineTuneJobSpec, Method, Offload, Training
 
 
 class WireModel(BaseModel):
@@ -245,6 +245,7 @@ class PlanRequest(WireModel):
     spec: FineTuneJobSpec | None = Field(None, description="Training and offload settings of the job to plan")
     training: Training | None = None
     offload: Offload | None = None
+    method: Method | None = Field(None, description="full or lora (LoRA: the adapters' state only is sized)")
     dtype: Literal["bf16", "fp16", "fp32"] | None = None
     hardware: NodeHardware | None = Field(None, description="One machine's hardware, as `spillway probe` prints")
     nodes: list[NodeShape] | None = Field(
@@ -255,7 +256,7 @@ class PlanRequest(WireModel):
     gpus_per_node: int | None = Field(None, ge=0, le=64)
     price_per_hour: float | None = Field(None, ge=0)
 
-    _spec_types = field_validator("spec", "offload", mode="wrap")(_type_errors_are_invalid)
+    _spec_types = field_validator("spec", "offload", "method", mode="wrap")(_type_errors_are_invalid)
 
     @model_validator(mode="before")
     @classmethod

@@ -150,6 +150,7 @@ def choose_placement(
                 nodes=spec.resources.nodes,
                 price_per_hour=node_price,
                 cpu_processes=spec.resources.cpu_processes,
+                method=spec.method,
             )
         except ValueError as err:
             choice.why_not = str(err)

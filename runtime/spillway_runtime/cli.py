@@ -18,7 +18,7 @@ from spillway_runtime.contract import ExitCode
 from spillway_runtime.hardware import NodeHardware
 from spillway_runtime.largest import LargestFit, largest_model
 from spillway_runtime.planner import ModelShape, OffloadPlan, plan_tiers
-from spillway_runtime.spec import FineTuneJob, SpecError, Training, load_job
+from spillway_runtime.spec import FineTuneJob, Method, SpecError, Training, load_job
 from spillway_runtime.units import format_bytes, format_count, parse_count, parse_size
 
 err_console = Console(stderr=True, soft_wrap=True)
@@ -136,6 +136,9 @@ def plan(
     output: Annotated[Literal["table", "json"], typer.Option(help="table or json")] = "table",
     max_params: Annotated[bool, typer.Option(
         "--max-params", help="Instead: the largest model each placement fits here (settings from the job file)")] = False,
+    method: Annotated[Literal["full", "lora"] | None, typer.Option(
+        help="full or lora (rank 16 on every linear layer unless the job file says otherwise)")] = None,
+    lora_rank: Annotated[int | None, typer.Option(help="LoRA rank (implies --method lora)")] = None,
 ) -> None:
     """Decide where training state lives; exit 3 when nothing fits, naming the short tier.
     With --max-params: the largest model that fits, per placement."""
@@ -178,6 +181,10 @@ def plan(
         else:
             raise _fail("give a job file with a local model directory, or --params N")
         spec = job.spec if job else None
+        chosen = spec.method if spec else Method()
+        if method is not None or lora_rank is not None:
+            chosen = chosen.model_copy(update={"type": method or "lora",
+                                               **({"rank": lora_rank} if lora_rank is not None else {})})
         result = plan_tiers(
             shape, hw,
             spec.training if spec else Training(),
@@ -186,6 +193,7 @@ def plan(
             gpus_per_node=gpus_per_node if gpus_per_node is not None else None,
             nodes=nodes,
             price_per_hour=price_per_hour,
+            method=chosen,
         )
     except SpecError as err:
         raise _fail(str(err)) from None

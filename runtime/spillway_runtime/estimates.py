@@ -51,46 +51,58 @@ class StepTime(BaseModel):
 
 
 def model_state_bytes(
-    stage: int, optimizer: Tier, parameters: Tier, params: int, largest_layer: int, gpus_per_node: int, nodes: int
+    stage: int, optimizer: Tier, parameters: Tier, params: int, largest_layer: int, gpus_per_node: int, nodes: int,
+    trainable: int | None = None,
 ) -> tuple[int, int]:
     # gpus_per_node counts training processes: GPUs, or processes on a CPU accelerator.
     """(GPU bytes per GPU, CPU bytes per node) for model states, as DeepSpeed's estimators
     compute them with additional_buffer_factor=1.0 and zero.Init. NVMe placements extend
-    them: what moves to NVMe leaves the CPU figure (see `nvme_state_bytes`)."""
+    them: what moves to NVMe leaves the CPU figure (see `nvme_state_bytes`). With LoRA
+    (`trainable` < `params`) the 16-bit weights count every parameter and the gradients and
+    optimizer state (fp32 master, both moments, fp32 gradient: 16 B) only the trainable."""
+    t = params if trainable is None else trainable
     total_gpus = gpus_per_node * nodes
     per_node = gpus_per_node
     large = 4 * largest_layer
     if stage == 2:
         if optimizer == "gpu":
-            return 2 * params + 18 * params // total_gpus, 4 * params * per_node
-        return 2 * params, params * max(4 * total_gpus, 16)
+            return 2 * params + 18 * t // total_gpus, 4 * params * per_node
+        return 2 * params, max(4 * total_gpus * params, 16 * t)
     if optimizer == "gpu":
-        return large + 18 * params // total_gpus, 4 * largest_layer * per_node
+        return large + (2 * params + 16 * t) // total_gpus, 4 * largest_layer * per_node
     if parameters == "gpu":
         gpu = large + 2 * params // total_gpus
-        cpu_states = 16 * params // nodes
+        cpu_states = 16 * t // nodes
     else:
         gpu = large
-        cpu_states = 18 * params // nodes
+        cpu_states = (2 * params + 16 * t) // nodes
     # Optimizer on NVMe: the fp32 master, both moments and the fp32 gradient (16 B/param) go
     # to swap files; the 16-bit gradient partition (stage3.grad_partitions_flat_buffer) stays
     # in CPU RAM, and the fp32 staging buffers are counted with the pinned swap buffers.
     if optimizer == "nvme":
-        cpu_states -= OPTIMIZER_SWAP_BYTES_PER_PARAM * params // nodes
-        cpu_states += 2 * params // nodes
+        cpu_states -= OPTIMIZER_SWAP_BYTES_PER_PARAM * t // nodes
+        cpu_states += 2 * t // nodes
     # Parameters on NVMe: the 16-bit partition (2 B/param) leaves RAM for swap files.
     if parameters == "nvme":
         cpu_states -= 2 * params // nodes
     return gpu, cpu_states
 
 
-def nvme_state_bytes(optimizer: Tier, parameters: Tier, params: int, nodes: int) -> int:
+def nvme_state_bytes(optimizer: Tier, parameters: Tier, params: int, nodes: int, trainable: int | None = None) -> int:
     per_node = 0
     if optimizer == "nvme":
-        per_node += OPTIMIZER_SWAP_BYTES_PER_PARAM * params // nodes
+        per_node += OPTIMIZER_SWAP_BYTES_PER_PARAM * (params if trainable is None else trainable) // nodes
     if parameters == "nvme":
         per_node += 2 * params // nodes
     return per_node
+
+
+def lora_parameters(shape: ModelShape, rank: int, target_modules: list[str] | str) -> tuple[int, list[str]]:
+    """(LoRA parameters, target names the model has no linear layer of): each adapted layer
+    of in x out features gains rank * (in + out) parameters, as PEFT builds them."""
+    names = sorted(shape.linear_in_out) if target_modules == "all-linear" else list(target_modules)
+    missing = [name for name in names if name not in shape.linear_in_out]
+    return rank * sum(shape.linear_in_out.get(name, 0) for name in names), missing
 
 
 def activation_bytes(shape: ModelShape, training: Training, dtype: DType, checkpointing: bool) -> int:
@@ -130,11 +142,12 @@ def step_time(
     """Seconds per optimizer step. Transfers of parameters overlap with compute (prefetch);
     the optimizer phase (CPU step plus NVMe swapping of optimizer state) follows the
     backward pass, and its NVMe I/O overlaps with the CPU step only when pipelined."""
-    p = shape.params
+    p, t = shape.params, shape.trainable  # t < p with LoRA: only the adapters get gradients and updates
     ranks = ranks_per_node * nodes
     micro_steps = training.gradient_accumulation
     tokens_per_rank = training.micro_batch_size * training.sequence_length * micro_steps
-    flops = (8 if checkpointing else 6) * p * tokens_per_rank
+    # forward 2P, backward 2P for the activations' gradients and 2T for the weights'; +2P recomputed
+    flops = ((6 if checkpointing else 4) * p + 2 * t) * tokens_per_rank
     if gpus_per_node:
         compute = flops / (hw.peak_tflops * 1e12 * MODEL_FLOPS_UTILISATION)
         pcie = hw.host_device_bytes_per_s or DEFAULT_HOST_DEVICE_BPS
@@ -145,26 +158,26 @@ def step_time(
     host_device = 0.0
     if optimizer != "gpu":
         # grads down and updated 16-bit params up, each rank its own partition
-        host_device += 4 * p / ranks / pcie
+        host_device += 4 * t / ranks / pcie
     if parameters != "gpu":
         # fetch for forward and backward, grads down, every micro-step
-        host_device += 3 * 2 * p / ranks * micro_steps / pcie
+        host_device += (2 * 2 * p + 2 * t) / ranks * micro_steps / pcie
     read_bps = hw.nvme_read_bytes_per_s or DEFAULT_NVME_READ_BPS
     write_bps = hw.nvme_write_bytes_per_s or DEFAULT_NVME_WRITE_BPS
     param_nvme = 0.0
     if parameters == "nvme":
-        param_nvme = (2 * 2 * p / nodes * micro_steps) / read_bps + (2 * p / nodes) / write_bps
+        param_nvme = (2 * 2 * p / nodes * micro_steps) / read_bps + (2 * t / nodes) / write_bps
     opt_nvme = 0.0
     if optimizer == "nvme":
-        half = OPTIMIZER_SWAP_BYTES_PER_PARAM * p / nodes
+        half = OPTIMIZER_SWAP_BYTES_PER_PARAM * t / nodes
         opt_nvme = half / read_bps + half / write_bps
     if optimizer == "gpu":
         # fused Adam on the GPU streams ~16 B/param three times at HBM speed (~2 TB/s)
-        cpu_opt = 48 * p / ranks / 2e12 if gpus_per_node else p / nodes / (
+        cpu_opt = 48 * t / ranks / 2e12 if gpus_per_node else t / nodes / (
             hw.cpu_adam_params_per_s or DEFAULT_CPU_ADAM_PARAMS_PER_S
         )
     else:
-        cpu_opt = p / nodes / (hw.cpu_adam_params_per_s or DEFAULT_CPU_ADAM_PARAMS_PER_S)
+        cpu_opt = t / nodes / (hw.cpu_adam_params_per_s or DEFAULT_CPU_ADAM_PARAMS_PER_S)
     forward_backward = max(compute, host_device, param_nvme)
     optimizer_phase = max(cpu_opt, opt_nvme) if swap.pipeline else cpu_opt + opt_nvme
     return StepTime(

@@ -36,7 +36,7 @@ def plan_for_job(job: FineTuneJob, hw: NodeHardware, model_dir: Path, processes:
     gpus = min(hw.gpu_count, spec.resources.gpus_per_node or hw.gpu_count)
     plan = plan_tiers(
         shape, hw, spec.training, spec.offload, dtype=spec.model.dtype, gpus_per_node=gpus,
-        nodes=spec.resources.nodes, price_per_hour=price_per_hour, cpu_processes=processes,
+        nodes=spec.resources.nodes, price_per_hour=price_per_hour, cpu_processes=processes, method=spec.method,
     )
     if not plan.feasible:
         raise PlanningError(plan)

@@ -72,6 +72,13 @@ def shape_from_config(model_dir: str | Path) -> ModelShape:
                 list(c.children()) for c in children
             ) else 0
         largest_layer = max(largest_layer, own)
+    # What a LoRA adapter on each linear layer name costs (PEFT's all-linear skips the output head).
+    linear_in_out: dict[str, int] = {}
+    head = model.get_output_embeddings()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and module is not head:
+            leaf = name.rsplit(".", 1)[-1]
+            linear_in_out[leaf] = linear_in_out.get(leaf, 0) + module.in_features + module.out_features
     text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = int(getattr(text_cfg, "hidden_size", 0) or 1)
     return ModelShape(
@@ -83,4 +90,5 @@ def shape_from_config(model_dir: str | Path) -> ModelShape:
         num_layers=int(getattr(text_cfg, "num_hidden_layers", 0) or 1),
         vocab_size=int(getattr(text_cfg, "vocab_size", 0) or 1),
         num_attention_heads=int(getattr(text_cfg, "num_attention_heads", 0) or 1),
+        linear_in_out=linear_in_out,
     )

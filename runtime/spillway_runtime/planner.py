@@ -26,13 +26,14 @@ from spillway_runtime.estimates import (
     OPTIMIZER_SWAP_BYTES_PER_PARAM_NO_GRADS,
     StepTime,
     activation_bytes,
+    lora_parameters,
     model_state_bytes,
     nvme_state_bytes,
     step_time,
 )
 from spillway_runtime.hardware import AioSettings, NodeHardware
 from spillway_runtime.plan_summary import PlanSummary
-from spillway_runtime.spec import DType, Offload, Tier, Training
+from spillway_runtime.spec import DType, Method, Offload, Tier, Training
 from spillway_runtime.units import GiB, format_bytes, format_count
 
 # --- Constants, each with its reason -------------------------------------------------
@@ -91,6 +92,16 @@ class ModelShape(BaseModel):
     num_layers: int = Field(gt=0)
     vocab_size: int = Field(gt=0)
     num_attention_heads: int = Field(gt=0)
+    linear_in_out: dict[str, int] = Field(
+        default_factory=dict,
+        description="Per linear-layer name (q_proj, down_proj, ...; not the output head): in+out features summed "
+        "over the model's layers of that name. A LoRA adapter of rank r on them has r times that many parameters",
+    )
+    trainable_params: int | None = Field(None, description="Parameters that train (LoRA's adapters); none: all")
+
+    @property
+    def trainable(self) -> int:
+        return self.params if self.trainable_params is None else self.trainable_params
 
     @classmethod
     def from_param_count(cls, params: int, vocab_size: int = 32000) -> ModelShape:
@@ -105,7 +116,8 @@ class ModelShape(BaseModel):
             hidden = h
         layers = max(1, hidden // 128)
         embed = vocab_size * hidden
-        mlp = 3 * hidden * int(hidden * 8 / 3)
+        inner = int(hidden * 8 / 3)
+        mlp = 3 * hidden * inner
         return cls(
             name=format_count(params),
             params=params,
@@ -115,6 +127,8 @@ class ModelShape(BaseModel):
             num_layers=layers,
             vocab_size=vocab_size,
             num_attention_heads=max(1, hidden // 128),
+            linear_in_out={**{name: layers * 2 * hidden for name in ("q_proj", "k_proj", "v_proj", "o_proj")},
+                           **{name: layers * (hidden + inner) for name in ("gate_proj", "up_proj", "down_proj")}},
         )
 
 
@@ -196,7 +210,7 @@ class OffloadPlan(BaseModel):
         """The size of one checkpoint of this plan, all ranks together (data position, RNG and
         the small files are under a megabyte more)."""
         per = CHECKPOINT_BYTES_PER_PARAM.get(self.zero_stage, CHECKPOINT_BYTES_PER_PARAM_DEFAULT)
-        return self.model.params * per
+        return self.model.trainable * per  # LoRA: the adapters only (the base is the model's files)
 
     @property
     def label(self) -> str:
@@ -336,12 +350,13 @@ def _evaluate(
     ranks = ranks_per_node * nodes
     on_gpu = gpus_per_node > 0
     gpu_state, cpu_state = model_state_bytes(
-        stage, optimizer, parameters, shape.params, shape.largest_layer_params, ranks_per_node, nodes
+        stage, optimizer, parameters, shape.params, shape.largest_layer_params, ranks_per_node, nodes,
+        shape.trainable_params,
     )
     if dtype == "fp32":
         # fp32 training keeps 4-byte weights and grads where the estimators assume 2.
         gpu_state += gpu_state // 2 if optimizer == "gpu" else 0
-    nvme = nvme_state_bytes(optimizer, parameters, shape.params, nodes)
+    nvme = nvme_state_bytes(optimizer, parameters, shape.params, nodes, shape.trainable_params)
     overhead = ranks_per_node * (CPU_PROCESS_OVERHEAD_GPU if on_gpu else CPU_PROCESS_OVERHEAD_CPU)
 
     gpu_capacity = hw.gpu_memory_bytes if on_gpu else 0
@@ -368,19 +383,20 @@ def _evaluate(
     aio = hw.aio or AioSettings()
     min_swap = max(MIN_AIO_BYTES, aio.block_size)
     per_node_params = shape.params // nodes
+    per_node_trainable = shape.trainable // nodes
     if optimizer == "nvme":
-        swap_unit = min(shape.params // ranks, swap.sub_group_size) * 4
+        swap_unit = min(shape.trainable // ranks, swap.sub_group_size) * 4
         if swap_unit < min_swap:
             # Below DeepSpeed's minimum swap size the state never leaves RAM.
-            nvme -= OPTIMIZER_SWAP_BYTES_PER_PARAM * per_node_params
-            cpu_state += (OPTIMIZER_SWAP_BYTES_PER_PARAM - 2) * per_node_params
+            nvme -= OPTIMIZER_SWAP_BYTES_PER_PARAM * per_node_trainable
+            cpu_state += (OPTIMIZER_SWAP_BYTES_PER_PARAM - 2) * per_node_trainable
             reasons.append(
                 f"optimizer sub-groups of {format_bytes(swap_unit)} are below DeepSpeed's minimum swap size "
                 f"({format_bytes(min_swap)}): the state stays in CPU RAM"
             )
         elif shape.largest_param_numel // ranks * 4 < min_swap:
             # every gradient fragment is too small to swap: fp32 grads stay in RAM
-            moved = (OPTIMIZER_SWAP_BYTES_PER_PARAM - OPTIMIZER_SWAP_BYTES_PER_PARAM_NO_GRADS) * per_node_params
+            moved = (OPTIMIZER_SWAP_BYTES_PER_PARAM - OPTIMIZER_SWAP_BYTES_PER_PARAM_NO_GRADS) * per_node_trainable
             nvme -= moved
             cpu_state += moved
     if parameters == "nvme" and shape.largest_param_numel // ranks * 2 < min_swap:
@@ -480,6 +496,7 @@ def plan_tiers(
     nodes: int = 1,
     price_per_hour: float | None = None,
     cpu_processes: int = 1,
+    method: Method | None = None,
 ) -> OffloadPlan:
     """Choose the fastest placement that fits and is allowed; explain the others.
 
@@ -488,6 +505,15 @@ def plan_tiers(
     """
     training = training or Training()
     offload = offload or Offload()
+    lora_notes: list[str] = []
+    if method is not None and method.lora:
+        trainable, missing = lora_parameters(shape, method.rank, method.peft_targets)
+        if missing:
+            lora_notes.append(f"LoRA: the model has no linear layers named {', '.join(missing)} (not counted)")
+        shape = shape.model_copy(update={"trainable_params": max(1, trainable)})
+        lora_notes.insert(0, f"LoRA rank {method.rank}: {format_count(trainable)} trainable parameters of "
+                             f"{format_count(shape.params)}; the frozen base takes 2 B/param in the parameters' tier, "
+                             "gradients and optimizer state count the adapters only")
     gpus, ranks_per_node = _processes(hw, gpus_per_node, cpu_processes)
 
     candidates: list[OffloadPlan] = []
@@ -529,7 +555,7 @@ def plan_tiers(
             why = f"slower: {c.predicted_step_seconds:.3g} s/step vs {best.predicted_step_seconds:.3g} s/step"
         rejected.append(Rejection(placement=c.label, why=why))
     best.rejected = rejected
-    best.reasons = [*_explain(best), *best.reasons]
+    best.reasons = [*_explain(best), *lora_notes, *best.reasons]
     return best
 
 

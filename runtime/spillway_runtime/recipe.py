@@ -42,6 +42,7 @@ from spillway_runtime.data import (
 from spillway_runtime.dsconfig import DeepSpeedConfigError, fit_swap_buffers_to_memlock, memlock_limit
 from spillway_runtime.optimizer_state import (
     OptimizerStateError,
+    load_with_parameters_on_nvme,
     partition_states,
     replay_adam_kernel,
     restore_in_memory_subgroups,
@@ -52,6 +53,7 @@ from spillway_runtime.processes import free_port
 from spillway_runtime.reporting import Reporter
 from spillway_runtime.runconfig import RuntimeConfig
 
+MERGED_DIR = "merged"  # LoRA with export.merge: the merged model, beside the adapter
 STATE_FILE = "spillway_state.pt"
 DS_TAG = "ds"
 
@@ -244,6 +246,7 @@ class FineTuneRecipe:
             ds_config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
             self._log("model.dtype bf16 is not supported by this GPU: training in fp16 with loss scaling")
         torch_dtype = {"bf16": self.torch.bfloat16, "fp16": self.torch.float16, "fp32": self.torch.float32}[dtype]
+        self.torch_dtype = torch_dtype
         self._hf_ds_config = None
         if self.plan.zero_stage == 3:
             # Keeps transformers' zero.Init path on: from_pretrained partitions each layer as it
@@ -260,6 +263,8 @@ class FineTuneRecipe:
         if self.spec.training.activation_checkpointing == "on" or self.plan.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+        if self.spec.method.lora:
+            model = self._with_lora(model)
         _import_muon_without_compiling()
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
@@ -268,6 +273,28 @@ class FineTuneRecipe:
             f"engine: ZeRO-{self.plan.zero_stage}, optimizer {type(self.engine.optimizer).__name__}"
             f"/{type(getattr(self.engine.optimizer, 'optimizer', None)).__name__}"
         )
+
+    def _with_lora(self, model: Any) -> Any:
+        """The model with PEFT's LoRA adapters on `method.targetModules`, everything else frozen.
+        The adapters take the model's dtype (DeepSpeed keeps their fp32 masters)."""
+        from peft import LoraConfig, get_peft_model
+
+        method = self.spec.method
+        config = LoraConfig(r=method.rank, lora_alpha=method.alpha, lora_dropout=method.dropout,
+                            target_modules=method.peft_targets, task_type="CAUSAL_LM")
+        try:
+            model = get_peft_model(model, config, autocast_adapter_dtype=False)
+        except ValueError as err:  # PEFT: "Target modules {...} not found in the base model"
+            raise RunFailed(f"method.targetModules: {err}", ExitCode.BAD_INPUT) from None
+
+        def numel(p: Any) -> int:
+            return int(getattr(p, "ds_numel", p.numel()))  # ZeRO-3 has partitioned the base already
+
+        trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
+        total = sum(numel(p) for p in model.parameters())
+        self.reporter.event("lora", trainable=trainable, total=total, rank=method.rank,
+                            target_modules=method.target_modules)
+        return model
 
     def _setup_checkpoints(self) -> None:
         from spillway_runtime.ds_checkpoint import SpillwayCheckpointEngine, SwapFiles, direct_io
@@ -573,7 +600,9 @@ class FineTuneRecipe:
         def write(staging: Path) -> Any:
             try:
                 with without_swap_copy(self.engine), self.ckpt.deferring():
-                    self.engine.save_checkpoint(str(staging), tag=DS_TAG, save_latest=False)
+                    # LoRA: the frozen base is the model's own files, not part of any checkpoint
+                    self.engine.save_checkpoint(str(staging), tag=DS_TAG, save_latest=False,
+                                                exclude_frozen_parameters=self.spec.method.lora)
                 self.torch.save(self._state(), staging / f"rank{self.rank}-{STATE_FILE}")
             finally:
                 jobs = self.ckpt.take_jobs()  # a failed save leaves none queued for the next
@@ -645,9 +674,10 @@ class FineTuneRecipe:
         scratch = self.store.root / f"{STAGING}load-view-rank{self.rank}"
         view = contextlib.nullcontext(info.path) if self.swap_files is None else self.swap_files.load_view(
             self.ckpt.io, info.path, DS_TAG, scratch, self.rank, self.ckpt.expected)
-        with view as root:
+        with view as root, load_with_parameters_on_nvme(self.engine):
             load_path, _ = self.engine.load_checkpoint(
-                str(root), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+                str(root), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False,
+                load_module_strict=not self.spec.method.lora,  # the frozen base is not in it
             )
             if load_path is None:
                 raise RunFailed(f"DeepSpeed could not load checkpoint {info.name} from {info.path}")
@@ -689,7 +719,9 @@ class FineTuneRecipe:
     # --- export and cleanup ----------------------------------------------------------------
 
     def export(self) -> None:
-        """Consolidate ZeRO shards into a Hugging Face directory (safetensors)."""
+        """Consolidate ZeRO shards into a Hugging Face directory (safetensors). With LoRA: the
+        adapter (PEFT's layout: `PeftModel.from_pretrained` loads it onto the base model),
+        and with `export.merge` the merged model in `merged/` too."""
         if self.plan.zero_stage == 3:
             state_dict = self.engine._zero3_consolidated_16bit_state_dict()
         else:
@@ -699,8 +731,22 @@ class FineTuneRecipe:
             out.mkdir(parents=True, exist_ok=True)
             self.engine.module.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
             self.tokenizer.save_pretrained(out)
+            if self.spec.method.lora and self.spec.export.merge:
+                self._export_merged(out, out / MERGED_DIR)
             self.reporter.event("exported", path=str(out), bytes=_dir_bytes(out))
         self._barrier()
+
+    def _export_merged(self, adapter: Path, target: Path) -> None:
+        """The base model read again on the CPU, the exported adapter merged in by PEFT."""
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()  # a plain load, not partitioned by ZeRO-3 (training is over)
+        base = AutoModelForCausalLM.from_pretrained(self.cfg.model_dir, dtype=self.torch_dtype)
+        merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+        merged.save_pretrained(target, safe_serialization=True)
+        self.tokenizer.save_pretrained(target)
 
     def cleanup(self) -> None:
         for write in getattr(self, "pending_background", []):

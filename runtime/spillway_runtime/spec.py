@@ -176,6 +176,51 @@ class Training(SpecModel):
         return self
 
 
+# What `targetModules: all-linear` means, as PEFT reads it: every linear layer but the output head.
+ALL_LINEAR = "all-linear"
+
+
+class Method(SpecModel):
+    """Full fine-tuning, or LoRA adapters (PEFT) on a frozen base model."""
+
+    type: Literal["full", "lora"] = "full"
+    rank: int = Field(16, ge=1, le=4096, description="LoRA: rank r of each adapter")
+    alpha: int = Field(32, ge=1, le=65536, description="LoRA: scaling numerator (the update is scaled by alpha/rank)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA: dropout on the adapters' input")
+    target_modules: list[str] = Field(
+        default_factory=lambda: [ALL_LINEAR],
+        description="LoRA: names of the linear layers to adapt (q_proj, v_proj, ...); [all-linear]: every one "
+        "but the output head",
+    )
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_modules(cls, value: list[str]) -> list[str]:
+        if not value or any(not name.strip() for name in value):
+            raise ValueError("targetModules must name at least one module (e.g. [q_proj, v_proj]) or be [all-linear]")
+        if ALL_LINEAR in value and len(value) > 1:
+            raise ValueError("targetModules: all-linear stands alone (it already means every linear layer)")
+        return value
+
+    @property
+    def peft_targets(self) -> list[str] | str:
+        """As PEFT's LoraConfig takes them: the string all-linear, or the names."""
+        return ALL_LINEAR if self.target_modules == [ALL_LINEAR] else self.target_modules
+
+    @property
+    def lora(self) -> bool:
+        return self.type == "lora"
+
+
+class Export(SpecModel):
+    merge: bool = Field(False, description="LoRA: also write the base model with the adapters merged in (merged/)")
+
+
 class NvmeVolume(SpecModel):
     path: str | None = Field(None, description="Local mode: directory on a local NVMe drive for swap files")
     host_path: str | None = Field(None, description="Cluster mode: node directory mounted as a hostPath volume")
@@ -310,6 +355,8 @@ class FineTuneJobSpec(SpecModel):
     model: ModelSource
     dataset: DatasetSource
     training: Training = Field(default_factory=lambda: Training())
+    method: Method = Field(default_factory=lambda: Method())
+    export: Export = Field(default_factory=lambda: Export())
     offload: Offload = Field(default_factory=lambda: Offload())
     resources: Resources = Field(default_factory=lambda: Resources())
     checkpoint: CheckpointPolicy = Field(default_factory=lambda: CheckpointPolicy())
@@ -322,6 +369,9 @@ class FineTuneJobSpec(SpecModel):
 
     @model_validator(mode="after")
     def _evaluation_has_data(self) -> FineTuneJobSpec:
+        if self.export.merge and not self.method.lora:
+            raise ValueError("export.merge applies to method.type lora (a full fine-tune exports the whole model); "
+                             "remove it or set method.type: lora")
         if self.training.eval_every_steps and self.dataset.validation is None:
             raise ValueError("training.evalEverySteps needs dataset.validation (e.g. validation: {fraction: 0.05}); "
                              "add it or remove evalEverySteps")

@@ -39,7 +39,8 @@ def tiny_model(tmp_path_factory) -> dict[str, Path]:
 
 def job_document(name: str, model: Path, data: Path, *, training: dict[str, Any] | None = None,
                  offload: dict[str, Any] | None = None, checkpoint: dict[str, Any] | None = None,
-                 rollback: dict[str, Any] | None = None, dtype: str = "bf16") -> dict[str, Any]:
+                 rollback: dict[str, Any] | None = None, dtype: str = "bf16",
+                 method: dict[str, Any] | None = None, export: dict[str, Any] | None = None) -> dict[str, Any]:
     train = {"maxSteps": 8, "microBatchSize": 2, "gradientAccumulation": 2, "sequenceLength": 32,
              "learningRate": 3e-3, "warmupSteps": 2}
     train.update(training or {})
@@ -52,6 +53,10 @@ def job_document(name: str, model: Path, data: Path, *, training: dict[str, Any]
     }
     if rollback:
         spec["rollback"] = rollback
+    if method:
+        spec["method"] = method
+    if export:
+        spec["export"] = export
     return {"apiVersion": "spillway.dev/v1alpha1", "kind": "FineTuneJob", "metadata": {"name": name}, "spec": spec}
 
 

@@ -119,25 +119,30 @@ def test_spillway_run_fine_tunes_on_chat_data_learning_the_answers_only(tmp_path
 
 
 @pytest.mark.integration
-def test_the_chat_example_runs_as_its_comment_says(tmp_path):
-    """examples/chat-local.yaml with the commands in its comment (a shorter run)."""
+@pytest.mark.parametrize("example", ["chat-local", "chat-lora"])
+def test_the_chat_examples_run_as_their_comments_say(tmp_path, example):
+    """examples/chat-local.yaml and chat-lora.yaml with the commands in their comments (a shorter run)."""
     repo = Path(__file__).resolve().parents[2]
     (tmp_path / "examples").mkdir()
-    doc = yaml.safe_load((repo / "examples" / "chat-local.yaml").read_text())
+    doc = yaml.safe_load((repo / "examples" / f"{example}.yaml").read_text())
     doc["spec"]["training"].update(maxSteps=20, evalEverySteps=5)
     doc["spec"]["checkpoint"]["everySteps"] = 5
-    (tmp_path / "examples" / "chat-local.yaml").write_text(yaml.safe_dump(doc))
+    (tmp_path / "examples" / f"{example}.yaml").write_text(yaml.safe_dump(doc))
     made = spillway("make-tiny", "runs/models/tiny-llama", "--chat-dataset", "runs/data/arithmetic-chat.jsonl",
                     cwd=tmp_path)
     assert made.returncode == 0, made.stderr
-    result = spillway("run", "examples/chat-local.yaml", cwd=tmp_path, env={"COLUMNS": "200"})
+    result = spillway("run", f"examples/{example}.yaml", cwd=tmp_path, env={"COLUMNS": "200"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    events = [json.loads(line) for line in (tmp_path / "runs" / "chat-local" / "events.jsonl").read_text().splitlines()]
+    run = tmp_path / "runs" / example
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     evals = {e["step"]: e["eval_loss"] for e in events if e["event"] == "eval"}
     assert sorted(evals) == [5, 10, 15, 20] and evals[20] < evals[5]
     best = min(evals, key=lambda s: (evals[s], s))
-    kept = sorted(p.name for p in (tmp_path / "runs" / "chat-local" / "checkpoints").glob("step-*"))
+    kept = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
     assert kept == sorted({f"step-{best:08d}", "step-00000020"})
+    if example == "chat-lora":  # the adapter, and the merged model beside it
+        assert (run / "final" / "adapter_model.safetensors").is_file()
+        assert (run / "final" / "merged" / "model.safetensors").is_file()
 
 
 @pytest.mark.integration
@@ -153,6 +158,18 @@ def test_plan_cli_reference_points_and_infeasible_exit():
     short = spillway("plan", "--params", "13B", "--gpu-memory", "24GiB", "--cpu-memory", "64GiB", "--nvme", "0")
     assert short.returncode == 3
     assert "CPU RAM is short by" in short.stderr and "GiB" in short.stderr
+
+    # LoRA, as the README gives it: 13B in CPU RAM, 70B with the frozen base on NVMe
+    def lora(params: str) -> dict:
+        out = spillway("plan", "--params", params, "--gpu-memory", "24GiB", "--cpu-memory", "128GiB", "--nvme", "2TB",
+                       "--method", "lora", "--output", "json")
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    p13, p70 = lora("13B"), lora("70B")
+    assert (p13["zero_stage"], p13["optimizer"], p13["parameters"]) == (3, "cpu", "cpu")
+    assert round(p13["model"]["trainable_params"] / 1e6, 1) == 62.3 and round(p13["bytes"]["cpu"] / 2**30) == 27
+    assert p70["feasible"] and p70["parameters"] == "nvme" and round(p70["bytes"]["nvme"] / 2**30) == 130
 
 
 @pytest.mark.integration

@@ -189,3 +189,36 @@ def test_the_largest_model_says_why_a_placement_is_out():
     out = {f.placement: f.why_not for f in no_nvme if f.why_not}
     assert out and all("nvme" in p for p in out)
     assert max(f.parameters for f in no_nvme) > 13e9  # 13B fits in 256 GB of RAM (see above)
+
+
+def test_lora_counts_the_adapters_from_the_model_shape():
+    from spillway_runtime.estimates import lora_parameters
+
+    h, inner, layers = P13.hidden_size, int(P13.hidden_size * 8 / 3), P13.num_layers
+    assert lora_parameters(P13, 16, ["q_proj", "v_proj"]) == (16 * layers * 4 * h, [])
+    every, missing = lora_parameters(P13, 8, "all-linear")
+    assert (every, missing) == (8 * layers * (4 * 2 * h + 3 * (h + inner)), [])
+    assert lora_parameters(P13, 8, ["q_proj", "c_attn"]) == (8 * layers * 2 * h, ["c_attn"])
+
+
+def test_lora_moves_only_the_adapters_state_and_keeps_the_frozen_base_in_its_tier():
+    from spillway_runtime.spec import Method
+
+    full = plan_tiers(P13, rtx4090(64), TRAIN)
+    lora = plan_tiers(P13, rtx4090(64), TRAIN, method=Method(type="lora", rank=16))
+    assert full.optimizer == "nvme" and lora.feasible
+    t = lora.model.trainable
+    assert 0 < t < P13.params / 100 and lora.model.params == P13.params
+    assert any("LoRA rank 16" in reason for reason in lora.reasons)
+    # same placement: the base's 16-bit weights are counted whole, optimizer state for t only
+    same = plan_tiers(P13, rtx4090(64), TRAIN, Offload(optimizer="cpu", parameters="cpu"),
+                      method=Method(type="lora", rank=16))
+    gpu, cpu = model_state_bytes(3, "cpu", "cpu", P13.params, P13.largest_layer_params, 1, 1, t)
+    assert cpu == 2 * P13.params + 16 * t and gpu == 4 * P13.largest_layer_params
+    assert same.bytes.nvme == 0 and same.checkpoint_bytes == 12 * t
+    # full fine-tuning is the same formula with every parameter trainable
+    assert model_state_bytes(3, "cpu", "cpu", P13.params, P13.largest_layer_params, 1, 1) == (
+        model_state_bytes(3, "cpu", "cpu", P13.params, P13.largest_layer_params, 1, 1, P13.params))
+    # less to compute, move and update: faster per step than full fine-tuning on the same placement
+    full_same = plan_tiers(P13, rtx4090(256), TRAIN, Offload(optimizer="cpu", parameters="cpu"))
+    assert same.predicted_step_seconds < full_same.predicted_step_seconds

@@ -76,3 +76,19 @@ def test_load_job_reports_yaml_errors_and_missing_files(tmp_path):
 def test_examples_are_valid(name):
     job = load_job(EXAMPLES / name)
     assert job.metadata.name
+
+
+def test_lora_method_defaults_and_refusals():
+    job = parse_job(minimal(method={"type": "lora"}))
+    assert (job.spec.method.rank, job.spec.method.alpha, job.spec.method.target_modules) == (16, 32, ["all-linear"])
+    assert job.spec.method.peft_targets == "all-linear"
+    assert parse_job(minimal(method={"type": "lora", "targetModules": "q_proj"})).spec.method.peft_targets == ["q_proj"]
+    assert parse_job(minimal()).spec.method.lora is False
+    with pytest.raises(SpecError, match=r"spec.method.targetModules: .*all-linear stands alone"):
+        parse_job(minimal(method={"type": "lora", "targetModules": ["all-linear", "q_proj"]}))
+    with pytest.raises(SpecError, match=r"spec.method.targetModules: .*at least one module"):
+        parse_job(minimal(method={"type": "lora", "targetModules": []}))
+    with pytest.raises(SpecError, match=r"export.merge applies to method.type lora"):
+        parse_job(minimal(export={"merge": True}))
+    with pytest.raises(SpecError, match=r"spec.method.rank"):
+        parse_job(minimal(method={"type": "lora", "rank": 0}))

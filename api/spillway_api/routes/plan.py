@@ -59,6 +59,8 @@ def _cluster_plans(kube: Any, body: PlanRequest, params: int, training: Training
             "resources": {"nodes": body.node_count, "gpusPerNode": body.gpus_per_node},
         })
     spec.training, spec.offload = training, offload or spec.offload
+    if body.method is not None:
+        spec.method = body.method
     core = client.CoreV1Api(kube)
     nodes = [kube.sanitize_for_serialization(n) for n in core.list_node().items]
     try:
@@ -151,7 +153,8 @@ def plan(_caller: CurrentUser, request: Request, body: PlanRequest) -> PlansPubl
         seen.add(key)
         try:
             result = plan_tiers(shape, hw, training, offload, dtype=dtype, gpus_per_node=body.gpus_per_node,
-                                nodes=body.node_count, price_per_hour=body.price_per_hour)
+                                nodes=body.node_count, price_per_hour=body.price_per_hour,
+                                method=body.method or (body.spec.method if body.spec else None))
         except ValueError as err:
             plans.append(PlanPublic(node=hw.name, feasible=False, label="-", plan=None, shortfalls=[str(err)]))
             continue

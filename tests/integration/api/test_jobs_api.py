@@ -144,6 +144,14 @@ def test_plan_dry_run(client: Any) -> None:
                                                                                    "nvme_capacity_bytes": 0}})
     assert not short.json()["data"][0]["feasible"]
     assert any("CPU RAM is short by" in s for s in short.json()["data"][0]["shortfalls"])
+    # LoRA: only the adapters' optimizer state is sized, so the same node needs no NVMe
+    lora = client.post("/v1/plan", json={"parameterCount": "13B", "hardware": {**hw, "nvme_free_bytes": 0,
+                                                                                  "nvme_capacity_bytes": 0},
+                                         "method": {"type": "lora", "rank": 16}})
+    assert lora.status_code == 200, lora.text
+    assert lora.json()["data"][0]["feasible"] and lora.json()["data"][0]["plan"]["optimizer"] != "nvme"
+    assert client.post("/v1/plan", json={"parameterCount": "13B", "hardware": hw,
+                                         "method": {"type": "lora", "rank": 0}}).status_code == 422
     node = {"metadata": {"name": "gpu-80g", "labels": {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB",
                                                        "nvidia.com/gpu.memory": "81920"}},
             "status": {"allocatable": {"cpu": "32", "memory": "256Gi", "nvidia.com/gpu": "8"}}}

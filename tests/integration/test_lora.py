@@ -1,0 +1,99 @@
+"""LoRA (PEFT) on a frozen base: only the adapters train, checkpoints hold only them, the
+planner counts them exactly, a run killed and resumed matches the uninterrupted one to the
+bit, and the export loads with PEFT (adapter) and with transformers (merged)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from spillway_runtime.checkpoint import MANIFEST, checkpoint_name
+from spillway_runtime.recipe import MERGED_DIR
+from spillway_runtime.runconfig import FaultInjection
+
+from .conftest import run_job
+
+pytestmark = pytest.mark.integration
+
+STEPS = 12
+EVERY = 5
+LORA = {"type": "lora", "rank": 8, "alpha": 16, "targetModules": ["q_proj", "v_proj", "down_proj"]}
+
+
+def lora_job(make_job: Any, name: str, nvme: Path, optimizer: str, parameters: str, **extra: Any) -> Path:
+    model = "wide" if parameters == "nvme" else "model"  # above DeepSpeed's 1 MiB minimum swap size
+    offload = {"optimizer": optimizer, "parameters": parameters, "nvme": {"path": str(nvme)},
+               "deepspeed": {"zero_optimization": {"stage": 3}}}
+    return make_job(name, model=model, training={"maxSteps": STEPS, "learningRate": 1e-2}, offload=offload,
+                    checkpoint={"everySteps": EVERY, "keep": 10}, method=LORA, **extra)
+
+
+def peft_count(model_dir: Path) -> tuple[int, int]:
+    """(trainable, total) parameters of the model with PEFT's adapters, built here."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    peft = get_peft_model(model, LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"],
+                                            target_modules=LORA["targetModules"], task_type="CAUSAL_LM"))
+    return (sum(p.numel() for p in peft.parameters() if p.requires_grad), sum(p.numel() for p in peft.parameters()))
+
+
+def logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+def test_lora_trains_the_adapters_only_and_exports_adapter_and_merged_model(tmp_path: Path, make_job: Any,
+                                                                              tiny_model: dict[str, Path]) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run = run_job(lora_job(make_job, "lora", tmp_path / "nvme", "cpu", "cpu", export={"merge": True}),
+                  tmp_path / "run")
+    assert run.returncode == 0, run.log[-3000:]
+    losses = run.losses()
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert losses[STEPS] < 0.93 * losses[1], losses  # the frozen base alone would stay where it started
+
+    # the adapters and nothing else train, as PEFT counts them, and as the planner predicted
+    [lora] = run.of("lora")
+    assert (lora["trainable"], lora["total"]) == peft_count(tiny_model["model"])
+    assert run.config.plan.model.trainable_params == lora["trainable"]
+    assert run.config.plan.model.params == lora["total"] - lora["trainable"]
+
+    # a checkpoint holds the adapters' fp32 masters and moments, not the frozen base
+    last = run.run_dir / "checkpoints" / checkpoint_name(STEPS)
+    size = json.loads((last / MANIFEST).read_text())["sizeBytes"]
+    assert run.config.plan.checkpoint_bytes == 12 * lora["trainable"]
+    assert run.config.plan.checkpoint_bytes <= size <= run.config.plan.checkpoint_bytes + (1 << 20), size
+
+    # the export: PEFT's adapter on the base, and the merged model, agree; both differ from the base
+    final = Path(run.config.export_dir)
+    assert (final / "adapter_config.json").is_file() and (final / "adapter_model.safetensors").is_file()
+    assert not (final / "model.safetensors").exists()
+    ids = torch.tensor([[1, 5, 9, 14, 3, 7, 2, 11]])
+    base = AutoModelForCausalLM.from_pretrained(tiny_model["model"], dtype=torch.float32)
+    before = logits(base, ids)
+    adapted = logits(PeftModel.from_pretrained(base, final), ids)
+    merged = logits(AutoModelForCausalLM.from_pretrained(final / MERGED_DIR, dtype=torch.float32), ids)
+    assert not torch.allclose(adapted, before, atol=1e-2)
+    assert torch.allclose(merged, adapted, atol=5e-2, rtol=0), (merged - adapted).abs().max()
+
+
+@pytest.mark.parametrize("placement", [("cpu", "cpu"), ("cpu", "nvme")], ids=["z3-opt_cpu-par_cpu", "z3-opt_cpu-par_nvme"])
+def test_lora_resume_after_sigkill_is_bit_identical(tmp_path: Path, make_job: Any, placement: tuple[str, str]) -> None:
+    reference = run_job(lora_job(make_job, "reference", tmp_path / "nvme", *placement), tmp_path / "reference")
+    assert reference.returncode == 0, reference.log[-3000:]
+    job = lora_job(make_job, "job", tmp_path / "nvme", *placement)
+    killed = run_job(job, tmp_path / "run", faults=FaultInjection(step_sleep_seconds=0.4), signal_at_step=EVERY + 2)
+    assert killed.returncode == -9, killed.log[-3000:]
+    resumed = run_job(job, tmp_path / "run")
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    assert resumed.of("resumed")[-1]["step"] == EVERY
+    expected, got = reference.losses(), resumed.losses()
+    assert {s: got[s] for s in range(EVERY + 1, STEPS + 1)} == {s: expected[s] for s in range(EVERY + 1, STEPS + 1)}
