@@ -24,10 +24,11 @@ EVERY = 5
 LORA = {"type": "lora", "rank": 8, "alpha": 16, "targetModules": ["q_proj", "v_proj", "down_proj"]}
 
 
-def lora_job(make_job: Any, name: str, nvme: Path, optimizer: str, parameters: str, **extra: Any) -> Path:
+def lora_job(make_job: Any, name: str, nvme: Path, optimizer: str, parameters: str, stage: int = 3,
+             **extra: Any) -> Path:
     model = "wide" if parameters == "nvme" else "model"  # above DeepSpeed's 1 MiB minimum swap size
     offload = {"optimizer": optimizer, "parameters": parameters, "nvme": {"path": str(nvme)},
-               "deepspeed": {"zero_optimization": {"stage": 3}}}
+               "deepspeed": {"zero_optimization": {"stage": stage}}}
     return make_job(name, model=model, training={"maxSteps": STEPS, "learningRate": 1e-2}, offload=offload,
                     checkpoint={"everySteps": EVERY, "keep": 10}, method=LORA, **extra)
 
@@ -48,13 +49,15 @@ def logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids).logits.float()
 
 
-def test_lora_trains_the_adapters_only_and_exports_adapter_and_merged_model(tmp_path: Path, make_job: Any,
-                                                                              tiny_model: dict[str, Path]) -> None:
+@pytest.mark.parametrize("stage,parameters", [(3, "cpu"), (2, "gpu")], ids=["z3-opt_cpu-par_cpu", "z2-opt_cpu"])
+def test_lora_trains_the_adapters_only_and_exports_adapter_and_merged_model(
+        tmp_path: Path, make_job: Any, tiny_model: dict[str, Path], stage: int, parameters: str) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    run = run_job(lora_job(make_job, "lora", tmp_path / "nvme", "cpu", "cpu", export={"merge": True}),
+    run = run_job(lora_job(make_job, "lora", tmp_path / "nvme", "cpu", parameters, stage, export={"merge": True}),
                   tmp_path / "run")
+    assert run.config.plan.zero_stage == stage
     assert run.returncode == 0, run.log[-3000:]
     losses = run.losses()
     assert sorted(losses) == list(range(1, STEPS + 1))
@@ -69,7 +72,7 @@ def test_lora_trains_the_adapters_only_and_exports_adapter_and_merged_model(tmp_
     # a checkpoint holds the adapters' fp32 masters and moments, not the frozen base
     last = run.run_dir / "checkpoints" / checkpoint_name(STEPS)
     size = json.loads((last / MANIFEST).read_text())["sizeBytes"]
-    assert run.config.plan.checkpoint_bytes == 12 * lora["trainable"]
+    assert run.config.plan.checkpoint_bytes == (12 if stage == 3 else 14) * lora["trainable"]
     assert run.config.plan.checkpoint_bytes <= size <= run.config.plan.checkpoint_bytes + (1 << 20), size
 
     # the export: PEFT's adapter on the base, and the merged model, agree; both differ from the base
