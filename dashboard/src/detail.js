@@ -76,6 +76,11 @@ export function detailPage(main, ns, name) {
     if (!stopped) timer = setTimeout(refresh, POLL_MS);
   }
 
+  // LoRA jobs say so beside the plan: the state it sizes is the adapters'
+  function methodText(method) {
+    return method?.type === "lora" ? `LoRA rank ${method.rank ?? 16}` : null;
+  }
+
   function render(job, hist, ckpts, cost) {
     const plan = job.plan || {};
     const p = job.progress || {};
@@ -101,7 +106,8 @@ export function detailPage(main, ns, name) {
         job.phase === "Running" && p.eta != null ? `ETA ${duration(p.eta)}` : null),
       card("Loss", num(p.loss), [p.evalLoss != null ? `held-out ${num(p.evalLoss)} at step ${p.evalStep}` : null,
         p.tokensPerSecond != null ? `${num(p.tokensPerSecond, 3)} tokens/s` : null].filter(Boolean).join(" · ") || null),
-      card("Plan", h("span", { class: "mono" }, planLabel(plan)), plan.node ? `on ${planNodes(plan)}` : null),
+      card("Plan", h("span", { class: "mono" }, planLabel(plan)),
+        [plan.node ? `on ${planNodes(plan)}` : null, methodText(job.spec?.method)].filter(Boolean).join(" · ") || null),
       card("Cost accrued", h("span", { id: "cost-accrued" }, usd(cost.usd)), `${num(cost.gpuHours, 3)} GPU-hours`),
       card("Cost projected", h("span", { id: "cost-projected" }, usd(projected)),
         plan.predictedCostUsd != null ? `plan predicted ${usd(plan.predictedCostUsd)}` : "to finish at this rate"),

@@ -117,6 +117,7 @@ def test_dashboard_jobs_detail_rollback_and_plan(server: dict[str, Any], browser
                        training={"maxSteps": 6, "warmupSteps": 1, "evalEverySteps": 3},
                        checkpoint={"everySteps": 2, "keep": 5})
     doc["spec"]["dataset"]["validation"] = {"fraction": 0.1}
+    doc["spec"]["method"] = {"type": "lora", "rank": 8}  # said beside the plan on the detail page
     r = api.post("/v1/namespaces/local/jobs", json={"metadata": doc["metadata"], "spec": doc["spec"]})
     assert r.status_code == 201, r.text
     r = api.post("/v1/namespaces/team-b/jobs", json=job_body("refused"))  # no such model: fails at planning
@@ -154,6 +155,7 @@ def test_dashboard_jobs_detail_rollback_and_plan(server: dict[str, Any], browser
     history = api.get(base + "/history").json()
     assert history["progressCount"] == 6
     page.locator('#loss-chart[data-points="6"]').wait_for()
+    assert "LoRA rank 8" in page.locator("#summary").inner_text()
     assert loss.get_attribute("data-checkpoints") == "3" and loss.get_attribute("data-restarts") == "0"
     assert page.locator("#loss-chart canvas").count() == 1 and page.locator("#tput-chart canvas").count() == 1
     # uPlot's own data: one x per recorded step, the losses the API recorded, and the
