@@ -38,7 +38,7 @@ import yaml
 from spillway_operator.builders import checkpoint_pvc_name
 from spillway_runtime.hardware import NVME_PATH_ANNOTATION
 from spillway_runtime.modelinfo import shape_from_config
-from spillway_runtime.tiny import build_tiny_model, write_dataset
+from spillway_runtime.tiny import build_tiny_model, write_chat_dataset, write_dataset
 from tests.e2e.conftest import REPO_ROOT, Cluster
 from tests.e2e.operator_fixtures import active_pods, running_operator, wait_status
 from tests.e2e.test_api_cluster import ApiServer
@@ -92,7 +92,7 @@ class RealNode:
                      "volumeName": f"{namespace}-inputs", "resources": {"requests": {"storage": "1Gi"}}}}, namespace)
 
     def job(self, namespace: str, name: str, dataset: str | None = None, max_steps: int | None = None,
-            processes: int = 1, nodes: int = 1) -> Path:
+            processes: int = 1, nodes: int = 1, spec_update: dict[str, Any] | None = None) -> Path:
         """`kubectl apply -f examples/tiny-cluster.yaml` under another name, with this
         module's storage class and an NVMe directory of its own; returns its checkpoint
         directory on this machine. With ``nodes`` 2 it spans both real nodes."""
@@ -116,6 +116,8 @@ class RealNode:
             spec["resources"]["nodes"] = nodes
             spec["resources"]["tolerations"].append(
                 {"key": self.cluster.settings()["NODE2_TAINT"], "operator": "Exists", "effect": "NoSchedule"})
+        for key, value in (spec_update or {}).items():
+            spec[key] = {**spec.get(key, {}), **value}
         self.cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(job))
         return checkpoints
 
@@ -129,6 +131,7 @@ def real(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     root.mkdir(mode=0o755)
     model = build_tiny_model(root / "inputs" / "model")
     data = write_dataset(root / "inputs" / "data" / "arithmetic.jsonl", count=400)
+    write_chat_dataset(root / "inputs" / "data" / "arithmetic-chat.jsonl", count=400)
     lines = data.read_text().splitlines(keepends=True)
     (data.parent / "bad.jsonl").write_text("".join(lines[: BAD_LINE - 1]) + '{"text": "cut off\n' + "".join(lines[BAD_LINE:]))
     for path in [root, *root.rglob("*")]:
@@ -198,6 +201,29 @@ def test_a_tiny_job_trains_in_a_pod_with_adam_state_on_the_nodes_nvme(
 
     model = AutoModelForCausalLM.from_pretrained(checkpoints / "export")
     assert model.num_parameters() == int(yaml.safe_load(EXAMPLE.read_text())["spec"]["model"]["parameterCount"])
+
+
+def test_a_chat_lora_job_trains_in_a_pod_with_masked_loss_evaluation_and_exports_the_adapter(
+    real: RealNode, cluster: Cluster, namespace: str
+) -> None:
+    """examples/chat-lora.yaml's settings through the operator: chat records with the loss on
+    the answers, a held-out share evaluated, LoRA adapters on the frozen base, the adapter
+    exported in PEFT's layout."""
+    chat = yaml.safe_load((REPO_ROOT / "examples" / "chat-lora.yaml").read_text())["spec"]
+    real.inputs(namespace)
+    checkpoints = real.job(namespace, "chat-lora", dataset="arithmetic-chat.jsonl", spec_update={
+        "dataset": {key: chat["dataset"][key] for key in ("format", "chatTemplate", "validation")},
+        "method": chat["method"], "export": chat["export"],
+        "training": {"evalEverySteps": 3, "learningRate": chat["training"]["learningRate"]}})
+    job = _finished(real, namespace, "chat-lora")
+    status = job["status"]
+    assert status["phase"] == "Succeeded", json.dumps(status, indent=1)[-3000:]
+    assert status["progress"]["evalLoss"] > 0 and status["progress"]["evalStep"] == status["progress"]["step"]
+    export = checkpoints / "export"
+    assert (export / "adapter_config.json").is_file() and (export / "adapter_model.safetensors").is_file()
+    assert (export / "merged" / "model.safetensors").is_file() and not (export / "model.safetensors").exists()
+    adapter = json.loads((export / "adapter_config.json").read_text())
+    assert adapter["r"] == chat["method"]["rank"] and adapter["peft_type"] == "LORA"
 
 
 def _events(cluster: Cluster, namespace: str, pod: str) -> list[dict[str, Any]]:
