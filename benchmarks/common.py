@@ -42,7 +42,7 @@ def dataset() -> Path:
 
 
 def write_job(name: str, model: str, *, steps: int, offload: dict[str, Any], stage: int | None = None,
-              micro_batch: int = 4, sequence: int = 64) -> Path:
+              micro_batch: int = 4, sequence: int = 64, method: dict[str, Any] | None = None) -> Path:
     deepspeed = dict(offload.pop("deepspeed", {}))
     if stage is not None:
         deepspeed.setdefault("zero_optimization", {})["stage"] = stage
@@ -55,6 +55,7 @@ def write_job(name: str, model: str, *, steps: int, offload: dict[str, Any], sta
                          "sequenceLength": sequence, "learningRate": 1e-3},
             "offload": {**offload, "deepspeed": deepspeed},
             "checkpoint": {"everySteps": 10_000, "keep": 1},
+            **({"method": method} if method else {}),
         },
     }
     path = BENCH_DIR / "jobs" / f"{name}.yaml"
