@@ -55,6 +55,14 @@ def _sha256(data: Any) -> bytes:
     return hashlib.sha256(data).digest()
 
 
+def _sha256_of(pieces: list[Any]) -> bytes:
+    """One chunk's checksum from the uint8 tensors that now hold its bytes, in order: no copy."""
+    h = hashlib.sha256()
+    for piece in pieces:
+        h.update(memoryview(piece.numpy()))
+    return h.digest()
+
+
 def combine(chunk_digests: list[bytes]) -> str:
     h = hashlib.sha256()
     for digest in chunk_digests:
@@ -292,16 +300,14 @@ class DirectIO:
         digests: list[Future[bytes]] = []
         target = _Chunker(iter(views))
         for chunk in self.read_stream(path, size):
-            # a copy to hash: the buffer is read into again while the hash may still run
-            digests.append(self.pool.submit(_sha256, bytes(memoryview(chunk.numpy()))))
-            target.drain(chunk)
+            # hashed where the bytes now stay (the buffer is read into again meanwhile)
+            digests.append(self.pool.submit(_sha256_of, target.drain(chunk)))
         return combine([d.result() for d in digests])
 
     def digest(self, path: Path) -> str:
         """The chunked checksum of a file, read through the buffers."""
-        futures = [self.pool.submit(_sha256, bytes(memoryview(chunk.numpy())))
-                   for chunk in self.read_stream(path, path.stat().st_size)]
-        return combine([f.result() for f in futures])
+        # each chunk hashed in its buffer while the next one is read into the other
+        return combine([_sha256(memoryview(chunk.numpy())) for chunk in self.read_stream(path, path.stat().st_size)])
 
 
 def chunked_digest(path: Path, chunk: int = CHUNK) -> str:
@@ -338,16 +344,21 @@ class _Chunker:
             self.pos += n
         return filled
 
-    def drain(self, chunk: Any) -> None:
+    def drain(self, chunk: Any) -> list[Any]:
+        """Copy `chunk` into the tensors; the pieces of them it filled, in order."""
         used = 0
         size = int(chunk.numel())
+        filled = []
         while used < size:
             if not self._next():
                 raise CheckpointIOError("more bytes on disk than the tensors hold")
             n = min(size - used, int(self.current.numel()) - self.pos)
-            self.current[self.pos:self.pos + n].copy_(chunk[used:used + n])
+            piece = self.current[self.pos:self.pos + n]
+            piece.copy_(chunk[used:used + n])
+            filled.append(piece)
             used += n
             self.pos += n
+        return filled
 
 
 # --- state dicts: a small pickled skeleton, the large tensors beside it --------------------
