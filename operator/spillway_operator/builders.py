@@ -203,7 +203,7 @@ def checkpoint_size_bytes(spec: FineTuneJobSpec, plan: OffloadPlan) -> int:
 def nvme_volume_bytes(spec: FineTuneJobSpec, plan: OffloadPlan, settings: OperatorSettings) -> int:
     if spec.offload.nvme.size:
         return spec.offload.nvme.size
-    return math.ceil(plan.bytes.nvme * (1 + settings.nvme_headroom_fraction) / GiB) * GiB
+    return max(GiB, math.ceil(plan.bytes.nvme * (1 + settings.nvme_headroom_fraction) / GiB) * GiB)
 
 
 def _quantity(n: int) -> str:
@@ -224,7 +224,7 @@ def build_runtime_config(job: dict[str, Any], spec: FineTuneJobSpec, plan: Offlo
             "spec": wire_spec.model_dump(mode="json"),
         }
     )
-    nvme_dir = NVME_DIR if plan.bytes.nvme > 0 else None
+    nvme_dir = NVME_DIR if plan.uses_nvme else None
     world = plan.nodes * max(1, plan.processes_per_node)  # GPUs, or resources.cpuProcesses
     ds = build_deepspeed_config(plan, wire_spec, nvme_path=nvme_dir, world_size=world)
     root = Path("/")
@@ -387,7 +387,7 @@ def build_pod(
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
     ]
     init_containers: list[dict[str, Any]] = []
-    if plan.bytes.nvme > 0:
+    if plan.uses_nvme:
         mounts.append({"name": "nvme", "mountPath": NVME_DIR})
         nvme = _nvme_volume(spec, plan, hw, settings)
         volumes.append(nvme)

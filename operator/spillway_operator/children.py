@@ -78,7 +78,7 @@ def missing_inputs(
         if not cluster.pvc_exists(namespace, claim):
             missing.append(f"PersistentVolumeClaim {claim!r} (from a pvc:// URI) does not exist in {namespace}")
     classes = []
-    if plan.bytes.nvme > 0 and spec.offload.nvme.storage_class_name:
+    if plan.uses_nvme and spec.offload.nvme.storage_class_name:
         classes.append(("offload.nvme.storageClassName", spec.offload.nvme.storage_class_name))
     if spec.checkpoint.storage_class_name:
         classes.append(("checkpoint.storageClassName", spec.checkpoint.storage_class_name))

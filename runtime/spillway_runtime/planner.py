@@ -213,6 +213,12 @@ class OffloadPlan(BaseModel):
         return self.model.trainable * per  # LoRA: the adapters only (the base is the model's files)
 
     @property
+    def uses_nvme(self) -> bool:
+        """DeepSpeed is told to offload to NVMe: it needs a directory there even when every
+        piece is under its minimum swap size and stays in RAM (`bytes.nvme` 0)."""
+        return "nvme" in (self.optimizer, self.parameters)
+
+    @property
     def label(self) -> str:
         """Short form for printer columns: 'Z3 opt:nvme par:cpu'."""
         return f"Z{self.zero_stage} opt:{self.optimizer} par:{self.parameters}"

@@ -160,6 +160,22 @@ def test_a_hostpath_nvme_directory_is_handed_to_the_training_uid() -> None:
     assert "initContainers" not in b.build_pod(JOB, s, choice, attempt=0, rank=0, settings=SETTINGS)["spec"]
 
 
+def test_nvme_asked_for_gets_a_volume_even_when_everything_stays_in_ram() -> None:
+    """A tiny model's LoRA adapters on a forced `optimizer: nvme`: every piece is under
+    DeepSpeed's minimum swap size (the plan's NVMe bytes are 0), yet DeepSpeed's NVMe
+    offload still needs its directory (the pod failed with InvalidSpec without one)."""
+    s = spec(model={"uri": "pvc://models/tiny", "parameterCount": "1M"}, resources={"gpusPerNode": 0},
+             offload={"optimizer": "nvme"}, method={"type": "lora", "rank": 4})
+    choice = choose_placement(s, [node("gpu-48g-nvme", "n1")], {}, SETTINGS).chosen
+    assert choice is not None and choice.plan is not None
+    assert choice.plan.optimizer == "nvme" and choice.plan.bytes.nvme == 0
+    pod = b.build_pod(JOB, s, choice, attempt=0, rank=0, settings=SETTINGS)
+    assert "nvme" in {v["name"] for v in pod["spec"]["volumes"]}
+    assert b.NVME_DIR in {m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
+    ds = b.build_runtime_config(JOB, s, choice.plan, None).deepspeed
+    assert ds["zero_optimization"]["offload_optimizer"]["nvme_path"] == b.NVME_DIR
+
+
 def test_cpu_processes_run_under_the_supervisor_with_their_share_of_threads() -> None:
     s = spec(model={"uri": "pvc://models/tiny", "parameterCount": "1M"},
              resources={"gpusPerNode": 0, "cpuProcesses": 2})
