@@ -214,7 +214,8 @@ def test_a_chat_lora_job_trains_in_a_pod_with_masked_loss_evaluation_and_exports
     checkpoints = real.job(namespace, "chat-lora", dataset="arithmetic-chat.jsonl", spec_update={
         "dataset": {key: chat["dataset"][key] for key in ("format", "chatTemplate", "validation")},
         "method": chat["method"], "export": chat["export"],
-        "training": {"evalEverySteps": 3, "learningRate": chat["training"]["learningRate"]}})
+        "training": {"evalEverySteps": 3, "learningRate": chat["training"]["learningRate"],
+                     "sequenceLength": chat["training"]["sequenceLength"]}})
     job = _finished(real, namespace, "chat-lora")
     status = job["status"]
     assert status["phase"] == "Succeeded", json.dumps(status, indent=1)[-3000:]
