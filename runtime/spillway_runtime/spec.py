@@ -193,11 +193,6 @@ class Method(SpecModel):
         "but the output head",
     )
 
-    @field_validator("target_modules", mode="before")
-    @classmethod
-    def _a_list(cls, value: Any) -> Any:
-        return [value] if isinstance(value, str) else value
-
     @field_validator("target_modules")
     @classmethod
     def _some_modules(cls, value: list[str]) -> list[str]:

@@ -82,7 +82,9 @@ def test_lora_method_defaults_and_refusals():
     job = parse_job(minimal(method={"type": "lora"}))
     assert (job.spec.method.rank, job.spec.method.alpha, job.spec.method.target_modules) == (16, 32, ["all-linear"])
     assert job.spec.method.peft_targets == "all-linear"
-    assert parse_job(minimal(method={"type": "lora", "targetModules": "q_proj"})).spec.method.peft_targets == ["q_proj"]
+    assert parse_job(minimal(method={"type": "lora", "targetModules": ["q_proj"]})).spec.method.peft_targets == ["q_proj"]
+    with pytest.raises(SpecError, match=r"spec.method.targetModules"):  # a list, as the CRD and the API say
+        parse_job(minimal(method={"type": "lora", "targetModules": "q_proj"}))
     assert parse_job(minimal()).spec.method.lora is False
     with pytest.raises(SpecError, match=r"spec.method.targetModules: .*all-linear stands alone"):
         parse_job(minimal(method={"type": "lora", "targetModules": ["all-linear", "q_proj"]}))
