@@ -21,6 +21,14 @@ ANNOTATIONS: dict[str, str] = {
     "spillway.dev/cpu-adam-params-per-second": "cpu_adam_params_per_s",
     "spillway.dev/host-device-bytes-per-second": "host_device_bytes_per_s",
 }
+# annotation key -> AioSettings field: the async I/O settings the probe's sweep found best
+# on the node's NVMe, read back into `NodeHardware.aio` so a cluster plan's `aio` block is
+# the node's, not DeepSpeed's defaults. All three or none: a mix would be a setting nobody measured.
+AIO_ANNOTATIONS: dict[str, str] = {
+    "spillway.dev/aio-block-size": "block_size",
+    "spillway.dev/aio-queue-depth": "queue_depth",
+    "spillway.dev/aio-intra-op-parallelism": "intra_op_parallelism",
+}
 NVME_PATH_ANNOTATION = "spillway.dev/nvme-path"
 GFD_PRODUCT = "nvidia.com/gpu.product"
 GFD_MEMORY_MIB = "nvidia.com/gpu.memory"
@@ -108,6 +116,8 @@ class NodeHardware(BaseModel):
 
     def to_annotations(self) -> dict[str, str]:
         out = {key: str(int(v)) for key, field in ANNOTATIONS.items() if (v := getattr(self, field)) is not None}
+        if self.aio is not None:
+            out.update({key: str(getattr(self.aio, field)) for key, field in AIO_ANNOTATIONS.items()})
         if self.nvme_path:
             out[NVME_PATH_ANNOTATION] = self.nvme_path
         return out
@@ -118,6 +128,15 @@ def _int(value: Any) -> int | None:
         return int(float(str(value)))
     except (TypeError, ValueError):
         return None
+
+
+def aio_from_annotations(annotations: dict[str, str]) -> AioSettings | None:
+    """The probed aio settings, or None when any of the three is missing or not a positive integer
+    (the plan then uses the defaults rather than half a measurement)."""
+    values = {field: _int(annotations.get(key)) for key, field in AIO_ANNOTATIONS.items()}
+    if any(v is None or v <= 0 for v in values.values()):
+        return None
+    return AioSettings.model_validate(values)
 
 
 def parse_quantity(value: str) -> int:
@@ -149,5 +168,6 @@ def hardware_from_node(node: dict[str, Any]) -> NodeHardware:
         cpu_cores=max(1, parse_quantity(allocatable.get("cpu", "1"))),
         cpu_memory_bytes=parse_quantity(allocatable.get("memory", "0")),
         nvme_path=annotations.get(NVME_PATH_ANNOTATION),
+        aio=aio_from_annotations(annotations),
         **{k: v for k, v in values.items() if v is not None},
     )

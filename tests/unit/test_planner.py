@@ -3,7 +3,7 @@
 import pytest
 
 from spillway_runtime.estimates import activation_bytes, model_state_bytes
-from spillway_runtime.hardware import NodeHardware, hardware_from_node
+from spillway_runtime.hardware import AioSettings, NodeHardware, hardware_from_node
 from spillway_runtime.largest import largest_model
 from spillway_runtime.plan_summary import PlanSummary, plan_summary
 from spillway_runtime.planner import ModelShape, minimum_cpu_for, plan_tiers
@@ -142,6 +142,30 @@ def test_node_hardware_from_labels_and_annotations_round_trips():
     assert back.nvme_free_bytes == hw.nvme_free_bytes
     assert back.cpu_adam_params_per_s == 2.0e9
     assert plan_tiers(P13, back, TRAIN).label == plan_tiers(P13, hw, TRAIN).label
+
+
+def test_the_probed_aio_settings_round_trip_through_node_annotations():
+    hw = rtx4090(64)
+    hw.aio = AioSettings(block_size=8 << 20, queue_depth=128, intra_op_parallelism=4)
+    annotations = hw.to_annotations()
+    assert annotations["spillway.dev/aio-block-size"] == str(8 << 20)
+    assert annotations["spillway.dev/aio-queue-depth"] == "128"
+    assert annotations["spillway.dev/aio-intra-op-parallelism"] == "4"
+    back = hardware_from_node({"metadata": {"name": "n", "annotations": annotations},
+                               "status": {"allocatable": {"cpu": "16", "memory": "64Gi"}}})
+    assert back.aio == hw.aio
+    assert plan_tiers(P13, back, TRAIN).aio == hw.aio
+
+
+def test_a_node_with_part_of_the_aio_annotations_plans_with_the_defaults():
+    """Half a measurement is not a setting anyone measured; a garbled value is not one either."""
+    annotations = {"spillway.dev/aio-block-size": str(8 << 20), "spillway.dev/aio-queue-depth": "128"}
+    for extra in ({}, {"spillway.dev/aio-intra-op-parallelism": "many"},
+                  {"spillway.dev/aio-intra-op-parallelism": "0"}):
+        node = {"metadata": {"name": "n", "annotations": {**annotations, **extra}},
+                "status": {"allocatable": {"cpu": "16", "memory": "64Gi"}}}
+        assert hardware_from_node(node).aio is None
+    assert "spillway.dev/aio-block-size" not in rtx4090(64).to_annotations()  # the quick probe writes none
 
 
 def test_the_plan_summary_is_one_camel_case_shape_and_reads_back_what_was_stored():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import yaml
 from spillway_operator import builders as b
 from spillway_operator.placement import choose_placement, plan_status
 from spillway_operator.settings import OperatorSettings
+from spillway_runtime.hardware import AioSettings
 from spillway_runtime.plan_summary import PlanSummary
 from spillway_runtime.spec import FineTuneJobSpec, parse_job
 
@@ -174,6 +176,26 @@ def test_nvme_asked_for_gets_a_volume_even_when_everything_stays_in_ram() -> Non
     assert b.NVME_DIR in {m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
     ds = b.build_runtime_config(JOB, s, choice.plan, None).deepspeed
     assert ds["zero_optimization"]["offload_optimizer"]["nvme_path"] == b.NVME_DIR
+
+
+def test_a_nodes_probed_aio_settings_reach_the_pods_deepspeed_config() -> None:
+    """The node probe's sweep, written as annotations, is the `aio` block the training pod
+    reads; a node the sweep never ran on gets the untuned defaults."""
+    probed = node("gpu-48g-nvme", "n1")
+    probed["metadata"]["annotations"].update({
+        "spillway.dev/aio-block-size": str(8 << 20), "spillway.dev/aio-queue-depth": "128",
+        "spillway.dev/aio-intra-op-parallelism": "4"})
+    s = spec(offload={"optimizer": "nvme"})
+    tuned = choose_placement(s, [probed], {}, SETTINGS).chosen
+    untuned = choose_placement(s, [node("gpu-48g-nvme", "n2")], {}, SETTINGS).chosen
+    assert tuned is not None and tuned.plan is not None and untuned is not None and untuned.plan is not None
+    assert tuned.plan.optimizer == "nvme"
+    configmap = b.build_configmap(JOB, b.build_runtime_config(JOB, s, tuned.plan, None), attempt=0)
+    aio = json.loads(configmap["data"]["deepspeed.json"])["aio"]
+    assert (aio["block_size"], aio["queue_depth"], aio["intra_op_parallelism"]) == (8 << 20, 128, 4)
+    default = b.build_runtime_config(JOB, s, untuned.plan, None).deepspeed["aio"]
+    assert {k: default[k] for k in ("block_size", "queue_depth", "intra_op_parallelism")} == AioSettings().model_dump(
+        include={"block_size", "queue_depth", "intra_op_parallelism"})
 
 
 def test_cpu_processes_run_under_the_supervisor_with_their_share_of_threads() -> None:
