@@ -57,6 +57,9 @@ def run(
     job_file: Annotated[Path, typer.Argument(help="finetune.yaml")],
     run_dir: Annotated[Path | None, typer.Option(help="Where checkpoints, events and the export go")] = None,
     processes: Annotated[int, typer.Option(help="Training processes (ranks) on a CPU-only machine")] = 1,
+    reprobe: Annotated[bool, typer.Option(
+        "--reprobe", help="Measure the NVMe disk's async I/O again instead of using the cached sweep "
+        "(also SPILLWAY_PROBE_REFRESH=1)")] = False,
 ) -> None:
     """Fine-tune on this machine with the plan's offload; the job is recorded for `spillway api`."""
     from spillway_api.launchers.local import LocalRun, local_job_exists, record_local_job
@@ -78,7 +81,8 @@ def run(
         # A re-run: refused input must not rewrite the earlier run's record (its outcome,
         # spec and history), so it is checked before the record is taken over.
         try:
-            prepare_local_run(job_file.resolve(), run_dir=run_dir, processes=processes, job=job)
+            prepare_local_run(job_file.resolve(), run_dir=run_dir, processes=processes, job=job, reprobe=reprobe)
+            reprobe = False  # measured just now
         except (SpecError, ValueError, OSError) as err:
             if isinstance(err, PlanningError):
                 _print_plan(err.plan)
@@ -87,10 +91,12 @@ def run(
             raise typer.Exit(ExitCode.PLAN_INFEASIBLE if isinstance(err, PlanningError) else ExitCode.BAD_INPUT) from None
     sessions, job_id = record_local_job(settings, job, job_file.resolve(), run_dir)
     local = LocalRun(sessions, job_id, processes=processes, price_per_hour=settings.local_price_per_hour,
-                     poll_seconds=settings.local_poll_seconds, foreground=True, origin="rerun")
+                     poll_seconds=settings.local_poll_seconds, foreground=True, origin="rerun", reprobe=reprobe)
 
     def planned(config: Any) -> None:
         _print_plan(config.plan)
+        if config.probe is not None:
+            Console().print(config.probe.describe(), highlight=False)
         Console().print(f"run directory: {config.run_dir}")
 
     local.on_planned = planned

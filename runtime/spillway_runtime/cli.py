@@ -53,6 +53,8 @@ def probe(
         hw = run_probe(nvme_path, quick=quick, aio_budget_seconds=aio_seconds)
     except ProbeError as err:
         raise _fail(str(err)) from None
+    if nvme_path is not None and not annotate_node:
+        _keep_for_runs(nvme_path, hw)
     if nvme_host_path is not None:
         # The container's mount point means nothing on the node: report the node's path.
         hw = hw.model_copy(update={"nvme_path": str(nvme_host_path)})
@@ -91,6 +93,20 @@ def probe(
     for k, v in rows.items():
         table.add_row(k, v)
     Console().print(table)
+
+
+def _keep_for_runs(nvme_path: Path, hw: NodeHardware) -> None:
+    """`spillway run` on this disk reuses this sweep (longer than the one a run pays on a miss).
+    The node-probe DaemonSet's figures go onto the Node instead, so it skips this."""
+    from spillway_runtime.probe_cache import store_probe
+
+    try:
+        stored = store_probe(nvme_path, hw)
+    except OSError as err:
+        err_console.print(f"the probe was not cached for `spillway run` ({err})", highlight=False)
+        return
+    if stored is not None:
+        err_console.print(f"cached for `spillway run` in {stored}", highlight=False)
 
 
 def _print_plan(plan: OffloadPlan) -> None:
@@ -158,12 +174,15 @@ def plan(
             )
         else:
             from spillway_runtime.probe import probe_basic
+            from spillway_runtime.probe_cache import hardware_for_run
             from spillway_runtime.runconfig import resolve_uri
 
-            nvme_dir = None
             if job is not None and job_file is not None and job.spec.offload.nvme.path:
+                # as `spillway run` would plan: with the disk's cached sweep, but never sweeping for a dry run
                 nvme_dir = resolve_uri(job.spec.offload.nvme.path, job_file.resolve().parent)
-            hw = probe_basic(nvme_dir)
+                hw, _ = hardware_for_run(nvme_dir, measure=False)
+            else:
+                hw = probe_basic()
         if max_params:
             spec = job.spec if job else None
             fits = largest_model(hw, spec.training if spec else Training(), spec.offload if spec else None,

@@ -1,9 +1,10 @@
 """Local mode: plan a job against this machine and run the runtime as a child process.
 
 `prepare_local_run` turns a finetune.yaml into a `RuntimeConfig` (paths resolved
-relative to the job file, hardware probed, model shape read from config.json,
-plan made, DeepSpeed config generated and validated) and writes it into the run
-directory; `launch` starts `python -m spillway_runtime` (or the supervisor of several
+relative to the job file, hardware probed with the disk's cached async-I/O sweep
+(`probe_cache`), model shape read from config.json, plan made, DeepSpeed config
+generated and validated) and writes it into the run directory, with a `probe` event
+saying where the aio settings came from; `launch` starts `python -m spillway_runtime` (or the supervisor of several
 ranks), turns SIGTERM/SIGINT into one stop request so the run checkpoints before
 it stops, and returns its exit code.
 """
@@ -17,6 +18,8 @@ from pathlib import Path
 from spillway_runtime.dsconfig import build_deepspeed_config, validate_deepspeed_config
 from spillway_runtime.hardware import NodeHardware
 from spillway_runtime.planner import OffloadPlan, PlanningError, plan_tiers
+from spillway_runtime.probe_cache import ProbeRecord
+from spillway_runtime.reporting import append_event
 from spillway_runtime.runconfig import FaultInjection, RuntimeConfig, resolve_uri
 from spillway_runtime.spec import FineTuneJob, SpecError, load_job
 
@@ -43,6 +46,23 @@ def plan_for_job(job: FineTuneJob, hw: NodeHardware, model_dir: Path, processes:
     return plan
 
 
+def _plan_here(job: FineTuneJob, job_path: Path, nvme_dir: Path, model_dir: Path, processes: int,
+               reprobe: bool) -> tuple[OffloadPlan, ProbeRecord]:
+    """Plan on this machine: fresh capacities with the disk's cached async-I/O sweep merged in.
+    Without a usable cache entry the sweep runs only when the plan puts state on NVMe (nothing
+    else reads the aio settings as often), and the plan is made again with what it found."""
+    from spillway_runtime.probe_cache import ProbeCacheSettings, hardware_for_run
+
+    _check_writable_dir(nvme_dir, "spec.offload.nvme.path", job_path)
+    settings = ProbeCacheSettings(refresh=True) if reprobe else ProbeCacheSettings()
+    hardware, record = hardware_for_run(nvme_dir, measure=False, settings=settings)
+    plan = plan_for_job(job, hardware, model_dir, processes)
+    if record.source == "unmeasured" and "nvme" in (plan.optimizer, plan.parameters):
+        hardware, record = hardware_for_run(nvme_dir, measure=True, settings=settings)
+        plan = plan_for_job(job, hardware, model_dir, processes)
+    return plan, record
+
+
 def prepare_local_run(
     job_path: Path,
     *,
@@ -51,9 +71,10 @@ def prepare_local_run(
     processes: int = 1,
     faults: FaultInjection | None = None,
     job: FineTuneJob | None = None,
+    reprobe: bool = False,
 ) -> RuntimeConfig:
-    from spillway_runtime.probe import probe_basic
-
+    """`hardware` given: plan on it as it is. Otherwise this machine, with the cached sweep
+    (`reprobe` measures the disk again)."""
     job = job or load_job(job_path)
     spec = job.spec
     base = job_path.resolve().parent
@@ -71,10 +92,11 @@ def prepare_local_run(
     run_dir = (run_dir or Path.cwd() / "runs" / job.metadata.name).resolve()
     checkpoint_dir = resolve_uri(spec.checkpoint.path, base) if spec.checkpoint.path else run_dir / "checkpoints"
     nvme_dir = resolve_uri(spec.offload.nvme.path, base) if spec.offload.nvme.path else run_dir / "nvme"
+    probe: ProbeRecord | None = None
     if hardware is None:
-        _check_writable_dir(nvme_dir, "spec.offload.nvme.path", job_path)
-        hardware = probe_basic(nvme_dir)
-    plan = plan_for_job(job, hardware, model_dir, processes)
+        plan, probe = _plan_here(job, job_path, nvme_dir, model_dir, processes, reprobe)
+    else:
+        plan = plan_for_job(job, hardware, model_dir, processes)
     uses_nvme = "nvme" in (plan.optimizer, plan.parameters)
     if uses_nvme:
         _check_writable_dir(nvme_dir, "spec.offload.nvme.path", job_path)
@@ -95,8 +117,11 @@ def prepare_local_run(
         events_path=str(run_dir / "events.jsonl"),
         deepspeed=ds_config,
         faults=faults or FaultInjection(),
+        probe=probe,
     )
     config.write(run_dir / "runtime.json")
+    if probe is not None:
+        append_event(Path(config.events_path), "probe", **probe.model_dump(mode="json"))
     return config
 
 

@@ -116,6 +116,51 @@ def _drop_page_cache(path: str) -> None:
         os.close(fd)
 
 
+def aio_io_bytes(io_bytes: int) -> int:
+    """What a measurement may lock: the buffer is mlock()ed, and past RLIMIT_MEMLOCK DeepSpeed
+    dies of SIGSEGV (a container run as a non-root uid may lock 8 MiB). Measure with what
+    training could lock too."""
+    limit = memlock_limit()
+    if limit is None:
+        return io_bytes
+    io_bytes = min(io_bytes, int(limit * MEMLOCK_SHARE) // MIN_AIO_BYTES * MIN_AIO_BYTES)
+    if io_bytes < MIN_AIO_BYTES:
+        raise ProbeError(
+            f"RLIMIT_MEMLOCK is {limit:,} bytes, under the {MIN_AIO_BYTES:,} the async I/O sweep locks: raise "
+            "it (`ulimit -l`; LimitMEMLOCK=infinity in the container runtime's unit) or probe with --quick"
+        )
+    return io_bytes
+
+
+def measure_aio_setting(aio: Any, path: str, settings: AioSettings, io_bytes: int) -> tuple[float, float]:
+    """(read B/s, write B/s) of `io_bytes` through one `aio_handle` with `settings`, best of two
+    each; `aio` is the loaded AsyncIOBuilder op."""
+    import torch
+
+    handle = aio.aio_handle(settings.block_size, settings.queue_depth, settings.single_submit,
+                            settings.overlap_events, settings.intra_op_parallelism)
+    buf = handle.new_cpu_locked_tensor(io_bytes, torch.empty(0, dtype=torch.uint8))
+    # Random so that no drive compresses it; filled 8 bytes at a time, since byte-wise
+    # random_ took 0.5 s per 64 MiB, longer than the transfers it prepares.
+    buf.view(torch.int64).random_()
+
+    def write() -> None:
+        handle.pwrite(buf, path, False, True)
+        handle.wait()
+
+    def read() -> None:
+        handle.pread(buf, path, False, True)
+        handle.wait()
+
+    try:
+        write_s = _time_best(write, 2)
+        _drop_page_cache(path)
+        read_s = _time_best(read, 2)
+    finally:
+        handle.free_cpu_locked_tensor(buf)
+    return io_bytes / read_s, io_bytes / write_s
+
+
 def measure_aio(
     directory: Path, budget_seconds: float = 30.0, io_bytes: int = 256 << 20, cores: int | None = None
 ) -> tuple[float, float, AioSettings]:
@@ -126,24 +171,14 @@ def measure_aio(
     is spent. The scored figure is the harmonic mean of read and write, since optimizer
     swapping does both every step.
     """
-    import torch
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
-    # The buffer is mlock()ed; past RLIMIT_MEMLOCK DeepSpeed dies of SIGSEGV (a container
-    # run as a non-root uid may lock 8 MiB). Measure with what training could lock too.
-    limit = memlock_limit()
-    if limit is not None:
-        io_bytes = min(io_bytes, int(limit * MEMLOCK_SHARE) // MIN_AIO_BYTES * MIN_AIO_BYTES)
-        if io_bytes < MIN_AIO_BYTES:
-            raise ProbeError(
-                f"RLIMIT_MEMLOCK is {limit:,} bytes, under the {MIN_AIO_BYTES:,} the async I/O sweep locks: raise "
-                "it (`ulimit -l`; LimitMEMLOCK=infinity in the container runtime's unit) or probe with --quick"
-            )
+    io_bytes = aio_io_bytes(io_bytes)
     aio = AsyncIOBuilder().load()
     cores = cores or _cores()
     parallelism = sorted({1, min(2, cores), min(4, cores), min(8, cores)})
     grid = [
-        (block, depth, par)
+        AioSettings(block_size=block, queue_depth=depth, intra_op_parallelism=par)
         for par in parallelism
         for block in (1 << 20, 8 << 20)
         for depth in (32, 128, 8)
@@ -154,29 +189,13 @@ def measure_aio(
     path = str(directory / f".spillway-aio-probe-{os.getpid()}")
     best: tuple[float, float, float, AioSettings] | None = None
     try:
-        for block, depth, par in grid:
+        for settings in grid:
             if best is not None and time.monotonic() > deadline:
                 break
-            handle = aio.aio_handle(block, depth, False, True, par)
-            buf = handle.new_cpu_locked_tensor(io_bytes, torch.empty(0, dtype=torch.uint8))
-            buf.random_(0, 127)
-
-            def write(handle: Any = handle, buf: Any = buf) -> None:
-                handle.pwrite(buf, path, False, True)
-                handle.wait()
-
-            def read(handle: Any = handle, buf: Any = buf) -> None:
-                handle.pread(buf, path, False, True)
-                handle.wait()
-
-            write_s = _time_best(write, 2)
-            _drop_page_cache(path)
-            read_s = _time_best(read, 2)
-            handle.free_cpu_locked_tensor(buf)
-            r_bps, w_bps = io_bytes / read_s, io_bytes / write_s
+            r_bps, w_bps = measure_aio_setting(aio, path, settings, io_bytes)
             score = 2 / (1 / r_bps + 1 / w_bps)
             if best is None or score > best[0]:
-                best = (score, r_bps, w_bps, AioSettings(block_size=block, queue_depth=depth, intra_op_parallelism=par))
+                best = (score, r_bps, w_bps, settings)
     finally:
         if os.path.exists(path):
             os.remove(path)

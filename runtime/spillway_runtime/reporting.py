@@ -18,6 +18,18 @@ from typing import Any
 from spillway_runtime.units import format_bytes
 
 
+def event_record(kind: str, **fields: Any) -> dict[str, Any]:
+    """One line of the events file: when, what, and its fields."""
+    return {"time": round(time.time(), 3), "event": kind, **fields}
+
+
+def append_event(events_path: Path, kind: str, **fields: Any) -> None:
+    """An event from outside the training process (planning, before it starts)."""
+    events_path.parent.mkdir(parents=True, exist_ok=True)
+    with events_path.open("a") as fh:
+        fh.write(json.dumps(event_record(kind, **fields), default=str) + "\n")
+
+
 class Reporter:
     def __init__(
         self,
@@ -42,7 +54,7 @@ class Reporter:
     def event(self, kind: str, **fields: Any) -> None:
         if not self.enabled:
             return
-        record = {"time": round(time.time(), 3), "event": kind, **fields}
+        record = event_record(kind, **fields)
         line = json.dumps(record, default=str)
         if self._fh is not None:
             self._fh.write(line + "\n")

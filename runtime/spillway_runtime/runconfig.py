@@ -12,6 +12,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from spillway_runtime.planner import OffloadPlan
+from spillway_runtime.probe_cache import ProbeRecord
 from spillway_runtime.spec import FineTuneJob
 
 PVC_MOUNT_ROOT = Path("/mnt/pvc")
@@ -39,6 +40,7 @@ class RuntimeConfig(BaseModel):
     events_path: str
     deepspeed: dict[str, object] = Field(default_factory=dict, description="Generated DeepSpeed config")
     faults: FaultInjection = Field(default_factory=FaultInjection)
+    probe: ProbeRecord | None = Field(None, description="Where a local run's aio settings came from")
 
     def write(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -54,7 +54,7 @@ class LocalRun:
 
     def __init__(self, sessions: sessionmaker[Session], job_id: int, *, processes: int = 1,
                  price_per_hour: float = 0.0, poll_seconds: float = 0.5, output: IO[Any] | None = None,
-                 foreground: bool = False, origin: str = "restart"):
+                 foreground: bool = False, origin: str = "restart", reprobe: bool = False):
         self.sessions = sessions
         # What the first attempt of this run is (`Attempt.origin`): "rerun" for `spillway
         # run` of a recorded job, "restart" for a resume or rollback; "submit" for a job's first.
@@ -73,6 +73,7 @@ class LocalRun:
         self.config: Any = None
         self.error: Exception | None = None
         self.on_planned: Any = None
+        self.reprobe = reprobe  # measure the disk's async I/O again on the next attempt only
 
     def _service(self, session: Session) -> JobService:
         return JobService(session, {}, "local")
@@ -131,7 +132,9 @@ class LocalRun:
                 {"metadata": {"name": job.name, "namespace": job.namespace}, "spec": job.spec})
             job_file, run_dir = Path(job.job_file or ""), Path(job.run_dir or "")
         try:
-            config = prepare_local_run(job_file, run_dir=run_dir, processes=self.processes, job=document)
+            config = prepare_local_run(job_file, run_dir=run_dir, processes=self.processes, job=document,
+                                       reprobe=self.reprobe)
+            self.reprobe = False
         except Exception as err:  # every way a job cannot start ends the run with a reason
             return self._refused(err), False
         self.config = config

@@ -1,0 +1,279 @@
+"""The async-I/O sweep of this machine's NVMe disk, measured once and kept between `spillway run`s.
+
+Where this sits: `local.prepare_local_run` asks `hardware_for_run` for the machine it
+plans on. Capacities that change run to run (free NVMe, free RAM) always come from a
+fresh `probe.probe_basic`; what the sweep measures (the best `aio` settings, read and
+write bandwidth) belongs to the disk, so it is measured once per disk, kept in
+`<cache dir>/probe-<hash of host and device>.json` and merged over the fresh facts.
+Keyed by device rather than by directory: every new job gets its own `runs/<name>/nvme`,
+and a key per directory would sweep again for each. An entry is measured again when it
+is older than `max_age_days`, when the machine's fingerprint changed (the disk's model
+or size, cores, RAM, GPUs, the memlock limit that bounds the sweep), or on request
+(`spillway run --reprobe`, SPILLWAY_PROBE_REFRESH=1). `spillway probe --nvme-path`
+stores its longer sweep here too. Importable without torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+import psutil
+from pydantic import BaseModel, Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from spillway_runtime.hardware import AioSettings, NodeHardware
+
+# What an entry contributes to a run's hardware: figures measured once, not capacities.
+MEASURED_FIELDS = (
+    "nvme_read_bytes_per_s", "nvme_write_bytes_per_s", "aio",
+    "cpu_adam_params_per_s", "torch_adamw_params_per_s", "host_device_bytes_per_s",
+)
+DAY_SECONDS = 86_400
+
+
+class ProbeCacheSettings(BaseSettings):
+    """Environment variables are the field names upper-cased with the prefix ``SPILLWAY_PROBE_``."""
+
+    model_config = SettingsConfigDict(env_prefix="SPILLWAY_PROBE_", extra="ignore")
+
+    cache_dir: Path | None = Field(
+        None, description="Where entries live; default $XDG_CACHE_HOME/spillway, else ~/.cache/spillway"
+    )
+    max_age_days: float = Field(
+        7.0, ge=0,
+        description="Days an entry is trusted: a week catches what the fingerprint cannot see (firmware, "
+        "filesystem, a fuller disk) at the cost of one short sweep a week",
+    )
+    aio_seconds: float = Field(
+        3.0, gt=0,
+        description="Seconds the sweep may take on a miss (it finishes the setting it is on): on two cores "
+        "with 64 MiB per setting that covers most of the grid, and a first run is not slowed much; "
+        "`spillway probe` sweeps longer",
+    )
+    aio_io_mib: int = Field(
+        64, ge=1, description="MiB each setting writes and reads; 64 MiB takes tens of ms at NVMe speed"
+    )
+    refresh: bool = Field(False, description="Measure again even when the entry is fresh")
+
+    @property
+    def directory(self) -> Path:
+        if self.cache_dir is not None:
+            return self.cache_dir
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spillway"
+
+
+class MachineFingerprint(BaseModel):
+    """What, when it changes, makes a measured entry stale."""
+
+    host: str
+    device: str = Field(description="st_dev of the NVMe directory, major:minor")
+    disk_model: str | None = Field(None, description="/sys/dev/block/<device>/device/model, where /sys has it")
+    disk_bytes: int | None = Field(None, description="Size of the block device (or partition)")
+    cpu_count: int
+    memory_bytes: int
+    gpu_count: int
+    gpu_product: str | None
+    memlock_bytes: int | None = Field(None, description="RLIMIT_MEMLOCK: bounds the buffer the sweep may lock")
+
+    def key(self) -> str:
+        return hashlib.sha256(f"{self.host}\0{self.device}".encode()).hexdigest()[:16]
+
+    def changes(self, other: MachineFingerprint) -> list[str]:
+        return [name for name in type(self).model_fields if getattr(self, name) != getattr(other, name)]
+
+
+class ProbeEntry(BaseModel):
+    fingerprint: MachineFingerprint
+    measured_at: float = Field(description="Unix seconds")
+    probe_seconds: float = Field(description="How long the measurement took")
+    hardware: NodeHardware = Field(description="The probe as measured; only MEASURED_FIELDS are reused")
+
+
+class ProbeRecord(BaseModel):
+    """How the hardware a local run planned on was measured: kept in runtime.json, written as
+    the run's `probe` event and printed by `spillway run`."""
+
+    source: Literal["cached", "measured", "unmeasured"]
+    why: str = Field(description="Why it was measured, or why it was not")
+    cache_file: str
+    aio: AioSettings | None = None
+    nvme_read_bytes_per_s: float | None = None
+    nvme_write_bytes_per_s: float | None = None
+    measured_at: float | None = None
+    age_seconds: float | None = None
+    probe_seconds: float | None = None
+
+    def describe(self) -> str:
+        if self.aio is None:
+            return f"async I/O: DeepSpeed settings not tuned to this disk ({self.why})"
+        tuned = (f"block {self.aio.block_size >> 10} KiB, queue depth {self.aio.queue_depth}, "
+                 f"parallelism {self.aio.intra_op_parallelism}")
+        speed = ""
+        if self.nvme_read_bytes_per_s and self.nvme_write_bytes_per_s:
+            speed = (f"; read {self.nvme_read_bytes_per_s / 1e9:.2f} GB/s, "
+                     f"write {self.nvme_write_bytes_per_s / 1e9:.2f} GB/s")
+        if self.source == "cached":
+            when = f"measured {_age(self.age_seconds or 0)} ago, cached in {self.cache_file}"
+        else:
+            when = f"measured just now in {self.probe_seconds or 0:.1f} s: {self.why}; kept in {self.cache_file}"
+        return f"async I/O: {tuned}{speed} ({when})"
+
+
+def _age(seconds: float) -> str:
+    if seconds < 3600:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 2 * DAY_SECONDS:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / DAY_SECONDS:.1f} days"
+
+
+def _disk(device: int) -> tuple[str | None, int | None]:
+    """(model, bytes) of a block device from /sys; a partition's model is its disk's."""
+    root = Path(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}")
+    try:
+        size = int((root / "size").read_text()) * 512
+    except (OSError, ValueError):
+        return None, None
+    for model in (root / "device" / "model", root / ".." / "device" / "model"):
+        with contextlib.suppress(OSError):
+            return model.read_text().strip() or None, size
+    return None, size
+
+
+def fingerprint(nvme_dir: Path, basic: NodeHardware) -> MachineFingerprint:
+    from spillway_runtime.dsconfig import memlock_limit
+
+    device = os.stat(nvme_dir).st_dev
+    model, size = _disk(device)
+    return MachineFingerprint(
+        host=socket.gethostname(), device=f"{os.major(device)}:{os.minor(device)}", disk_model=model,
+        disk_bytes=size, cpu_count=os.cpu_count() or 1, memory_bytes=psutil.virtual_memory().total,
+        gpu_count=basic.gpu_count, gpu_product=basic.gpu_product, memlock_bytes=memlock_limit(),
+    )
+
+
+def entry_path(settings: ProbeCacheSettings, fp: MachineFingerprint) -> Path:
+    return settings.directory / f"probe-{fp.key()}.json"
+
+
+def read_entry(path: Path) -> ProbeEntry | None:
+    try:
+        return ProbeEntry.model_validate_json(path.read_bytes())
+    except (OSError, ValidationError):
+        return None  # absent, or written by another version: measure again
+
+
+def staleness(entry: ProbeEntry | None, fp: MachineFingerprint, settings: ProbeCacheSettings) -> str | None:
+    """Why `entry` cannot be used for this machine now, or None when it can."""
+    if settings.refresh:
+        return "a re-probe was asked for"
+    if entry is None:
+        return "no cached probe of this disk"
+    if entry.hardware.aio is None:
+        return "the cached probe did not measure async I/O"
+    changed = entry.fingerprint.changes(fp)
+    if changed:
+        return f"the machine changed since the cached probe ({', '.join(changed)})"
+    age = time.time() - entry.measured_at
+    if age > settings.max_age_days * DAY_SECONDS:
+        return f"the cached probe is {age / DAY_SECONDS:.1f} days old (max {settings.max_age_days:g})"
+    return None
+
+
+def store_entry(path: Path, entry: ProbeEntry) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(entry.model_dump_json(indent=1))
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """One sweep of a disk at a time: two runs starting together would measure each other."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _record(source: Literal["cached", "measured", "unmeasured"], why: str, path: Path,
+            entry: ProbeEntry | None) -> ProbeRecord:
+    if entry is None:
+        return ProbeRecord(source=source, why=why, cache_file=str(path))
+    hw = entry.hardware
+    return ProbeRecord(
+        source=source, why=why, cache_file=str(path), aio=hw.aio, nvme_read_bytes_per_s=hw.nvme_read_bytes_per_s,
+        nvme_write_bytes_per_s=hw.nvme_write_bytes_per_s, measured_at=entry.measured_at,
+        age_seconds=round(time.time() - entry.measured_at, 1), probe_seconds=entry.probe_seconds,
+    )
+
+
+def _merged(basic: NodeHardware, entry: ProbeEntry) -> NodeHardware:
+    measured = {name: value for name in MEASURED_FIELDS if (value := getattr(entry.hardware, name)) is not None}
+    return basic.model_copy(update=measured)
+
+
+def _sweep(nvme_dir: Path, basic: NodeHardware, fp: MachineFingerprint, settings: ProbeCacheSettings) -> ProbeEntry:
+    from spillway_runtime.probe import measure_aio
+
+    started = time.monotonic()
+    read_bps, write_bps, aio = measure_aio(nvme_dir, settings.aio_seconds, io_bytes=settings.aio_io_mib << 20,
+                                           cores=basic.cpu_cores)
+    hw = basic.model_copy(update={"nvme_read_bytes_per_s": read_bps, "nvme_write_bytes_per_s": write_bps, "aio": aio})
+    return ProbeEntry(fingerprint=fp, measured_at=time.time(), probe_seconds=round(time.monotonic() - started, 2),
+                      hardware=hw)
+
+
+def hardware_for_run(nvme_dir: Path, *, measure: bool,
+                     settings: ProbeCacheSettings | None = None) -> tuple[NodeHardware, ProbeRecord]:
+    """This machine now, with the disk's cached sweep merged in. Without a usable entry the sweep
+    runs only when `measure` (the plan puts state on NVMe); otherwise the capacities alone."""
+    from spillway_runtime.probe import ProbeError, probe_basic
+
+    settings = settings or ProbeCacheSettings()
+    basic = probe_basic(nvme_dir)
+    fp = fingerprint(nvme_dir, basic)
+    path = entry_path(settings, fp)
+    entry = read_entry(path)
+    why = staleness(entry, fp, settings)
+    if why is None and entry is not None:
+        return _merged(basic, entry), _record("cached", "fresh", path, entry)
+    if not measure:
+        return basic, _record("unmeasured", f"{why}; the plan keeps nothing on NVMe", path, None)
+    with _locked(path):
+        entry = read_entry(path)
+        if entry is not None and staleness(entry, fp, settings) is None:
+            return _merged(basic, entry), _record("cached", "measured by a run that started alongside", path, entry)
+        try:
+            entry = _sweep(nvme_dir, basic, fp, settings)
+        except (ProbeError, OSError) as err:
+            return basic, _record("unmeasured", f"{why}; the sweep failed: {err}", path, None)
+        try:
+            store_entry(path, entry)
+        except OSError as err:
+            why = f"{why}; not cached: {err}"
+    return _merged(basic, entry), _record("measured", why or "", path, entry)
+
+
+def store_probe(nvme_dir: Path, hw: NodeHardware, settings: ProbeCacheSettings | None = None) -> Path | None:
+    """Keep a full `spillway probe` of `nvme_dir` for later runs; None when it measured no async I/O."""
+    if hw.aio is None:
+        return None
+    settings = settings or ProbeCacheSettings()
+    fp = fingerprint(nvme_dir, hw)
+    path = entry_path(settings, fp)
+    with _locked(path):
+        store_entry(path, ProbeEntry(fingerprint=fp, measured_at=time.time(), probe_seconds=hw.probe_seconds or 0.0,
+                                     hardware=hw))
+    return path

@@ -1,0 +1,132 @@
+"""The cached async-I/O sweep a local run plans with: what makes an entry stale, and what
+of it is merged over the capacities measured fresh. No sweep runs here (the entries are
+written by hand); tests/integration/test_probe_cache.py runs real ones."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from spillway_runtime.hardware import AioSettings, NodeHardware
+from spillway_runtime.probe import probe_basic
+from spillway_runtime.probe_cache import (
+    DAY_SECONDS,
+    ProbeCacheSettings,
+    ProbeEntry,
+    entry_path,
+    fingerprint,
+    hardware_for_run,
+    read_entry,
+    staleness,
+    store_entry,
+    store_probe,
+)
+
+TUNED = AioSettings(block_size=8 << 20, queue_depth=128, intra_op_parallelism=2)
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> ProbeCacheSettings:
+    return ProbeCacheSettings(cache_dir=tmp_path / "cache")
+
+
+def measured(nvme: Path) -> NodeHardware:
+    hw = probe_basic(nvme)
+    return hw.model_copy(update={"aio": TUNED, "nvme_read_bytes_per_s": 3e9, "nvme_write_bytes_per_s": 2e9,
+                                 "cpu_adam_params_per_s": 1.5e9, "nvme_free_bytes": 1})
+
+
+def test_a_stored_probe_is_merged_over_fresh_capacities(tmp_path: Path, settings: ProbeCacheSettings) -> None:
+    nvme = tmp_path / "nvme"
+    path = store_probe(nvme, measured(nvme), settings)
+    assert path is not None and path.parent == settings.directory
+    # Another directory on the same disk reads the same entry: the sweep belongs to the disk.
+    hw, record = hardware_for_run(tmp_path / "other-run" / "nvme", measure=False, settings=settings)
+    assert record.source == "cached" and record.cache_file == str(path)
+    assert hw.aio == TUNED and hw.nvme_read_bytes_per_s == 3e9 and hw.cpu_adam_params_per_s == 1.5e9
+    assert hw.nvme_free_bytes > 1  # capacities are today's, not the cached ones
+    assert hw.nvme_path == str((tmp_path / "other-run" / "nvme").resolve())
+    assert "8192 KiB, queue depth 128, parallelism 2" in record.describe()
+
+
+def test_a_probe_without_async_io_is_not_stored(tmp_path: Path, settings: ProbeCacheSettings) -> None:
+    assert store_probe(tmp_path, probe_basic(tmp_path), settings) is None
+    assert not settings.directory.exists()
+
+
+def test_an_entry_is_stale_when_old_when_the_machine_changed_or_when_asked(
+        tmp_path: Path, settings: ProbeCacheSettings) -> None:
+    hw = measured(tmp_path)
+    fp = fingerprint(tmp_path, hw)
+    entry = ProbeEntry(fingerprint=fp, measured_at=time.time(), probe_seconds=3.0, hardware=hw)
+    assert staleness(entry, fp, settings) is None
+    assert "no cached probe" in (staleness(None, fp, settings) or "")
+    old = entry.model_copy(update={"measured_at": time.time() - 8 * DAY_SECONDS})
+    assert "8.0 days old (max 7)" in (staleness(old, fp, settings) or "")
+    assert staleness(old, fp, settings.model_copy(update={"max_age_days": 30})) is None
+    moved = entry.model_copy(update={"fingerprint": fp.model_copy(update={"disk_model": "another disk",
+                                                                          "gpu_count": fp.gpu_count + 1})})
+    assert "(disk_model, gpu_count)" in (staleness(moved, fp, settings) or "")
+    asked = settings.model_copy(update={"refresh": True})
+    assert "re-probe was asked" in (staleness(entry, fp, asked) or "")
+
+
+def test_a_stale_entry_is_not_used_and_nothing_is_measured_without_nvme(
+        tmp_path: Path, settings: ProbeCacheSettings) -> None:
+    hw = measured(tmp_path)
+    fp = fingerprint(tmp_path, hw)
+    path = entry_path(settings, fp)
+    store_entry(path, ProbeEntry(fingerprint=fp.model_copy(update={"cpu_count": fp.cpu_count + 64}),
+                                 measured_at=time.time(), probe_seconds=3.0, hardware=hw))
+    before = path.read_bytes()
+    fresh, record = hardware_for_run(tmp_path, measure=False, settings=settings)
+    assert record.source == "unmeasured" and "cpu_count" in record.why and "keeps nothing on NVMe" in record.why
+    assert fresh.aio is None and fresh.nvme_read_bytes_per_s is None
+    assert path.read_bytes() == before
+    assert "not tuned to this disk" in record.describe()
+
+
+def test_an_unreadable_entry_counts_as_none(tmp_path: Path, settings: ProbeCacheSettings) -> None:
+    path = settings.directory / "probe-x.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"fingerprint": {"device": "8:1"}}))
+    assert read_entry(path) is None
+    assert read_entry(settings.directory / "absent.json") is None
+
+
+def test_the_cache_lives_under_xdg_cache_home_unless_told(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SPILLWAY_PROBE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert ProbeCacheSettings().directory == tmp_path / "xdg" / "spillway"
+    monkeypatch.setenv("SPILLWAY_PROBE_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.setenv("SPILLWAY_PROBE_MAX_AGE_DAYS", "1.5")
+    monkeypatch.setenv("SPILLWAY_PROBE_REFRESH", "1")
+    told = ProbeCacheSettings()
+    assert (told.directory, told.max_age_days, told.refresh) == (tmp_path / "mine", 1.5, True)
+
+
+def test_spillway_plan_of_a_job_plans_with_the_cached_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dry run plans as `spillway run` would: with the disk's cached aio settings (and never sweeps)."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from spillway_api.cli import build_app
+
+    monkeypatch.setenv("SPILLWAY_PROBE_CACHE_DIR", str(tmp_path / "cache"))
+    nvme = tmp_path / "nvme"
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({
+        "apiVersion": "spillway.dev/v1alpha1", "kind": "FineTuneJob", "metadata": {"name": "j"},
+        "spec": {"model": {"uri": "model"}, "dataset": {"uri": "data.jsonl"},
+                 "offload": {"optimizer": "nvme", "nvme": {"path": str(nvme)}}}}))
+    untuned = CliRunner().invoke(build_app(), ["plan", str(job), "--params", "50M", "--output", "json"])
+    assert untuned.exit_code == 0, untuned.output
+    assert json.loads(untuned.output)["aio"] == AioSettings().model_dump()
+    assert not list((tmp_path / "cache").glob("probe-*.json"))  # nothing was measured
+    store_probe(nvme, measured(nvme))
+    tuned = CliRunner().invoke(build_app(), ["plan", str(job), "--params", "50M", "--output", "json"])
+    assert tuned.exit_code == 0, tuned.output
+    assert json.loads(tuned.output)["aio"] == TUNED.model_dump()
