@@ -11,9 +11,9 @@ on NVMe, once under ZeRO-2 with it in CPU RAM, one process each, and for each:
   median step time; then written again with nothing beside it, for the write throughput
   against a direct-I/O write of a new file of the same size measured in the same run;
 - load: the checkpoint read back into the engine, out of the page cache (evicted first),
-  against a direct read of a file of the same size (with the optimizer on NVMe: the swap
-  files checked where they are, the fp32 masters read by DeepSpeed's load through the
-  swapper, the moments at the first step).
+  against a direct read of a file of the same size (with the optimizer on NVMe: every swap
+  file read once where it is and checked, the fp32 masters cast into the 16-bit partitions
+  as they are read; the moments stay there for the first step's swap-in).
 
 Targets: write and load >= 0.7 of their baselines; stall <= 1 step; <= 14 bytes/param.
 """
@@ -150,7 +150,7 @@ def run(placement: str, steps: int) -> dict[str, float]:
 
     write_s, read_s = direct_baselines(Path(config.checkpoint_dir), info.size_bytes, config.plan.aio)
     evict(info.path)
-    checking = {"s": 0.0}  # the load's checksum pass over the swap files, which stay where they are
+    checking = {"s": 0.0}  # the load's pass over the swap files, which stay where they are
     digest = recipe.ckpt.io.digest
 
     def timed_digest(*args):
@@ -193,7 +193,7 @@ def main() -> None:
           f"({gb / r['alone_s']:.2f} GB/s), in {r['background_s']:.2f} s beside training "
           f"({gb / r['background_s']:.2f} GB/s), where the step with it took {r['with_checkpoint_s']:.2f} s")
     print(f"baselines: direct write {gb / r['write_s']:.2f} GB/s, direct read {gb / r['read_s']:.2f} GB/s, "
-          f"load {r['load_s']:.2f} s ({gb / r['load_s']:.2f} GB/s), of which checking the swap files "
+          f"load {r['load_s']:.2f} s ({gb / r['load_s']:.2f} GB/s), of which reading the swap files "
           f"{r['load_check_s']:.2f} s")
     print(f"RATIO {placement} write / direct write = {r['write_s'] / r['alone_s']:.2f}  (target >= 0.7; "
           f"beside training {r['write_s'] / r['background_s']:.2f})")

@@ -18,12 +18,14 @@ import hashlib
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 BLOCK_HASH = "sha256-chunks"  # the manifest's name for the chunked checksum below
 CHUNK = 32 << 20  # bytes per I/O and per hashed block
+READ_AHEAD = 4  # a read's buffers: reads in flight while earlier chunks are copied and hashed
 TENSOR_SUFFIX = ".tensors"
 INLINE_BYTES = 1 << 20  # tensors under this stay inside the pickled file
 
@@ -142,9 +144,10 @@ class _PlainChannel:
 
 
 class DirectIO:
-    """Reads and writes whole files in chunks through two buffers: while one is written
-    (or read) and hashed, the other is filled (or used). `threads` hash chunks in parallel
-    (hashlib releases the GIL). Direct (O_DIRECT, DeepSpeed's async I/O, locked buffers)
+    """Reads and writes whole files in chunks through locked buffers: a write through two
+    (while one is written and hashed, the other is filled), a read through `READ_AHEAD`
+    (chunks read while earlier ones are copied and hashed). `threads` hash chunks in
+    parallel (hashlib releases the GIL). Direct (O_DIRECT, DeepSpeed's async I/O, locked buffers)
     unless `direct=False`. Not thread-safe: one file at a time per instance."""
 
     def __init__(self, *, chunk: int = CHUNK, block_size: int = 1 << 20, queue_depth: int = 32,
@@ -156,13 +159,13 @@ class DirectIO:
         self.writers = self._channels()
         self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="spillway-ckpt-hash")
 
-    def _channels(self) -> list[Any]:
+    def _channels(self, count: int = 2) -> list[Any]:
         if not self.direct:
-            return [_PlainChannel(self.chunk) for _ in range(2)]
+            return [_PlainChannel(self.chunk) for _ in range(count)]
         from deepspeed.ops.op_builder import AsyncIOBuilder
 
         aio = AsyncIOBuilder().load()
-        return [_AioChannel(aio, self.chunk, *self.settings) for _ in range(2)]
+        return [_AioChannel(aio, self.chunk, *self.settings) for _ in range(count)]
 
     def close(self) -> None:
         for channel in self.writers:
@@ -259,36 +262,54 @@ class DirectIO:
 
     # --- reading ----------------------------------------------------------------------
 
-    def read_stream(self, path: Path, size: int) -> Iterator[Any]:
-        """The file's bytes as uint8 tensors of up to one chunk, each valid until the next is
-        asked for. Reads one chunk ahead, into buffers of its own."""
-        readers = self._channels()
+    def read_chunks(self, path: Path, size: int, consume: Callable[[int, Any], bytes]) -> list[bytes]:
+        """Read the file's `size` bytes in chunks, `READ_AHEAD` of them in flight: each chunk is
+        given to `consume(offset, chunk)` in the hashing threads (a uint8 tensor, valid until it
+        returns) while the next ones are read. Returns what `consume` returned, in file order."""
+        readers = self._channels(READ_AHEAD)
         plain = os.open(path, os.O_RDONLY)
-        try:
-            def start(offset: int, slot: int) -> int:
-                n = min(self.chunk, size - offset)
-                if self._aligned(n):
-                    readers[slot].read(self._aligned(n), path, offset)
-                return n
+        offsets = list(range(0, size, self.chunk))
+        consuming: list[Future[bytes] | None] = [None] * len(readers)
+        results: list[bytes] = []
 
-            offset, slot = 0, 0
-            n = start(0, 0) if size else 0
-            while offset < size:
+        def start(index: int) -> None:
+            if index < len(offsets):
+                n = self._aligned(min(self.chunk, size - offsets[index]))
+                if n:
+                    readers[index % len(readers)].read(n, path, offsets[index])
+
+        try:
+            for index in range(len(readers) - 1):
+                start(index)
+            for index, offset in enumerate(offsets):
+                slot = index % len(readers)
+                freed = (index - 1) % len(readers)  # the last chunk's buffer, once consumed
+                last = consuming[freed]
+                if last is not None:
+                    results.append(last.result())
+                    consuming[freed] = None
+                start(index + len(readers) - 1)
                 reader = readers[slot]
                 reader.wait()
+                n = min(self.chunk, size - offset)
                 aligned = self._aligned(n)
-                if aligned < n:
+                if aligned < n:  # the file's tail, through the page cache
                     tail = memoryview(reader.buffer.numpy())[aligned:n]
                     if os.preadv(plain, [tail], offset + aligned) != n - aligned:
                         raise CheckpointIOError(f"{path} ended early")
-                following = offset + n
-                next_n = start(following, 1 - slot) if following < size else 0
-                yield reader.buffer[:n]
-                offset, slot, n = following, 1 - slot, next_n
+                consuming[slot] = self.pool.submit(consume, offset, reader.buffer[:n])
+            final = consuming[(len(offsets) - 1) % len(readers)]
+            if final is not None:
+                results.append(final.result())
+                consuming[(len(offsets) - 1) % len(readers)] = None
         finally:
+            for pending in consuming:  # the buffers are freed below: nothing may read them then
+                if pending is not None:
+                    wait_futures([pending])
             os.close(plain)
             for reader in readers:
                 reader.close()
+        return results
 
     def read_into(self, path: Path, tensors: list[Any]) -> str:
         """Fill `tensors` (CPU, contiguous) from the file's bytes in order; the file's checksum."""
@@ -297,17 +318,28 @@ class DirectIO:
         size = path.stat().st_size
         if size != total:
             raise CheckpointIOError(f"{path} holds {size} bytes, {total} expected")
-        digests: list[Future[bytes]] = []
         target = _Chunker(iter(views))
-        for chunk in self.read_stream(path, size):
-            # hashed where the bytes now stay (the buffer is read into again meanwhile)
-            digests.append(self.pool.submit(_sha256_of, target.drain(chunk)))
-        return combine([d.result() for d in digests])
+        pieces = {offset: target.take(min(self.chunk, size - offset)) for offset in range(0, size, self.chunk)}
 
-    def digest(self, path: Path) -> str:
-        """The chunked checksum of a file, read through the buffers."""
-        # each chunk hashed in its buffer while the next one is read into the other
-        return combine([_sha256(memoryview(chunk.numpy())) for chunk in self.read_stream(path, path.stat().st_size)])
+        def copy_and_hash(offset: int, chunk: Any) -> bytes:
+            used = 0
+            for piece in pieces[offset]:
+                n = int(piece.numel())
+                piece.copy_(chunk[used:used + n])
+                used += n
+            return _sha256_of(pieces.pop(offset))  # hashed where the bytes now stay
+
+        return combine(self.read_chunks(path, size, copy_and_hash))
+
+    def digest(self, path: Path, use: Callable[[int, Any], None] | None = None) -> str:
+        """The chunked checksum of a file, read through the buffers; each chunk is first given
+        to `use(offset, chunk)`, in the hashing threads, where that is given."""
+        def hashed(offset: int, chunk: Any) -> bytes:
+            if use is not None:
+                use(offset, chunk)
+            return _sha256(memoryview(chunk.numpy()))
+
+        return combine(self.read_chunks(path, path.stat().st_size, hashed))
 
 
 def chunked_digest(path: Path, chunk: int = CHUNK) -> str:
@@ -344,21 +376,18 @@ class _Chunker:
             self.pos += n
         return filled
 
-    def drain(self, chunk: Any) -> list[Any]:
-        """Copy `chunk` into the tensors; the pieces of them it filled, in order."""
+    def take(self, size: int) -> list[Any]:
+        """The next `size` bytes of the tensors, as the pieces of them that hold them, in order."""
         used = 0
-        size = int(chunk.numel())
-        filled = []
+        taken = []
         while used < size:
             if not self._next():
                 raise CheckpointIOError("more bytes on disk than the tensors hold")
             n = min(size - used, int(self.current.numel()) - self.pos)
-            piece = self.current[self.pos:self.pos + n]
-            piece.copy_(chunk[used:used + n])
-            filled.append(piece)
+            taken.append(self.current[self.pos:self.pos + n])
             used += n
             self.pos += n
-        return filled
+        return taken
 
 
 # --- state dicts: a small pickled skeleton, the large tensors beside it --------------------

@@ -14,8 +14,9 @@ calls for every file:
   the sub-groups that stay in memory (`strip_swapped_subgroups`), and the swap files are
   moved into the checkpoint rather than copied, and read from it by the swapper's next
   swap-in (`SwapFiles`), instead of DeepSpeed's buffered `copytree` on save and on load.
-- `load` reads the large tensors back with direct I/O and checks each file's checksum as
-  it reads, against the manifest (`expect`): one pass over the bytes, not two.
+- `load` reads the large tensors back with direct I/O, several chunks in flight, and checks
+  each file's checksum as it reads, against the manifest (`expected`): one pass over the
+  bytes, not two.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from spillway_runtime.ckpt_io import (
     CHUNK,
+    READ_AHEAD,
     TENSOR_SUFFIX,
     CheckpointIOError,
     DirectIO,
@@ -45,18 +47,18 @@ from spillway_runtime.ckpt_io import (
 )
 
 OFFLOADED = "offloaded_tensors"
-# Of RLIMIT_MEMLOCK, what the checkpoint's four I/O buffers may lock together: the optimizer
-# swapper's buffers are fitted to 0.75 of it (dsconfig.MEMLOCK_SHARE).
+# Of RLIMIT_MEMLOCK, what the checkpoint's I/O buffers (two to write, READ_AHEAD to read)
+# may lock together: the optimizer swapper's buffers are fitted to 0.75 of it (dsconfig.MEMLOCK_SHARE).
 MEMLOCK_SHARE = 0.15
 MIN_CHUNK = 1 << 20
 
 
 def direct_io(aio: Any, memlock: int | None, directory: Path) -> DirectIO:
-    """A `DirectIO` with the node's tuned async I/O settings (the plan's `aio`), its four
+    """A `DirectIO` with the node's tuned async I/O settings (the plan's `aio`), its
     locked buffers fitted under RLIMIT_MEMLOCK (`memlock`, None when unlimited); through the
     page cache where they would be under `MIN_CHUNK` each, or where `directory`'s
     filesystem refuses O_DIRECT."""
-    chunk = CHUNK if memlock is None else min(CHUNK, int(memlock * MEMLOCK_SHARE) // 4)
+    chunk = CHUNK if memlock is None else min(CHUNK, int(memlock * MEMLOCK_SHARE) // (2 + READ_AHEAD))
     return DirectIO(chunk=max(chunk, MIN_CHUNK), block_size=aio.block_size, queue_depth=aio.queue_depth,
                     parallelism=aio.intra_op_parallelism, direct=chunk >= MIN_CHUNK and takes_direct_io(directory))
 
@@ -92,6 +94,8 @@ class SpillwayCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self.jobs: list[Job] = []
         self.defer = False  # queue the large tensors (inside `deferring`), else write them at once
         self.expected: dict[Path, str] = {}  # file -> checksum, for `load`
+        self.reading_once = False  # inside `reading`
+        self.last: tuple[str, Any] | None = None  # there: the file `load` read last, and what it returned
 
     @contextlib.contextmanager
     def deferring(self) -> Iterator[None]:
@@ -102,6 +106,17 @@ class SpillwayCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             yield
         finally:
             self.defer = False
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """One checkpoint's load: a file asked for twice in a row is read once. DeepSpeed's
+        module load reads the model-states file once to check its process count, then again
+        to use it (with ZeRO-1/2 the 16-bit weights: 2 bytes a parameter read twice)."""
+        self.reading_once = True
+        try:
+            yield
+        finally:
+            self.reading_once, self.last = False, None
 
     def create(self, info: CheckpointCommitInfo) -> None:
         return None
@@ -125,6 +140,15 @@ class SpillwayCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             self.io.write_tensors(Path(path + TENSOR_SUFFIX), tensors)
 
     def load(self, path: str, map_location: Any = None) -> Any:
+        if self.last is not None and self.last[0] == path:
+            return self.last[1]
+        self.last = None
+        state = self._read(path, map_location)
+        if self.reading_once:
+            self.last = (path, state)
+        return state
+
+    def _read(self, path: str, map_location: Any) -> Any:
         import torch
 
         skeleton = torch.load(path, map_location=map_location, weights_only=False)
@@ -201,9 +225,10 @@ class SwapFiles:
     `pending`; the swapper's next swap-in of that tensor reads it from the checkpoint (the
     hook `__init__` installs), and its swap-out writes a new file in the swap folder. A file
     of a checkpoint is never written again. A second checkpoint before the next step links
-    the same files. A load (`load_view`) checks the files where they are and leaves them
-    there for the next swap-in, instead of DeepSpeed's buffered copy of every byte into the
-    swap folder. Where the swap folder and the checkpoints are on different filesystems,
+    the same files. A load (`load_view`) reads each file once where it is (the fp32 masters
+    into the 16-bit partitions, every file checked) and leaves them there for the next
+    swap-in, instead of DeepSpeed's buffered copy of every byte into the swap folder and
+    its swap-in and swap-out of every sub-group. Where the swap folder and the checkpoints are on different filesystems,
     the save copies the files instead (direct I/O, in the background).
 
     Pending reads point into the staging directory until the store commits it
@@ -212,10 +237,13 @@ class SwapFiles:
     good checkpoint, whatever the swap folder holds.
     """
 
-    def __init__(self, swapper: Any):
+    def __init__(self, swapper: Any, zero: Any = None):
         self.swapper = swapper
+        self.zero = zero  # ZeRO-3's optimizer, whose load `load_view` takes over
         self.folder = Path(swapper.swap_folder)
         self.pending: dict[str, Path] = {}  # swap path -> where the state is until the next swap-in
+        self.unchecked: dict[Path, str] = {}  # in a load: files not read yet -> their checksums
+        self.problem: str | None = None  # in a load: a file that did not match
         for name in ("_swap_in_parameter", "_swap_in_optimizer_state"):  # partitioned, pipelined
             original = getattr(swapper, name, None)
             if original is not None:
@@ -226,7 +254,7 @@ class SwapFiles:
         swapper = getattr(engine.optimizer, "optimizer_swapper", None)
         if swapper is None or not engine.zero_nvme_offload_optimizer():
             return None
-        return cls(swapper)
+        return cls(swapper, engine.optimizer)
 
     def _reading_pending(self, swap_in: Any) -> Any:
         def swap_in_pending(aio_handle: Any, parameter: Any, *args: Any, **kwargs: Any) -> Any:
@@ -291,8 +319,10 @@ class SwapFiles:
                   expected: dict[Path, str]) -> Iterator[Path]:
         """The checkpoint at `root` as DeepSpeed's load should see it: a view of symbolic
         links in `scratch` whose swap-file folder is empty (DeepSpeed copies nothing), this
-        rank's swap files checked against `expected` where they are and pending for the
-        swapper's next swap-in."""
+        rank's swap files pending for the swapper's next swap-in, where they are. Inside,
+        DeepSpeed's load restores the sub-groups our way (`_restore`); every swap file is
+        checked against `expected` by the end, and one that does not match raises there,
+        after DeepSpeed's load and its collectives have run on every rank."""
         saved_dir = saved_swap_dir(root / tag, rank)
         self.pending.clear()
         if not saved_dir.is_dir():
@@ -310,18 +340,71 @@ class SwapFiles:
                     (view / rel).parent.mkdir(parents=True, exist_ok=True)
                     (view / rel).symlink_to(src.resolve())
             for saved in sorted(saved_dir.iterdir()):
-                want = expected.get(saved.resolve())
-                if want is not None and io.digest(saved) != want:
-                    raise CheckpointIOError(f"{saved} does not match its checksum")
                 self.pending[self._key(saved.name)] = saved.resolve()
+                if (want := expected.get(saved.resolve())) is not None:
+                    self.unchecked[saved.resolve()] = want
             (view / saved_dir.relative_to(root)).mkdir(parents=True, exist_ok=True)
+            if self.zero is not None:
+                self.zero.reset_swap_buffers = lambda: self._restore(io)
             yield view
+            for path in list(self.unchecked):  # what the restore did not read: the Adam moments
+                self._check(path, io.digest(path))
+            if self.problem is not None:
+                raise CheckpointIOError(self.problem)
         except BaseException:
             self.pending.clear()
             raise
         finally:
+            if self.zero is not None and "reset_swap_buffers" in vars(self.zero):
+                del self.zero.reset_swap_buffers
+            self.unchecked.clear()
+            self.problem = None
             shutil.rmtree(scratch, ignore_errors=True)
 
+    def _check(self, path: Path, digest: str) -> None:
+        want = self.unchecked.pop(path, None)
+        if want is not None and digest != want and self.problem is None:
+            self.problem = f"{path} does not match its checksum"
+
+    def _restore(self, io: DirectIO) -> None:
+        """ZeRO-3's `reset_swap_buffers` in DeepSpeed's load, without its second copy. There,
+        each swapped sub-group is swapped in (every byte read), its 16-bit partition written
+        from the fp32 masters, and swapped out again (every byte written to the swap folder).
+        Here its masters are read from the checkpoint's file straight into the 16-bit
+        partition (the same cast), checksummed as they are read; the Adam moments stay where
+        they are for the next swap-in. A sub-group whose 16-bit partition is swapped too
+        (parameters on NVMe) goes DeepSpeed's way, its files checked before it reads them."""
+        zero = self.zero
+        for i in range(len(zero.fp16_groups)):
+            flat = zero.fp32_partitioned_groups_flat[i]
+            master = self.pending.get(self._key(f"{self.swapper.parameter_id(flat)}.tensor.swp"))
+            partition = zero.fp16_partitioned_groups_flat[i]
+            if not zero._swappable_optimizer_subgroup(i) or master is None or partition is None:
+                info = self.swapper._get_param_swap_info(flat) if zero._swappable_optimizer_subgroup(i) else None
+                for key in info.get_swap_paths() if info is not None else []:
+                    if (path := self.pending.get(key)) is not None and path in self.unchecked:
+                        self._check(path, io.digest(path))
+                timers: set[str] = set()
+                zero._prepare_sub_group(i, timers)
+                zero._reassign_or_swap_out_partitioned_parameters(i)
+                zero._release_sub_group(i, timers)
+                continue
+            self._check(master, io.digest(master, self._casting_into(partition, flat.dtype,
+                                                                      int(zero.fp16_partitioned_groups_flat_numel[i]))))
+            zero._unflatten_partitioned_parameters(i)
+
+    @staticmethod
+    def _casting_into(partition: Any, dtype: Any, numel: int) -> Any:
+        """A chunk reader that casts a masters file's elements into `partition`, in place."""
+        target = partition.view(-1)
+
+        def cast(offset: int, chunk: Any) -> None:
+            first = offset // dtype.itemsize
+            count = min(numel - first, int(chunk.numel()) // dtype.itemsize)
+            if count > 0:
+                target[first:first + count].copy_(chunk[:count * dtype.itemsize].view(dtype))
+
+        return cast
 
 @contextlib.contextmanager
 def without_swap_copy(engine: Any) -> Iterator[None]:

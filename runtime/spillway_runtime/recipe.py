@@ -674,7 +674,7 @@ class FineTuneRecipe:
         scratch = self.store.root / f"{STAGING}load-view-rank{self.rank}"
         view = contextlib.nullcontext(info.path) if self.swap_files is None else self.swap_files.load_view(
             self.ckpt.io, info.path, DS_TAG, scratch, self.rank, self.ckpt.expected)
-        with view as root, load_with_parameters_on_nvme(self.engine):
+        with view as root, load_with_parameters_on_nvme(self.engine), self.ckpt.reading():
             load_path, _ = self.engine.load_checkpoint(
                 str(root), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False,
                 load_module_strict=not self.spec.method.lora,  # the frozen base is not in it

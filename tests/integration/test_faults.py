@@ -78,19 +78,22 @@ def test_damaged_latest_checkpoint_falls_back_to_previous(tmp_path, make_job):
     assert any("step-00000006 rejected" in e.get("message", "") for e in again.of("log"))
 
 
-@pytest.mark.parametrize("optimizer", ["cpu", "nvme"])
+@pytest.mark.parametrize(("optimizer", "pattern"), [
+    ("cpu", "*optim_states.pt.tensors"),
+    ("nvme", "offloaded_tensors/*/exp_avg_sq-*"),  # checked at the end of the load
+    ("nvme", "offloaded_tensors/*/[0-9]*.tensor.swp"),  # the fp32 masters: checked as they are cast
+], ids=["cpu", "nvme-moment", "nvme-masters"])
 def test_a_flipped_bit_in_a_tensor_file_is_found_as_it_is_read_and_the_previous_checkpoint_used(
-        tmp_path, make_job, optimizer):
+        tmp_path, make_job, optimizer, pattern):
     """The large files are checked while they are loaded, not read twice: one bit flipped in
-    the optimizer state (the ZeRO file's tensors, or a copied swap file with the optimizer on
-    NVMe) rejects that checkpoint and the restart resumes from the one before."""
+    the optimizer state (the ZeRO file's tensors, or a swap file with the optimizer on NVMe)
+    rejects that checkpoint and the restart resumes from the one before."""
     offload = {"optimizer": optimizer, "nvme": {"path": str(tmp_path / "nvme")},
                "deepspeed": {"zero_optimization": {"stage": 3}}}
     job = make_job(training={"maxSteps": 6}, checkpoint={"everySteps": 2}, offload=offload)
     first = run_job(job, tmp_path / "run")
     assert first.returncode == 0, first.log[-3000:]
     latest = tmp_path / "run" / "checkpoints" / "step-00000006"
-    pattern = "offloaded_tensors/*/exp_avg_sq-*" if optimizer == "nvme" else "*optim_states.pt.tensors"
     [damaged] = list((latest / "ds").glob(pattern))
     data = bytearray(damaged.read_bytes())
     data[len(data) // 2] ^= 0x10
