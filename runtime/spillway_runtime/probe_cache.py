@@ -62,6 +62,11 @@ class ProbeCacheSettings(BaseSettings):
         64, ge=1, description="MiB each setting writes and reads; 64 MiB takes tens of ms at NVMe speed"
     )
     refresh: bool = Field(False, description="Measure again even when the entry is fresh")
+    sweep: bool = Field(
+        True, description="0: plan with DeepSpeed's default async-I/O settings, neither measuring nor reading "
+        "an entry: the same plan on every run (the test suite; a sweep's winner varies run to run, and its "
+        "block size decides which small optimizer sub-groups are swapped at all)",
+    )
 
     @property
     def directory(self) -> Path:
@@ -245,6 +250,8 @@ def hardware_for_run(nvme_dir: Path, *, measure: bool,
     basic = probe_basic(nvme_dir)
     fp = fingerprint(nvme_dir, basic)
     path = entry_path(settings, fp)
+    if not settings.sweep:
+        return basic, _record("unmeasured", "SPILLWAY_PROBE_SWEEP=0: DeepSpeed's default async I/O", path, None)
     entry = read_entry(path)
     why = staleness(entry, fp, settings)
     if why is None and entry is not None:

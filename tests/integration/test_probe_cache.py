@@ -32,6 +32,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     one or two settings on 8 MiB: a test checks where figures go, not how fast the disk is."""
     monkeypatch.setenv("SPILLWAY_PROBE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("SPILLWAY_PROBE_AIO_SECONDS", "0.1")
+    monkeypatch.setenv("SPILLWAY_PROBE_SWEEP", "1")
     monkeypatch.setenv("SPILLWAY_PROBE_AIO_IO_MIB", "8")
     return tmp_path / "cache"
 

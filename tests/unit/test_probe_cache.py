@@ -30,7 +30,7 @@ TUNED = AioSettings(block_size=8 << 20, queue_depth=128, intra_op_parallelism=2)
 
 @pytest.fixture
 def settings(tmp_path: Path) -> ProbeCacheSettings:
-    return ProbeCacheSettings(cache_dir=tmp_path / "cache")
+    return ProbeCacheSettings(cache_dir=tmp_path / "cache", sweep=True)
 
 
 def measured(nvme: Path) -> NodeHardware:
@@ -50,6 +50,15 @@ def test_a_stored_probe_is_merged_over_fresh_capacities(tmp_path: Path, settings
     assert hw.nvme_free_bytes > 1  # capacities are today's, not the cached ones
     assert hw.nvme_path == str((tmp_path / "other-run" / "nvme").resolve())
     assert "8192 KiB, queue depth 128, parallelism 2" in record.describe()
+
+
+def test_with_the_sweep_off_a_run_plans_with_the_defaults_beside_a_fresh_entry(
+        tmp_path: Path, settings: ProbeCacheSettings) -> None:
+    nvme = tmp_path / "nvme"
+    store_probe(nvme, measured(nvme), settings)
+    hw, record = hardware_for_run(nvme, measure=True, settings=settings.model_copy(update={"sweep": False}))
+    assert record.source == "unmeasured" and "SPILLWAY_PROBE_SWEEP=0" in record.describe()
+    assert hw.aio is None  # the plan takes DeepSpeed's defaults
 
 
 def test_a_probe_without_async_io_is_not_stored(tmp_path: Path, settings: ProbeCacheSettings) -> None:
@@ -116,6 +125,7 @@ def test_spillway_plan_of_a_job_plans_with_the_cached_sweep(tmp_path: Path, monk
     from spillway_api.cli import build_app
 
     monkeypatch.setenv("SPILLWAY_PROBE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("SPILLWAY_PROBE_SWEEP", "1")
     nvme = tmp_path / "nvme"
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({
