@@ -16,8 +16,8 @@ chooses between placements with them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Literal
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -32,6 +32,7 @@ from spillway_runtime.estimates import (
     step_time,
 )
 from spillway_runtime.hardware import AioSettings, NodeHardware
+from spillway_runtime.hf_shape import count_decoder
 from spillway_runtime.plan_summary import PlanSummary
 from spillway_runtime.spec import DType, Method, Offload, Tier, Training
 from spillway_runtime.units import GiB, format_bytes, format_count
@@ -102,6 +103,24 @@ class ModelShape(BaseModel):
     @property
     def trainable(self) -> int:
         return self.params if self.trainable_params is None else self.trainable_params
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any], name: str | None = None) -> ModelShape:
+        """The shape of a decoder from its Hugging Face config.json, by arithmetic (no torch):
+        large vocabularies, GQA, tied embeddings and every MoE expert counted as transformers
+        builds them. Raises `hf_shape.HFConfigError` naming the key it cannot use."""
+        counts = count_decoder(config)
+        return cls(
+            name=name or str(config.get("_name_or_path") or counts.model_type),
+            params=counts.params,
+            largest_layer_params=counts.largest_layer_params,
+            largest_param_numel=counts.largest_param_numel,
+            hidden_size=counts.hidden_size,
+            num_layers=counts.num_layers,
+            vocab_size=counts.vocab_size,
+            num_attention_heads=counts.num_attention_heads,
+            linear_in_out=counts.linear_in_out,
+        )
 
     @classmethod
     def from_param_count(cls, params: int, vocab_size: int = 32000) -> ModelShape:
