@@ -64,9 +64,11 @@ _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_he
 class HFConfigError(ValueError):
     """A config.json the analytic shape cannot read; `field` names the key at fault."""
 
-    def __init__(self, field: str, message: str):
+    def __init__(self, field: str, message: str, value: object = None):
         self.field = field
-        super().__init__(f"{field}: {message}")
+        self.message = message
+        self.value = value
+        super().__init__(f"{field}: {message}" + ("" if value is None else f" (got {value!r})"))
 
 
 @dataclass
@@ -91,7 +93,7 @@ def _positive_int(config: Mapping[str, Any], key: str) -> int:
     if value is None:
         raise HFConfigError(key, "missing; the config.json of this model family has it")
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise HFConfigError(key, f"must be a positive integer (got {value!r})")
+        raise HFConfigError(key, "must be a positive integer", value)
     return value
 
 
@@ -105,20 +107,21 @@ def _flag(config: Mapping[str, Any], rule: BiasRule) -> bool:
     key, default = rule
     value = config.get(key, default)
     if not isinstance(value, bool):
-        raise HFConfigError(key, f"must be true or false (got {value!r})")
+        raise HFConfigError(key, "must be true or false", value)
     return value
 
 
 def family_of(config: Mapping[str, Any]) -> Family:
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or not model_type:
-        raise HFConfigError("model_type", "missing; is this a Hugging Face config.json?")
+        raise HFConfigError("model_type", "missing; is this a Hugging Face config.json?", model_type)
     family = FAMILIES.get(model_type)
     if family is None:
         raise HFConfigError(
             "model_type",
-            f"{model_type!r} has no analytic shape (known: {', '.join(sorted(FAMILIES))}); "
+            f"no analytic shape for this model type (known: {', '.join(sorted(FAMILIES))}); "
             "give spec.model.parameterCount instead to plan with a Llama-shaped guess",
+            model_type,
         )
     return family
 
@@ -132,7 +135,7 @@ def _sparse_layers(config: Mapping[str, Any], family: Family, layers: int, exper
     step = _optional_int(config, "decoder_sparse_step", 1)
     dense = config.get("mlp_only_layers") or []
     if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
-        raise HFConfigError("mlp_only_layers", f"must be a list of layer indices (got {dense!r})")
+        raise HFConfigError("mlp_only_layers", "must be a list of layer indices", dense)
     return [i not in dense and (i + 1) % step == 0 for i in range(layers)]
 
 

@@ -14,7 +14,9 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 from pydantic.alias_generators import to_camel
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from spillway_runtime.hf_shape import FAMILIES, config_problems
 from spillway_runtime.units import COUNT_PATTERN, MAX_COUNT, MAX_SIZE, SIZE_PATTERN, parse_count, parse_size
 
 API_GROUP = "spillway.dev"
@@ -76,10 +78,31 @@ class ModelSource(SpecModel):
         description="Parameters, e.g. 13B: lets the operator plan before the model's config.json is readable",
     )
 
+    config: dict[str, Any] | None = Field(
+        None,
+        description="The model's Hugging Face config.json, inline: the operator plans from its real shape "
+        "(vocabulary, grouped-query attention, tied embeddings, every MoE expert) instead of guessing a "
+        f"Llama shape from parameterCount. model_type one of: {', '.join(sorted(FAMILIES))}",
+    )
+
     @field_validator("parameter_count", mode="before")
     @classmethod
     def _parse_count(cls, value: Any) -> Any:
         return None if value is None else parse_count(value)
+
+    @field_validator("config")
+    @classmethod
+    def _config_gives_a_shape(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        problems = config_problems(value) if value is not None else []
+        if value is None or not problems:
+            return value
+        # Raised as a ValidationError so that each error's path ends in the config key at fault
+        # (spec.model.config.vocab_size), which pydantic joins onto the field's own path.
+        raise ValidationError.from_exception_data("config", [
+            InitErrorDetails(type=PydanticCustomError("missing" if p.field not in value else "model_config", p.message),
+                             loc=(p.field,), input=value.get(p.field))
+            for p in problems
+        ])
 
 
 DatasetFormat = Literal["auto", "jsonl", "text", "chat", "completion"]

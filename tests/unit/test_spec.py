@@ -94,3 +94,29 @@ def test_lora_method_defaults_and_refusals():
         parse_job(minimal(export={"merge": True}))
     with pytest.raises(SpecError, match=r"spec.method.rank"):
         parse_job(minimal(method={"type": "lora", "rank": 0}))
+
+
+QWEN2_CONFIG = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064,
+                "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                "num_attention_heads": 28, "num_key_value_heads": 4, "rope_theta": 1000000.0}
+
+
+def test_model_config_is_kept_whole_and_round_trips():
+    job = parse_job(minimal(model={"uri": "/models/qwen", "config": QWEN2_CONFIG}))
+    assert job.spec.model.config == QWEN2_CONFIG  # snake_case keys and unknown keys kept as written
+    dumped = job.model_dump(mode="json")
+    assert dumped["spec"]["model"]["config"] == QWEN2_CONFIG
+    assert parse_job(dumped) == job
+
+
+@pytest.mark.parametrize(("config", "line"), [
+    ({**QWEN2_CONFIG, "num_hidden_layers": 0},
+     "spec.model.config.num_hidden_layers: must be a positive integer (got 0)"),
+    ({k: v for k, v in QWEN2_CONFIG.items() if k != "hidden_size"},
+     "spec.model.config.hidden_size: missing; the config.json of this model family has it\n"),
+    ({**QWEN2_CONFIG, "model_type": "t5"}, "give spec.model.parameterCount instead"),
+])
+def test_model_config_errors_name_the_config_key(config, line):
+    with pytest.raises(SpecError) as err:
+        parse_job(minimal(model={"uri": "/models/qwen", "config": config}))
+    assert line in str(err.value) + "\n"
