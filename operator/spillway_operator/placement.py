@@ -14,9 +14,11 @@ from typing import Any
 
 from spillway_operator.settings import OperatorSettings
 from spillway_runtime.hardware import NodeHardware, hardware_from_node
+from spillway_runtime.hf_shape import count_decoder
 from spillway_runtime.plan_summary import PlanSummary
 from spillway_runtime.planner import ModelShape, OffloadPlan, plan_tiers
 from spillway_runtime.spec import FineTuneJobSpec, Toleration
+from spillway_runtime.units import format_count
 
 
 def _node_ready(node: dict[str, Any]) -> bool:
@@ -96,10 +98,30 @@ class Placement:
         return "no node shape fits: " + "; ".join(f"{s.shape}: {s.why_not}" for s in self.shapes)
 
 
-def model_shape(spec: FineTuneJobSpec) -> ModelShape | None:
-    if spec.model.parameter_count is None:
-        return None
-    return ModelShape.from_param_count(spec.model.parameter_count)
+# A parameterCount this far from the config's own count is worth a line in status.plan.
+PARAMETER_COUNT_TOLERANCE = 0.10
+
+
+def model_shape(spec: FineTuneJobSpec) -> tuple[ModelShape, list[str]]:
+    """The shape to plan with, and lines for status.plan.reasons saying where it came from:
+    spec.model.config (the real shape), else a Llama-shaped guess from parameterCount."""
+    config, count = spec.model.config, spec.model.parameter_count
+    if config is None:
+        if count is None:
+            raise ValueError("give spec.model.config (the model's config.json) or spec.model.parameterCount "
+                             "(e.g. 7B) to plan in a cluster")
+        return ModelShape.from_param_count(count), [
+            "model shape guessed from parameterCount as a Llama-shaped decoder with a 32k vocabulary: "
+            "give spec.model.config for the real shape"]
+    counts = count_decoder(config)
+    experts = f", {counts.experts} experts per MoE layer" if counts.experts else ""
+    notes = [f"model shape from spec.model.config ({counts.model_type}, {counts.vocab_size:,}-token vocabulary, "
+             f"{format_count(counts.params)} parameters{experts})"]
+    if count is not None and abs(count - counts.params) > PARAMETER_COUNT_TOLERANCE * counts.params:
+        notes.append(f"spec.model.parameterCount ({format_count(count)}) differs from the config's "
+                     f"{format_count(counts.params)} by {abs(count - counts.params) / counts.params:.0%}: "
+                     "planned with the config's")
+    return ModelShape.from_hf_config(config), notes
 
 
 def choose_placement(
@@ -109,9 +131,7 @@ def choose_placement(
     settings: OperatorSettings,
 ) -> Placement:
     """Plan once per distinct node shape and pick the cheapest or fastest that fits."""
-    shape = model_shape(spec)
-    if shape is None:
-        raise ValueError("spec.model.parameterCount is required to plan in a cluster (e.g. 7B)")
+    shape, shape_notes = model_shape(spec)
     groups: dict[str, ShapeChoice] = {}
     excluded: dict[str, str] = {}
     for node in nodes:
@@ -155,6 +175,7 @@ def choose_placement(
         except ValueError as err:
             choice.why_not = str(err)
             continue
+        plan.reasons = [*shape_notes, *plan.reasons]
         choice.plan = plan
         if not plan.feasible:
             shorts = "; ".join(s.describe() for s in plan.shortfalls) or "no allowed placement"

@@ -528,11 +528,12 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
         change.commit()
         return Result()
 
-    if spec.model.parameter_count is None:
-        message = "spec.model.parameterCount is required to plan in a cluster (e.g. parameterCount: 7B)"
-        change.cond(b.PHASE_PLANNED, False, "ParameterCountRequired", message)
-        change.cond(b.PHASE_FAILED, True, "ParameterCountRequired", message)
-        change.phase(b.PHASE_FAILED, "ParameterCountRequired", message, warning=True)
+    if spec.model.config is None and spec.model.parameter_count is None:
+        message = ("the operator plans from spec.model.config (the model's config.json) or "
+                   "spec.model.parameterCount (e.g. 7B): give one")
+        change.cond(b.PHASE_PLANNED, False, "ModelShapeRequired", message)
+        change.cond(b.PHASE_FAILED, True, "ModelShapeRequired", message)
+        change.phase(b.PHASE_FAILED, "ModelShapeRequired", message, warning=True)
         change.commit()
         raise PermanentFailure(message)
     pricing = _pricing(change.cluster, settings)

@@ -301,3 +301,45 @@ def test_checkpoint_volume_holds_kept_checkpoints_of_the_plans_real_size(checkpo
     per_param = {3: 12}.get(plan.zero_stage, 14)  # fp32 masters and both moments, + bf16 weights under ZeRO-2
     assert plan.checkpoint_bytes == plan.model.params * per_param
     assert b.checkpoint_size_bytes(s, plan) == copies * plan.checkpoint_bytes + 2**30
+
+
+QWEN2_7B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+            "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "tie_word_embeddings": False}
+
+
+def test_a_config_plans_the_real_shape_and_says_so() -> None:
+    """A 152k vocabulary: a larger embedding (the largest tensor, ZeRO-3's gathered layer) and
+    larger logits than the 32k-vocabulary guess for the same parameter count, so more GPU bytes."""
+    forced = {"optimizer": "cpu", "parameters": "cpu"}
+    real = choose_placement(spec(model={"uri": "pvc://models/qwen2", "config": QWEN2_7B}, offload=forced),
+                            [node("gpu-80g")], {}, SETTINGS)
+    guess = choose_placement(spec(model={"uri": "pvc://models/qwen2", "parameterCount": "7615616512"}, offload=forced),
+                             [node("gpu-80g")], {}, SETTINGS)
+    assert real.chosen is not None and real.chosen.plan is not None
+    assert guess.chosen is not None and guess.chosen.plan is not None
+    assert real.chosen.plan.model.params == guess.chosen.plan.model.params == 7_615_616_512
+    assert real.chosen.plan.model.largest_param_numel == 152064 * 3584
+    assert real.chosen.plan.model.largest_param_numel > 4 * guess.chosen.plan.model.largest_param_numel
+    assert real.chosen.plan.bytes.gpu > guess.chosen.plan.bytes.gpu
+    real_status, guess_status = plan_status(real), plan_status(guess)
+    assert real_status is not None and guess_status is not None
+    assert real_status["reasons"][0] == (
+        "model shape from spec.model.config (qwen2, 152,064-token vocabulary, 7.6B parameters)")
+    assert guess_status["reasons"][0].startswith("model shape guessed from parameterCount as a Llama-shaped decoder")
+    assert "give spec.model.config" in guess_status["reasons"][0]
+
+
+def test_the_config_wins_over_a_parameter_count_it_contradicts() -> None:
+    s = spec(model={"uri": "pvc://models/qwen2", "config": QWEN2_7B, "parameterCount": "13B"})
+    status = plan_status(choose_placement(s, [node("gpu-80g")], {}, SETTINGS))
+    assert status is not None
+    assert status["reasons"][1] == (
+        "spec.model.parameterCount (13.0B) differs from the config's 7.6B by 71%: planned with the config's")
+    close = spec(model={"uri": "pvc://models/qwen2", "config": QWEN2_7B, "parameterCount": "7B"})
+    status = plan_status(choose_placement(close, [node("gpu-80g")], {}, SETTINGS))
+    assert status is not None and not any("differs" in r for r in status["reasons"])
+
+
+def test_without_config_or_parameter_count_the_error_names_both() -> None:
+    with pytest.raises(ValueError, match=r"spec\.model\.config .* or spec\.model\.parameterCount"):
+        choose_placement(spec(model={"uri": "pvc://models/x"}), [node("gpu-80g")], {}, SETTINGS)
