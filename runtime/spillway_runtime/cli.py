@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import typer
 from rich.console import Console
@@ -139,9 +139,23 @@ def _print_plan(plan: OffloadPlan) -> None:
         console.print(f"  [dim]rejected {r.placement}: {r.why}[/dim]", highlight=False)
 
 
+def _read_config_json(path: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(path.read_text())
+    except OSError as err:
+        raise _fail(f"{path}: cannot read the file: {err.strerror}") from None
+    except json.JSONDecodeError as err:
+        raise _fail(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise _fail(f"{path}: expected a JSON object (a Hugging Face config.json)")
+    return raw
+
+
 def plan(
     job_file: Annotated[Path | None, typer.Argument(help="finetune.yaml")] = None,
     params: Annotated[str | None, typer.Option(help="Parameter count: 13B, 13e9, 350M")] = None,
+    config: Annotated[Path | None, typer.Option(
+        help="The model's config.json: its shape counted by arithmetic, as the operator does")] = None,
     gpus_per_node: Annotated[int | None, typer.Option(help="GPUs per node")] = None,
     gpu_memory: Annotated[str | None, typer.Option(help="Memory of one GPU: 24GiB")] = None,
     cpu_memory: Annotated[str | None, typer.Option(help="CPU RAM: 64GiB")] = None,
@@ -192,6 +206,10 @@ def plan(
             return
         if params:
             shape = ModelShape.from_param_count(parse_count(params))
+        elif config is not None:
+            shape = ModelShape.from_hf_config(_read_config_json(config))
+        elif job is not None and job.spec.model.config is not None:
+            shape = ModelShape.from_hf_config(job.spec.model.config)
         elif job is not None and job_file is not None:
             from spillway_runtime.modelinfo import shape_from_config
             from spillway_runtime.runconfig import resolve_uri

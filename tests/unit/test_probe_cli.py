@@ -46,3 +46,22 @@ def test_plan_max_params_answers_per_placement_and_exits_3_when_nothing_fits() -
     assert max(f["parameters"] for f in fits) > 13 * 10**9
     none = runner.invoke(build_app(), ["plan", "--max-params", "--cpu-memory", "256MiB", "--nvme", "0"])
     assert none.exit_code == 3 and "no placement fits" in none.output, none.output
+
+
+def test_plan_config_counts_the_shape_from_config_json(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from spillway_api.cli import build_app
+
+    config = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+              "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    runner = CliRunner()
+    ok = runner.invoke(build_app(), ["plan", "--config", str(tmp_path / "config.json"), "--gpu-memory", "80GiB",
+                                     "--cpu-memory", "256GiB", "--nvme", "0", "--output", "json"])
+    assert ok.exit_code == 0, ok.output
+    model = json.loads(ok.output)["model"]
+    assert (model["params"], model["largest_param_numel"]) == (7_615_616_512, 152064 * 3584)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "t5"}))
+    bad = runner.invoke(build_app(), ["plan", "--config", str(tmp_path / "config.json"), "--gpu-memory", "80GiB"])
+    assert bad.exit_code == 2 and "parameterCount" in bad.output, bad.output
