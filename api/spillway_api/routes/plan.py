@@ -47,7 +47,9 @@ def _cluster_plans(kube: Any, body: PlanRequest, params: int, training: Training
     settings = OperatorSettings()
     if body.spec is not None:
         spec = body.spec.model_copy(deep=True)
-        spec.model.parameter_count, spec.model.dtype = params, dtype  # type: ignore[assignment]
+        spec.model.dtype = dtype  # type: ignore[assignment]
+        if spec.model.config is None:
+            spec.model.parameter_count = params
         if "node_count" in body.model_fields_set:
             spec.resources.nodes = body.node_count
         if "gpus_per_node" in body.model_fields_set:
@@ -127,19 +129,24 @@ def plan(_caller: CurrentUser, request: Request, body: PlanRequest) -> PlansPubl
     shape that fits the largest)."""
     raw = body.parameter_count if body.parameter_count is not None else (
         body.spec.model.parameter_count if body.spec else None)
+    config = body.spec.model.config if body.spec else None
     training = body.training or (body.spec.training if body.spec else Training())
     offload = body.offload or (body.spec.offload if body.spec else None)
     dtype = body.dtype or (body.spec.model.dtype if body.spec else "bf16")
-    if raw is None:
+    if config is not None:  # the real shape wins over a count, as in the operator (validated with the spec)
+        shape = ModelShape.from_hf_config(config)
+        params = shape.params
+    elif raw is None:
         return _largest(request, body, training, offload, dtype)
-    try:
-        params = parse_count(raw)
-        if params <= 0:
-            raise ValueError("must be positive")
-        shape = ModelShape.from_param_count(params)
-    except (ValueError, TypeError) as err:
-        raise ApiError(422, "invalid_parameter_count", f"parameterCount {raw!r}: {err}",
-                       errors=[f"parameterCount: {err}"]) from None
+    else:
+        try:
+            params = parse_count(raw)
+            if params <= 0:
+                raise ValueError("must be positive")
+            shape = ModelShape.from_param_count(params)
+        except (ValueError, TypeError) as err:
+            raise ApiError(422, "invalid_parameter_count", f"parameterCount {raw!r}: {err}",
+                           errors=[f"parameterCount: {err}"]) from None
     kube = getattr(request.app.state, "kube", None)
     if kube is not None and body.hardware is None and not body.nodes:
         return _cluster_plans(kube, body, params, training, offload, dtype)

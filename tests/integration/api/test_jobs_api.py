@@ -166,6 +166,28 @@ def test_plan_dry_run(client: Any) -> None:
     assert client.post("/v1/plan", json={"parameterCount": "lots", "hardware": hw}).status_code == 422
 
 
+def test_plan_of_a_spec_with_the_models_config_plans_its_real_shape(client: Any) -> None:
+    """spec.model.config wins over a parameter count, as in the operator: Qwen2-7B's 152k
+    vocabulary, not a 32k-vocabulary Llama guess of the same size."""
+    from spillway_runtime.planner import ModelShape
+
+    config = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+              "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+              "tie_word_embeddings": False}
+    hw = {"name": "box", "gpu_count": 1, "gpu_product": "NVIDIA-A100-SXM4-80GB", "gpu_memory_bytes": 80 << 30,
+          "cpu_cores": 16, "cpu_memory_bytes": 256 << 30}
+    spec = {"model": {"uri": "pvc://m/qwen", "config": config, "parameterCount": "7B"}, "dataset": {"uri": "pvc://d/x"}}
+    r = client.post("/v1/plan", json={"spec": spec, "hardware": hw})
+    assert r.status_code == 200, r.text
+    [plan] = r.json()["data"]
+    assert plan["plan"]["modelParameters"] == ModelShape.from_hf_config(config).params == 7_615_616_512
+    guessed = client.post("/v1/plan", json={"parameterCount": "7B", "hardware": hw}).json()["data"][0]
+    assert guessed["plan"]["modelParameters"] == 7 * 10**9
+    bad = client.post("/v1/plan", json={"spec": {**spec, "model": {"uri": "pvc://m/qwen", "config": {
+        **config, "hidden_size": "big"}}}, "hardware": hw})
+    assert bad.status_code == 422 and "spec.model.config.hidden_size" in bad.text
+
+
 def test_plan_without_a_size_answers_the_largest_model_per_placement(client: Any) -> None:
     from spillway_runtime.hardware import NodeHardware
     from spillway_runtime.largest import largest_model
