@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from spillway_runtime.checkpoint import CheckpointError
     from spillway_runtime.data import DatasetError
-    from spillway_runtime.recipe import FineTuneRecipe, RunFailed
+    from spillway_runtime.recipe import FineTuneRecipe
+    from spillway_runtime.recipe_checkpoints import RunFailed
     from spillway_runtime.runconfig import RuntimeConfig
 
     parser = argparse.ArgumentParser(prog="python -m spillway_runtime")

@@ -29,7 +29,7 @@ import torch
 
 from spillway_runtime.checkpoint import LATEST, MANIFEST, CheckpointStore, checkpoint_name
 from spillway_runtime.contract import ExitCode
-from spillway_runtime.recipe import STATE_FILE
+from spillway_runtime.recipe_checkpoints import STATE_FILE
 from spillway_runtime.runconfig import FaultInjection
 
 from .conftest import Run, run_job
