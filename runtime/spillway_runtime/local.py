@@ -15,13 +15,16 @@ import os
 import sys
 from pathlib import Path
 
+from spillway_runtime.checkpoint import LATEST
 from spillway_runtime.dsconfig import build_deepspeed_config, validate_deepspeed_config
-from spillway_runtime.hardware import NodeHardware
+from spillway_runtime.hardware import AioSettings, NodeHardware
 from spillway_runtime.planner import OffloadPlan, PlanningError, plan_tiers
 from spillway_runtime.probe_cache import ProbeRecord
 from spillway_runtime.reporting import append_event
 from spillway_runtime.runconfig import FaultInjection, RuntimeConfig, resolve_uri
 from spillway_runtime.spec import FineTuneJob, SpecError, load_job
+
+RUNTIME_FILE = "runtime.json"  # in the run directory: the plan and settings every process reads
 
 
 def _require(path: Path, field: str, what: str, source: Path) -> Path:
@@ -46,19 +49,45 @@ def plan_for_job(job: FineTuneJob, hw: NodeHardware, model_dir: Path, processes:
     return plan
 
 
-def _plan_here(job: FineTuneJob, job_path: Path, nvme_dir: Path, model_dir: Path, processes: int,
+def _checkpoints_block_size(run_dir: Path, checkpoint_dir: Path) -> int | None:
+    """The async-I/O block size the job's checkpoints were written under, when it has any.
+    It decides which of the optimizer's sub-groups DeepSpeed swaps (one under max(1 MiB,
+    block) bytes of fp32 stays in memory, its state in the ZeRO file rather than in swap
+    files), so a resume keeps it, whatever the disk's sweep says today."""
+    if not (checkpoint_dir / LATEST).is_file() or not (run_dir / RUNTIME_FILE).is_file():
+        return None
+    try:
+        return RuntimeConfig.read(run_dir / RUNTIME_FILE).plan.aio.block_size
+    except (OSError, ValueError):
+        return None
+
+
+def _plan_here(job: FineTuneJob, job_path: Path, dirs: tuple[Path, Path, Path], model_dir: Path, processes: int,
                reprobe: bool) -> tuple[OffloadPlan, ProbeRecord]:
     """Plan on this machine: fresh capacities with the disk's cached async-I/O sweep merged in.
     Without a usable cache entry the sweep runs only when the plan puts state on NVMe (nothing
-    else reads the aio settings as often), and the plan is made again with what it found."""
+    else reads the aio settings as often), and the plan is made again with what it found.
+    A resumed job keeps the block size its checkpoints were written under."""
     from spillway_runtime.probe_cache import ProbeCacheSettings, hardware_for_run
 
+    nvme_dir, run_dir, checkpoint_dir = dirs
     _check_writable_dir(nvme_dir, "spec.offload.nvme.path", job_path)
     settings = ProbeCacheSettings(refresh=True) if reprobe else ProbeCacheSettings()
-    hardware, record = hardware_for_run(nvme_dir, measure=False, settings=settings)
+    pinned = _checkpoints_block_size(run_dir, checkpoint_dir)
+
+    def measured(measure: bool) -> tuple[NodeHardware, ProbeRecord]:
+        hardware, record = hardware_for_run(nvme_dir, measure=measure, settings=settings)
+        aio = hardware.aio or AioSettings()
+        if pinned is None or aio.block_size == pinned:
+            return hardware, record
+        aio = aio.model_copy(update={"block_size": pinned})
+        why = f"{record.why}; block size {pinned >> 10} KiB kept from the job's checkpoints".lstrip("; ")
+        return hardware.model_copy(update={"aio": aio}), record.model_copy(update={"aio": aio, "why": why})
+
+    hardware, record = measured(False)
     plan = plan_for_job(job, hardware, model_dir, processes)
     if record.source == "unmeasured" and "nvme" in (plan.optimizer, plan.parameters):
-        hardware, record = hardware_for_run(nvme_dir, measure=True, settings=settings)
+        hardware, record = measured(True)
         plan = plan_for_job(job, hardware, model_dir, processes)
     return plan, record
 
@@ -94,7 +123,7 @@ def prepare_local_run(
     nvme_dir = resolve_uri(spec.offload.nvme.path, base) if spec.offload.nvme.path else run_dir / "nvme"
     probe: ProbeRecord | None = None
     if hardware is None:
-        plan, probe = _plan_here(job, job_path, nvme_dir, model_dir, processes, reprobe)
+        plan, probe = _plan_here(job, job_path, (nvme_dir, run_dir, checkpoint_dir), model_dir, processes, reprobe)
     else:
         plan = plan_for_job(job, hardware, model_dir, processes)
     uses_nvme = "nvme" in (plan.optimizer, plan.parameters)
@@ -119,7 +148,7 @@ def prepare_local_run(
         faults=faults or FaultInjection(),
         probe=probe,
     )
-    config.write(run_dir / "runtime.json")
+    config.write(run_dir / RUNTIME_FILE)
     if probe is not None:
         append_event(Path(config.events_path), "probe", **probe.model_dump(mode="json"))
     return config

@@ -116,6 +116,33 @@ def test_a_cached_entry_is_the_runs_aio_until_the_machine_changes_or_it_ages(mak
 
 
 @pytest.mark.integration
+def test_a_resumed_job_keeps_the_block_size_its_checkpoints_were_written_under(make_job, tmp_path, cache) -> None:
+    """The block size decides which small optimizer sub-groups DeepSpeed swaps: a sweep that
+    changed between an attempt and its resume must not move one out of its swap files."""
+    job = nvme_job(make_job, tmp_path, "pinned")
+    nvme = tmp_path / "pinned" / "nvme"
+    hw = probe_basic(nvme)
+    fp = fingerprint(nvme, hw)
+    path = entry_path(ProbeCacheSettings(), fp)
+
+    def seed(block: int) -> None:
+        store_entry(path, ProbeEntry(fingerprint=fp, measured_at=time.time(), probe_seconds=1.0, hardware=hw.model_copy(
+            update={"aio": AioSettings(block_size=block, queue_depth=48, intra_op_parallelism=3)})))
+
+    seed(1 << 20)
+    first = prepare_local_run(job, run_dir=tmp_path / "run")
+    assert aio_block(first) == (1 << 20, 48, 3)
+    seed(8 << 20)  # the disk swept again: a larger block wins now
+    assert aio_block(prepare_local_run(job, run_dir=tmp_path / "run")) == (8 << 20, 48, 3)  # no checkpoint yet
+    first.write(tmp_path / "run" / "runtime.json")  # the attempt that wrote the checkpoints
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("step-00000002")
+    resumed = prepare_local_run(job, run_dir=tmp_path / "run")
+    assert aio_block(resumed) == (1 << 20, 48, 3)  # the queue depth and parallelism are today's
+    assert resumed.probe is not None and "1024 KiB kept from the job's checkpoints" in resumed.probe.why
+
+
+@pytest.mark.integration
 def test_a_run_that_keeps_nothing_on_nvme_measures_nothing(make_job, tmp_path, cache) -> None:
     config = prepare_local_run(make_job("in-ram", offload={"policy": "none"}), run_dir=tmp_path / "run")
     assert config.probe is not None and config.probe.source == "unmeasured"
