@@ -16,6 +16,7 @@ chooses between placements with them.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
@@ -240,7 +241,7 @@ class OffloadPlan(BaseModel):
     @property
     def label(self) -> str:
         """Short form for printer columns: 'Z3 opt:nvme par:cpu'."""
-        return f"Z{self.zero_stage} opt:{self.optimizer} par:{self.parameters}"
+        return _label(self.zero_stage, self.optimizer, self.parameters)
 
 
     def summary(self, price_per_hour: float | None = None, **placement: object) -> PlanSummary:
@@ -289,6 +290,15 @@ _PLACEMENTS: list[tuple[int, Tier, Tier]] = [
 
 def _label(stage: int, optimizer: Tier, parameters: Tier) -> str:
     return f"Z{stage} opt:{optimizer} par:{parameters}"
+
+
+def parse_label(label: str) -> tuple[int, str, str]:
+    """(zero stage, optimizer tier, parameter tier) of a label `_label` wrote, as a checkpoint's
+    manifest records it; ValueError for anything else."""
+    match = re.fullmatch(r"Z(\d) opt:(\w+) par:(\w+)", label)
+    if match is None:
+        raise ValueError(f"not a plan label: {label!r}")
+    return int(match[1]), match[2], match[3]
 
 
 def _forced_stage(offload: Offload) -> int | None:

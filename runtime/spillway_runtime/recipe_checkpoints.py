@@ -4,15 +4,19 @@ A part of `recipe.FineTuneRecipe` (its base class), kept apart because it is the
 decides what "exact resume" means: what a checkpoint holds beyond DeepSpeed's own state
 (step, data position, RNG, rollback and divergence state: `_state`), when it becomes
 durable (`settle_checkpoint`, before the next optimizer step), and which checkpoint a
-restart trusts (`_load_good`: a damaged file rejects its checkpoint on every rank).
+restart trusts (`_load_good`: a damaged file rejects its checkpoint on every rank). A
+checkpoint written by another number of processes or ZeRO stage is loaded through DeepSpeed's
+universal checkpoint (`_load_resharded`, `universal.write_universal`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -239,8 +243,10 @@ class Checkpointing:
             rejected.add(info.name)
 
     def _load(self, info: CheckpointInfo) -> None:
-        import numpy as np
-
+        written = self._written_shape(info)
+        if written is not None and written.layout != self._shape().layout:
+            self._load_resharded(info, written)
+            return
         self.ckpt.expected = self.store.deferred(info.path)
         scratch = self.store.root / f"{STAGING}load-view-rank{self.rank}"
         view = contextlib.nullcontext(info.path) if self.swap_files is None else self.swap_files.load_view(
@@ -272,17 +278,164 @@ class Checkpointing:
             raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
         replay_adam_kernel(self.engine, max((s for s in steps if s is not None), default=0))
         self.engine.micro_steps = state.get("micro_steps", self.engine.micro_steps)
+        self._restore_progress(state)
+        self._restore_rng(state["rng"])
+
+    def _restore_progress(self, state: dict[str, Any], samples_scale: tuple[int, int] = (1, 1)) -> None:
+        """Step, data position, skipped batches, rollback state from a state file. A data
+        position counts global micro-batches (`micro_batch_size` x processes samples): written by
+        `old` processes, it is `old / new` times as many for `new` (`samples_scale`)."""
         self.step = state["step"]
-        self.data_position = state["data_position"]
-        self.skip_ranges = [tuple(r) for r in state["skip_ranges"]]
+        self.data_position = _rescaled(state["data_position"], samples_scale, "the data position")
+        self.skip_ranges = [(_rescaled(a, samples_scale, "a skipped range"), _rescaled(b, samples_scale, "a skipped range"))
+                            for a, b in state["skip_ranges"]]
         self.rollbacks = state["rollbacks"]
         self.lr_scale = state["lr_scale"]
         self.divergence.history.clear()
         self.divergence.history.extend(state["loss_history"])
-        rng = state["rng"]
+        self.last_saved_step = self.step
+
+    def _restore_rng(self, rng: dict[str, Any]) -> None:
+        import numpy as np
+
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         self.torch.set_rng_state(rng["torch"])
         if rng.get("cuda") is not None and self.plan.accelerator == "cuda":
             self.torch.cuda.set_rng_state_all(rng["cuda"])
-        self.last_saved_step = self.step
+
+    # --- resume across shapes ------------------------------------------------------------
+
+    def _shape(self) -> Shape:
+        return Shape(self.world_size, self.plan.zero_stage, self.plan.optimizer, self.plan.parameters)
+
+    def _written_shape(self, info: CheckpointInfo) -> Shape | None:
+        """The shape that wrote a checkpoint, from its manifest (None: an older manifest)."""
+        from spillway_runtime.planner import parse_label
+
+        manifest = self.store.read_manifest(info.path) or {}
+        world, label = manifest.get("worldSize"), manifest.get("plan")
+        if not isinstance(world, int) or not isinstance(label, str):
+            return None
+        try:
+            stage, optimizer, parameters = parse_label(label)
+        except ValueError:
+            return None
+        return Shape(world, stage, optimizer, parameters)
+
+    def _load_resharded(self, info: CheckpointInfo, written: Shape) -> None:
+        """Resume from a checkpoint of another number of processes or ZeRO stage: rank 0
+        converts it into DeepSpeed's universal form (`universal.write_universal`), every rank
+        loads that, and our own state comes from rank 0's state file, its data positions
+        rescaled to the new number of processes."""
+        import numpy as np
+
+        self._refuse_reshard(info, written)
+        scratch = self.store.root / f"{STAGING}universal-{info.name}"
+        try:
+            self._load_universal(info, scratch)
+        finally:
+            self._barrier()  # every rank has read the converted files before rank 0 removes them
+            if self.rank == 0:
+                shutil.rmtree(scratch, ignore_errors=True)
+        state = self.torch.load(info.path / f"rank0-{STATE_FILE}", weights_only=False)
+        replay_adam_kernel(self.engine, max((s for s in state.get("optimizer_steps", []) if s is not None),
+                                            default=state["step"]))
+        self.engine.micro_steps = self.engine.global_steps * self.engine.gradient_accumulation_steps()
+        self._restore_progress(state, (written.world_size, self.world_size))
+        # Each rank's generators cannot be mapped onto another number of ranks: seeded from the
+        # step instead, the same way on every attempt that makes this change.
+        seed = self.spec.training.seed + self.step + self.rank
+        random.seed(seed)
+        np.random.seed(seed)
+        self.torch.manual_seed(seed)
+        if self.rank == 0:
+            self._log(f"checkpoint {info.name} resharded from {written.describe()} to {self._shape().describe()}; "
+                      "random generators reseeded from the step")
+        self.reporter.event("resharded", checkpoint=info.name, step=self.step,
+                            **{"from": written.public(), "to": self._shape().public()})
+
+    def _refuse_reshard(self, info: CheckpointInfo, written: Shape) -> None:
+        on_nvme = [f"{side} {what}" for side, shape in (("written with", written), ("planned with", self._shape()))
+                   for what, tier in (("optimizer", shape.optimizer), ("parameters", shape.parameters)) if tier == "nvme"]
+        unsupported = None
+        if on_nvme:
+            unsupported = f"state on NVMe ({', '.join(on_nvme)} on NVMe)"
+        elif self.spec.method.lora:
+            unsupported = "LoRA (method.lora)"
+        if unsupported is not None:
+            raise RunFailed(
+                f"checkpoint {info.name} was written by {written.describe()} and this attempt runs "
+                f"{self._shape().describe()}; resuming across that change with {unsupported} is not supported "
+                "yet: resume with the same number of processes and placement (offload.deepspeed.zero_optimization"
+                ".stage, offload.optimizer, offload.parameters)",
+                ExitCode.BAD_INPUT,
+            )
+
+    def _load_universal(self, info: CheckpointInfo, scratch: Path) -> None:
+        from spillway_runtime.ckpt_io import CheckpointIOError
+        from spillway_runtime.universal import UniversalError, write_universal
+
+        damaged: str | None = None
+        problem: str | None = None
+        if self.rank == 0:
+            self.ckpt.expected = self.store.deferred(info.path)
+            try:
+                write_universal(info.path, DS_TAG, scratch, self.ckpt.load)
+            except CheckpointIOError as err:  # on every rank below: `_load_good` tries the previous checkpoint
+                damaged = str(err)
+            except (UniversalError, OSError, RuntimeError, KeyError, IndexError, TypeError, ValueError,
+                    AssertionError) as err:
+                problem = f"checkpoint {info.name} could not be converted for another shape: {err}"
+        damaged = self._first_failure(damaged)
+        if damaged is not None:
+            raise CheckpointIOError(damaged)
+        problem = self._first_failure(problem)
+        if problem is not None:
+            raise RunFailed(problem, ExitCode.BAD_INPUT)
+        config = self.engine._config
+        config.load_universal_checkpoint = True  # read by load_checkpoint only: set for this load alone
+        try:
+            load_path, _ = self.engine.load_checkpoint(
+                str(scratch), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
+        finally:
+            config.load_universal_checkpoint = False
+        if load_path is None:
+            raise RunFailed(f"DeepSpeed could not load checkpoint {info.name} converted in {scratch}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The number of processes and the placement that a checkpoint was written with, or that
+    this attempt runs with."""
+
+    world_size: int
+    zero_stage: int
+    optimizer: str
+    parameters: str
+
+    @property
+    def layout(self) -> tuple[int, int]:
+        """What the files' partitioning depends on; where state was offloaded to does not change it."""
+        return self.world_size, self.zero_stage
+
+    def describe(self) -> str:
+        return (f"{self.world_size} process(es), ZeRO-{self.zero_stage}, optimizer on {self.optimizer}, "
+                f"parameters on {self.parameters}")
+
+    def public(self) -> dict[str, Any]:
+        return {"worldSize": self.world_size, "stage": self.zero_stage,
+                "optimizer": self.optimizer, "parameters": self.parameters}
+
+
+def _rescaled(position: int, scale: tuple[int, int], what: str) -> int:
+    """A count of global micro-batches of `old` processes as one of `new` processes' (same samples)."""
+    old, new = scale
+    rescaled, left = divmod(position * old, new)
+    if left:
+        raise RunFailed(
+            f"{what} ({position} micro-batches of {old} processes) is not a whole number of micro-batches of "
+            f"{new} processes; resume with a number of processes that divides {position * old}",
+            ExitCode.BAD_INPUT,
+        )
+    return rescaled

@@ -6,7 +6,7 @@ from spillway_runtime.estimates import activation_bytes, model_state_bytes
 from spillway_runtime.hardware import AioSettings, NodeHardware, hardware_from_node
 from spillway_runtime.largest import largest_model
 from spillway_runtime.plan_summary import PlanSummary, plan_summary
-from spillway_runtime.planner import ModelShape, minimum_cpu_for, plan_tiers
+from spillway_runtime.planner import ModelShape, minimum_cpu_for, parse_label, plan_tiers
 from spillway_runtime.spec import Offload, Training
 from spillway_runtime.units import GiB
 
@@ -246,3 +246,12 @@ def test_lora_moves_only_the_adapters_state_and_keeps_the_frozen_base_in_its_tie
     # less to compute, move and update: faster per step than full fine-tuning on the same placement
     full_same = plan_tiers(P13, rtx4090(256), TRAIN, Offload(optimizer="cpu", parameters="cpu"))
     assert same.predicted_step_seconds < full_same.predicted_step_seconds
+
+
+def test_a_plan_label_reads_back_as_stage_and_tiers():
+    """A checkpoint's manifest records the label; a resume reads the shape that wrote it from it."""
+    plan = plan_tiers(P13, rtx4090(64), TRAIN)
+    assert parse_label(plan.label) == (plan.zero_stage, plan.optimizer, plan.parameters)
+    with pytest.raises(ValueError, match="not a plan label"):
+        parse_label("ZeRO-3 on nvme")
+
