@@ -247,6 +247,10 @@ class Checkpointing:
         if written is not None and written.layout != self._shape().layout:
             self._load_resharded(info, written)
             return
+        if written is not None and (written.optimizer == "nvme") != (self._shape().optimizer == "nvme"):
+            # The optimizer state is in swap files on one side and in the ZeRO file on the
+            # other: the load below would take the checkpoint for damaged and fall back.
+            self._refuse_reshard(info, written)
         self.ckpt.expected = self.store.deferred(info.path)
         scratch = self.store.root / f"{STAGING}load-view-rank{self.rank}"
         view = contextlib.nullcontext(info.path) if self.swap_files is None else self.swap_files.load_view(

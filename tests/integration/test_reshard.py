@@ -12,7 +12,7 @@ prototype's losses by at most 2.7e-7 relative over 12 steps (this test's: under 
 learning rate or the data position moves losses by 1e-3 or more within two steps (the
 prototype's resume without moments: 1e-2 at the second step after it; the first step's
 loss depends on the weights alone). With NVMe on either side the resume is refused, naming
-what is not supported yet.
+what is not supported yet, and so is the optimizer moving to or from NVMe alone.
 """
 
 from __future__ import annotations
@@ -76,6 +76,14 @@ def test_two_ranks_resume_on_one_rank_with_another_zero_stage(tmp_path, make_job
     assert max(differences.values()) <= LOSS_RTOL, differences
 
     if written != 2:
+        # the same processes and stage with the optimizer moved onto NVMe: refused too, not
+        # taken for a damaged checkpoint (which fell back, in the end to step 0)
+        copy_checkpoint(reference.run_dir, tmp_path / "moved-run", checkpoint_name(EVERY))
+        moved = run_job(shaped_job(make_job, "moved-job", written, "nvme", 2, tmp_path / "nvme"),
+                        tmp_path / "moved-run", processes=2)
+        assert moved.returncode == ExitCode.BAD_INPUT, moved.log[-3000:]
+        assert "optimizer on NVMe" in moved.log and "not supported yet" in moved.log
+        assert not moved.of("step")
         return
     # NVMe on either side is not supported yet: refused before anything is trained (once)
     copy_checkpoint(reference.run_dir, tmp_path / "nvme-run", checkpoint_name(EVERY))
