@@ -1,0 +1,462 @@
+"""The GPU validation kit: what a lent GPU machine can tell us in one call, best first.
+
+Run by benchmarks/gpu/run.sh there (after the carried wheels are installed and DeepSpeed's
+CPUAdam and async-I/O ops are built), or with --dry-run here (a CPU accelerator, tiny
+models, every stage still run: tests/integration/test_gpu_kit.py). Stages:
+
+  a. the largest Llama-shaped model (random init, bf16) that trains GPU-resident (ZeRO-2,
+     optimizer and parameters on the GPU) under a 24 GiB memory cap: a small search;
+  b. a ~3x larger model under the same cap with ZeRO-3 and the optimizer on the CPU
+     (DeepSpeedCPUAdam), then the optimizer on NVMe with the parameters on the CPU;
+  c. beside every measurement, the planner's prediction for the same shape on this machine
+     (plan_tiers on probe_basic's NodeHardware): bytes per tier and step time as ratios;
+  d. SIGKILL and resume through the runtime (`python -m spillway_runtime`, as `spillway run`
+     launches it) with the optimizer on NVMe: the resumed losses equal the uninterrupted run's.
+
+Every measurement is its own process (`--measure`): an out-of-memory trial leaves nothing
+behind, and the memory cap applies to it alone. Results are rewritten to $OUT/gpu_kit.json
+and $OUT/gpu_kit.md after every stage, so a call cut short keeps what it measured. The
+DeepSpeed config is the runtime's own (dsconfig.build_deepspeed_config of the plan), except
+that a GPU-resident optimizer is torch's fused AdamW rather than DeepSpeed's FusedAdam, whose
+CUDA build would cost a minute of the call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GiB = 1 << 30
+CAP_BYTES = 24 * GiB  # a consumer card's memory: what the kit asks the planner and DeepSpeed to fit under
+VOCAB = 32000
+RESULT_TAG = "KIT_RESULT "
+# Llama widths and their MLP sizes (Llama-2 / TinyLlama ratios, ~8/3 h rounded to 256)
+INTERMEDIATE = {64: 176, 128: 352, 1024: 2816, 1536: 4096, 2048: 5632, 2560: 6912, 3072: 8192, 4096: 11008}
+
+
+def llama_config(hidden: int, layers: int, vocab: int = VOCAB, seq: int = 1024) -> dict[str, Any]:
+    heads = max(1, hidden // 128) if hidden >= 128 else 2
+    return {"model_type": "llama", "hidden_size": hidden, "intermediate_size": INTERMEDIATE[hidden],
+            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads,
+            "vocab_size": vocab, "max_position_embeddings": seq, "tie_word_embeddings": False}
+
+
+def config_for_params(params: int, widths: list[int], vocab: int, seq: int, min_layers: int) -> dict[str, Any]:
+    """A Llama shape of about `params` parameters: the widest width that still has `min_layers`
+    (P ~ 12 L h^2 + 2 V h)."""
+    for hidden in sorted(widths, reverse=True):
+        layers = round((params - 2 * vocab * hidden) / (12 * hidden * hidden))
+        if layers >= min_layers:
+            return llama_config(hidden, layers, vocab, seq)
+    return llama_config(min(widths), min_layers, vocab, seq)
+
+
+@dataclass
+class Settings:
+    dry_run: bool
+    out: Path
+    work: Path
+    budget_seconds: float
+    cap_bytes: int | None
+    micro_batch: int
+    seq: int
+    timed_steps: int
+    search: list[tuple[int, int]]  # (hidden, layers), smallest first
+    widths: list[int]
+    min_layers: int  # stage b's shapes: no shallower than this
+    vocab: int
+    nvme_swap_bytes: int  # the NVMe variant's swap files are kept under this (disk and time)
+    resume_reserve: float = 0.0  # seconds stage b leaves for stage d
+    started: float = field(default_factory=time.monotonic)
+
+    def left(self) -> float:
+        return self.budget_seconds - (time.monotonic() - self.started)
+
+    @classmethod
+    def make(cls, args: argparse.Namespace) -> Settings:
+        out = Path(args.out or os.environ.get("OUT") or "gpu_kit_out")
+        out.mkdir(parents=True, exist_ok=True)
+        work = Path(args.work or tempfile.mkdtemp(prefix="gpu-kit-"))
+        if args.dry_run:
+            return cls(True, out, work, args.budget_seconds, None, 2, 32, 1, [(64, 2), (128, 2)], [64, 128], 2, 512,
+                       args.nvme_swap_gib * GiB)
+        return cls(False, out, work, args.budget_seconds, CAP_BYTES, 4, 1024, 3,
+                   [(1536, 24), (2048, 20), (2048, 28), (2560, 24)], [2048, 2560, 3072, 4096], 8, VOCAB,
+                   args.nvme_swap_gib * GiB, resume_reserve=100.0)
+
+
+# ----------------------------------------------------------------------------- planning (c)
+
+def node_hardware(settings: Settings) -> Any:
+    from spillway_runtime.probe import probe_basic
+
+    hw = probe_basic(settings.work / "nvme")
+    if settings.cap_bytes and hw.gpu_count:
+        hw = hw.model_copy(update={"gpu_memory_bytes": min(hw.gpu_memory_bytes, settings.cap_bytes)})
+    return hw
+
+
+def plan_for(settings: Settings, hw: Any, config: dict[str, Any], placement: tuple[int, str, str]) -> tuple[Any, Any]:
+    """The planner's plan of `config` forced to `placement`, and the job spec it was made for."""
+    from spillway_runtime.planner import ModelShape, plan_tiers
+    from spillway_runtime.spec import FineTuneJobSpec
+
+    stage, optimizer, parameters = placement
+    spec = FineTuneJobSpec.model_validate({
+        "model": {"uri": "random-init", "dtype": "bf16"}, "dataset": {"uri": "random-tokens"},
+        "training": {"microBatchSize": settings.micro_batch, "sequenceLength": settings.seq, "maxSteps": 10},
+        "offload": {"optimizer": optimizer, "parameters": parameters,
+                    "deepspeed": {"zero_optimization": {"stage": stage}}},
+    })
+    shape = ModelShape.from_hf_config(config, name=f"llama-h{config['hidden_size']}-l{config['num_hidden_layers']}")
+    plan = plan_tiers(shape, hw, spec.training, spec.offload, dtype="bf16")
+    return plan, spec
+
+
+def prediction(plan: Any) -> dict[str, Any]:
+    return {"label": plan.label, "feasible": plan.feasible, "params": plan.model.params,
+            "bytes": plan.bytes.model_dump(), "step_seconds": plan.predicted_step_seconds,
+            "activation_checkpointing": plan.activation_checkpointing,
+            "shortfalls": [s.describe() for s in plan.shortfalls]}
+
+
+def ratios(measured: dict[str, Any], predicted: dict[str, Any]) -> dict[str, float | None]:
+    """Measured over predicted: GPU peak, CPU peak RSS, NVMe swap bytes, step time."""
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a and b else None
+
+    bytes_ = predicted["bytes"]
+    return {"gpu": ratio(measured.get("peak_gpu_bytes"), bytes_["gpu"]),
+            "cpu": ratio(measured.get("peak_rss_bytes"), bytes_["cpu"]),
+            "nvme": ratio(measured.get("swap_bytes"), bytes_["nvme"]),
+            "step": ratio(measured.get("step_seconds"), predicted["step_seconds"])}
+
+
+# ----------------------------------------------------------------------------- one measurement
+
+def measure(settings: Settings, hw: Any, config: dict[str, Any], placement: tuple[int, str, str],
+            timeout: float) -> dict[str, Any]:
+    """Train `config` at `placement` in a child process; its numbers beside the plan's."""
+    from spillway_runtime.dsconfig import build_deepspeed_config
+
+    plan, spec = plan_for(settings, hw, config, placement)
+    nvme = settings.work / f"swap-{time.monotonic_ns()}"
+    ds_config = build_deepspeed_config(plan, spec, nvme_path=str(nvme) if plan.uses_nvme else None)
+    job = {"config": config, "ds_config": ds_config, "cap_bytes": settings.cap_bytes, "seq": settings.seq,
+           "micro_batch": settings.micro_batch, "timed_steps": settings.timed_steps, "nvme": str(nvme),
+           "checkpointing": plan.activation_checkpointing}
+    row: dict[str, Any] = {"placement": plan.label, "predicted": prediction(plan)}
+    started = time.monotonic()
+    try:
+        child = subprocess.run([sys.executable, __file__, "--measure", json.dumps(job)], capture_output=True,
+                               text=True, timeout=max(1.0, timeout), check=False)
+        lines = [line for line in child.stdout.splitlines() if line.startswith(RESULT_TAG)]
+        if lines:
+            row["measured"] = json.loads(lines[-1][len(RESULT_TAG):])
+        else:
+            tail = (child.stdout + child.stderr)[-1500:]
+            row["error"] = "out of memory" if "OutOfMemory" in tail or "out of memory" in tail else tail
+    except subprocess.TimeoutExpired:
+        row["error"] = f"timed out after {timeout:.0f} s"
+    finally:
+        subprocess.run(["rm", "-rf", str(nvme)], check=False)
+    row["wall_seconds"] = round(time.monotonic() - started, 1)
+    if "measured" in row:
+        row["ratio"] = ratios(row["measured"], row["predicted"])
+    return row
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _build_model(job: dict[str, Any], ds_config: dict[str, Any], device: str) -> Any:
+    import deepspeed
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{k: v for k, v in job["config"].items() if k != "model_type"}, use_cache=False)
+    zero = ds_config["zero_optimization"]
+    if zero["stage"] == 3:
+        remote = zero.get("offload_param", {}).get("device")
+        context: Any = deepspeed.zero.Init(config_dict_or_path=ds_config, remote_device=remote, dtype=torch.bfloat16)
+    else:
+        context = torch.device(device)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: no fp32 copy of a large model on the way
+    try:
+        with context:
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    if job["checkpointing"]:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def run_measurement(job: dict[str, Any]) -> dict[str, Any]:
+    """In the child: build, train warm-up + timed steps, report times and peaks."""
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(_free_port())})
+    import deepspeed
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    cuda = get_accelerator().device_name() == "cuda"
+    device = get_accelerator().device_name(0)
+    if cuda and job["cap_bytes"]:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, job["cap_bytes"] / total))
+    ds_config = job["ds_config"]
+    deepspeed.init_distributed(verbose=False)
+    model = _build_model(job, ds_config, device)
+    optimizer = None
+    if "offload_optimizer" not in ds_config["zero_optimization"]:
+        # torch's fused AdamW: DeepSpeed's FusedAdam would be built with nvcc first
+        params = ds_config.pop("optimizer")["params"]
+        ds_config["zero_allow_untested_optimizer"] = True
+        optimizer = torch.optim.AdamW(model.parameters(), lr=params["lr"], betas=tuple(params["betas"]),
+                                      eps=params["eps"], weight_decay=params["weight_decay"], fused=cuda or None)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    generator = torch.Generator().manual_seed(0)
+    tokens = job["micro_batch"] * job["seq"]
+    times, losses = [], []
+    for _ in range(1 + job["timed_steps"]):  # the first step warms up (allocations, swap files)
+        ids = torch.randint(job["config"]["vocab_size"], (job["micro_batch"], job["seq"]), generator=generator).to(device)
+        start = time.perf_counter()
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        get_accelerator().synchronize()
+        times.append(time.perf_counter() - start)
+        losses.append(float(loss))
+    step = sorted(times[1:])[len(times[1:]) // 2]
+    nvme = Path(job["nvme"])
+    swap = sum(p.stat().st_size for p in nvme.rglob("*") if p.is_file()) if nvme.exists() else 0
+    return {"step_seconds": round(step, 4), "tokens_per_second": round(tokens / step, 1),
+            "first_step_seconds": round(times[0], 3), "losses": losses,
+            "peak_gpu_bytes": int(torch.cuda.max_memory_allocated()) if cuda else None,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "swap_bytes": swap}
+
+
+# ----------------------------------------------------------------------------- stages
+
+def stage_gpu_resident(settings: Settings, hw: Any, report: Report) -> dict[str, Any] | None:
+    """(a) Up from the second-smallest size while trials fit, down while they do not."""
+    placement = (2, "gpu", "gpu")
+    tried: dict[int, dict[str, Any]] = {}
+    index = min(1, len(settings.search) - 1)
+    while 0 <= index < len(settings.search) and index not in tried and settings.left() > 30:
+        hidden, layers = settings.search[index]
+        config = llama_config(hidden, layers, settings.vocab, settings.seq)
+        tried[index] = row = measure(settings, hw, config, placement, min(240.0, settings.left() - 20))
+        row["config"] = config
+        report.add("a_gpu_resident", {"trials": list(tried.values())})
+        fits = "measured" in row
+        if fits and (index + 1 in tried or index + 1 == len(settings.search)):
+            break
+        if not fits and index - 1 in tried:
+            index -= 1
+            break
+        index += 1 if fits else -1
+    fitting = [tried[i] for i in sorted(tried) if "measured" in tried[i]]
+    best = fitting[-1] if fitting else None
+    report.add("a_gpu_resident", {"trials": list(tried.values()), "largest": best,
+                                  "cap_bytes": settings.cap_bytes or "skipped: the 24 GiB cap needs CUDA (dry run)",
+                                  **({} if best else {"skipped": "no size fitted (or the budget ran out)"})})
+    return best
+
+
+def stage_offloaded(settings: Settings, hw: Any, report: Report, resident: dict[str, Any] | None) -> None:
+    """(b) ~3x the GPU-resident model: optimizer on the CPU; then optimizer on NVMe, parameters on
+    the CPU, with the swap files kept under the NVMe limit (disk and time on the machine)."""
+    hidden, layers = settings.search[0]  # nothing fitted: 3x the smallest size tried
+    base = resident["predicted"]["params"] if resident else 12 * layers * hidden**2 + 2 * settings.vocab * hidden
+    target = 3 * base
+    rows: dict[str, Any] = {"target_params": target}
+    for key, placement, params in (("optimizer_cpu", (3, "cpu", "gpu"), target),
+                                   ("optimizer_nvme_parameters_cpu", (3, "nvme", "cpu"),
+                                    min(target, settings.nvme_swap_bytes // 12))):
+        left = settings.left() - settings.resume_reserve
+        if left < 60:
+            rows[key] = {"skipped": f"budget: {left:.0f} s left before stage d's share"}
+            continue
+        config = config_for_params(params, settings.widths, settings.vocab, settings.seq, settings.min_layers)
+        row = measure(settings, hw, config, placement, min(200.0, left - 20))
+        row["config"] = config
+        if params < target:
+            row["capped"] = f"{params:,} parameters: swap files kept under {settings.nvme_swap_bytes / GiB:.0f} GiB"
+        rows[key] = row
+        report.add("b_offloaded", rows)
+
+
+def stage_planner(report: Report) -> None:
+    """(c) The predictions beside the measurements, one row each (they were made with them)."""
+    rows = []
+    for stage in ("a_gpu_resident", "b_offloaded"):
+        block = report.stages.get(stage, {})
+        candidates = block.get("trials", []) + [v for v in block.values() if isinstance(v, dict)]
+        rows += [{"stage": stage, "placement": r["placement"], "params": r["predicted"]["params"],
+                  "feasible": r["predicted"]["feasible"], "ratio": r["ratio"]}
+                 for r in candidates if "ratio" in r]
+    report.add("c_planner", {"rows": rows} if rows else {"skipped": "no measurement to compare"})
+
+
+def stage_resume(settings: Settings, hw: Any, report: Report) -> None:
+    """(d) The runtime, SIGKILLed after its second checkpoint, resumes to the same losses."""
+    if settings.left() < 90:
+        report.add("d_resume", {"skipped": f"budget: {settings.left():.0f} s left"})
+        return
+    from spillway_runtime.reporting import read_events
+    from spillway_runtime.tiny import build_tiny_model, write_dataset
+
+    root = settings.work / "resume"
+    model = build_tiny_model(root / "model")
+    data = write_dataset(root / "train.jsonl", count=400)
+    job = root / "job.json"
+    job.write_text(json.dumps({
+        "apiVersion": "spillway.dev/v1alpha1", "kind": "FineTuneJob", "metadata": {"name": "kit-resume"},
+        "spec": {"model": {"uri": str(model), "dtype": "bf16"}, "dataset": {"uri": str(data)},
+                 "training": {"maxSteps": 10, "microBatchSize": 2, "gradientAccumulation": 2, "sequenceLength": 32,
+                              "learningRate": 3e-3, "warmupSteps": 2},
+                 "offload": {"optimizer": "nvme", "parameters": "gpu", "nvme": {"path": str(root / "nvme")},
+                             "deepspeed": {"zero_optimization": {"stage": 3}}},
+                 "checkpoint": {"everySteps": 5, "keep": 5}}}))
+    started = time.monotonic()
+    reference, reference_log = launch(job, root / "reference", hw, kill_at=None)
+    killed, _ = launch(job, root / "resumed", hw, kill_at=6)
+    resumed, resumed_log = launch(job, root / "resumed", hw, kill_at=None)
+    losses = {name: {e["step"]: e["loss"] for e in read_events(run / "events.jsonl") if e["event"] == "step"}
+              for name, run in (("reference", root / "reference"), ("resumed", root / "resumed"))}
+    compared = sorted(s for s in losses["resumed"] if s > 5)
+    worst = max((abs(losses["resumed"][s] - losses["reference"][s]) / max(abs(losses["reference"][s]), 1e-12)
+                 for s in compared if s in losses["reference"]), default=None)
+    report.add("d_resume", {
+        "placement": "Z3 opt:nvme par:gpu", "returncodes": [reference, killed, resumed],
+        "killed_by_sigkill": killed == -signal.SIGKILL, "compared_steps": compared,
+        "max_relative_difference": worst, "equal": worst is not None and worst <= 1e-4 and len(compared) >= 5,
+        "seconds": round(time.monotonic() - started, 1),
+        **{f"{name}_log_tail": log.read_text()[-2000:] for name, rc, log in
+           (("reference", reference, reference_log), ("resumed", resumed, resumed_log)) if rc != 0}})
+
+
+def launch(job: Path, run_dir: Path, hw: Any, kill_at: int | None) -> tuple[int, Path]:
+    """One runtime process, as `spillway run` starts it; SIGKILLed once the events show `kill_at`.
+    Its exit status and log."""
+    from spillway_runtime.local import prepare_local_run, runtime_command, runtime_env
+    from spillway_runtime.runconfig import FaultInjection
+
+    faults = FaultInjection(step_sleep_seconds=0.4) if kill_at else None  # room for the kill to land
+    config = prepare_local_run(job, run_dir=run_dir, hardware=hw, faults=faults)
+    events = run_dir / "events.jsonl"
+    offset = events.stat().st_size if events.exists() else 0
+    log_path = run_dir / f"runtime-{time.monotonic_ns()}.log"
+    with log_path.open("w") as log:
+        child = subprocess.Popen(runtime_command(run_dir / "runtime.json", 1), env=runtime_env(config),
+                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 240
+        while child.poll() is None and time.monotonic() < deadline:
+            if kill_at is not None and events.exists():
+                with events.open("rb") as fh:
+                    fh.seek(offset)
+                    text = fh.read().decode(errors="replace")
+                steps = [json.loads(line)["step"] for line in text.splitlines()
+                         if '"event": "step"' in line and line.endswith("}")]
+                if max(steps, default=0) >= kill_at:
+                    os.killpg(child.pid, signal.SIGKILL)
+                    kill_at = None
+            time.sleep(0.05)
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+        return child.wait(), log_path
+
+
+# ----------------------------------------------------------------------------- report
+
+@dataclass
+class Report:
+    settings: Settings
+    hardware: dict[str, Any]
+    stages: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, stage: str, result: dict[str, Any]) -> None:
+        self.stages[stage] = result
+        self.write()
+
+    def write(self) -> None:
+        document = {"dry_run": self.settings.dry_run, "budget_seconds": self.settings.budget_seconds,
+                    "elapsed_seconds": round(time.monotonic() - self.settings.started, 1),
+                    "cap_bytes": self.settings.cap_bytes, "hardware": self.hardware, "stages": self.stages}
+        (self.settings.out / "gpu_kit.json").write_text(json.dumps(document, indent=2, default=str))
+        (self.settings.out / "gpu_kit.md").write_text(self.markdown())
+
+    def rows(self) -> list[tuple[str, dict[str, Any]]]:
+        a = self.stages.get("a_gpu_resident", {})
+        b = self.stages.get("b_offloaded", {})
+        rows = [("a", r) for r in a.get("trials", [])]
+        return rows + [("b", r) for r in b.values() if isinstance(r, dict) and "placement" in r]
+
+    def markdown(self) -> str:
+        lines = ["| stage | placement | params | step s | tokens/s | peak GPU GiB | peak RSS GiB | swap GiB "
+                 "| ratio gpu / cpu / nvme / step |", "|---|---|---|---|---|---|---|---|---|"]
+        for stage, r in self.rows():
+            m = r.get("measured")
+            if not m:
+                lines.append(f"| {stage} | {r['placement']} | {r['predicted']['params']:,} | {r.get('error', '')[:60]!r} "
+                             "| | | | | |")
+                continue
+            ratio = r["ratio"]
+            gib = [f"{v / GiB:.2f}" if v is not None else "-" for v in
+                   (m["peak_gpu_bytes"], m["peak_rss_bytes"], m["swap_bytes"])]
+            lines.append(f"| {stage} | {r['placement']} | {r['predicted']['params']:,} | {m['step_seconds']} | "
+                         f"{m['tokens_per_second']} | {' | '.join(gib)} | "
+                         f"{' / '.join(str(ratio[k]) for k in ('gpu', 'cpu', 'nvme', 'step'))} |")
+        d = self.stages.get("d_resume")
+        if d:
+            lines += ["", f"SIGKILL and resume: {json.dumps(d)}"]
+        return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny models, no memory cap, CPU accelerator")
+    parser.add_argument("--budget-seconds", type=float, default=420.0, help="stages that no longer fit are skipped")
+    parser.add_argument("--out", help="results folder (default: $OUT)")
+    parser.add_argument("--work", help="scratch folder for swap files and runs (default: a new temporary one)")
+    parser.add_argument("--nvme-swap-gib", type=int, default=12, help="stage b's NVMe variant stays under this")
+    parser.add_argument("--measure", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.measure:
+        print(RESULT_TAG + json.dumps(run_measurement(json.loads(args.measure))), flush=True)
+        return 0
+    if args.dry_run:
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    os.environ.setdefault("SPILLWAY_PROBE_SWEEP", "0")
+    settings = Settings.make(args)
+    hw = node_hardware(settings)
+    report = Report(settings, hw.model_dump())
+    report.write()
+    resident = stage_gpu_resident(settings, hw, report)
+    stage_offloaded(settings, hw, report, resident)
+    stage_planner(report)
+    stage_resume(settings, hw, report)
+    report.write()
+    print(report.markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
