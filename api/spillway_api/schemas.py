@@ -290,6 +290,8 @@ class LargestFitPublic(WireModel):
 class LargestPublic(WireModel):
     node: str
     placements: list[LargestFitPublic]
+    why_not: str | None = Field(None, description="Why this node shape answers nothing (more GPUs per node "
+                                "asked for than it has); its placements are then empty")
 
 
 class PlansPublic(WireModel):

@@ -110,8 +110,12 @@ def _largest(request: Request, body: PlanRequest, training: Training, offload: O
         if hw.shape_key() in seen:
             continue
         seen.add(hw.shape_key())
-        fits = largest_model(hw, training, offload, dtype=dtype, gpus_per_node=body.gpus_per_node,
-                             nodes=body.node_count)
+        try:
+            fits = largest_model(hw, training, offload, dtype=dtype, gpus_per_node=body.gpus_per_node,
+                                 nodes=body.node_count)
+        except ValueError as err:  # as a plan on this shape reports it: not a fit, not an error of ours
+            answers.append(LargestPublic(node=hw.name, placements=[], why_not=str(err)))
+            continue
         answers.append(LargestPublic(node=hw.name, placements=[LargestFitPublic.model_validate(f.model_dump())
                                                                for f in fits]))
     ranked = [(max((p.parameters for p in a.placements), default=0), a.node) for a in answers]

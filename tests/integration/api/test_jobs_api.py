@@ -197,6 +197,10 @@ def test_plan_without_a_size_answers_the_largest_model_per_placement(client: Any
           "cpu_cores": 16, "cpu_memory_bytes": 64 << 30, "nvme_capacity_bytes": 2 * 10**12,
           "nvme_free_bytes": 2 * 10**12}
     training = {"sequenceLength": 1024, "microBatchSize": 1}
+    # more GPUs per node than the shape has: that shape answers nothing, and says why (schemathesis
+    # found this a 500)
+    [none] = client.post("/v1/plan", json={"hardware": hw, "gpusPerNode": 5}).json()["largest"]
+    assert none["placements"] == [] and "gpusPerNode is 5" in none["whyNot"]
     r = client.post("/v1/plan", json={"hardware": hw, "training": training})
     assert r.status_code == 200, r.text
     body = r.json()
