@@ -162,7 +162,7 @@ def owner_reference(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _meta(job: dict[str, Any], name: str, component: str, extra: dict[str, str] | None = None) -> dict[str, Any]:
+def child_meta(job: dict[str, Any], name: str, component: str, extra: dict[str, str] | None = None) -> dict[str, Any]:
     labels = {LABEL_JOB: job["metadata"]["name"], LABEL_COMPONENT: component, LABEL_MANAGED_BY: MANAGER}
     labels.update(extra or {})
     return {
@@ -246,7 +246,7 @@ def build_runtime_config(job: dict[str, Any], spec: FineTuneJobSpec, plan: Offlo
 
 
 def build_configmap(job: dict[str, Any], config: RuntimeConfig, attempt: int) -> dict[str, Any]:
-    meta = _meta(job, configmap_name(job["metadata"]["name"]), "runtime-config")
+    meta = child_meta(job, configmap_name(job["metadata"]["name"]), "runtime-config")
     meta["annotations"] = {LABEL_ATTEMPT: str(attempt)}
     return {
         "apiVersion": "v1",
@@ -272,7 +272,7 @@ def build_checkpoint_pvc(
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": _meta(job, checkpoint_pvc_name(job["metadata"]["name"]), "checkpoints"),
+        "metadata": child_meta(job, checkpoint_pvc_name(job["metadata"]["name"]), "checkpoints"),
         "spec": pvc_spec,
     }
 
@@ -284,7 +284,7 @@ def build_runtime_rbac(job: dict[str, Any]) -> list[dict[str, Any]]:
     role = {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
-        "metadata": _meta(job, account, "runtime-rbac"),
+        "metadata": child_meta(job, account, "runtime-rbac"),
         "rules": [
             {
                 "apiGroups": [API_GROUP],
@@ -303,14 +303,14 @@ def build_runtime_rbac(job: dict[str, Any]) -> list[dict[str, Any]]:
     binding = {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "RoleBinding",
-        "metadata": _meta(job, account, "runtime-rbac"),
+        "metadata": child_meta(job, account, "runtime-rbac"),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
         "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": job["metadata"]["namespace"]}],
     }
     account_obj = {
         "apiVersion": "v1",
         "kind": "ServiceAccount",
-        "metadata": _meta(job, account, "runtime-rbac"),
+        "metadata": child_meta(job, account, "runtime-rbac"),
     }
     return [account_obj, role, binding]
 
@@ -321,7 +321,7 @@ def build_headless_service(job: dict[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(job, service_name(name), "rendezvous"),
+        "metadata": child_meta(job, service_name(name), "rendezvous"),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
@@ -360,7 +360,7 @@ def build_pod(
     assert plan is not None
     hw = choice.hardware
     name = job["metadata"]["name"]
-    meta = _meta(job, pod_name(name, attempt, rank), "trainer", {LABEL_ATTEMPT: str(attempt), LABEL_RANK: str(rank)})
+    meta = child_meta(job, pod_name(name, attempt, rank), "trainer", {LABEL_ATTEMPT: str(attempt), LABEL_RANK: str(rank)})
     meta["annotations"] = {"spillway.dev/plan": plan.label, "spillway.dev/shape": choice.shape}
     share = plan.gpus_per_node / hw.gpu_count if hw.gpu_count else 1.0
     memory = min(plan.bytes.cpu + settings.memory_overhead_bytes, int(hw.cpu_memory_bytes * share))

@@ -102,20 +102,28 @@ class Placement:
 PARAMETER_COUNT_TOLERANCE = 0.10
 
 
-def model_shape(spec: FineTuneJobSpec) -> tuple[ModelShape, list[str]]:
+def model_shape(spec: FineTuneJobSpec, read: dict[str, Any] | None = None) -> tuple[ModelShape, list[str]]:
     """The shape to plan with, and lines for status.plan.reasons saying where it came from:
-    spec.model.config (the real shape), else a Llama-shaped guess from parameterCount."""
+    spec.model.config (the real shape), else config.json as read from the model's volume
+    (`read`: status.modelConfig, `{source, config}` or `{source, error}`), else a Llama-shaped
+    guess from parameterCount."""
+    read = read or {}
     config, count = spec.model.config, spec.model.parameter_count
+    origin = "spec.model.config"
+    if config is None and "config" in read:
+        config, origin = read["config"], f"config.json on {read['source']}"
     if config is None:
         if count is None:
             raise ValueError("give spec.model.config (the model's config.json) or spec.model.parameterCount "
                              "(e.g. 7B) to plan in a cluster")
+        why = (f"config.json could not be read from {read['source']} ({read['error']}), so the model shape is"
+               if "error" in read else "model shape")
         return ModelShape.from_param_count(count), [
-            "model shape guessed from parameterCount as a Llama-shaped decoder with a 32k vocabulary: "
+            f"{why} guessed from parameterCount as a Llama-shaped decoder with a 32k vocabulary: "
             "give spec.model.config for the real shape"]
     counts = count_decoder(config)
     experts = f", {counts.experts} experts per MoE layer" if counts.experts else ""
-    notes = [f"model shape from spec.model.config ({counts.model_type}, {counts.vocab_size:,}-token vocabulary, "
+    notes = [f"model shape from {origin} ({counts.model_type}, {counts.vocab_size:,}-token vocabulary, "
              f"{format_count(counts.params)} parameters{experts})"]
     if count is not None and abs(count - counts.params) > PARAMETER_COUNT_TOLERANCE * counts.params:
         notes.append(f"spec.model.parameterCount ({format_count(count)}) differs from the config's "
@@ -129,9 +137,11 @@ def choose_placement(
     nodes: list[dict[str, Any]],
     pricing: dict[str, str],
     settings: OperatorSettings,
+    read: dict[str, Any] | None = None,
 ) -> Placement:
-    """Plan once per distinct node shape and pick the cheapest or fastest that fits."""
-    shape, shape_notes = model_shape(spec)
+    """Plan once per distinct node shape and pick the cheapest or fastest that fits
+    (`read`: the model's config.json as read from its volume, see `model_shape`)."""
+    shape, shape_notes = model_shape(spec, read)
     groups: dict[str, ShapeChoice] = {}
     excluded: dict[str, str] = {}
     for node in nodes:

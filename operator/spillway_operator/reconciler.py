@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn
 
-from spillway_operator import admission, children, metrics
+from spillway_operator import admission, children, metrics, model_source
 from spillway_operator import builders as b
 from spillway_operator.cluster import KUBE, Cluster
 from spillway_operator.placement import choose_placement, plan_status
@@ -155,8 +155,14 @@ def _reconcile_once(cluster: Cluster, namespace: str, name: str, settings: Opera
     phase = status.get("phase") or b.PHASE_PENDING
     attempt = int(status.get("attempt", 0))
     uid = job["metadata"]["uid"]
-    pods = [p for p in cluster.job_pods(namespace, name)
-            if any(o.get("uid") == uid for o in p["metadata"].get("ownerReferences") or [])]
+    owned = [p for p in cluster.job_pods(namespace, name)
+             if any(o.get("uid") == uid for o in p["metadata"].get("ownerReferences") or [])]
+    pods = [p for p in owned if not model_source.is_reader(p)]
+    if phase not in (b.PHASE_PENDING, b.PHASE_PLANNED):
+        # A config reader left by a kill between its result and its deletion.
+        for pod in owned:
+            if model_source.is_reader(pod) and not pod["metadata"].get("deletionTimestamp"):
+                cluster.delete_pod(namespace, pod["metadata"]["name"], grace_seconds=0)
     current = [p for p in pods if _attempt_of(p) == attempt]
     if phase in (b.PHASE_PENDING, b.PHASE_PLANNED) and not current and (problems := admission.spec_problems(spec)):
         # What the admission webhook refuses, found here for a job it did not see (created
@@ -490,7 +496,8 @@ def _replan_unschedulable(
     oldest = min((t for t in created if t is not None), default=None)
     if oldest is None or (change.now - oldest).total_seconds() < settings.replan_pending_seconds:
         return None
-    placement = choose_placement(spec, change.cluster.nodes(), _pricing(change.cluster, settings), settings)
+    placement = choose_placement(spec, change.cluster.nodes(), _pricing(change.cluster, settings), settings,
+                                 _model_read(change, spec))
     old_plan = _plan(change.old)
     chosen = placement.chosen
     if chosen is None or chosen.plan is None or (old_plan and sorted(chosen.nodes) == old_plan.node_names):
@@ -528,20 +535,28 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
         change.commit()
         return Result()
 
-    if spec.model.config is None and spec.model.parameter_count is None:
+    if settings.read_model_config and model_source.needs_read(spec, change.old):
+        decided = _read_model_config(change, spec, settings)
+        if decided is not None:
+            return decided
+    read = _model_read(change, spec)
+    if spec.model.config is None and spec.model.parameter_count is None and "config" not in read:
         message = ("the operator plans from spec.model.config (the model's config.json) or "
                    "spec.model.parameterCount (e.g. 7B): give one")
+        if "error" in read:
+            message = (f"config.json could not be read from {read['source']}: {read['error']}; "
+                       "give spec.model.config (the model's config.json) or spec.model.parameterCount (e.g. 7B)")
         change.cond(b.PHASE_PLANNED, False, "ModelShapeRequired", message)
         change.cond(b.PHASE_FAILED, True, "ModelShapeRequired", message)
         change.phase(b.PHASE_FAILED, "ModelShapeRequired", message, warning=True)
         change.commit()
         raise PermanentFailure(message)
     pricing = _pricing(change.cluster, settings)
-    placement = choose_placement(spec, change.cluster.nodes(), pricing, settings)
+    placement = choose_placement(spec, change.cluster.nodes(), pricing, settings, read)
     if placement.chosen is None or placement.chosen.plan is None:
         # The cache may not hold a node created a moment ago: "fits nowhere" is final, so
         # it is decided on a fresh LIST.
-        placement = choose_placement(spec, change.cluster.nodes(fresh=True), pricing, settings)
+        placement = choose_placement(spec, change.cluster.nodes(fresh=True), pricing, settings, read)
     change.status["plan"] = plan_status(placement)
     chosen = placement.chosen
     if chosen is None or chosen.plan is None:
@@ -570,6 +585,55 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
         change.commit()
         raise PermanentFailure(message) from None
     return _create_attempt(change, spec, settings, chosen, config)
+
+
+def _model_read(change: StatusChange, spec: FineTuneJobSpec) -> dict[str, Any]:
+    """status.modelConfig when it was read from the model's present URI, else {}."""
+    read = change.old.get("modelConfig") or {}
+    return dict(read) if read.get("source") == spec.model.uri and spec.model.config is None else {}
+
+
+def _read_model_config(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorSettings) -> Result | None:
+    """Start, follow and collect the pod that reads the model's config.json from its claim.
+    None once status.modelConfig holds the answer (a config or why there is none): plan on."""
+    meta = change.job["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    uri = spec.model.uri
+    claim = model_source.claim_of(uri)
+    if not change.cluster.pvc_exists(namespace, claim):
+        message = f"PersistentVolumeClaim {claim!r} (from spec.model.uri) does not exist in {namespace}"
+        if (b.condition(change.conditions, "InputsReady") or {}).get("message") != message:
+            change.event("Warning", "InputsMissing", message)
+        change.cond("InputsReady", False, "InputsMissing", message)
+        change.commit()
+        return Result(requeue_after=INPUT_RETRY_SECONDS)
+    uid = meta["uid"]
+    pod = next((p for p in change.cluster.job_pods(namespace, name) if model_source.is_reader(p)
+                and any(o.get("uid") == uid for o in p["metadata"].get("ownerReferences") or [])), None)
+    if pod is None or pod["metadata"].get("deletionTimestamp"):
+        if pod is None and change.cluster.create(model_source.build_reader_pod(change.job, spec, settings)) is not None:
+            message = f"reading config.json from {uri} in pod {model_source.pod_name(name)} before planning"
+            change.cond(model_source.CONDITION, False, "Reading", message)
+            change.event("Normal", "ReadingModelConfig", message)
+            change.commit()
+        return Result(requeue_after=min(30.0, settings.model_config_timeout_seconds))
+    result = model_source.outcome(pod, uri)
+    if result is None:
+        created = b.parse_time(pod["metadata"].get("creationTimestamp")) or change.now
+        waited = (change.now - created).total_seconds()
+        if waited < settings.model_config_timeout_seconds:
+            return Result(requeue_after=min(30.0, settings.model_config_timeout_seconds - waited + 1))
+        result = {"source": uri, "error": f"not read within {settings.model_config_timeout_seconds} s "
+                                          f"({model_source.pending_reason(pod)})"}
+    change.status["modelConfig"] = result
+    if "config" in result:
+        change.cond(model_source.CONDITION, True, "Read", f"config.json read from {uri}")
+    else:
+        change.cond(model_source.CONDITION, False, "Unreadable", f"{uri}: {result['error']}")
+        change.event("Warning", "ModelConfigUnreadable", f"config.json from {uri}: {result['error']}")
+    change.commit()
+    change.cluster.delete_pod(namespace, pod["metadata"]["name"], grace_seconds=0)
+    return None
 
 
 def _create_attempt(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorSettings, chosen: Any,

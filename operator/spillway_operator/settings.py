@@ -69,6 +69,18 @@ class OperatorSettings(BaseSettings):
         "before the job fails with the reason: long enough for a registry hiccup, short enough that a "
         "misspelt image does not hold GPUs for long",
     )
+    read_model_config: bool = Field(
+        True,
+        description="Before planning a job whose model is on a PVC (pvc://) and whose spec gives no "
+        "model.config, read the model's config.json there in a short pod (no GPU) and plan from its real "
+        "shape; off: plan from spec.model.parameterCount",
+    )
+    model_config_timeout_seconds: int = Field(
+        600,
+        description="How long the pod that reads a pvc:// model's config.json before planning may take, "
+        "from its creation (scheduling, image pull, reading); past it the job plans from "
+        "spec.model.parameterCount, or fails naming why when there is none",
+    )
     backoff_base_seconds: float = Field(
         10.0, description="First retry delay after a failed attempt; doubles per failure (as Kubernetes Jobs)"
     )

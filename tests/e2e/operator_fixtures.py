@@ -34,10 +34,10 @@ class OperatorProcess:
     """`python -m spillway_operator.cli operator -A` with fast resync and backoff for tests."""
 
     def __init__(self, env: dict[str, str], log_path: Path):
-        self.env = dict(env)
         self.metrics_port = free_port()
-        self.env.update(
-            {
+        # What the caller passes wins over these.
+        self.env = {
+            **{
                 "SPILLWAY_OPERATOR_RESYNC_SECONDS": "2",
                 "SPILLWAY_OPERATOR_BACKOFF_BASE_SECONDS": "1",
                 "SPILLWAY_OPERATOR_REPLAN_PENDING_SECONDS": "3",
@@ -46,8 +46,12 @@ class OperatorProcess:
                 "SPILLWAY_OPERATOR_METRICS_PORT": str(self.metrics_port),
                 "SPILLWAY_OPERATOR_LIVENESS_PORT": "0",
                 "SPILLWAY_OPERATOR_NAMESPACE": OPERATOR_NAMESPACE,
-            }
-        )
+                # kwok's nodes run no container, so no pod there could read a model's
+                # config.json; the real node's tests turn it on.
+                "SPILLWAY_OPERATOR_READ_MODEL_CONFIG": "false",
+            },
+            **env,
+        }
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -116,8 +116,8 @@ class RealNode:
             spec["resources"]["nodes"] = nodes
             spec["resources"]["tolerations"].append(
                 {"key": self.cluster.settings()["NODE2_TAINT"], "operator": "Exists", "effect": "NoSchedule"})
-        for key, value in (spec_update or {}).items():
-            spec[key] = {**spec.get(key, {}), **value}
+        for key, value in (spec_update or {}).items():  # a None removes the field
+            spec[key] = {k: v for k, v in {**spec.get(key, {}), **value}.items() if v is not None}
         self.cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(job))
         return checkpoints
 
@@ -148,7 +148,8 @@ def real(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         "provisioner": "kubernetes.io/no-provisioner", "volumeBindingMode": "Immediate"}))
     log = tmp_path_factory.mktemp("operator-real") / "operator.log"
     try:
-        with running_operator(cluster, log, SPILLWAY_OPERATOR_RUNTIME_IMAGE=image):
+        with running_operator(cluster, log, SPILLWAY_OPERATOR_RUNTIME_IMAGE=image,
+                              SPILLWAY_OPERATOR_READ_MODEL_CONFIG="true"):
             example = yaml.safe_load(EXAMPLE.read_text())["spec"]
             # The example is written for this cluster's real node and `spillway make-tiny`'s model.
             assert example["resources"]["nodeSelector"] == {label: "true"}
@@ -194,6 +195,12 @@ def test_a_tiny_job_trains_in_a_pod_with_adam_state_on_the_nodes_nvme(
     # Written by the pod, under the job's own ServiceAccount (the operator writes neither).
     assert status["progress"]["step"] == MAX_STEPS and status["progress"]["loss"] > 0
     assert status["progress"]["bytes"].get("nvme", 0) > 0, status["progress"]  # the Adam state went to NVMe
+    # Planned from the model's own config.json, read from the claim by a short pod that is gone.
+    assert status["modelConfig"]["source"] == "pvc://tiny-inputs/model"
+    assert status["modelConfig"]["config"]["model_type"] == "llama", status["modelConfig"]
+    assert any(r.startswith("model shape from config.json on pvc://tiny-inputs/model (llama")
+               for r in status["plan"]["reasons"]), status["plan"]["reasons"]
+    assert _condition(job, "ModelConfigRead")["status"] == "True"
     kept = sorted({*range(3, MAX_STEPS + 1, 3), MAX_STEPS})[-KEEP:]  # every 3 steps, and the last
     assert [c["step"] for c in status["checkpoints"]] == kept  # the pruned ones are gone from status too
     assert sorted(p.name for p in checkpoints.glob("step-*")) == [f"step-{s:08d}" for s in kept]
@@ -211,7 +218,9 @@ def test_a_chat_lora_job_trains_in_a_pod_with_masked_loss_evaluation_and_exports
     exported in PEFT's layout."""
     chat = yaml.safe_load((REPO_ROOT / "examples" / "chat-lora.yaml").read_text())["spec"]
     real.inputs(namespace)
+    # No parameterCount: the operator plans from config.json as read from the claim.
     checkpoints = real.job(namespace, "chat-lora", dataset="arithmetic-chat.jsonl", spec_update={
+        "model": {"parameterCount": None},
         "dataset": {key: chat["dataset"][key] for key in ("format", "chatTemplate", "validation")},
         "method": chat["method"], "export": chat["export"],
         "training": {"evalEverySteps": 3, "learningRate": chat["training"]["learningRate"],
@@ -219,6 +228,9 @@ def test_a_chat_lora_job_trains_in_a_pod_with_masked_loss_evaluation_and_exports
     job = _finished(real, namespace, "chat-lora")
     status = job["status"]
     assert status["phase"] == "Succeeded", json.dumps(status, indent=1)[-3000:]
+    assert "parameterCount" not in job["spec"]["model"] and "config" in status["modelConfig"]
+    assert not [p for p in real.cluster.kubectl_json("get", "pods", "-n", namespace)["items"]
+                if p["metadata"]["name"].endswith("-model-config")]
     assert status["progress"]["evalLoss"] > 0 and status["progress"]["evalStep"] == status["progress"]["step"]
     export = checkpoints / "export"
     assert (export / "adapter_config.json").is_file() and (export / "adapter_model.safetensors").is_file()

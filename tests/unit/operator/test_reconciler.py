@@ -21,7 +21,8 @@ from spillway_runtime.plan_summary import PlanSummary
 from .fake_cluster import FakeCluster, node
 
 NS = "team"
-SETTINGS = OperatorSettings(backoff_base_seconds=10, backoff_max_seconds=60)
+# Reading a pvc:// model's config.json before planning has its own tests (test_model_source.py).
+SETTINGS = OperatorSettings(backoff_base_seconds=10, backoff_max_seconds=60, read_model_config=False)
 
 
 def job(name: str = "j", **spec: Any) -> dict[str, Any]:
