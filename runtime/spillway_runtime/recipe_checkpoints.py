@@ -244,13 +244,13 @@ class Checkpointing:
 
     def _load(self, info: CheckpointInfo) -> None:
         written = self._written_shape(info)
-        if written is not None and written.layout != self._shape().layout:
+        # With the optimizer moved to or from NVMe alone, its state is in swap files on one side
+        # and in the ZeRO file on the other: the load below would take the checkpoint for
+        # damaged and fall back, where the universal checkpoint carries it across.
+        if written is not None and (written.layout != self._shape().layout
+                                    or (written.optimizer == "nvme") != (self._shape().optimizer == "nvme")):
             self._load_resharded(info, written)
             return
-        if written is not None and (written.optimizer == "nvme") != (self._shape().optimizer == "nvme"):
-            # The optimizer state is in swap files on one side and in the ZeRO file on the
-            # other: the load below would take the checkpoint for damaged and fall back.
-            self._refuse_reshard(info, written)
         self.ckpt.expected = self.store.deferred(info.path)
         scratch = self.store.root / f"{STAGING}load-view-rank{self.rank}"
         view = contextlib.nullcontext(info.path) if self.swap_files is None else self.swap_files.load_view(
@@ -328,10 +328,11 @@ class Checkpointing:
         return Shape(world, stage, optimizer, parameters)
 
     def _load_resharded(self, info: CheckpointInfo, written: Shape) -> None:
-        """Resume from a checkpoint of another number of processes or ZeRO stage: rank 0
-        converts it into DeepSpeed's universal form (`universal.write_universal`), every rank
-        loads that, and our own state comes from rank 0's state file, its data positions
-        rescaled to the new number of processes."""
+        """Resume from a checkpoint of another number of processes or ZeRO stage, or whose
+        optimizer moved to or from NVMe: rank 0 converts it into DeepSpeed's universal form
+        (`universal.write_universal`), every rank loads that (its swapped optimizer state
+        through `universal.filling_swapped_state`), and our own state comes from rank 0's state
+        file, its data positions rescaled to the new number of processes."""
         import numpy as np
 
         self._refuse_reshard(info, written)
@@ -360,8 +361,10 @@ class Checkpointing:
                             **{"from": written.public(), "to": self._shape().public()})
 
     def _refuse_reshard(self, info: CheckpointInfo, written: Shape) -> None:
-        on_nvme = [f"{side} {what}" for side, shape in (("written with", written), ("planned with", self._shape()))
-                   for what, tier in (("optimizer", shape.optimizer), ("parameters", shape.parameters)) if tier == "nvme"]
+        # The optimizer on NVMe converts both ways (its swap files are read into the universal
+        # checkpoint, and a ZeRO-3 engine's are filled from it); parameters on NVMe do not yet.
+        on_nvme = [f"{side} parameters" for side, shape in (("written with", written), ("planned with", self._shape()))
+                   if shape.parameters == "nvme"]
         unsupported = None
         if on_nvme:
             unsupported = f"state on NVMe ({', '.join(on_nvme)} on NVMe)"
@@ -385,7 +388,7 @@ class Checkpointing:
         if self.rank == 0:
             self.ckpt.expected = self.store.deferred(info.path)
             try:
-                write_universal(info.path, DS_TAG, scratch, self.ckpt.load)
+                write_universal(info.path, DS_TAG, scratch, self.ckpt.load, self._read_swap_file)
             except CheckpointIOError as err:  # on every rank below: `_load_good` tries the previous checkpoint
                 damaged = str(err)
             except (UniversalError, OSError, RuntimeError, KeyError, IndexError, TypeError, ValueError,
@@ -397,15 +400,35 @@ class Checkpointing:
         problem = self._first_failure(problem)
         if problem is not None:
             raise RunFailed(problem, ExitCode.BAD_INPUT)
+        swapped: Any = contextlib.nullcontext()
+        if self.swap_files is not None:
+            from spillway_runtime.ds_checkpoint import saved_swap_dir
+            from spillway_runtime.universal import filling_swapped_state
+
+            # an empty folder of swap files for DeepSpeed's NVMe load to copy: the state comes
+            # from the universal files, filled in where it calls `reset_swap_buffers`
+            saved_swap_dir(scratch / DS_TAG, self.rank).mkdir(parents=True, exist_ok=True)
+            swapped = filling_swapped_state(self.engine.optimizer, scratch / DS_TAG)
         config = self.engine._config
         config.load_universal_checkpoint = True  # read by load_checkpoint only: set for this load alone
         try:
-            load_path, _ = self.engine.load_checkpoint(
-                str(scratch), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
+            with swapped:
+                load_path, _ = self.engine.load_checkpoint(
+                    str(scratch), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
         finally:
             config.load_universal_checkpoint = False
         if load_path is None:
             raise RunFailed(f"DeepSpeed could not load checkpoint {info.name} converted in {scratch}")
+
+    def _read_swap_file(self, path: Path) -> Any:
+        """A checkpoint's optimizer swap file, whole (a uint8 tensor), checked against its checksum as it is read."""
+        from spillway_runtime.ckpt_io import CheckpointIOError
+
+        data = self.torch.empty(path.stat().st_size, dtype=self.torch.uint8)
+        want = self.ckpt.expected.get(path.resolve())
+        if self.ckpt.io.read_into(path, [data]) != want and want is not None:
+            raise CheckpointIOError(f"{path} does not match its checksum")
+        return data
 
 
 @dataclasses.dataclass(frozen=True)
