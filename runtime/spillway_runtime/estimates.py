@@ -10,23 +10,25 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from spillway_runtime.hardware import (
     DEFAULT_CPU_ADAM_PARAMS_PER_S,
     DEFAULT_HOST_DEVICE_BPS,
     DEFAULT_NVME_READ_BPS,
     DEFAULT_NVME_WRITE_BPS,
-    NodeHardware,
+    matmul_rate_at,
 )
 from spillway_runtime.spec import DType, Tier, Training
 
 if TYPE_CHECKING:
-    from spillway_runtime.planner import ModelShape, SwapSettings
+    from spillway_runtime.planner import ModelShape, PlacementInputs, SwapSettings
 
 # Share of peak FLOPs a fine-tune reaches on one GPU (dense decoder, bf16, good kernels).
 MODEL_FLOPS_UTILISATION = 0.35
-# CPU "accelerator" (DS_ACCELERATOR=cpu): achieved FLOP/s per core for bf16/fp32 matmuls.
+# CPU "accelerator" (DS_ACCELERATOR=cpu): FLOP/s per core assumed when the probe measured no
+# matmuls (`NodeHardware.cpu_matmul`). Real rates span 100x: fp32 on AVX2 reaches ~15-50
+# GFLOP/s per core, bf16 without native bf16 instructions ~2 (measured on a 2-core AMD EPYC).
 CPU_FLOPS_PER_CORE = 25e9
 # Swap files per parameter with the optimizer on NVMe: fp32 master, exp_avg, exp_avg_sq and
 # the fp32 gradient (measured on DeepSpeed 0.19.8: 16.0 B/param on a 6.5M-parameter model).
@@ -38,13 +40,35 @@ DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 class StepTime(BaseModel):
-    """Predicted seconds per optimizer step, and its parts."""
+    """Predicted seconds per optimizer step, and its parts (see `step_time` for how they add up)."""
 
     compute: float
     host_device: float
-    nvme: float
-    cpu_optimizer: float
+    nvme: float = Field(description="parameter_nvme + optimizer_nvme")
+    parameter_nvme: float = 0.0
+    optimizer_nvme: float = 0.0
+    cpu_optimizer: float = Field(description="The optimizer step: on the CPU, or fused Adam on the GPU")
+    pipelined: bool = Field(False, description="Optimizer NVMe I/O overlaps the optimizer step")
     total: float
+    flops: float = Field(0.0, description="Per rank and step: forward, backward and any recomputation")
+    flops_per_s: float = Field(0.0, description="Of one GPU; on the CPU accelerator, of all the node's cores")
+    flops_source: str = ""
+
+    def formula(self) -> str:
+        """The sum `total` is, with the figures in it, as the plan's reasons state it."""
+        forward_backward = (f"max(compute {self.compute:.3g}, host-device {self.host_device:.3g}, "
+                            f"parameter NVMe {self.parameter_nvme:.3g})")
+        if self.pipelined:
+            optimizer_phase = (f"max(optimizer step {self.cpu_optimizer:.3g}, optimizer NVMe "
+                               f"{self.optimizer_nvme:.3g}) (pipelined swap)")
+        else:
+            optimizer_phase = f"optimizer step {self.cpu_optimizer:.3g} + optimizer NVMe {self.optimizer_nvme:.3g}"
+        return f"step {self.total:.3g} s = {forward_backward} + {optimizer_phase}"
+
+    def compute_rate(self) -> str:
+        rate = (f"{self.flops_per_s / 1e12:.3g} TFLOP/s" if self.flops_per_s >= 1e12
+                else f"{self.flops_per_s / 1e9:.3g} GFLOP/s")
+        return f"compute: {self.flops / 1e9:.3g} GFLOP per rank at {rate} ({self.flops_source})"
 
 
 # --- Model-state bytes ---------------------------------------------------------------
@@ -126,34 +150,44 @@ def activation_bytes(shape: ModelShape, training: Training, dtype: DType, checkp
 # --- Step time ----------------------------------------------------------------------
 
 
-def step_time(
-    shape: ModelShape,
-    hw: NodeHardware,
-    training: Training,
-    stage: int,
-    optimizer: Tier,
-    parameters: Tier,
-    checkpointing: bool,
-    gpus_per_node: int,
-    nodes: int,
-    swap: SwapSettings,
-    ranks_per_node: int,
-) -> StepTime:
-    """Seconds per optimizer step. Transfers of parameters overlap with compute (prefetch);
-    the optimizer phase (CPU step plus NVMe swapping of optimizer state) follows the
-    backward pass, and its NVMe I/O overlaps with the CPU step only when pipelined."""
+def compute_rate(placement: PlacementInputs) -> tuple[float, str]:
+    """(FLOP/s of one GPU or of the CPU accelerator's node, where the figure comes from): a GPU's share of its peak; on the CPU
+    accelerator the probe's matmul rate in the training dtype at the model's hidden size, else
+    an assumed rate per core."""
+    hw = placement.hw
+    if placement.on_gpu:
+        per_gpu = hw.peak_tflops * 1e12 * MODEL_FLOPS_UTILISATION
+        return per_gpu, f"{MODEL_FLOPS_UTILISATION:.0%} of the GPU's {hw.peak_tflops:g} TFLOPS peak"
+    hidden, dtype = placement.shape.hidden_size, placement.dtype
+    measured = matmul_rate_at(hw.cpu_matmul, dtype, hidden)
+    if measured is not None:
+        return measured, f"measured: {dtype} matmuls at hidden size {hidden} on the CPU"
+    return CPU_FLOPS_PER_CORE * hw.cpu_cores, (
+        f"assumed: {CPU_FLOPS_PER_CORE / 1e9:g} GFLOP/s per core x {hw.cpu_cores}; the probe measured no "
+        f"{dtype} matmuls"
+    )
+
+
+def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSettings) -> StepTime:
+    """Seconds per optimizer step: max(compute, host-device, parameter NVMe) for the forward
+    and backward passes, since parameter transfers overlap with compute (prefetch); then the
+    optimizer phase, max(optimizer step, optimizer NVMe) when the swapper is pipelined, else
+    their sum (the NVMe I/O of the optimizer state waits for the step that needs it)."""
+    shape, hw, training = placement.shape, placement.hw, placement.training
+    optimizer, parameters, nodes = placement.optimizer, placement.parameters, placement.nodes
     p, t = shape.params, shape.trainable  # t < p with LoRA: only the adapters get gradients and updates
-    ranks = ranks_per_node * nodes
+    ranks = placement.ranks
     micro_steps = training.gradient_accumulation
     tokens_per_rank = training.micro_batch_size * training.sequence_length * micro_steps
     # forward 2P, backward 2P for the activations' gradients and 2T for the weights'; +2P recomputed
     flops = ((6 if checkpointing else 4) * p + 2 * t) * tokens_per_rank
-    if gpus_per_node:
-        compute = flops / (hw.peak_tflops * 1e12 * MODEL_FLOPS_UTILISATION)
+    flops_per_s, flops_source = compute_rate(placement)
+    if placement.on_gpu:
+        compute = flops / flops_per_s
         pcie = hw.host_device_bytes_per_s or DEFAULT_HOST_DEVICE_BPS
     else:
         # every process computes its own micro-batches on a share of the cores
-        compute = flops * ranks_per_node / (CPU_FLOPS_PER_CORE * hw.cpu_cores)
+        compute = flops * placement.ranks_per_node / flops_per_s
         pcie = math.inf  # device memory is host memory
     host_device = 0.0
     if optimizer != "gpu":
@@ -171,19 +205,22 @@ def step_time(
     if optimizer == "nvme":
         half = OPTIMIZER_SWAP_BYTES_PER_PARAM * t / nodes
         opt_nvme = half / read_bps + half / write_bps
-    if optimizer == "gpu":
-        # fused Adam on the GPU streams ~16 B/param three times at HBM speed (~2 TB/s)
-        cpu_opt = 48 * t / ranks / 2e12 if gpus_per_node else t / nodes / (
-            hw.cpu_adam_params_per_s or DEFAULT_CPU_ADAM_PARAMS_PER_S
-        )
-    else:
-        cpu_opt = t / nodes / (hw.cpu_adam_params_per_s or DEFAULT_CPU_ADAM_PARAMS_PER_S)
+    cpu_adam = hw.cpu_adam_params_per_s or DEFAULT_CPU_ADAM_PARAMS_PER_S
+    # fused Adam on a GPU streams ~16 B/param three times at HBM speed (~2 TB/s)
+    on_hbm = optimizer == "gpu" and placement.on_gpu
+    optimizer_step = 48 * t / ranks / 2e12 if on_hbm else t / nodes / cpu_adam
     forward_backward = max(compute, host_device, param_nvme)
-    optimizer_phase = max(cpu_opt, opt_nvme) if swap.pipeline else cpu_opt + opt_nvme
+    optimizer_phase = max(optimizer_step, opt_nvme) if swap.pipeline else optimizer_step + opt_nvme
     return StepTime(
         compute=compute,
         host_device=host_device,
         nvme=param_nvme + opt_nvme,
-        cpu_optimizer=cpu_opt,
+        parameter_nvme=param_nvme,
+        optimizer_nvme=opt_nvme,
+        cpu_optimizer=optimizer_step,
+        pipelined=swap.pipeline,
         total=forward_backward + optimizer_phase,
+        flops=flops,
+        flops_per_s=flops_per_s,
+        flops_source=flops_source,
     )

@@ -8,6 +8,8 @@ names exist once. Importable without torch.
 
 from __future__ import annotations
 
+import itertools
+import math
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,6 +32,9 @@ AIO_ANNOTATIONS: dict[str, str] = {
     "spillway.dev/aio-intra-op-parallelism": "intra_op_parallelism",
 }
 NVME_PATH_ANNOTATION = "spillway.dev/nvme-path"
+# The probe's CPU matmul rates (`NodeHardware.cpu_matmul`), one entry per dtype and hidden size:
+# "bf16@256=4100000000,bf16@1024=3900000000,fp32@256=...". One annotation, as the figures are one curve.
+CPU_MATMUL_ANNOTATION = "spillway.dev/cpu-matmul-flops-per-second"
 GFD_PRODUCT = "nvidia.com/gpu.product"
 GFD_MEMORY_MIB = "nvidia.com/gpu.memory"
 GFD_COUNT = "nvidia.com/gpu.count"
@@ -70,6 +75,47 @@ class AioSettings(BaseModel):
     overlap_events: bool = True
 
 
+class MatmulRate(BaseModel):
+    """FLOP/s of a linear layer's forward and backward pass (6 x tokens x in x out FLOPs) on the
+    CPU, with the threads of one training process that has the node to itself: what the CPU
+    accelerator's step spends its time on."""
+
+    dtype: str = Field(description="bf16, fp16 or fp32: the training dtype it was measured in")
+    hidden_size: int = Field(gt=0, description="Input features of the layer (output: twice that)")
+    flops_per_s: float = Field(gt=0)
+
+
+def matmul_rate_at(rates: list[MatmulRate], dtype: str, hidden_size: int) -> float | None:
+    """The rate at `hidden_size` in `dtype`: interpolated between the measured sizes on a log
+    scale, the nearest measured size's beyond them; None when `dtype` was not measured."""
+    points = sorted((r.hidden_size, r.flops_per_s) for r in rates if r.dtype == dtype)
+    if not points:
+        return None
+    if hidden_size <= points[0][0]:
+        return points[0][1]
+    for (h0, r0), (h1, r1) in itertools.pairwise(points):
+        if hidden_size <= h1:
+            share = math.log(hidden_size / h0) / math.log(h1 / h0)
+            return float(math.exp(math.log(r0) + share * (math.log(r1) - math.log(r0))))
+    return points[-1][1]
+
+
+def matmul_annotation(rates: list[MatmulRate]) -> str:
+    return ",".join(f"{r.dtype}@{r.hidden_size}={int(r.flops_per_s)}" for r in rates)
+
+
+def matmul_from_annotation(value: str | None) -> list[MatmulRate]:
+    """The rates a node probe wrote; an entry that does not parse is left out, not guessed."""
+    rates: list[MatmulRate] = []
+    for item in (value or "").split(","):
+        key, _, rate = item.partition("=")
+        dtype, _, hidden = key.partition("@")
+        size, flops = _int(hidden), _int(rate)
+        if dtype in ("bf16", "fp16", "fp32") and size and size > 0 and flops and flops > 0:
+            rates.append(MatmulRate(dtype=dtype, hidden_size=size, flops_per_s=flops))
+    return rates
+
+
 class NodeHardware(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -90,6 +136,9 @@ class NodeHardware(BaseModel):
     cpu_adam_params_per_s: float | None = None
     torch_adamw_params_per_s: float | None = None
     host_device_bytes_per_s: float | None = None
+    cpu_matmul: list[MatmulRate] = Field(
+        default_factory=list, description="Measured on nodes without GPUs, where training runs on the CPU"
+    )
     probe_seconds: float | None = None
 
     @property
@@ -120,6 +169,8 @@ class NodeHardware(BaseModel):
             out.update({key: str(getattr(self.aio, field)) for key, field in AIO_ANNOTATIONS.items()})
         if self.nvme_path:
             out[NVME_PATH_ANNOTATION] = self.nvme_path
+        if self.cpu_matmul:
+            out[CPU_MATMUL_ANNOTATION] = matmul_annotation(self.cpu_matmul)
         return out
 
 
@@ -169,5 +220,6 @@ def hardware_from_node(node: dict[str, Any]) -> NodeHardware:
         cpu_memory_bytes=parse_quantity(allocatable.get("memory", "0")),
         nvme_path=annotations.get(NVME_PATH_ANNOTATION),
         aio=aio_from_annotations(annotations),
+        cpu_matmul=matmul_from_annotation(annotations.get(CPU_MATMUL_ANNOTATION)),
         **{k: v for k, v in values.items() if v is not None},
     )

@@ -17,6 +17,7 @@ from spillway_runtime.planner import (
     _PLACEMENTS,
     ModelShape,
     OffloadPlan,
+    PlacementInputs,
     _allowed,
     _evaluate,
     _label,
@@ -63,8 +64,10 @@ def largest_model(
             continue
 
         def plan_at(params: int, s: int = stage, o: Tier = optimizer, p: Tier = parameters) -> OffloadPlan:
-            return _evaluate(ModelShape.from_param_count(params), hw, training, dtype, s, o, p, gpus, nodes,
-                             training.activation_checkpointing, None, ranks_per_node)
+            return _evaluate(PlacementInputs(
+                shape=ModelShape.from_param_count(params), hw=hw, training=training, dtype=dtype, stage=s,
+                optimizer=o, parameters=p, gpus_per_node=gpus, ranks_per_node=ranks_per_node, nodes=nodes,
+            ))
 
         params = _largest_fitting(lambda n: plan_at(n).feasible)
         step = plan_at(params).predicted_step_seconds if params else None

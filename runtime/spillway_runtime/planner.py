@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -324,9 +325,7 @@ def _allowed(offload: Offload, stage: int, optimizer: Tier, parameters: Tier) ->
     return None
 
 
-def _choose_swap(
-    hw: NodeHardware, shape: ModelShape, optimizer: Tier, parameters: Tier, ranks: int, cpu_spare: int
-) -> SwapSettings:
+def _choose_swap(shape: ModelShape, optimizer: Tier, parameters: Tier, ranks: int, cpu_spare: int) -> SwapSettings:
     """Size sub-groups and swap buffers to the RAM that is left.
 
     The optimizer swapper pins buffer_count x sub_group x 4 B per rank; DeepSpeed's default
@@ -368,41 +367,124 @@ def _pinned_bytes(swap: SwapSettings, optimizer: Tier, parameters: Tier, ranks_p
     return per_rank * ranks_per_node
 
 
-def _evaluate(
-    shape: ModelShape,
-    hw: NodeHardware,
-    training: Training,
-    dtype: DType,
-    stage: int,
-    optimizer: Tier,
-    parameters: Tier,
-    gpus_per_node: int,
-    nodes: int,
-    checkpointing_choice: str,
-    price_per_hour: float | None,
-    ranks_per_node: int,
-) -> OffloadPlan:
-    ranks = ranks_per_node * nodes
-    on_gpu = gpus_per_node > 0
+@dataclass(frozen=True)
+class PlacementInputs:
+    """One placement on one node with everything that sizes it: what `_evaluate` scores and
+    `estimates.step_time` times."""
+
+    shape: ModelShape
+    hw: NodeHardware
+    training: Training
+    dtype: DType
+    stage: int
+    optimizer: Tier
+    parameters: Tier
+    gpus_per_node: int  # 0: the CPU accelerator
+    ranks_per_node: int  # training processes: one per GPU, or the CPU processes
+    nodes: int = 1
+    price_per_hour: float | None = None
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.gpus_per_node > 0
+
+    @property
+    def ranks(self) -> int:
+        return self.ranks_per_node * self.nodes
+
+
+@dataclass
+class _Sizing:
+    """The bytes of one placement as `_evaluate` works them out, step by step."""
+
+    gpu_state: int  # model states per GPU (per process on a CPU accelerator)
+    cpu_state: int  # model states in CPU RAM per node
+    nvme: int  # swap files per node
+    overhead: int  # the training processes themselves
+    gpu_usable: int
+    cpu_usable: int
+    checkpointing: bool
+    activations: int
+    reasons: list[str]
+
+    def cpu_spare(self, placement: PlacementInputs) -> int:
+        """CPU RAM left for the swap buffers (on a CPU accelerator the "device" is RAM too)."""
+        device = 0 if placement.on_gpu else (self.gpu_state + self.activations) * placement.ranks_per_node
+        return self.cpu_usable - self.cpu_state - self.overhead - device
+
+
+def _evaluate(placement: PlacementInputs) -> OffloadPlan:
+    """Size and time one placement: memory -> swap minimum -> pinning -> shortfall."""
+    sizing = _size_memory(placement)
+    swap = _choose_swap(placement.shape, placement.optimizer, placement.parameters, placement.ranks,
+                        sizing.cpu_spare(placement))
+    aio = placement.hw.aio or AioSettings()
+    _keep_unswappable_in_ram(placement, sizing, swap, aio)
+    pinned = _pin(placement, sizing, swap)
+    tier_bytes = _tier_bytes(placement, sizing, pinned)
+    shortfalls, nvme_need = _shortfalls(placement, sizing, tier_bytes)
+
+    step = step_time(placement, sizing.checkpointing, swap)
+    hw, training = placement.hw, placement.training
+    total_seconds = step.total * training.max_steps
+    price = placement.price_per_hour
+    cost = None if price is None else round(total_seconds / 3600 * price * placement.nodes, 4)
+    return OffloadPlan(
+        feasible=not shortfalls,
+        node=hw.name,
+        accelerator="cuda" if placement.on_gpu else "cpu",
+        nodes=placement.nodes,
+        gpus_per_node=placement.gpus_per_node,
+        processes_per_node=placement.ranks_per_node,
+        zero_stage=placement.stage,
+        optimizer=placement.optimizer,
+        parameters=placement.parameters,
+        activation_checkpointing=sizing.checkpointing,
+        bytes=tier_bytes,
+        capacity=TierBytes(gpu=hw.gpu_memory_bytes if placement.on_gpu else 0, cpu=hw.usable_cpu_bytes,
+                           nvme=hw.nvme_free_bytes),
+        activation_bytes=sizing.activations,
+        headroom=TierBytes(
+            gpu=max(0, sizing.gpu_usable - tier_bytes.gpu) if placement.on_gpu else 0,
+            cpu=max(0, sizing.cpu_usable - tier_bytes.cpu),
+            nvme=max(0, hw.nvme_free_bytes - nvme_need) if sizing.nvme else hw.nvme_free_bytes,
+        ),
+        swap=swap,
+        aio=aio,
+        step=step,
+        predicted_step_seconds=step.total,
+        tokens_per_step=training.micro_batch_size * training.sequence_length * training.gradient_accumulation
+        * placement.ranks,
+        predicted_total_seconds=total_seconds,
+        predicted_cost_usd=cost,
+        shortfalls=shortfalls,
+        reasons=sizing.reasons,
+        model=placement.shape,
+    )
+
+
+def _size_memory(placement: PlacementInputs) -> _Sizing:
+    """Model states (DeepSpeed's estimators), swap files, process overhead and the usable share
+    of each tier; activation checkpointing on when `auto` and the activations would not fit."""
+    p, shape, hw = placement, placement.shape, placement.hw
     gpu_state, cpu_state = model_state_bytes(
-        stage, optimizer, parameters, shape.params, shape.largest_layer_params, ranks_per_node, nodes,
+        p.stage, p.optimizer, p.parameters, shape.params, shape.largest_layer_params, p.ranks_per_node, p.nodes,
         shape.trainable_params,
     )
-    if dtype == "fp32":
+    if p.dtype == "fp32":
         # fp32 training keeps 4-byte weights and grads where the estimators assume 2.
-        gpu_state += gpu_state // 2 if optimizer == "gpu" else 0
-    nvme = nvme_state_bytes(optimizer, parameters, shape.params, nodes, shape.trainable_params)
-    overhead = ranks_per_node * (CPU_PROCESS_OVERHEAD_GPU if on_gpu else CPU_PROCESS_OVERHEAD_CPU)
-
-    gpu_capacity = hw.gpu_memory_bytes if on_gpu else 0
+        gpu_state += gpu_state // 2 if p.optimizer == "gpu" else 0
+    overhead = p.ranks_per_node * (CPU_PROCESS_OVERHEAD_GPU if p.on_gpu else CPU_PROCESS_OVERHEAD_CPU)
+    gpu_capacity = hw.gpu_memory_bytes if p.on_gpu else 0
     gpu_usable = max(0, int(gpu_capacity * (1 - GPU_RESERVED_FRACTION)) - GPU_RESERVED_BYTES)
     cpu_capacity = hw.usable_cpu_bytes
     cpu_usable = max(0, cpu_capacity - max(CPU_RESERVED_MIN, int(cpu_capacity * CPU_RESERVED_FRACTION)))
 
     reasons: list[str] = []
-    if checkpointing_choice == "auto":
-        act_off = activation_bytes(shape, training, dtype, checkpointing=False)
-        device_room = gpu_usable - gpu_state if on_gpu else cpu_usable - cpu_state - overhead - gpu_state
+    choice = p.training.activation_checkpointing
+    if choice == "auto":
+        act_off = activation_bytes(shape, p.training, p.dtype, checkpointing=False)
+        device_room = gpu_usable - gpu_state if p.on_gpu else cpu_usable - cpu_state - overhead - gpu_state
         checkpointing = act_off > device_room
         if checkpointing:
             reasons.append(
@@ -410,106 +492,87 @@ def _evaluate(
                 f"{format_bytes(max(0, device_room))} is free beside the model state"
             )
     else:
-        checkpointing = checkpointing_choice == "on"
-    act = activation_bytes(shape, training, dtype, checkpointing)
+        checkpointing = choice == "on"
+    return _Sizing(
+        gpu_state=gpu_state, cpu_state=cpu_state,
+        nvme=nvme_state_bytes(p.optimizer, p.parameters, shape.params, p.nodes, shape.trainable_params),
+        overhead=overhead, gpu_usable=gpu_usable, cpu_usable=cpu_usable, checkpointing=checkpointing,
+        activations=activation_bytes(shape, p.training, p.dtype, checkpointing), reasons=reasons,
+    )
 
-    cpu_spare_before_buffers = cpu_usable - cpu_state - overhead - ((gpu_state + act) * ranks_per_node if not on_gpu else 0)
-    swap = _choose_swap(hw, shape, optimizer, parameters, ranks, cpu_spare_before_buffers)
-    aio = hw.aio or AioSettings()
+
+def _keep_unswappable_in_ram(placement: PlacementInputs, sizing: _Sizing, swap: SwapSettings,
+                             aio: AioSettings) -> None:
+    """DeepSpeed swaps a tensor only when it holds at least max(1 MiB, aio block) bytes: what is
+    smaller stays in CPU RAM, so its bytes move from the NVMe figure back to the CPU one."""
+    shape, ranks, nodes = placement.shape, placement.ranks, placement.nodes
     min_swap = max(MIN_AIO_BYTES, aio.block_size)
     per_node_params = shape.params // nodes
     per_node_trainable = shape.trainable // nodes
-    if optimizer == "nvme":
+    if placement.optimizer == "nvme":
         swap_unit = min(shape.trainable // ranks, swap.sub_group_size) * 4
         if swap_unit < min_swap:
-            # Below DeepSpeed's minimum swap size the state never leaves RAM.
-            nvme -= OPTIMIZER_SWAP_BYTES_PER_PARAM * per_node_trainable
-            cpu_state += (OPTIMIZER_SWAP_BYTES_PER_PARAM - 2) * per_node_trainable
-            reasons.append(
+            sizing.nvme -= OPTIMIZER_SWAP_BYTES_PER_PARAM * per_node_trainable
+            sizing.cpu_state += (OPTIMIZER_SWAP_BYTES_PER_PARAM - 2) * per_node_trainable
+            sizing.reasons.append(
                 f"optimizer sub-groups of {format_bytes(swap_unit)} are below DeepSpeed's minimum swap size "
                 f"({format_bytes(min_swap)}): the state stays in CPU RAM"
             )
         elif shape.largest_param_numel // ranks * 4 < min_swap:
             # every gradient fragment is too small to swap: fp32 grads stay in RAM
             moved = (OPTIMIZER_SWAP_BYTES_PER_PARAM - OPTIMIZER_SWAP_BYTES_PER_PARAM_NO_GRADS) * per_node_trainable
-            nvme -= moved
-            cpu_state += moved
-    if parameters == "nvme" and shape.largest_param_numel // ranks * 2 < min_swap:
-        nvme -= 2 * per_node_params
-        cpu_state += 2 * per_node_params
-        reasons.append("parameter partitions are below DeepSpeed's minimum swap size: they stay in CPU RAM")
-    pinned = _pinned_bytes(swap, optimizer, parameters, ranks_per_node, -(-shape.params // ranks))
-    # With pin_memory DeepSpeed pins the CPU optimizer partitions themselves.
-    pinned_state = cpu_state if optimizer == "cpu" and on_gpu else 0
-    if pinned + pinned_state > MAX_PINNED_FRACTION * cpu_capacity:
+            sizing.nvme -= moved
+            sizing.cpu_state += moved
+    if placement.parameters == "nvme" and shape.largest_param_numel // ranks * 2 < min_swap:
+        sizing.nvme -= 2 * per_node_params
+        sizing.cpu_state += 2 * per_node_params
+        sizing.reasons.append("parameter partitions are below DeepSpeed's minimum swap size: they stay in CPU RAM")
+
+
+def _pin(placement: PlacementInputs, sizing: _Sizing, swap: SwapSettings) -> tuple[int, int]:
+    """(swap buffers, pinned total) per node. With pin_memory DeepSpeed pins the CPU optimizer
+    partitions too; past MAX_PINNED_FRACTION of RAM pinning is switched off (`swap.pin_memory`)."""
+    pinned = _pinned_bytes(swap, placement.optimizer, placement.parameters, placement.ranks_per_node,
+                           -(-placement.shape.params // placement.ranks))
+    pinned_state = sizing.cpu_state if placement.optimizer == "cpu" and placement.on_gpu else 0
+    capacity = placement.hw.usable_cpu_bytes
+    if pinned + pinned_state > MAX_PINNED_FRACTION * capacity:
         swap.pin_memory = False
-        reasons.append(
+        sizing.reasons.append(
             f"pin_memory off: pinning {format_bytes(pinned + pinned_state)} would exceed "
             f"{int(MAX_PINNED_FRACTION * 100)}% of RAM"
         )
         pinned_state = 0
+    return pinned, pinned + (pinned_state if swap.pin_memory else 0)
 
-    if on_gpu:
-        gpu_total = gpu_state + act
-        cpu_total = cpu_state + overhead + pinned
+
+def _tier_bytes(placement: PlacementInputs, sizing: _Sizing, pinned: tuple[int, int]) -> TierBytes:
+    buffers, pinned_total = pinned
+    if placement.on_gpu:
+        gpu_total = sizing.gpu_state + sizing.activations
+        cpu_total = sizing.cpu_state + sizing.overhead + buffers
     else:
         # CPU accelerator: "device" memory is host memory; report it all under cpu.
         gpu_total = 0
-        extra = CPU_ACCELERATOR_EXTRA_BYTES_PER_PARAM * shape.params // nodes
-        cpu_total = cpu_state + (gpu_state + act) * ranks_per_node + overhead + pinned + extra
-    pinned_total = pinned + (pinned_state if swap.pin_memory else 0)
-    tier_bytes = TierBytes(
-        gpu=gpu_total,
-        cpu=cpu_total,
-        cpu_pinned=pinned_total,
-        cpu_pageable=max(0, cpu_total - pinned_total),
-        nvme=nvme,
-    )
-    nvme_need = int(nvme * (1 + NVME_SLACK_FRACTION))
-    capacity = TierBytes(gpu=gpu_capacity, cpu=cpu_capacity, nvme=hw.nvme_free_bytes)
-    shortfalls: list[Shortfall] = []
-    if on_gpu and gpu_total > gpu_usable:
-        shortfalls.append(Shortfall(tier="gpu", need_bytes=gpu_total, have_bytes=gpu_usable))
-    if cpu_total > cpu_usable:
-        shortfalls.append(Shortfall(tier="cpu", need_bytes=cpu_total, have_bytes=cpu_usable))
-    if nvme and nvme_need > hw.nvme_free_bytes:
-        shortfalls.append(Shortfall(tier="nvme", need_bytes=nvme_need, have_bytes=hw.nvme_free_bytes))
+        extra = CPU_ACCELERATOR_EXTRA_BYTES_PER_PARAM * placement.shape.params // placement.nodes
+        cpu_total = (sizing.cpu_state + (sizing.gpu_state + sizing.activations) * placement.ranks_per_node
+                     + sizing.overhead + buffers + extra)
+    return TierBytes(gpu=gpu_total, cpu=cpu_total, cpu_pinned=pinned_total,
+                     cpu_pageable=max(0, cpu_total - pinned_total), nvme=sizing.nvme)
 
-    step = step_time(
-        shape, hw, training, stage, optimizer, parameters, checkpointing, gpus_per_node, nodes, swap, ranks_per_node
-    )
-    total_seconds = step.total * training.max_steps
-    cost = None if price_per_hour is None else round(total_seconds / 3600 * price_per_hour * nodes, 4)
-    return OffloadPlan(
-        feasible=not shortfalls,
-        node=hw.name,
-        accelerator="cuda" if on_gpu else "cpu",
-        nodes=nodes,
-        gpus_per_node=gpus_per_node,
-        processes_per_node=ranks_per_node,
-        zero_stage=stage,
-        optimizer=optimizer,
-        parameters=parameters,
-        activation_checkpointing=checkpointing,
-        bytes=tier_bytes,
-        capacity=capacity,
-        activation_bytes=act,
-        headroom=TierBytes(
-            gpu=max(0, gpu_usable - gpu_total) if on_gpu else 0,
-            cpu=max(0, cpu_usable - cpu_total),
-            nvme=max(0, hw.nvme_free_bytes - nvme_need) if nvme else hw.nvme_free_bytes,
-        ),
-        swap=swap,
-        aio=aio,
-        step=step,
-        predicted_step_seconds=step.total,
-        tokens_per_step=training.micro_batch_size * training.sequence_length * training.gradient_accumulation * ranks,
-        predicted_total_seconds=total_seconds,
-        predicted_cost_usd=cost,
-        shortfalls=shortfalls,
-        reasons=reasons,
-        model=shape,
-    )
+
+def _shortfalls(placement: PlacementInputs, sizing: _Sizing, need: TierBytes) -> tuple[list[Shortfall], int]:
+    """(what does not fit, NVMe needed with slack for block-aligned swap files)."""
+    nvme_free = placement.hw.nvme_free_bytes
+    nvme_need = int(need.nvme * (1 + NVME_SLACK_FRACTION))
+    shortfalls: list[Shortfall] = []
+    if placement.on_gpu and need.gpu > sizing.gpu_usable:
+        shortfalls.append(Shortfall(tier="gpu", need_bytes=need.gpu, have_bytes=sizing.gpu_usable))
+    if need.cpu > sizing.cpu_usable:
+        shortfalls.append(Shortfall(tier="cpu", need_bytes=need.cpu, have_bytes=sizing.cpu_usable))
+    if need.nvme and nvme_need > nvme_free:
+        shortfalls.append(Shortfall(tier="nvme", need_bytes=nvme_need, have_bytes=nvme_free))
+    return shortfalls, nvme_need
 
 
 def _processes(hw: NodeHardware, gpus_per_node: int | None, cpu_processes: int) -> tuple[int, int]:
@@ -562,10 +625,11 @@ def plan_tiers(
         if "nvme" in (optimizer, parameters) and hw.nvme_free_bytes <= 0:
             rejected.append(Rejection(placement=label, why="node has no NVMe volume"))
             continue
-        plan = _evaluate(
-            shape, hw, training, dtype, stage, optimizer, parameters, gpus, nodes,
-            training.activation_checkpointing, price_per_hour, ranks_per_node,
-        )
+        plan = _evaluate(PlacementInputs(
+            shape=shape, hw=hw, training=training, dtype=dtype, stage=stage, optimizer=optimizer,
+            parameters=parameters, gpus_per_node=gpus, ranks_per_node=ranks_per_node, nodes=nodes,
+            price_per_hour=price_per_hour,
+        ))
         candidates.append(plan)
     if not candidates:
         raise ValueError(
@@ -610,11 +674,8 @@ def _explain(plan: OffloadPlan) -> Iterable[str]:
             f"NVMe: {format_bytes(plan.bytes.nvme)} of swap files, sub-group "
             f"{plan.swap.sub_group_size:,} elements, pipelined I/O {'on' if plan.swap.pipeline else 'off'}"
         )
-    s = plan.step
-    yield (
-        f"step {s.total:.3g} s = max(compute {s.compute:.3g}, host-device {s.host_device:.3g}) "
-        f"+ CPU optimizer {s.cpu_optimizer:.3g} + NVMe {s.nvme:.3g}"
-    )
+    yield plan.step.formula()
+    yield plan.step.compute_rate()
 
 
 def minimum_cpu_for(plan: OffloadPlan) -> int:

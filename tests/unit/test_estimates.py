@@ -1,0 +1,96 @@
+"""Seconds per step: the sum `estimates.step_time` computes is the one the plan's reasons state."""
+
+import pytest
+
+from spillway_runtime.hardware import MatmulRate, NodeHardware, hardware_from_node, matmul_rate_at
+from spillway_runtime.planner import ModelShape, plan_tiers
+from spillway_runtime.spec import Offload, Training
+from spillway_runtime.units import GiB
+
+P13 = ModelShape.from_param_count(13_000_000_000)
+TRAIN = Training(sequence_length=2048, micro_batch_size=1, gradient_accumulation=8, max_steps=1000)
+
+
+def gpu_node(ram_gib: int) -> NodeHardware:
+    return NodeHardware(
+        name="rtx4090", gpu_count=1, gpu_product="NVIDIA GeForce RTX 4090", gpu_memory_bytes=24564 * 2**20,
+        cpu_cores=16, cpu_memory_bytes=ram_gib * GiB, nvme_capacity_bytes=2 * 10**12, nvme_free_bytes=2 * 10**12,
+        nvme_read_bytes_per_s=3.5e9, nvme_write_bytes_per_s=3.0e9,
+    )
+
+
+@pytest.mark.parametrize(("ram_gib", "offload", "pipelined"), [
+    (256, Offload(optimizer="nvme", parameters="nvme"), True),  # RAM for the pipeline's double buffers
+    (24, Offload(optimizer="nvme", parameters="nvme"), False),  # too little: one set of buffers
+    (256, Offload(optimizer="cpu", parameters="cpu"), False),
+])
+def test_the_step_time_reason_states_the_sum_that_is_computed(ram_gib: int, offload: Offload,
+                                                               pipelined: bool) -> None:
+    plan = plan_tiers(P13, gpu_node(ram_gib), TRAIN, offload)
+    s = plan.step
+    assert plan.swap.pipeline is pipelined and s.pipelined is pipelined
+    forward_backward = max(s.compute, s.host_device, s.parameter_nvme)
+    optimizer_phase = max(s.cpu_optimizer, s.optimizer_nvme) if pipelined else s.cpu_optimizer + s.optimizer_nvme
+    assert s.total == pytest.approx(forward_backward + optimizer_phase)
+    assert s.nvme == pytest.approx(s.parameter_nvme + s.optimizer_nvme)
+    [reason] = [r for r in plan.reasons if r.startswith("step ")]
+    assert f"step {s.total:.3g} s = max(compute {s.compute:.3g}, host-device {s.host_device:.3g}, " in reason
+    if pipelined:
+        assert f"+ max(optimizer step {s.cpu_optimizer:.3g}, optimizer NVMe {s.optimizer_nvme:.3g})" in reason
+    else:
+        assert f"+ optimizer step {s.cpu_optimizer:.3g} + optimizer NVMe {s.optimizer_nvme:.3g}" in reason
+
+
+TINY_WIDE = ModelShape(name="wide", params=6_478_080, largest_layer_params=3_538_944, largest_param_numel=1_179_648,
+                       hidden_size=768, num_layers=1, vocab_size=376, num_attention_heads=6)
+CPU_TRAIN = Training(sequence_length=64, micro_batch_size=4, max_steps=12)
+
+
+def cpu_node(*rates: MatmulRate) -> NodeHardware:
+    return NodeHardware(name="cpu", cpu_cores=2, cpu_memory_bytes=24 * GiB, cpu_matmul=list(rates))
+
+
+def test_the_cpu_accelerators_compute_time_follows_the_measured_matmul_rate() -> None:
+    assumed = plan_tiers(TINY_WIDE, cpu_node(), CPU_TRAIN, Offload(policy="none"))
+    bf16_only = cpu_node(MatmulRate(dtype="bf16", hidden_size=768, flops_per_s=4e9))
+    slow = plan_tiers(TINY_WIDE, bf16_only, CPU_TRAIN, Offload(policy="none"))
+    fast = plan_tiers(TINY_WIDE, cpu_node(MatmulRate(dtype="bf16", hidden_size=768, flops_per_s=8e9)), CPU_TRAIN,
+                      Offload(policy="none"))
+    assert slow.step.compute == pytest.approx(slow.step.flops / 4e9)
+    assert fast.step.compute == pytest.approx(slow.step.compute / 2)
+    assert slow.predicted_step_seconds > fast.predicted_step_seconds
+    assert any("at 4 GFLOP/s (measured: bf16 matmuls at hidden size 768" in r for r in slow.reasons)
+    assert any("(assumed: 25 GFLOP/s per core x 2" in r for r in assumed.reasons)
+    # an fp32 run does not borrow the bf16 figure
+    fp32 = plan_tiers(TINY_WIDE, bf16_only, CPU_TRAIN, Offload(policy="none"), dtype="fp32")
+    assert fp32.step.flops_per_s == 25e9 * bf16_only.cpu_cores
+
+
+def test_two_processes_share_the_measured_rate() -> None:
+    hw = cpu_node(MatmulRate(dtype="bf16", hidden_size=768, flops_per_s=4e9))
+    one = plan_tiers(TINY_WIDE, hw, CPU_TRAIN, Offload(policy="none"), cpu_processes=1)
+    two = plan_tiers(TINY_WIDE, hw, CPU_TRAIN, Offload(policy="none"), cpu_processes=2)
+    # each process does the same micro-batch on half the cores
+    assert two.step.compute == pytest.approx(2 * one.step.compute)
+
+
+def test_the_rate_between_measured_sizes_is_interpolated_and_held_beyond_them() -> None:
+    rates = [MatmulRate(dtype="bf16", hidden_size=256, flops_per_s=2e9),
+             MatmulRate(dtype="bf16", hidden_size=1024, flops_per_s=8e9)]
+    assert matmul_rate_at(rates, "bf16", 512) == pytest.approx(4e9)  # halfway on a log scale
+    assert matmul_rate_at(rates, "bf16", 128) == 2e9
+    assert matmul_rate_at(rates, "bf16", 8192) == 8e9
+    assert matmul_rate_at(rates, "fp32", 512) is None
+
+
+def test_the_matmul_rates_round_trip_through_a_node_annotation() -> None:
+    hw = cpu_node(MatmulRate(dtype="bf16", hidden_size=256, flops_per_s=2.5e9),
+                  MatmulRate(dtype="fp32", hidden_size=1024, flops_per_s=3.1e10))
+    annotations = hw.to_annotations()
+    assert annotations["spillway.dev/cpu-matmul-flops-per-second"] == "bf16@256=2500000000,fp32@1024=31000000000"
+    node = {"metadata": {"name": "cpu-1", "annotations": annotations},
+            "status": {"allocatable": {"cpu": "2", "memory": "24Gi"}}}
+    assert hardware_from_node(node).cpu_matmul == hw.cpu_matmul
+    # an entry that does not parse is left out, the others kept
+    annotations["spillway.dev/cpu-matmul-flops-per-second"] = "bf16@256=2500000000,int8@64=9,bf16@x=1,fp32@512=-4"
+    assert hardware_from_node(node).cpu_matmul == [MatmulRate(dtype="bf16", hidden_size=256, flops_per_s=2.5e9)]
