@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spillway_operator.settings import OperatorSettings
-from spillway_runtime.hardware import NodeHardware, hardware_from_node
+from spillway_runtime.hardware import AioSettings, NodeHardware, hardware_from_node
 from spillway_runtime.hf_shape import count_decoder
 from spillway_runtime.plan_summary import PlanSummary
 from spillway_runtime.planner import ModelShape, OffloadPlan, plan_tiers
@@ -138,9 +138,13 @@ def choose_placement(
     pricing: dict[str, str],
     settings: OperatorSettings,
     read: dict[str, Any] | None = None,
+    aio_block_size: int | None = None,
 ) -> Placement:
     """Plan once per distinct node shape and pick the cheapest or fastest that fits
-    (`read`: the model's config.json as read from its volume, see `model_shape`)."""
+    (`read`: the model's config.json as read from its volume, see `model_shape`).
+    `aio_block_size`: the async-I/O block size the job's checkpoints were written under,
+    kept whatever the nodes' probes say now: it decides which small optimizer sub-groups
+    DeepSpeed swaps, so a resume under another one finds the checkpoint's files wrong."""
     shape, shape_notes = model_shape(spec, read)
     groups: dict[str, ShapeChoice] = {}
     excluded: dict[str, str] = {}
@@ -150,7 +154,7 @@ def choose_placement(
         if why:
             excluded[name] = why
             continue
-        hw = hardware_from_node(node)
+        hw = _with_block_size(hardware_from_node(node), aio_block_size)
         key = hw.shape_key()
         if key in groups:
             groups[key].nodes.append(name)
@@ -185,7 +189,10 @@ def choose_placement(
         except ValueError as err:
             choice.why_not = str(err)
             continue
-        plan.reasons = [*shape_notes, *plan.reasons]
+        kept = []
+        if aio_block_size is not None and plan.uses_nvme:
+            kept = [f"async-I/O block size {aio_block_size >> 10} KiB kept from the job's checkpoints"]
+        plan.reasons = [*shape_notes, *kept, *plan.reasons]
         choice.plan = plan
         if not plan.feasible:
             shorts = "; ".join(s.describe() for s in plan.shortfalls) or "no allowed placement"
@@ -205,6 +212,13 @@ def choose_placement(
                     f"{_total_seconds(chosen) / 3600:.2f} h"
                 )
     return Placement(chosen=chosen, shapes=sorted(groups.values(), key=lambda c: c.shape), excluded_nodes=excluded)
+
+
+def _with_block_size(hw: NodeHardware, block_size: int | None) -> NodeHardware:
+    if block_size is None:
+        return hw
+    aio = (hw.aio or AioSettings()).model_copy(update={"block_size": block_size})
+    return hw.model_copy(update={"aio": aio})
 
 
 def _cost(c: ShapeChoice) -> float:

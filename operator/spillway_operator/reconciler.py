@@ -31,6 +31,7 @@ from spillway_operator.settings import OperatorSettings
 from spillway_operator.status import StatusChange
 from spillway_runtime.contract import ExitCode
 from spillway_runtime.plan_summary import PlanSummary, plan_summary
+from spillway_runtime.runconfig import RuntimeConfig
 from spillway_runtime.spec import FineTuneJobSpec, SpecError, parse_job
 
 log = logging.getLogger("spillway.operator")
@@ -497,7 +498,7 @@ def _replan_unschedulable(
     if oldest is None or (change.now - oldest).total_seconds() < settings.replan_pending_seconds:
         return None
     placement = choose_placement(spec, change.cluster.nodes(), _pricing(change.cluster, settings), settings,
-                                 _model_read(change, spec))
+                                 _model_read(change, spec), _checkpoints_block_size(change))
     old_plan = _plan(change.old)
     chosen = placement.chosen
     if chosen is None or chosen.plan is None or (old_plan and sorted(chosen.nodes) == old_plan.node_names):
@@ -552,11 +553,12 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
         change.commit()
         raise PermanentFailure(message)
     pricing = _pricing(change.cluster, settings)
-    placement = choose_placement(spec, change.cluster.nodes(), pricing, settings, read)
+    block = _checkpoints_block_size(change)
+    placement = choose_placement(spec, change.cluster.nodes(), pricing, settings, read, block)
     if placement.chosen is None or placement.chosen.plan is None:
         # The cache may not hold a node created a moment ago: "fits nowhere" is final, so
         # it is decided on a fresh LIST.
-        placement = choose_placement(spec, change.cluster.nodes(fresh=True), pricing, settings, read)
+        placement = choose_placement(spec, change.cluster.nodes(fresh=True), pricing, settings, read, block)
     change.status["plan"] = plan_status(placement)
     chosen = placement.chosen
     if chosen is None or chosen.plan is None:
@@ -585,6 +587,24 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
         change.commit()
         raise PermanentFailure(message) from None
     return _create_attempt(change, spec, settings, chosen, config)
+
+
+def _checkpoints_block_size(change: StatusChange) -> int | None:
+    """The async-I/O block size the job's checkpoints were written under, when they keep state
+    in swap files: from the runtime config of the attempt that wrote them, which the job's
+    ConfigMap holds until the next attempt's replaces it (every attempt since the first
+    checkpoint kept the same one)."""
+    if not change.old.get("checkpoints"):
+        return None
+    meta = change.job["metadata"]
+    data = change.cluster.configmap_data(meta["namespace"], b.configmap_name(meta["name"]))
+    if not data or b.CONFIG_FILE not in data:
+        return None
+    try:
+        plan = RuntimeConfig.model_validate_json(data[b.CONFIG_FILE]).plan
+    except ValueError:
+        return None
+    return plan.aio.block_size if plan.uses_nvme else None
 
 
 def _model_read(change: StatusChange, spec: FineTuneJobSpec) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from spillway_operator.settings import OperatorSettings
 from spillway_operator.status import StatusChange
 from spillway_runtime.contract import ExitCode
 from spillway_runtime.plan_summary import PlanSummary
+from spillway_runtime.runconfig import RuntimeConfig
 
 from .fake_cluster import FakeCluster, node
 
@@ -292,3 +293,38 @@ def test_a_container_that_cannot_start_fails_the_job_naming_the_image(reason: st
     assert st["phase"] == "Failed" and failed["reason"] == reason and st.get("attempt", 0) == 0
     assert container["image"] in failed["message"] and "SPILLWAY_OPERATOR_RUNTIME_IMAGE" in failed["message"]
     assert cluster.events[-1][0] == "Warning" and cluster.names("Pod") == []
+
+
+def _block_size_of_attempt(cluster: FakeCluster) -> int:
+    data = cluster.configmap_data(NS, b.configmap_name("j"))
+    assert data is not None
+    return RuntimeConfig.model_validate_json(data[b.CONFIG_FILE]).plan.aio.block_size
+
+
+@pytest.mark.parametrize("checkpointed", [True, False])
+def test_a_new_attempt_keeps_the_aio_block_size_its_checkpoints_were_written_under(checkpointed: bool) -> None:
+    """The block size decides which small optimizer sub-groups DeepSpeed swaps: a node probed
+    again between attempts must not move one out of the checkpoint's swap files."""
+    probed = {"spillway.dev/aio-block-size": str(1 << 20), "spillway.dev/aio-queue-depth": "32",
+              "spillway.dev/aio-intra-op-parallelism": "1"}
+    cluster = FakeCluster(node("gpu-24g"))
+    cluster.objects[("Node", "", "gpu-24g")]["metadata"].setdefault("annotations", {}).update(probed)
+    for claim in ("models", "data"):
+        cluster.add({"kind": "PersistentVolumeClaim", "metadata": {"name": claim, "namespace": NS}})
+    cluster.add(job(model={"uri": "pvc://models/llama", "parameterCount": "13B"}))
+    pod = running(cluster)
+    assert status(cluster)["plan"]["optimizer"] == "nvme" and _block_size_of_attempt(cluster) == 1 << 20
+    if checkpointed:
+        cluster.patch_job_status(NS, "j", {"status": {"checkpoints": [{"name": "step-00000010", "step": 10}]}})
+    # The node's probe runs again and finds another best block size; the attempt fails.
+    cluster.objects[("Node", "", "gpu-24g")]["metadata"]["annotations"]["spillway.dev/aio-block-size"] = str(8 << 20)
+    cluster.exit(NS, pod, 1)
+    step(cluster)
+    cluster.patch_job_status(NS, "j", {"status": {"retryAfter": "2000-01-01T00:00:00Z"}})
+    step(cluster)
+    assert "j-a1-0" in cluster.names("Pod")
+    kept = "async-I/O block size 1024 KiB kept from the job's checkpoints"
+    if checkpointed:
+        assert _block_size_of_attempt(cluster) == 1 << 20 and kept in status(cluster)["plan"]["reasons"]
+    else:
+        assert _block_size_of_attempt(cluster) == 8 << 20 and kept not in status(cluster)["plan"]["reasons"]
