@@ -206,6 +206,9 @@ class FineTuneRecipe(Checkpointing):
         import deepspeed
         from transformers import AutoModelForCausalLM
 
+        from spillway_runtime import deepspeed_fixes
+
+        deepspeed_fixes.apply(self.plan)
         ds_config = dict(self.cfg.deepspeed)
         params_per_rank = -(-self.plan.model.params // max(1, self.world_size))
         try:
