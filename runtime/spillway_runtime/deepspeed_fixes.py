@@ -42,4 +42,4 @@ def swap_each_parameter_in_once() -> None:
         return original(self, params, async_op, swap_in_buffers)
 
     setattr(swap_in, _MARK, True)
-    AsyncPartitionedParameterSwapper.swap_in = swap_in  # type: ignore[method-assign]
+    AsyncPartitionedParameterSwapper.swap_in = swap_in
