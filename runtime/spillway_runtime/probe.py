@@ -4,7 +4,8 @@ Counts and capacities are read (GPUs, RAM, cores, NVMe space); speeds are
 measured: NVMe read/write with DeepSpeed's async I/O over a short sweep of
 block size, queue depth and parallelism (the best settings are kept for the
 plan's `aio` block), the CPU optimizer step of DeepSpeedCPUAdam and torch's
-fused AdamW, and host-device copies when a GPU is present. Every measurement
+fused AdamW, host-device copies when a GPU is present, and without one the
+CPU's matmul rate per dtype and hidden size (the CPU accelerator's compute). Every measurement
 is bounded in time; `quick=True` skips the speed measurements.
 """
 
@@ -21,7 +22,7 @@ from typing import Any
 import psutil
 
 from spillway_runtime.dsconfig import MEMLOCK_SHARE, memlock_limit
-from spillway_runtime.hardware import AioSettings, NodeHardware
+from spillway_runtime.hardware import AioSettings, MatmulRate, NodeHardware
 from spillway_runtime.planner import MIN_AIO_BYTES
 
 
@@ -203,8 +204,72 @@ def measure_aio(
     return best[1], best[2], best[3]
 
 
-def measure_cpu_adam(params: int = 20_000_000, steps: int = 3) -> tuple[float | None, float | None]:
-    """Params/s of one optimizer step: (DeepSpeedCPUAdam, torch fused AdamW)."""
+# Hidden sizes the CPU matmul curve is measured at, smallest first (the planner interpolates
+# between them at the model's size); tokens per call as in a small micro-batch.
+MATMUL_HIDDEN_SIZES = (128, 256, 512, 1024, 2048, 4096)
+MATMUL_TOKENS = 256
+MATMUL_DTYPES = ("fp32", "bf16")  # fp32 first: it is quick, and leaves bf16 the rest of the budget
+_TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _cpu_seconds_best(fn: Callable[[], None], repeats: int) -> float:
+    """Best over `repeats` of min(wall time, CPU time): the seconds `fn` takes on cores that are
+    the process's own. On a shared machine wall time measures the neighbours too, and a figure is
+    kept for a week; CPU time alone counts a kernel that runs on one of the threads (bf16 matmuls
+    without native bf16 instructions do) as if it ran on all. Where neighbours slow a kernel that
+    uses every thread this still errs slow, by at most the thread count."""
+    best = float("inf")
+    for _ in range(repeats):
+        wall, cpu = time.perf_counter(), time.process_time()
+        fn()
+        best = min(best, time.perf_counter() - wall, time.process_time() - cpu)
+    return max(best, 1e-9)
+
+
+def measure_cpu_matmul(threads: int, budget_seconds: float = 1.0,
+                       dtypes: tuple[str, ...] = MATMUL_DTYPES) -> list[MatmulRate]:
+    """FLOP/s of nn.Linear's forward and backward (h -> 2h features, MATMUL_TOKENS tokens) with
+    `threads` threads, per dtype at MATMUL_HIDDEN_SIZES from the smallest, until each dtype's
+    share of the budget is spent: a slow CPU gets the small sizes, and the planner holds the
+    largest measured rate for larger models. Forward and backward, because a CPU without native
+    16-bit instructions runs the backward's matmuls several times slower than the forward's."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    rates: list[MatmulRate] = []
+    try:
+        end = time.monotonic() + budget_seconds
+        for done, name in enumerate(dtypes):
+            # an equal share of what is left: time one dtype did not use goes to the next
+            deadline = time.monotonic() + (end - time.monotonic()) / (len(dtypes) - done)
+            dtype = getattr(torch, _TORCH_DTYPES[name])
+            for hidden in MATMUL_HIDDEN_SIZES:
+                x = torch.randn(MATMUL_TOKENS, hidden, dtype=dtype, requires_grad=True)
+                layer = torch.nn.Linear(hidden, 2 * hidden, bias=False, dtype=dtype)
+                grad = torch.randn(MATMUL_TOKENS, 2 * hidden, dtype=dtype)
+
+                def forward_backward(x: Any = x, layer: Any = layer, grad: Any = grad) -> None:
+                    layer(x).backward(grad)
+
+                forward_backward()  # first call: allocation and kernel selection, not timed
+                seconds = _cpu_seconds_best(forward_backward, 1)
+                if 3 * seconds < deadline - time.monotonic():
+                    seconds = min(seconds, _cpu_seconds_best(forward_backward, 2))
+                flops = 6 * MATMUL_TOKENS * hidden * 2 * hidden
+                rates.append(MatmulRate(dtype=name, hidden_size=hidden, flops_per_s=flops / seconds))
+                # twice the hidden size is four times the work, twice over (first call and timed)
+                if time.monotonic() + 8 * seconds > deadline:
+                    break
+    finally:
+        torch.set_num_threads(previous)
+    return rates
+
+
+def measure_cpu_adam(params: int = 20_000_000, steps: int = 3,
+                     torch_too: bool = True) -> tuple[float | None, float | None]:
+    """Params/s of one optimizer step: (DeepSpeedCPUAdam, torch fused AdamW). `torch_too=False`:
+    torch's only when DeepSpeed's op does not load."""
     import torch
 
     p = torch.nn.Parameter(torch.randn(params))
@@ -215,18 +280,21 @@ def measure_cpu_adam(params: int = 20_000_000, steps: int = 3) -> tuple[float | 
 
         ds_opt = DeepSpeedCPUAdam([p], lr=1e-3)
         ds_opt.step()  # state allocation and JIT outside the timing
-        ds_rate = params / _time_best(ds_opt.step, steps)
+        ds_rate = params / _cpu_seconds_best(ds_opt.step, steps)
     except Exception as err:  # the op may fail to build; the torch figure still stands
         print(f"probe: DeepSpeedCPUAdam unavailable ({err})")
+    if ds_rate is not None and not torch_too:
+        return ds_rate, None
     q = torch.nn.Parameter(torch.randn(params))
     q.grad = torch.randn(params)
     torch_opt = torch.optim.AdamW([q], lr=1e-3, fused=True)
     torch_opt.step()
-    torch_rate = params / _time_best(torch_opt.step, steps)
+    torch_rate = params / _cpu_seconds_best(torch_opt.step, steps)
     return ds_rate, torch_rate
 
 
 def measure_host_device(num_bytes: int = 256 << 20) -> float | None:
+    """Pinned host -> GPU copy, B/s; None without a GPU (on the CPU accelerator there is no copy)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -254,5 +322,8 @@ def probe(nvme_path: str | Path | None = None, *, quick: bool = False, aio_budge
         )
     hw.cpu_adam_params_per_s, hw.torch_adamw_params_per_s = measure_cpu_adam()
     hw.host_device_bytes_per_s = measure_host_device()
+    if not hw.gpu_count:
+        # training here runs on the CPU accelerator: its step time is these matmuls
+        hw.cpu_matmul = measure_cpu_matmul(hw.cpu_cores, budget_seconds=4.0)
     hw.probe_seconds = round(time.monotonic() - started, 2)
     return hw

@@ -10,7 +10,13 @@ and a key per directory would sweep again for each. An entry is measured again w
 is older than `max_age_days`, when the machine's fingerprint changed (the disk's model
 or size, cores, RAM, GPUs, the memlock limit that bounds the sweep), or on request
 (`spillway run --reprobe`, SPILLWAY_PROBE_REFRESH=1). `spillway probe --nvme-path`
-stores its longer sweep here too. Importable without torch.
+stores its longer sweep here too.
+
+The rates a step time is made of (CPU matmuls per dtype and hidden size, the CPU optimizer
+step, host-device copies) belong to the machine, not the disk, and every plan needs them:
+they are measured on the first run of any job (about 2 s, plus loading DeepSpeed's CPU Adam
+op) and kept in `<cache dir>/compute-<hash of host>.json`, stale on the same terms or when
+torch or DeepSpeed changed. Importable without torch.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import psutil
 from pydantic import BaseModel, Field, ValidationError
@@ -34,9 +40,12 @@ from spillway_runtime.hardware import AioSettings, NodeHardware
 # What an entry contributes to a run's hardware: figures measured once, not capacities.
 MEASURED_FIELDS = (
     "nvme_read_bytes_per_s", "nvme_write_bytes_per_s", "aio",
-    "cpu_adam_params_per_s", "torch_adamw_params_per_s", "host_device_bytes_per_s",
+    "cpu_adam_params_per_s", "torch_adamw_params_per_s", "host_device_bytes_per_s", "cpu_matmul",
 )
+# What the compute entry holds: the machine's rates the step time is made of, whatever the disk.
+COMPUTE_FIELDS = ("cpu_matmul", "cpu_adam_params_per_s", "torch_adamw_params_per_s", "host_device_bytes_per_s")
 DAY_SECONDS = 86_400
+EntryT = TypeVar("EntryT", bound=BaseModel)
 
 
 class ProbeCacheSettings(BaseSettings):
@@ -63,9 +72,17 @@ class ProbeCacheSettings(BaseSettings):
     )
     refresh: bool = Field(False, description="Measure again even when the entry is fresh")
     sweep: bool = Field(
-        True, description="0: plan with DeepSpeed's default async-I/O settings, neither measuring nor reading "
-        "an entry: the same plan on every run (the test suite; a sweep's winner varies run to run, and its "
-        "block size decides which small optimizer sub-groups are swapped at all)",
+        True, description="0: plan with DeepSpeed's default async-I/O settings and the planner's assumed rates, "
+        "neither measuring nor reading an entry: the same plan on every run (the test suite; a sweep's winner "
+        "varies run to run, and its block size decides which small optimizer sub-groups are swapped at all)",
+    )
+    compute: bool = Field(
+        True, description="0: no compute entry (CPU matmul, CPU Adam, host-device copy): the planner's assumed "
+        "rates. Measuring one takes ~2 s of matmuls plus loading DeepSpeed's CPU Adam op, once per machine",
+    )
+    compute_seconds: float = Field(
+        2.0, gt=0, description="Budget of the CPU matmul curve on a miss: on two AVX2 cores it reaches hidden "
+        "size 512 in bf16 and 2048 in fp32; `spillway probe` measures longer",
     )
 
     @property
@@ -93,6 +110,33 @@ class MachineFingerprint(BaseModel):
 
     def changes(self, other: MachineFingerprint) -> list[str]:
         return [name for name in type(self).model_fields if getattr(self, name) != getattr(other, name)]
+
+
+class ComputeFingerprint(BaseModel):
+    """What, when it changes, makes a compute entry stale: the machine and the libraries whose
+    kernels were timed."""
+
+    host: str
+    cpu_count: int
+    cores: int = Field(description="CPUs this process may run on: the threads a training process gets")
+    memory_bytes: int
+    gpu_count: int
+    gpu_product: str | None
+    torch: str | None
+    deepspeed: str | None
+
+    def key(self) -> str:
+        return hashlib.sha256(self.host.encode()).hexdigest()[:16]
+
+    def changes(self, other: ComputeFingerprint) -> list[str]:
+        return [name for name in type(self).model_fields if getattr(self, name) != getattr(other, name)]
+
+
+class ComputeEntry(BaseModel):
+    fingerprint: ComputeFingerprint
+    measured_at: float = Field(description="Unix seconds")
+    probe_seconds: float
+    hardware: NodeHardware = Field(description="Only COMPUTE_FIELDS are reused")
 
 
 class ProbeEntry(BaseModel):
@@ -169,11 +213,15 @@ def entry_path(settings: ProbeCacheSettings, fp: MachineFingerprint) -> Path:
     return settings.directory / f"probe-{fp.key()}.json"
 
 
-def read_entry(path: Path) -> ProbeEntry | None:
+def _read(path: Path, model: type[EntryT]) -> EntryT | None:
     try:
-        return ProbeEntry.model_validate_json(path.read_bytes())
+        return model.model_validate_json(path.read_bytes())
     except (OSError, ValidationError):
         return None  # absent, or written by another version: measure again
+
+
+def read_entry(path: Path) -> ProbeEntry | None:
+    return _read(path, ProbeEntry)
 
 
 def staleness(entry: ProbeEntry | None, fp: MachineFingerprint, settings: ProbeCacheSettings) -> str | None:
@@ -193,7 +241,7 @@ def staleness(entry: ProbeEntry | None, fp: MachineFingerprint, settings: ProbeC
     return None
 
 
-def store_entry(path: Path, entry: ProbeEntry) -> None:
+def store_entry(path: Path, entry: ProbeEntry | ComputeEntry) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(entry.model_dump_json(indent=1))
@@ -225,7 +273,7 @@ def _record(source: Literal["cached", "measured", "unmeasured"], why: str, path:
 
 
 def _merged(basic: NodeHardware, entry: ProbeEntry) -> NodeHardware:
-    measured = {name: value for name in MEASURED_FIELDS if (value := getattr(entry.hardware, name)) is not None}
+    measured = {name: value for name in MEASURED_FIELDS if (value := getattr(entry.hardware, name)) not in (None, [])}
     return basic.model_copy(update=measured)
 
 
@@ -240,6 +288,84 @@ def _sweep(nvme_dir: Path, basic: NodeHardware, fp: MachineFingerprint, settings
                       hardware=hw)
 
 
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def compute_fingerprint(basic: NodeHardware) -> ComputeFingerprint:
+    return ComputeFingerprint(
+        host=socket.gethostname(), cpu_count=os.cpu_count() or 1, cores=basic.cpu_cores,
+        memory_bytes=psutil.virtual_memory().total, gpu_count=basic.gpu_count, gpu_product=basic.gpu_product,
+        torch=_version("torch"), deepspeed=_version("deepspeed"),
+    )
+
+
+def compute_entry_path(settings: ProbeCacheSettings, fp: ComputeFingerprint) -> Path:
+    return settings.directory / f"compute-{fp.key()}.json"
+
+
+def _compute_staleness(entry: ComputeEntry | None, fp: ComputeFingerprint, settings: ProbeCacheSettings) -> str | None:
+    if settings.refresh:
+        return "a re-probe was asked for"
+    if entry is None:
+        return "no cached compute rates of this machine"
+    changed = entry.fingerprint.changes(fp)
+    if changed:
+        return f"the machine changed since they were measured ({', '.join(changed)})"
+    if time.time() - entry.measured_at > settings.max_age_days * DAY_SECONDS:
+        return "the cached compute rates are too old"
+    return None
+
+
+def measure_compute(basic: NodeHardware, budget_seconds: float) -> NodeHardware:
+    """`basic` with what the step time is made of measured: without GPUs the CPU matmul curve
+    (the CPU accelerator's compute), the CPU optimizer step, and with GPUs the host-device copy."""
+    from spillway_runtime.probe import measure_cpu_adam, measure_cpu_matmul, measure_host_device
+
+    update: dict[str, object] = {}
+    if basic.gpu_count:
+        update["host_device_bytes_per_s"] = measure_host_device(64 << 20)
+    else:
+        update["cpu_matmul"] = measure_cpu_matmul(basic.cpu_cores, budget_seconds)
+    ds_rate, torch_rate = measure_cpu_adam(4_000_000, 2, torch_too=False)
+    update["cpu_adam_params_per_s"] = ds_rate or torch_rate
+    update["torch_adamw_params_per_s"] = torch_rate
+    return basic.model_copy(update=update)
+
+
+def with_compute_rates(basic: NodeHardware, settings: ProbeCacheSettings) -> NodeHardware:
+    """`basic` with this machine's compute rates: cached per machine (not per disk: every plan
+    needs them, NVMe or not), measured on a miss. A failed measurement plans with the assumed rates."""
+    if not settings.compute:
+        return basic
+    fp = compute_fingerprint(basic)
+    path = compute_entry_path(settings, fp)
+    entry = _read(path, ComputeEntry)
+    if _compute_staleness(entry, fp, settings) is not None:
+        with _locked(path):
+            entry = _read(path, ComputeEntry)
+            if _compute_staleness(entry, fp, settings) is not None:
+                started = time.monotonic()
+                try:
+                    measured = measure_compute(basic, settings.compute_seconds)
+                except (ImportError, RuntimeError, OSError) as err:
+                    print(f"probe: compute rates not measured ({err}); planning with assumed rates")
+                    return basic
+                entry = ComputeEntry(fingerprint=fp, measured_at=time.time(),
+                                     probe_seconds=round(time.monotonic() - started, 2), hardware=measured)
+                with contextlib.suppress(OSError):
+                    store_entry(path, entry)
+    assert entry is not None
+    return basic.model_copy(update={
+        name: value for name in COMPUTE_FIELDS if (value := getattr(entry.hardware, name)) not in (None, [])
+    })
+
+
 def hardware_for_run(nvme_dir: Path, *, measure: bool,
                      settings: ProbeCacheSettings | None = None) -> tuple[NodeHardware, ProbeRecord]:
     """This machine now, with the disk's cached sweep merged in. Without a usable entry the sweep
@@ -252,6 +378,7 @@ def hardware_for_run(nvme_dir: Path, *, measure: bool,
     path = entry_path(settings, fp)
     if not settings.sweep:
         return basic, _record("unmeasured", "SPILLWAY_PROBE_SWEEP=0: DeepSpeed's default async I/O", path, None)
+    basic = with_compute_rates(basic, settings)
     entry = read_entry(path)
     why = staleness(entry, fp, settings)
     if why is None and entry is not None:

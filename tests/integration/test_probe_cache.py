@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from spillway_runtime.hardware import AioSettings
+from spillway_runtime.hardware import AioSettings, matmul_rate_at
 from spillway_runtime.local import prepare_local_run
 from spillway_runtime.probe import probe_basic
 from spillway_runtime.probe_cache import (
     DAY_SECONDS,
+    ComputeEntry,
     ProbeCacheSettings,
     ProbeEntry,
     entry_path,
@@ -34,6 +35,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("SPILLWAY_PROBE_AIO_SECONDS", "0.1")
     monkeypatch.setenv("SPILLWAY_PROBE_SWEEP", "1")
     monkeypatch.setenv("SPILLWAY_PROBE_AIO_IO_MIB", "8")
+    monkeypatch.setenv("SPILLWAY_PROBE_COMPUTE", "0")  # its own test below: it loads DeepSpeed's CPU Adam op
     return tmp_path / "cache"
 
 
@@ -149,3 +151,27 @@ def test_a_run_that_keeps_nothing_on_nvme_measures_nothing(make_job, tmp_path, c
     assert not cache.exists() or not list(cache.glob("probe-*.json"))
     defaults = AioSettings()
     assert aio_block(config) == tuple(getattr(defaults, k) for k in AIO_KEYS)
+
+
+@pytest.mark.integration
+def test_the_first_run_measures_the_machines_compute_rates_and_the_plan_uses_them(make_job, tmp_path, cache,
+                                                                                  monkeypatch) -> None:
+    """Every plan needs them, NVMe or not: a job kept in RAM measures them too, once per machine."""
+    monkeypatch.setenv("SPILLWAY_PROBE_COMPUTE", "1")
+    monkeypatch.setenv("SPILLWAY_PROBE_COMPUTE_SECONDS", "0.3")
+    first = prepare_local_run(make_job("in-ram", offload={"policy": "none"}), run_dir=tmp_path / "run1")
+    [path] = cache.glob("compute-*.json")
+    entry = ComputeEntry.model_validate_json(path.read_bytes())
+    rates = entry.hardware.cpu_matmul
+    assert {r.dtype for r in rates} == {"bf16", "fp32"}
+    assert all(1e8 < r.flops_per_s < 1e14 for r in rates), rates  # 0.1 GFLOP/s .. 100 TFLOP/s
+    adam = entry.hardware.cpu_adam_params_per_s
+    assert adam is not None and 1e6 < adam < 1e12
+    step, shape = first.plan.step, first.plan.model
+    assert step.flops_source.startswith("measured: bf16 matmuls at hidden size")
+    assert step.flops_per_s == matmul_rate_at(rates, "bf16", shape.hidden_size)
+    assert step.compute == pytest.approx(step.flops / step.flops_per_s)
+
+    second = prepare_local_run(make_job("again", offload={"policy": "none"}), run_dir=tmp_path / "run2")
+    assert ComputeEntry.model_validate_json(path.read_bytes()).measured_at == entry.measured_at  # not measured again
+    assert second.plan.step.flops_per_s == step.flops_per_s

@@ -10,12 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from spillway_runtime.hardware import AioSettings, NodeHardware
+from spillway_runtime.hardware import AioSettings, MatmulRate, NodeHardware
+from spillway_runtime.planner import ModelShape, plan_tiers
 from spillway_runtime.probe import probe_basic
 from spillway_runtime.probe_cache import (
     DAY_SECONDS,
+    ComputeEntry,
     ProbeCacheSettings,
     ProbeEntry,
+    compute_entry_path,
+    compute_fingerprint,
     entry_path,
     fingerprint,
     hardware_for_run,
@@ -30,7 +34,7 @@ TUNED = AioSettings(block_size=8 << 20, queue_depth=128, intra_op_parallelism=2)
 
 @pytest.fixture
 def settings(tmp_path: Path) -> ProbeCacheSettings:
-    return ProbeCacheSettings(cache_dir=tmp_path / "cache", sweep=True)
+    return ProbeCacheSettings(cache_dir=tmp_path / "cache", sweep=True, compute=False)  # no measuring here
 
 
 def measured(nvme: Path) -> NodeHardware:
@@ -126,6 +130,7 @@ def test_spillway_plan_of_a_job_plans_with_the_cached_sweep(tmp_path: Path, monk
 
     monkeypatch.setenv("SPILLWAY_PROBE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("SPILLWAY_PROBE_SWEEP", "1")
+    monkeypatch.setenv("SPILLWAY_PROBE_COMPUTE", "0")  # no CPU matmuls or CPU Adam measured either
     nvme = tmp_path / "nvme"
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({
@@ -140,3 +145,45 @@ def test_spillway_plan_of_a_job_plans_with_the_cached_sweep(tmp_path: Path, monk
     tuned = CliRunner().invoke(build_app(), ["plan", str(job), "--params", "50M", "--output", "json"])
     assert tuned.exit_code == 0, tuned.output
     assert json.loads(tuned.output)["aio"] == TUNED.model_dump()
+
+
+RATES = [MatmulRate(dtype="bf16", hidden_size=256, flops_per_s=3e9), MatmulRate(dtype="fp32", hidden_size=256,
+                                                                                 flops_per_s=9e10)]
+
+
+def store_compute(settings: ProbeCacheSettings, basic: NodeHardware, **fingerprint_update: object) -> Path:
+    fp = compute_fingerprint(basic).model_copy(update=fingerprint_update)
+    path = compute_entry_path(settings, fp)
+    measured = basic.model_copy(update={"cpu_matmul": RATES, "cpu_adam_params_per_s": 7e8})
+    store_entry(path, ComputeEntry(fingerprint=fp, measured_at=time.time(), probe_seconds=1.0, hardware=measured))
+    return path
+
+
+def test_the_cached_compute_rates_reach_the_plan_whether_or_not_it_uses_nvme(tmp_path: Path,
+                                                                             settings: ProbeCacheSettings) -> None:
+    nvme = tmp_path / "nvme"
+    settings = settings.model_copy(update={"compute": True})
+    store_compute(settings, probe_basic(nvme))
+    hw, record = hardware_for_run(nvme, measure=False, settings=settings)
+    assert record.source == "unmeasured"  # no sweep of the disk: the plan keeps nothing on NVMe
+    assert hw.cpu_matmul == RATES and hw.cpu_adam_params_per_s == 7e8
+    shape = ModelShape.from_param_count(2_000_000)
+    plan = plan_tiers(shape, hw.model_copy(update={"gpu_count": 0}))
+    assert plan.step.flops_per_s == 3e9 and plan.step.flops_source.startswith("measured: bf16")
+    # a disk entry written before these rates existed does not wipe them
+    store_probe(nvme, measured(nvme), settings)
+    hw, record = hardware_for_run(nvme, measure=False, settings=settings)
+    assert record.source == "cached" and hw.cpu_matmul == RATES and hw.cpu_adam_params_per_s == 1.5e9
+
+
+def test_compute_rates_are_stale_when_torch_changed_and_absent_when_turned_off(tmp_path: Path,
+                                                                               settings: ProbeCacheSettings) -> None:
+    from spillway_runtime.probe_cache import _compute_staleness, _read
+
+    basic = probe_basic(tmp_path / "nvme")
+    path = store_compute(settings, basic, torch="1.0.0")
+    entry = _read(path, ComputeEntry)
+    why = _compute_staleness(entry, compute_fingerprint(basic), settings)
+    assert why is not None and "torch" in why
+    hw, _ = hardware_for_run(tmp_path / "nvme", measure=False, settings=settings)  # compute=False
+    assert hw.cpu_matmul == [] and hw.cpu_adam_params_per_s is None
