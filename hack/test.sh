@@ -13,6 +13,7 @@ echo "== import contracts"; "$PY" -c 'import sys; from importlinter.cli import l
 if [ -x hack/cluster ]; then
   echo "== control plane binaries"; hack/cluster build
 fi
+echo "== S3 server binary (SeaweedFS weed, cached by a hash of hack/weed-build)"; hack/weed build
 if [ $# -gt 0 ]; then
   echo "== pytest $*"
   exec "$PY" -m pytest -p no:cacheprovider "$@"

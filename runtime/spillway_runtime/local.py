@@ -1,9 +1,9 @@
 """Local mode: plan a job against this machine and run the runtime as a child process.
 
 `prepare_local_run` turns a finetune.yaml into a `RuntimeConfig` (paths resolved
-relative to the job file, hardware probed with the disk's cached async-I/O sweep
-(`probe_cache`), model shape read from config.json, plan made, DeepSpeed config
-generated and validated) and writes it into the run directory, with a `probe` event
+relative to the job file, s3:// sources downloaded into the cache of `objectstore`,
+hardware probed with the disk's cached async-I/O sweep (`probe_cache`), model shape read
+from config.json, plan made, DeepSpeed config generated and validated) and writes it into the run directory, with a `probe` event
 saying where the aio settings came from; `launch` starts `python -m spillway_runtime` (or the supervisor of several
 ranks), turns SIGTERM/SIGINT into one stop request so the run checkpoints before
 it stops, and returns its exit code.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from spillway_runtime.checkpoint import LATEST
 from spillway_runtime.dsconfig import build_deepspeed_config, validate_deepspeed_config
@@ -24,6 +25,9 @@ from spillway_runtime.reporting import append_event
 from spillway_runtime.runconfig import FaultInjection, RuntimeConfig, resolve_uri
 from spillway_runtime.spec import FineTuneJob, SpecError, load_job
 
+if TYPE_CHECKING:
+    from spillway_runtime.objectstore import FetchResult
+
 RUNTIME_FILE = "runtime.json"  # in the run directory: the plan and settings every process reads
 
 
@@ -31,6 +35,22 @@ def _require(path: Path, field: str, what: str, source: Path) -> Path:
     if not path.exists():
         raise SpecError(str(source), [f"{field}: {path}: no such {what}"])
     return path
+
+
+def _source(uri: str, base: Path, named: tuple[str, str, Path], fetched: list[tuple[str, FetchResult]]) -> Path:
+    """A spec URI as a local path: s3:// downloaded into the cache (or refused, naming the
+    bucket and what to check), anything else resolved and required to exist."""
+    field, what, job_path = named
+    if not uri.startswith("s3://"):
+        return _require(resolve_uri(uri, base), field, what, job_path)
+    from spillway_runtime.objectstore import ObjectStoreError, fetch
+
+    try:
+        result = fetch(uri)
+    except ObjectStoreError as err:
+        raise SpecError(str(job_path), [f"{field}: {err}"]) from None
+    fetched.append((field, result))
+    return result.path
 
 
 def plan_for_job(job: FineTuneJob, hw: NodeHardware, model_dir: Path, processes: int = 1,
@@ -107,17 +127,18 @@ def prepare_local_run(
     job = job or load_job(job_path)
     spec = job.spec
     base = job_path.resolve().parent
-    model_dir = _require(resolve_uri(spec.model.uri, base), "spec.model.uri", "model directory", job_path)
-    tokenizer_dir = (
-        _require(resolve_uri(spec.model.tokenizer_uri, base), "spec.model.tokenizerUri", "tokenizer directory",
-                 job_path)
-        if spec.model.tokenizer_uri else model_dir
-    )
-    dataset_path = _require(resolve_uri(spec.dataset.uri, base), "spec.dataset.uri", "dataset file or directory",
-                            job_path)
+    fetched: list[tuple[str, FetchResult]] = []
+
+    def source(uri: str, field: str, what: str) -> Path:
+        return _source(uri, base, (field, what, job_path), fetched)
+
+    model_dir = source(spec.model.uri, "spec.model.uri", "model directory")
+    tokenizer_dir = (source(spec.model.tokenizer_uri, "spec.model.tokenizerUri", "tokenizer directory")
+                     if spec.model.tokenizer_uri else model_dir)
+    dataset_path = source(spec.dataset.uri, "spec.dataset.uri", "dataset file or directory")
     held_out = spec.dataset.validation.uri if spec.dataset.validation else None
-    validation_path = (_require(resolve_uri(held_out, base), "spec.dataset.validation.uri",
-                                "validation file or directory", job_path) if held_out else None)
+    validation_path = (source(held_out, "spec.dataset.validation.uri", "validation file or directory")
+                       if held_out else None)
     run_dir = (run_dir or Path.cwd() / "runs" / job.metadata.name).resolve()
     checkpoint_dir = resolve_uri(spec.checkpoint.path, base) if spec.checkpoint.path else run_dir / "checkpoints"
     nvme_dir = resolve_uri(spec.offload.nvme.path, base) if spec.offload.nvme.path else run_dir / "nvme"
@@ -151,6 +172,8 @@ def prepare_local_run(
     config.write(run_dir / RUNTIME_FILE)
     if probe is not None:
         append_event(Path(config.events_path), "probe", **probe.model_dump(mode="json"))
+    for field, result in fetched:
+        append_event(Path(config.events_path), "fetch", field=field, **result.event_fields())
     return config
 
 

@@ -53,16 +53,23 @@ class RuntimeConfig(BaseModel):
 
 def resolve_uri(uri: str, base_dir: Path) -> Path:
     """Map a spec URI to a local path: file://PATH, pvc://CLAIM/PATH (mounted under /mnt/pvc), or a path
-    relative to the job file's directory."""
+    relative to the job file's directory. s3:// is refused here: local mode fetches it first."""
     if uri.startswith("file://"):
         return Path(uri[len("file://") :])
     if uri.startswith("pvc://"):
         return PVC_MOUNT_ROOT / uri[len("pvc://") :]
+    if uri.startswith("s3://"):
+        # `spillway run` downloads these itself (objectstore, before it calls this); a pod cannot yet
+        raise ValueError(
+            f"unsupported URI scheme 's3' in {uri!r} here: s3:// is read by `spillway run` on its own machine "
+            "only (model.uri, model.tokenizerUri, dataset.uri, dataset.validation.uri) and is not supported "
+            "in a cluster yet: copy the objects to a PersistentVolumeClaim and use pvc://CLAIM/PATH"
+        )
     if "://" in uri:
         scheme = uri.split("://", 1)[0]
         raise ValueError(
-            f"unsupported URI scheme {scheme!r} in {uri!r}: use a local path, file:// or pvc:// "
-            "(nothing is downloaded at run time)"
+            f"unsupported URI scheme {scheme!r} in {uri!r}: use a local path, file://, pvc:// or "
+            "(with `spillway run`) s3://"
         )
     path = Path(uri).expanduser()
     return path if path.is_absolute() else (base_dir / path).resolve()

@@ -101,7 +101,6 @@ BEFORE_TRAINING: list[Case] = [
     ("maxSteps as a word", _spec_case("training.maxSteps", "ten"), "spec.training.maxSteps"),
     ("a misspelt field", _spec_case("trainig", {"maxSteps": 3}), "spec.trainig"),
     ("a negative learning rate", _spec_case("training.learningRate", -1), "spec.training.learningRate"),
-    ("an s3 model", _spec_case("model.uri", "s3://bucket/model"), "unsupported URI scheme 's3'"),
     ("an https dataset", _spec_case("dataset.uri", "https://example.org/d.jsonl"), "unsupported URI scheme 'https'"),
     ("a model directory that does not exist", _spec_case("model.uri", "/nonexistent/model"), "spec.model.uri"),
     ("a dataset that does not exist", _spec_case("dataset.uri", "/nonexistent/d.jsonl"), "spec.dataset.uri"),

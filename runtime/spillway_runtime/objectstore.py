@@ -1,0 +1,292 @@
+"""s3:// sources for local mode: the objects under a bucket/prefix, downloaded once into a
+cache keyed by their ETags.
+
+Where this sits: `local.prepare_local_run` calls `fetch` for each s3:// URI of the spec
+(model, tokenizer, dataset, validation file) before it plans, so a wrong credential, a
+missing bucket or an empty prefix ends the run at start (exit 2), never after training
+began. In a cluster s3:// is refused (`runconfig.resolve_uri`) until a pod downloads it.
+
+The client is obstore (the Rust `object_store` crate): boto3's botocore pins
+python-dateutil<3, which the pinned kubernetes client (>=3) excludes from our one lock.
+It reads the usual AWS variables itself (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+AWS_SESSION_TOKEN, AWS_REGION, AWS_ENDPOINT_URL, AWS_ENDPOINT_URL_S3); profiles in
+~/.aws are not read.
+
+Cache layout, under $SPILLWAY_S3_CACHE (default ~/.cache/spillway/s3):
+  <bucket>/<key>                   each object at its key
+  .manifests/<bucket>.json         key -> {etag, size} of every complete file
+An object is fetched again when its ETag or size differs from the manifest's, or its file
+is gone. A download goes to a temporary name beside its target and is renamed into place
+before the manifest names it, so a killed download never looks complete.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+CACHE_ENV = "SPILLWAY_S3_CACHE"
+MANIFESTS = ".manifests"
+# Parallel object downloads: enough to keep a fast link busy with a model's many files.
+DOWNLOAD_WORKERS = 8
+CHUNK_BYTES = 8 << 20
+
+
+class ObjectStoreError(ValueError):
+    """An s3:// source that cannot be read, with what to check."""
+
+
+@dataclass(frozen=True)
+class S3Location:
+    bucket: str
+    key: str  # a single object's key or a prefix; "" for the whole bucket
+
+    @classmethod
+    def parse(cls, uri: str) -> S3Location:
+        if not uri.startswith("s3://"):
+            raise ObjectStoreError(f"{uri!r} is not an s3:// URI")
+        bucket, _, key = uri[len("s3://"):].partition("/")
+        if not bucket:
+            raise ObjectStoreError(f"{uri!r} names no bucket: write s3://BUCKET/PREFIX")
+        return cls(bucket, key)
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.key}"
+
+
+@dataclass
+class FetchResult:
+    """What `fetch` found and did; its fields go into the run's `fetch` event."""
+
+    uri: str
+    path: Path
+    objects: int = 0
+    bytes_total: int = 0
+    downloaded: int = 0
+    bytes_downloaded: int = 0
+    seconds: float = 0.0
+    removed: int = 0
+
+    def event_fields(self) -> dict[str, Any]:
+        return {"uri": self.uri, "path": str(self.path), "objects": self.objects, "bytes": self.bytes_total,
+                "downloaded": self.downloaded, "bytes_downloaded": self.bytes_downloaded,
+                "cached": self.objects - self.downloaded, "removed": self.removed,
+                "seconds": round(self.seconds, 3)}
+
+
+@dataclass(frozen=True)
+class _Object:
+    key: str
+    etag: str
+    size: int
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "spillway" / "s3").expanduser()
+
+
+def endpoint() -> str:
+    """The endpoint the AWS variables name, for messages ('' for AWS's own)."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+
+
+def open_store(bucket: str) -> Any:
+    """An obstore S3Store for `bucket` from the environment, with short retries: a wrong
+    endpoint should fail the run at start within seconds, not after object_store's 3 minutes."""
+    from obstore.store import S3Store
+
+    return S3Store(
+        bucket,
+        client_options={"allow_http": endpoint().startswith("http://"), "connect_timeout": timedelta(seconds=10)},
+        retry_config={"max_retries": 2, "retry_timeout": timedelta(seconds=20),
+                      "backoff": {"init_backoff": timedelta(milliseconds=200), "max_backoff": timedelta(seconds=2),
+                                  "base": 2}},
+    )
+
+
+def fetch(uri: str, *, root: Path | None = None, store: Any = None) -> FetchResult:
+    """Make the objects of `uri` present under the cache and return where they are: the
+    object's file for a single object's key, else the prefix's directory."""
+    loc = S3Location.parse(uri)
+    store = store if store is not None else open_store(loc.bucket)
+    root = root or cache_root()
+    start = time.monotonic()
+    objects, single = _listing(store, loc)
+    base = root / loc.bucket
+    path = base / loc.key if single else base / loc.key.rstrip("/")
+    result = FetchResult(uri=uri, path=path, objects=len(objects), bytes_total=sum(o.size for o in objects))
+    with _locked_manifest(root, loc.bucket) as manifest:
+        if not single:
+            result.removed = _drop_vanished(manifest, base, _dir_prefix(loc.key), {o.key for o in objects})
+        wanted = [o for o in objects if not _is_cached(manifest.entries, base, o)]
+        for obj in wanted:  # stale entries go first: a file being replaced is never listed as complete
+            manifest.entries.pop(obj.key, None)
+        manifest.save()
+        if wanted:
+            _download_all(store, loc, base, wanted, manifest)
+    result.downloaded = len(wanted)
+    result.bytes_downloaded = sum(o.size for o in wanted)
+    result.seconds = time.monotonic() - start
+    return result
+
+
+def _dir_prefix(key: str) -> str:
+    return key.rstrip("/") + "/" if key.rstrip("/") else ""
+
+
+def _listing(store: Any, loc: S3Location) -> tuple[list[_Object], bool]:
+    """The objects to fetch and whether the key named one object (rather than a prefix)."""
+    import obstore
+
+    if loc.key and not loc.key.endswith("/"):
+        try:
+            meta = obstore.head(store, loc.key)
+            return [_object(meta)], True
+        except Exception as err:  # sorted into "not an object" and real failures
+            if not _is_not_found(err):
+                raise _explain(loc, err) from None
+    prefix = _dir_prefix(loc.key)
+    found: list[_Object] = []
+    try:
+        for batch in obstore.list(store, prefix=prefix or None, chunk_size=1000):
+            found.extend(_object(meta) for meta in batch if not str(meta["path"]).endswith("/"))
+    except Exception as err:  # every failure becomes one message naming the bucket
+        raise _explain(loc, err) from None
+    if not found:
+        raise ObjectStoreError(f"{loc} holds no objects: check the bucket and prefix "
+                               f"(prefixes are listed as {prefix or '(the whole bucket)'}…)")
+    for obj in found:
+        _check_key(loc, obj.key)
+    return found, False
+
+
+def _object(meta: Any) -> _Object:
+    return _Object(key=str(meta["path"]), etag=str(meta.get("e_tag") or ""), size=int(meta["size"]))
+
+
+def _check_key(loc: S3Location, key: str) -> None:
+    parts = key.split("/")
+    if key.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise ObjectStoreError(f"{loc}: object key {key!r} cannot be a local file name "
+                               "(empty, '.' or '..' parts); keep such objects out of the prefix")
+
+
+def _is_not_found(err: Exception) -> bool:
+    """No such object (obstore raises the built-in FileNotFoundError), as opposed to no such bucket."""
+    return isinstance(err, FileNotFoundError) and "NoSuchBucket" not in str(err)
+
+
+def _explain(loc: S3Location, err: Exception) -> ObjectStoreError:
+    """One line that names the bucket and prefix and says what to check."""
+    from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
+
+    text = str(err)
+    where = f"endpoint {endpoint()}" if endpoint() else "AWS's endpoint (AWS_ENDPOINT_URL unset)"
+    if "NoSuchBucket" in text or isinstance(err, FileNotFoundError):
+        return ObjectStoreError(f"cannot read {loc}: bucket {loc.bucket!r} does not exist at {where}; "
+                                "check the bucket name and AWS_ENDPOINT_URL")
+    credentials = ("SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied", "403", "401")
+    if isinstance(err, PermissionDeniedError | UnauthenticatedError) or any(c in text for c in credentials):
+        return ObjectStoreError(f"cannot read {loc}: the object store at {where} refused the credentials "
+                                f"for bucket {loc.bucket!r}; check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                                "(and the key's access to this bucket)")
+    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    return ObjectStoreError(f"cannot read {loc} at {where}: {first}; check AWS_ENDPOINT_URL, the network "
+                            "and the credentials")
+
+
+def _is_cached(entries: dict[str, dict[str, Any]], base: Path, obj: _Object) -> bool:
+    entry = entries.get(obj.key)
+    if not entry or entry.get("etag") != obj.etag or entry.get("size") != obj.size:
+        return False
+    file = base / obj.key
+    return file.is_file() and file.stat().st_size == obj.size
+
+
+def _drop_vanished(manifest: _Manifest, base: Path, prefix: str, present: set[str]) -> int:
+    """Forget and delete cached files of this prefix whose objects are gone, so that a model
+    directory holds exactly what the prefix holds."""
+    gone = [key for key in manifest.entries if key.startswith(prefix) and key not in present]
+    for key in gone:
+        manifest.entries.pop(key)
+        (base / key).unlink(missing_ok=True)
+    return len(gone)
+
+
+def _download_all(store: Any, loc: S3Location, base: Path, wanted: list[_Object], manifest: _Manifest) -> None:
+    guard = threading.Lock()
+
+    def one(obj: _Object) -> None:
+        _download(store, loc, base / obj.key, obj)
+        with guard:  # each complete file is recorded at once, so a killed run keeps what it finished
+            manifest.entries[obj.key] = {"etag": obj.etag, "size": obj.size}
+            manifest.save()
+
+    with ThreadPoolExecutor(max_workers=min(DOWNLOAD_WORKERS, len(wanted))) as pool:
+        for future in [pool.submit(one, obj) for obj in wanted]:
+            future.result()
+
+
+def _download(store: Any, loc: S3Location, target: Path, obj: _Object) -> None:
+    """Into a temporary name beside the target, then renamed: never a partial file at the target."""
+    import obstore
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.part-{os.getpid()}-{threading.get_ident()}"
+    written = 0
+    try:
+        # if_match: an object replaced while we read it fails the read rather than mixing two versions
+        options: Any = {"if_match": obj.etag} if obj.etag else {}
+        result = obstore.get(store, obj.key, options=options)
+        with tmp.open("wb") as fh:
+            for chunk in result.stream(min_chunk_size=CHUNK_BYTES):
+                fh.write(chunk)
+                written += len(chunk)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if written != obj.size:
+            raise ObjectStoreError(f"{loc}: {obj.key} ended after {written} of {obj.size} bytes; run again")
+        os.replace(tmp, target)
+    except ObjectStoreError:
+        raise
+    except Exception as err:  # reported with the bucket and key
+        raise ObjectStoreError(f"{_explain(loc, err)} (while downloading {obj.key})") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@dataclass
+class _Manifest:
+    path: Path
+    entries: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def save(self) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(self.entries, indent=0, sort_keys=True))
+        os.replace(tmp, self.path)
+
+
+@contextmanager
+def _locked_manifest(root: Path, bucket: str) -> Iterator[_Manifest]:
+    """The bucket's manifest, held under a file lock: two runs filling the same cache take
+    turns, and the second finds the first one's files."""
+    folder = root / MANIFESTS
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / f"{bucket}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        path = folder / f"{bucket}.json"
+        try:
+            entries = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError):
+            entries = {}  # unreadable: everything is fetched again, which is always safe
+        yield _Manifest(path, entries if isinstance(entries, dict) else {})
