@@ -40,6 +40,8 @@ MANIFESTS = ".manifests"
 # Parallel object downloads: enough to keep a fast link busy with a model's many files.
 DOWNLOAD_WORKERS = 8
 CHUNK_BYTES = 8 << 20
+# Objects above this are fetched as ranged parts in parallel.
+PART_BYTES = 32 << 20
 
 
 class ObjectStoreError(ValueError):
@@ -224,45 +226,96 @@ def _drop_vanished(manifest: _Manifest, base: Path, prefix: str, present: set[st
 
 
 def _download_all(store: Any, loc: S3Location, base: Path, wanted: list[_Object], manifest: _Manifest) -> None:
+    """Every wanted object, as parts of at most PART_BYTES fetched in parallel (a model's
+    one big weights file keeps every worker busy, as boto3's download_file does)."""
     guard = threading.Lock()
+    downloads = [_Download(store, loc, base / obj.key, obj) for obj in wanted]
 
-    def one(obj: _Object) -> None:
-        _download(store, loc, base / obj.key, obj)
+    def record(job: _Download) -> None:
         with guard:  # each complete file is recorded at once, so a killed run keeps what it finished
-            manifest.entries[obj.key] = {"etag": obj.etag, "size": obj.size}
+            manifest.entries[job.obj.key] = {"etag": job.obj.etag, "size": job.obj.size}
             manifest.save()
 
-    with ThreadPoolExecutor(max_workers=min(DOWNLOAD_WORKERS, len(wanted))) as pool:
-        for future in [pool.submit(one, obj) for obj in wanted]:
-            future.result()
+    def part(job: _Download, span: tuple[int, int] | None) -> None:
+        if job.write(span):
+            record(job)
 
-
-def _download(store: Any, loc: S3Location, target: Path, obj: _Object) -> None:
-    """Into a temporary name beside the target, then renamed: never a partial file at the target."""
-    import obstore
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.part-{os.getpid()}-{threading.get_ident()}"
-    written = 0
     try:
-        # if_match: an object replaced while we read it fails the read rather than mixing two versions
-        options: Any = {"if_match": obj.etag} if obj.etag else {}
-        result = obstore.get(store, obj.key, options=options)
-        with tmp.open("wb") as fh:
-            for chunk in result.stream(min_chunk_size=CHUNK_BYTES):
-                fh.write(chunk)
-                written += len(chunk)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if written != obj.size:
-            raise ObjectStoreError(f"{loc}: {obj.key} ended after {written} of {obj.size} bytes; run again")
-        os.replace(tmp, target)
-    except ObjectStoreError:
-        raise
-    except Exception as err:  # reported with the bucket and key
-        raise ObjectStoreError(f"{_explain(loc, err)} (while downloading {obj.key})") from None
+        with ThreadPoolExecutor(max_workers=DOWNLOAD_WORKERS) as pool:
+            futures = [pool.submit(part, job, span) for job in downloads for span in job.spans()]
+            try:
+                for future in futures:
+                    future.result()
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
     finally:
-        tmp.unlink(missing_ok=True)
+        for job in downloads:
+            job.abandon()
+
+
+class _Download:
+    """One object into a temporary file beside its target, part by part (pwrite at each
+    part's offset), renamed into place after the last part and an fsync: never a partial
+    file at the target."""
+
+    def __init__(self, store: Any, loc: S3Location, target: Path, obj: _Object) -> None:
+        self.store, self.loc, self.target, self.obj = store, loc, target, obj
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = target.parent / f".{target.name}.part-{os.getpid()}-{threading.get_ident()}"
+        self.fd: int | None = None  # opened by the first part to run: a model's thousand files are not all open at once
+        self.lock = threading.Lock()
+        self.left = len(self.spans())
+        self.done = False
+
+    def spans(self) -> list[tuple[int, int] | None]:
+        """None: the whole object in one GET; else (start, end) byte ranges."""
+        size = self.obj.size
+        if size <= PART_BYTES:
+            return [None]
+        return [(start, min(start + PART_BYTES, size)) for start in range(0, size, PART_BYTES)]
+
+    def write(self, span: tuple[int, int] | None) -> bool:
+        """Fetch one part; True when it was the last and the file is now in place."""
+        import obstore
+
+        start, end = span or (0, self.obj.size)
+        # if_match: an object replaced while we read it fails the read rather than mixing two versions
+        options: dict[str, Any] = {"if_match": self.obj.etag} if self.obj.etag else {}
+        if span is not None:
+            options["range"] = span
+        offset = start
+        with self.lock:
+            if self.fd is None:
+                self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = self.fd
+        try:
+            result = obstore.get(self.store, self.obj.key, options=options)  # type: ignore[arg-type]
+            for chunk in result.stream(min_chunk_size=CHUNK_BYTES):
+                offset += os.pwrite(fd, chunk, offset)
+        except Exception as err:  # reported with the bucket and key
+            raise ObjectStoreError(f"{_explain(self.loc, err)} (while downloading {self.obj.key})") from None
+        if offset != end:
+            raise ObjectStoreError(f"{self.loc}: {self.obj.key} bytes {start}-{end} ended at {offset}; run again")
+        with self.lock:
+            self.left -= 1
+            if self.left:
+                return False
+        os.fsync(fd)
+        os.close(fd)
+        self.fd = None
+        os.replace(self.tmp, self.target)
+        self.done = True
+        return True
+
+    def abandon(self) -> None:
+        """After a failure: no temporary file is left behind."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if not self.done:
+            self.tmp.unlink(missing_ok=True)
 
 
 @dataclass

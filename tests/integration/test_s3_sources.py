@@ -16,6 +16,7 @@ import yaml
 from typer.testing import CliRunner
 
 from spillway_api.cli import build_app
+from spillway_runtime import objectstore
 from spillway_runtime.local import prepare_local_run
 from spillway_runtime.objectstore import CACHE_ENV, MANIFESTS, fetch
 
@@ -101,15 +102,20 @@ def test_trains_from_s3_then_reuses_the_cache_and_refetches_a_changed_object(
     s3_server.upload(BUCKET, "data/train.jsonl", tiny_model["data"])  # as the other tests expect it
 
 
-def test_a_damaged_cached_file_is_fetched_again_and_no_partial_file_is_left(tmp_path, s3_env, uploaded):
+def test_a_damaged_cached_file_is_fetched_again_in_parts_and_no_partial_file_is_left(
+        tmp_path, s3_env, uploaded, tiny_model, monkeypatch):
+    # parts of 256 KiB: the tiny weights go as several ranged GETs written at their offsets
+    monkeypatch.setattr(objectstore, "PART_BYTES", 256 << 10)
     root = tmp_path / "cache"
     first = fetch(uploaded["model"], root=root)
     weights = next(p for p in first.path.iterdir() if p.suffix == ".safetensors")
-    size = weights.stat().st_size
-    weights.write_bytes(weights.read_bytes()[: size // 2])  # as a copy cut short outside our control would
+    original = (tiny_model["model"] / weights.name).read_bytes()
+    assert len(original) > 3 * objectstore.PART_BYTES
+    assert weights.read_bytes() == original
+    weights.write_bytes(original[: len(original) // 2])  # as a copy cut short outside our control would
     second = fetch(uploaded["model"], root=root)
-    assert second.downloaded == 1 and second.bytes_downloaded == size
-    assert weights.stat().st_size == size
+    assert second.downloaded == 1 and second.bytes_downloaded == len(original)
+    assert weights.read_bytes() == original
     assert not [p for p in root.rglob("*") if ".part-" in p.name]
 
 
