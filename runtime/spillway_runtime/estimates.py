@@ -161,7 +161,14 @@ def compute_rate(placement: PlacementInputs) -> tuple[float, str]:
     hidden, dtype = placement.shape.hidden_size, placement.dtype
     measured = matmul_rate_at(hw.cpu_matmul, dtype, hidden)
     if measured is not None:
-        return measured, f"measured: {dtype} matmuls at hidden size {hidden} on the CPU"
+        sizes = sorted(r.hidden_size for r in hw.cpu_matmul if r.dtype == dtype)
+        if hidden > sizes[-1]:
+            at = f"at hidden size {sizes[-1]}, the largest measured (the model's is {hidden})"
+        elif hidden < sizes[0]:
+            at = f"at hidden size {sizes[0]}, the smallest measured (the model's is {hidden})"
+        else:
+            at = f"at hidden size {hidden}" + ("" if hidden in sizes else ", interpolated")
+        return measured, f"measured: {dtype} matmuls {at} on the CPU"
     return CPU_FLOPS_PER_CORE * hw.cpu_cores, (
         f"assumed: {CPU_FLOPS_PER_CORE / 1e9:g} GFLOP/s per core x {hw.cpu_cores}; the probe measured no "
         f"{dtype} matmuls"

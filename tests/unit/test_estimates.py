@@ -81,6 +81,13 @@ def test_the_rate_between_measured_sizes_is_interpolated_and_held_beyond_them() 
     assert matmul_rate_at(rates, "bf16", 128) == 2e9
     assert matmul_rate_at(rates, "bf16", 8192) == 8e9
     assert matmul_rate_at(rates, "fp32", 512) is None
+    hw = cpu_node(*rates)
+    sources = {h: plan_tiers(shape, hw, CPU_TRAIN).step.flops_source
+               for h, shape in ((512, TINY_WIDE.model_copy(update={"hidden_size": 512})),
+                                (4096, TINY_WIDE.model_copy(update={"hidden_size": 4096})))}
+    assert sources[512] == "measured: bf16 matmuls at hidden size 512, interpolated on the CPU"
+    assert sources[4096] == ("measured: bf16 matmuls at hidden size 1024, the largest measured (the model's is 4096) "
+                             "on the CPU")
 
 
 def test_the_matmul_rates_round_trip_through_a_node_annotation() -> None:
