@@ -46,6 +46,7 @@ MEASURED_FIELDS = (
 COMPUTE_FIELDS = ("cpu_matmul", "cpu_adam_params_per_s", "torch_adamw_params_per_s", "host_device_bytes_per_s")
 DAY_SECONDS = 86_400
 EntryT = TypeVar("EntryT", bound=BaseModel)
+_IMPORTED_AT = time.time()
 
 
 class ProbeCacheSettings(BaseSettings):
@@ -310,7 +311,8 @@ def compute_entry_path(settings: ProbeCacheSettings, fp: ComputeFingerprint) -> 
 
 
 def _compute_staleness(entry: ComputeEntry | None, fp: ComputeFingerprint, settings: ProbeCacheSettings) -> str | None:
-    if settings.refresh:
+    if settings.refresh and (entry is None or entry.measured_at < _IMPORTED_AT):
+        # once per process: a run plans twice (again once it knows it uses NVMe)
         return "a re-probe was asked for"
     if entry is None:
         return "no cached compute rates of this machine"

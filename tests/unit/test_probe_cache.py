@@ -176,8 +176,9 @@ def test_the_cached_compute_rates_reach_the_plan_whether_or_not_it_uses_nvme(tmp
     assert record.source == "cached" and hw.cpu_matmul == RATES and hw.cpu_adam_params_per_s == 1.5e9
 
 
-def test_compute_rates_are_stale_when_torch_changed_and_absent_when_turned_off(tmp_path: Path,
-                                                                               settings: ProbeCacheSettings) -> None:
+def test_compute_rates_are_stale_when_torch_changed_or_asked_once_a_run_and_absent_when_off(
+    tmp_path: Path, settings: ProbeCacheSettings
+) -> None:
     from spillway_runtime.probe_cache import _compute_staleness, _read
 
     basic = probe_basic(tmp_path / "nvme")
@@ -185,5 +186,14 @@ def test_compute_rates_are_stale_when_torch_changed_and_absent_when_turned_off(t
     entry = _read(path, ComputeEntry)
     why = _compute_staleness(entry, compute_fingerprint(basic), settings)
     assert why is not None and "torch" in why
+    # asked to re-probe: measured again, but once per process (a run plans twice)
+    refresh = settings.model_copy(update={"refresh": True})
+    assert entry is not None
+    yesterday = entry.model_copy(update={"fingerprint": compute_fingerprint(basic),
+                                         "measured_at": time.time() - DAY_SECONDS})
+    assert _compute_staleness(yesterday, compute_fingerprint(basic), settings) is None
+    assert _compute_staleness(yesterday, compute_fingerprint(basic), refresh) == "a re-probe was asked for"
+    just_now = yesterday.model_copy(update={"measured_at": time.time()})
+    assert _compute_staleness(just_now, compute_fingerprint(basic), refresh) is None
     hw, _ = hardware_for_run(tmp_path / "nvme", measure=False, settings=settings)  # compute=False
     assert hw.cpu_matmul == [] and hw.cpu_adam_params_per_s is None
