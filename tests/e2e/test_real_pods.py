@@ -253,7 +253,7 @@ def _events(cluster: Cluster, namespace: str, pod: str) -> list[dict[str, Any]]:
 
 
 class PodWatch:
-    """Every change to a job's pods, in the order the API server made them, from a watch
+    """Every change to a job's training pods, in the order the API server made them, from a watch
     started before the test acts: pods the operator deletes are gone from the API a moment
     after they exit, so what they were and when they left is only seen here."""
 
@@ -268,7 +268,9 @@ class PodWatch:
         def run() -> None:
             try:
                 for event in self._watch.stream(core.list_namespaced_pod, namespace,
-                                                label_selector=f"spillway.dev/job={job}", timeout_seconds=1800):
+                                                # the trainers: not the pod that read config.json
+                                                label_selector=f"spillway.dev/job={job},app.kubernetes.io/component=trainer",
+                                                timeout_seconds=1800):
                     pod = event["object"]
                     code = None
                     for status in pod.status.container_statuses or []:
