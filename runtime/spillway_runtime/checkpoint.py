@@ -116,6 +116,19 @@ def _fsync_tree(root: Path) -> None:
         _fsync_dir(Path(dirpath))
 
 
+def write_problem(directory: Path) -> str | None:
+    """Why nothing could be written in `directory` (created if missing), or None: a byte
+    written and removed, so a run fails before training rather than at its first write."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".spillway-write-test-{os.getpid()}"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as err:
+        return err.strerror or str(err)
+    return None
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """Replace `path` with `data` so that readers see the old or the new content, never half."""
     tmp = path.with_name(f".{path.name}.tmp")

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from spillway_runtime.checkpoint import LATEST
+from spillway_runtime.checkpoint import LATEST, write_problem
 from spillway_runtime.dsconfig import build_deepspeed_config, validate_deepspeed_config
 from spillway_runtime.hardware import AioSettings, NodeHardware
 from spillway_runtime.planner import OffloadPlan, PlanningError, plan_tiers
@@ -178,13 +178,9 @@ def prepare_local_run(
 
 
 def _check_writable_dir(path: Path, field: str, source: Path) -> None:
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".spillway-write-test-{os.getpid()}"
-        probe.write_bytes(b"x")
-        probe.unlink()
-    except OSError as err:
-        raise SpecError(str(source), [f"{field}: {path} is not writable ({err.strerror}); choose a writable directory"]) from None
+    problem = write_problem(path)
+    if problem:
+        raise SpecError(str(source), [f"{field}: {path} is not writable ({problem}); choose a writable directory"])
 
 
 def runtime_command(config_path: Path, processes: int) -> list[str]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 import random
 import shutil
 import time
@@ -29,6 +28,7 @@ from spillway_runtime.checkpoint import (
     CheckpointStore,
     PendingSave,
     pending_rollback,
+    write_problem,
 )
 from spillway_runtime.contract import ExitCode
 from spillway_runtime.dsconfig import memlock_limit
@@ -134,15 +134,10 @@ class Checkpointing:
 
     def _check_writable(self, directory: Path, field: str) -> None:
         """Fail before training, not hours in, when a checkpoint could never be written."""
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            probe = directory / f".write-test-{os.getpid()}"
-            probe.write_bytes(b"x")
-            probe.unlink()
-        except OSError as err:
-            raise RunFailed(
-                f"{field} {directory} is not writable ({err.strerror}); choose a writable directory", ExitCode.BAD_INPUT
-            ) from None
+        problem = write_problem(directory)
+        if problem:
+            raise RunFailed(f"{field} {directory} is not writable ({problem}); choose a writable directory",
+                            ExitCode.BAD_INPUT)
 
     def _state(self) -> dict[str, Any]:
         import numpy as np

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from spillway_runtime.checkpoint import CheckpointError, CheckpointStore, pending_rollback
+from spillway_runtime.checkpoint import CheckpointError, CheckpointStore, pending_rollback, write_problem
 
 
 def writer(payload: bytes):
@@ -127,3 +127,10 @@ def test_keep_best_spares_the_lowest_held_out_loss_outside_keep(tmp_path):
     for step, held_out in [(1, 1.0), (2, 2.0)]:
         plain.save(step, writer(b"x"), {"evalLoss": held_out})
     assert [c.step for c in plain.list()] == [2]
+
+
+def test_write_problem_names_why_a_directory_takes_no_file_and_leaves_nothing(tmp_path):
+    assert write_problem(tmp_path / "new" / "dir") is None  # created, written, cleaned up
+    assert list((tmp_path / "new" / "dir").iterdir()) == []
+    (tmp_path / "a-file").write_text("")
+    assert write_problem(tmp_path / "a-file" / "sub") == "Not a directory"
