@@ -235,8 +235,16 @@ class Method(SpecModel):
         return self.type == "lora"
 
 
+S3_URI = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$"
+
+
 class Export(SpecModel):
     merge: bool = Field(False, description="LoRA: also write the base model with the adapters merged in (merged/)")
+    uri: str | None = Field(
+        None, pattern=S3_URI,
+        description="Also upload the exported model to this s3://BUCKET/PREFIX when training ends (credentials: "
+        "spec.storage)",
+    )
 
 
 class NvmeVolume(SpecModel):
@@ -351,6 +359,12 @@ class CheckpointPolicy(SpecModel):
     path: str | None = Field(None, description="Local mode: checkpoint directory (default: <run dir>/checkpoints)")
     size: Size = Field(None, description="Cluster mode: checkpoint PVC size; auto from the plan")
     storage_class_name: str | None = None
+    mirror: str | None = Field(
+        None, pattern=S3_URI,
+        description="s3://BUCKET/PREFIX: upload every checkpoint there in the background (its manifest last); "
+        "a job whose checkpoint volume is empty resumes from the newest complete one there (credentials: "
+        "spec.storage)",
+    )
 
     _parse_size = field_validator("size", mode="before")(_size_or_none)
 
@@ -363,6 +377,38 @@ class RollbackPolicy(SpecModel):
     )
     window: int = Field(20, ge=2, le=10_000, description="Steps in the running loss average")
     lr_backoff: float = Field(0.5, gt=0, le=1, description="Learning rate multiplier applied after each rollback")
+
+
+class SecretRef(SpecModel):
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=253)
+
+
+class Storage(SpecModel):
+    """Where s3:// URIs of the spec are read and written."""
+
+    secret_ref: SecretRef | None = Field(
+        None,
+        description="Cluster mode: a Secret in the job's namespace with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+        "(optionally AWS_SESSION_TOKEN, AWS_REGION); local mode reads the usual AWS variables instead",
+    )
+    endpoint_url: str | None = Field(
+        None, pattern=r"^https?://[^\s/]+(/.*)?$",
+        description="The S3 endpoint of a non-AWS server (MinIO, Ceph, SeaweedFS), e.g. http://seaweedfs.storage:8333",
+    )
+    region: str | None = Field(None, min_length=1, description="The bucket's region (default: AWS_REGION, else us-east-1)")
+
+
+class MlflowTracking(SpecModel):
+    tracking_uri: str = Field(min_length=1, description="The MLflow tracking server, e.g. http://mlflow.tracking:5000")
+    experiment: str | None = Field(None, min_length=1, description="Experiment name (default: the job's namespace)")
+
+
+class Tracking(SpecModel):
+    mlflow: MlflowTracking | None = Field(
+        None, description="Log the plan, the spec and per-step metrics from rank 0 to this MLflow server; an "
+        "unreachable server warns once and never stops training",
+    )
+    tensorboard: bool = Field(False, description="Write TensorBoard event files beside the checkpoints (tensorboard/)")
 
 
 class Budget(SpecModel):
@@ -381,6 +427,8 @@ class FineTuneJobSpec(SpecModel):
     rollback: RollbackPolicy = Field(default_factory=lambda: RollbackPolicy())
     resume_from: str | None = Field(None, description="Checkpoint name to restart from; setting it rolls the job back")
     budget: Budget = Field(default_factory=lambda: Budget())
+    storage: Storage = Field(default_factory=lambda: Storage())
+    tracking: Tracking = Field(default_factory=lambda: Tracking())
     suspend: bool = False
     ttl_seconds_after_finished: int | None = Field(None, ge=0)
     backoff_limit: int = Field(3, ge=0, le=100)
