@@ -42,33 +42,40 @@ WORKDIR /src
 RUN python3 -m venv /opt/spillway
 ENV PATH=/opt/spillway/bin:$PATH
 # Dependencies first, code last, so that a code change rebuilds no dependency layer.
-# torch first, from TORCH_INDEX, at the version requirements.lock pins.
-COPY requirements.lock ./
-RUN pip install --index-url "${TORCH_INDEX}" "$(grep '^torch==' requirements.lock)" \
- && pip install --constraint requirements.lock setuptools==84.2.1 wheel==0.45.1 ninja py-cpuinfo packaging numpy
-# The project's own dependencies and those of its `runtime` and `operator` extras (the
-# kubernetes client the runtime uses for status and the node probe for annotations),
-# at the pinned versions. DeepSpeed's ops are compiled now, so pods never JIT-compile at
-# start (the final image has no compiler): async_io, cpu_adam, fused_adam, pin_memory, and on the
-# CPU accelerator the shared-memory collectives that init_distributed loads (shm_comm).
+# The slow layer (torch, DeepSpeed and its compiled ops) is made from docker/deepspeed.lock
+# alone, requirements.lock's pins of those packages and what they need: another
+# dependency's change rebuilds only the quick layer after it.
+# torch first, from TORCH_INDEX, at the version the lock pins.
+COPY docker/deepspeed.lock ./
+RUN pip install --index-url "${TORCH_INDEX}" "$(grep '^torch==' deepspeed.lock)" \
+ && pip install --constraint deepspeed.lock setuptools==84.2.1 wheel==0.45.1 ninja py-cpuinfo packaging numpy
+# DeepSpeed's ops are compiled now, so pods never JIT-compile at start (the final image has
+# no compiler): async_io, cpu_adam, fused_adam, pin_memory, and on the CPU accelerator the
+# shared-memory collectives that init_distributed loads (shm_comm).
 # LDFLAGS: DeepSpeed's ahead-of-time build of the CPU accelerator's ops drops their link
 # flags (its JIT build keeps them), so async_io would miss libaio's io_submit at import;
 # the ops are then loaded here, as a pod would, so such a miss fails the build.
-COPY pyproject.toml ./
-RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-print('\n'.join(p['dependencies'] + p['optional-dependencies']['runtime'] + p['optional-dependencies']['operator']))" \
-      > runtime-requirements.txt \
- && export DS_ACCELERATOR="${DS_ACCELERATOR}" \
+RUN export DS_ACCELERATOR="${DS_ACCELERATOR}" \
  && export LDFLAGS="-Wl,--no-as-needed -laio" \
  && DS_BUILD_AIO=1 DS_BUILD_CPU_ADAM=1 DS_BUILD_UTILS=1 DS_BUILD_PIN_MEMORY=1 DS_BUILD_FUSED_ADAM=1 DS_BUILD_SHM_COMM=1 \
     TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}" \
-    pip install --constraint requirements.lock --no-build-isolation -r runtime-requirements.txt \
+    pip install --constraint deepspeed.lock --no-build-isolation "$(grep '^deepspeed==' deepspeed.lock)" \
  && python -c "import deepspeed.ops.op_builder as b; assert b.AsyncIOBuilder().is_compatible(), 'libaio missing'" \
  && python -c "from deepspeed.git_version_info import installed_ops as i; \
 want = ['async_io', 'cpu_adam'] + (['deepspeed_shm_comm'] if '${DS_ACCELERATOR}' == 'cpu' else []); \
 missing = [op for op in want if not i.get(op)]; assert not missing, f'ops not compiled: {missing}'" \
  && python -c "from deepspeed.accelerator import get_accelerator; \
-[get_accelerator().create_op_builder(name).load() for name in ('AsyncIOBuilder', 'CPUAdamBuilder')]" \
+[get_accelerator().create_op_builder(name).load() for name in ('AsyncIOBuilder', 'CPUAdamBuilder')]"
+# The project's own dependencies and those of its `runtime` and `operator` extras (the
+# kubernetes client the runtime uses for status and the node probe for annotations), at
+# the pinned versions; torch and DeepSpeed are already there at theirs, so pip keeps them.
+COPY requirements.lock pyproject.toml ./
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['runtime'] + p['optional-dependencies']['operator']))" \
+      > runtime-requirements.txt \
+ && pip install --constraint requirements.lock -r runtime-requirements.txt \
+ && python -c "import deepspeed, torch; from deepspeed.git_version_info import installed_ops as i; \
+assert i.get('async_io') and i.get('cpu_adam'), 'DeepSpeed was reinstalled without its ops'" \
  && pip uninstall --yes pip setuptools wheel \
  && python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > /opt/spillway/site-packages-dir
 
