@@ -36,8 +36,15 @@ from spillway_runtime.processes import free_port
 from spillway_runtime.recipe_checkpoints import Checkpointing, RunFailed
 from spillway_runtime.reporting import Reporter
 from spillway_runtime.runconfig import RuntimeConfig
+from spillway_runtime.tracking import build_listeners
 
 MERGED_DIR = "merged"  # LoRA with export.merge: the merged model, beside the adapter
+# checkpoint.mirror: how long the end of training waits for the last upload (the object
+# store away: the run still succeeds, with a mirror_behind event), and a stop's grace
+# outside a pod (in one, the pod's own) less what the exit needs.
+MIRROR_WAIT_SECONDS = 600.0
+STOP_GRACE_SECONDS = 30.0
+STOP_MARGIN_SECONDS = 10.0
 
 
 class DivergencePolicy:
@@ -88,6 +95,8 @@ class FineTuneRecipe(Checkpointing):
             Path(config.events_path), self.spec.training.max_steps, enabled=self.rank == 0,
             sink=k8s_status.sink_from_env(self.spec.training.max_steps),
         )
+        if self.rank == 0:  # MLflow, TensorBoard, /metrics (spec.tracking): closed with the reporter
+            self.reporter.listeners = build_listeners(config, self.reporter.warn_soon)
         self.divergence = DivergencePolicy(self.spec.rollback.spike_factor, self.spec.rollback.window)
         # From construction on, not after set-up: a stop request during set-up is a stop, not a death
         signal.signal(signal.SIGTERM, self._on_stop_signal)
@@ -312,7 +321,16 @@ class FineTuneRecipe(Checkpointing):
     # --- training --------------------------------------------------------------------------
 
     def _on_stop_signal(self, signum: int, _frame: Any) -> None:
+        if not self.stop_requested:
+            self.stop_signalled_at = time.monotonic()
         self.stop_requested = True
+
+    def _grace_left(self) -> float:
+        """Seconds of the stop's grace left for the mirror, keeping a margin for the exit
+        (a pod's terminationGracePeriodSeconds, in SPILLWAY_STOP_GRACE_SECONDS)."""
+        grace = float(os.environ.get("SPILLWAY_STOP_GRACE_SECONDS", STOP_GRACE_SECONDS))
+        since = time.monotonic() - getattr(self, "stop_signalled_at", time.monotonic())
+        return max(0.0, grace - since - STOP_MARGIN_SECONDS)
 
     def _next_position(self) -> int:
         for start, end in self.skip_ranges:
@@ -388,6 +406,7 @@ class FineTuneRecipe(Checkpointing):
                 bytes=self._tier_bytes(),
             )
             self.last_loss = loss
+            self.report_mirror()
             if self.held_out is not None and (self.step == t.max_steps or (
                     t.eval_every_steps and self.step % t.eval_every_steps == 0)):
                 self.evaluate()
@@ -395,6 +414,7 @@ class FineTuneRecipe(Checkpointing):
                 self.save_checkpoint(loss)
         self.settle_checkpoint()
         self.export()
+        self.finish_mirror(float(os.environ.get("SPILLWAY_MIRROR_WAIT_SECONDS", MIRROR_WAIT_SECONDS)))
         self.reporter.event("finished", step=self.step, loss=getattr(self, "last_loss", None),
                             rollbacks=self.rollbacks)
         return ExitCode.OK
@@ -439,6 +459,7 @@ class FineTuneRecipe(Checkpointing):
         if self.step > 0 and self.last_saved_step != self.step:  # at step 0 there is nothing to keep
             self.save_checkpoint(getattr(self, "last_loss", None))
             self.settle_checkpoint()
+        self.finish_mirror(self._grace_left())
         self.reporter.event("preempted", step=self.step)
         return ExitCode.PREEMPTED
 
