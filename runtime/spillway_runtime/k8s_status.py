@@ -36,6 +36,7 @@ class StatusPublisher:
         self._read = read
         self._checkpoints: list[dict[str, Any]] = []
         self._progress: dict[str, Any] = {}
+        self._mirror: dict[str, Any] = {}
         self._last_sent = 0.0
 
     def body(self) -> dict[str, Any]:
@@ -44,6 +45,11 @@ class StatusPublisher:
             status["progress"] = self._progress
         if self._checkpoints:
             status["checkpoints"] = self._checkpoints[-MAX_CHECKPOINTS_LISTED:]
+        if self._mirror:
+            lag = None
+            if self._progress and self._mirror.get("step") is not None:
+                lag = max(0, int(self._progress.get("step", 0)) - int(self._mirror["step"]))
+            status["mirror"] = {**self._mirror, "lagSteps": lag}
         return {
             "apiVersion": f"{GROUP}/{VERSION}",
             "kind": "FineTuneJob",
@@ -104,6 +110,15 @@ class StatusPublisher:
         elif kind == "checkpoint":
             entry = self._entry(record)
             self._checkpoints = [c for c in self._checkpoints if c["name"] != entry["name"]] + [entry]
+            force = True
+        elif kind in ("mirror", "mirror_restored"):
+            self._mirror = {"uri": str(record.get("uri")), "checkpoint": str(record.get("checkpoint")),
+                            "step": int(str(record.get("checkpoint", "0")).rpartition("-")[2] or 0),
+                            "bytesPerSecond": _num(record.get("bytes_per_s")), "updatedAt": _iso(record.get("time"))}
+            force = True
+        elif kind in ("mirror_failed", "mirror_behind"):
+            self._mirror = {**self._mirror, "uri": str(record.get("uri")), "lastError": str(record.get("reason")),
+                            "failures": int(record.get("failures") or 0), "updatedAt": _iso(record.get("time"))}
             force = True
         elif kind in ("finished", "failed", "preempted", "rollback", "resumed"):
             force = True
@@ -166,6 +181,11 @@ def _server_side_apply(name: str, namespace: str, api: Any = None) -> Callable[[
         )
 
     return patch
+
+
+def in_pod() -> bool:
+    """Whether this process runs in a pod the operator created (its job is named in the environment)."""
+    return bool(os.environ.get("SPILLWAY_JOB_NAME") and os.environ.get("SPILLWAY_JOB_NAMESPACE"))
 
 
 def sink_from_env(total_steps: int) -> StatusPublisher | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from spillway_runtime.checkpoint import LATEST, write_problem
 from spillway_runtime.dsconfig import build_deepspeed_config, validate_deepspeed_config
@@ -37,16 +37,17 @@ def _require(path: Path, field: str, what: str, source: Path) -> Path:
     return path
 
 
-def _source(uri: str, base: Path, named: tuple[str, str, Path], fetched: list[tuple[str, FetchResult]]) -> Path:
+def _source(uri: str, base: Path, named: tuple[str, str, Path], fetched: list[tuple[str, FetchResult]],
+            storage: Any = None) -> Path:
     """A spec URI as a local path: s3:// downloaded into the cache (or refused, naming the
     bucket and what to check), anything else resolved and required to exist."""
     field, what, job_path = named
     if not uri.startswith("s3://"):
         return _require(resolve_uri(uri, base), field, what, job_path)
-    from spillway_runtime.objectstore import ObjectStoreError, fetch
+    from spillway_runtime.objectstore import Endpoint, ObjectStoreError, fetch
 
     try:
-        result = fetch(uri)
+        result = fetch(uri, where=Endpoint.of(storage))
     except ObjectStoreError as err:
         raise SpecError(str(job_path), [f"{field}: {err}"]) from None
     fetched.append((field, result))
@@ -130,7 +131,7 @@ def prepare_local_run(
     fetched: list[tuple[str, FetchResult]] = []
 
     def source(uri: str, field: str, what: str) -> Path:
-        return _source(uri, base, (field, what, job_path), fetched)
+        return _source(uri, base, (field, what, job_path), fetched, spec.storage)
 
     model_dir = source(spec.model.uri, "spec.model.uri", "model directory")
     tokenizer_dir = (source(spec.model.tokenizer_uri, "spec.model.tokenizerUri", "tokenizer directory")

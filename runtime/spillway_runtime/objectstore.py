@@ -27,7 +27,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -97,33 +97,57 @@ def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "spillway" / "s3").expanduser()
 
 
-def endpoint() -> str:
-    """The endpoint the AWS variables name, for messages ('' for AWS's own)."""
-    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+@dataclass(frozen=True)
+class Endpoint:
+    """Where the store is, when the spec says (spec.storage): otherwise the AWS variables."""
+
+    url: str | None = None
+    region: str | None = None
+    secret: str | None = None  # in a pod: the Secret the credentials came from, for messages
+
+    @classmethod
+    def of(cls, storage: Any, *, in_pod: bool = False) -> Endpoint:
+        """From a spec's `storage` block (None: the environment's)."""
+        ref = getattr(storage, "secret_ref", None)
+        return cls(getattr(storage, "endpoint_url", None), getattr(storage, "region", None),
+                   ref.name if ref is not None and in_pod else None)
 
 
-def open_store(bucket: str) -> Any:
-    """An obstore S3Store for `bucket` from the environment, with short retries: a wrong
-    endpoint should fail the run at start within seconds, not after object_store's 3 minutes."""
+def endpoint(where: Endpoint | None = None) -> str:
+    """The endpoint in use, for messages ('' for AWS's own)."""
+    return ((where.url if where else None) or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL") or "")
+
+
+def open_store(bucket: str, where: Endpoint | None = None) -> Any:
+    """An obstore S3Store for `bucket` from the environment (and spec.storage's endpoint and
+    region over it), with short retries: a wrong endpoint should fail the run at start
+    within seconds, not after object_store's 3 minutes."""
     from obstore.store import S3Store
 
+    overrides: dict[str, Any] = {}
+    if where and where.url:
+        overrides["endpoint"] = where.url
+    if where and where.region:
+        overrides["region"] = where.region
     return S3Store(
         bucket,
-        client_options={"allow_http": endpoint().startswith("http://"), "connect_timeout": timedelta(seconds=10)},
+        **overrides,
+        client_options={"allow_http": endpoint(where).startswith("http://"), "connect_timeout": timedelta(seconds=10)},
         retry_config={"max_retries": 2, "retry_timeout": timedelta(seconds=20),
                       "backoff": {"init_backoff": timedelta(milliseconds=200), "max_backoff": timedelta(seconds=2),
                                   "base": 2}},
     )
 
 
-def fetch(uri: str, *, root: Path | None = None, store: Any = None) -> FetchResult:
+def fetch(uri: str, *, root: Path | None = None, store: Any = None, where: Endpoint | None = None) -> FetchResult:
     """Make the objects of `uri` present under the cache and return where they are: the
     object's file for a single object's key, else the prefix's directory."""
     loc = S3Location.parse(uri)
-    store = store if store is not None else open_store(loc.bucket)
+    store = store if store is not None else open_store(loc.bucket, where)
     root = root or cache_root()
     start = time.monotonic()
-    objects, single = _listing(store, loc)
+    objects, single = _listing(store, loc, where)
     base = root / loc.bucket
     path = base / loc.key if single else base / loc.key.rstrip("/")
     result = FetchResult(uri=uri, path=path, objects=len(objects), bytes_total=sum(o.size for o in objects))
@@ -135,7 +159,11 @@ def fetch(uri: str, *, root: Path | None = None, store: Any = None) -> FetchResu
             manifest.entries.pop(obj.key, None)
         manifest.save()
         if wanted:
-            _download_all(store, loc, base, wanted, manifest)
+            def record(obj: _Object) -> None:  # each complete file at once: a killed run keeps what it finished
+                manifest.entries[obj.key] = {"etag": obj.etag, "size": obj.size}
+                manifest.save()
+
+            download_objects(store, loc, base, wanted, record, at=where)
     result.downloaded = len(wanted)
     result.bytes_downloaded = sum(o.size for o in wanted)
     result.seconds = time.monotonic() - start
@@ -146,7 +174,7 @@ def _dir_prefix(key: str) -> str:
     return key.rstrip("/") + "/" if key.rstrip("/") else ""
 
 
-def _listing(store: Any, loc: S3Location) -> tuple[list[_Object], bool]:
+def _listing(store: Any, loc: S3Location, at: Endpoint | None = None) -> tuple[list[_Object], bool]:
     """The objects to fetch and whether the key named one object (rather than a prefix)."""
     import obstore
 
@@ -156,14 +184,14 @@ def _listing(store: Any, loc: S3Location) -> tuple[list[_Object], bool]:
             return [_object(meta)], True
         except Exception as err:  # sorted into "not an object" and real failures
             if not _is_not_found(err):
-                raise _explain(loc, err) from None
+                raise _explain(loc, err, at) from None
     prefix = _dir_prefix(loc.key)
     found: list[_Object] = []
     try:
         for batch in obstore.list(store, prefix=prefix or None, chunk_size=1000):
             found.extend(_object(meta) for meta in batch if not str(meta["path"]).endswith("/"))
     except Exception as err:  # every failure becomes one message naming the bucket
-        raise _explain(loc, err) from None
+        raise _explain(loc, err, at) from None
     if not found:
         raise ObjectStoreError(f"{loc} holds no objects: check the bucket and prefix "
                                f"(prefixes are listed as {prefix or '(the whole bucket)'}…)")
@@ -188,23 +216,30 @@ def _is_not_found(err: Exception) -> bool:
     return isinstance(err, FileNotFoundError) and "NoSuchBucket" not in str(err)
 
 
-def _explain(loc: S3Location, err: Exception) -> ObjectStoreError:
+def _explain(loc: S3Location, err: Exception, at: Endpoint | None = None, verb: str = "read") -> ObjectStoreError:
     """One line that names the bucket and prefix and says what to check."""
     from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
 
     text = str(err)
-    where = f"endpoint {endpoint()}" if endpoint() else "AWS's endpoint (AWS_ENDPOINT_URL unset)"
+    url = endpoint(at)
+    where = f"endpoint {url}" if url else "AWS's endpoint (AWS_ENDPOINT_URL unset)"
+    endpoint_field = "spec.storage.endpointUrl" if at and at.url else "AWS_ENDPOINT_URL"
+    keys = "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+    if at and at.secret:
+        keys = f"the Secret {at.secret!r} (spec.storage.secretRef: {keys})"
     if "NoSuchBucket" in text or isinstance(err, FileNotFoundError):
-        return ObjectStoreError(f"cannot read {loc}: bucket {loc.bucket!r} does not exist at {where}; "
-                                "check the bucket name and AWS_ENDPOINT_URL")
+        return ObjectStoreError(f"cannot {verb} {loc}: bucket {loc.bucket!r} does not exist at {where}; "
+                                f"check the bucket name and {endpoint_field}")
     credentials = ("SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied", "403", "401")
     if isinstance(err, PermissionDeniedError | UnauthenticatedError) or any(c in text for c in credentials):
-        return ObjectStoreError(f"cannot read {loc}: the object store at {where} refused the credentials "
-                                f"for bucket {loc.bucket!r}; check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
-                                "(and the key's access to this bucket)")
+        return ObjectStoreError(f"cannot {verb} {loc}: the object store at {where} refused the credentials "
+                                f"for bucket {loc.bucket!r}; check {keys} (and the key's access to this bucket)")
     first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
-    return ObjectStoreError(f"cannot read {loc} at {where}: {first}; check AWS_ENDPOINT_URL, the network "
+    return ObjectStoreError(f"cannot {verb} {loc} at {where}: {first}; check {endpoint_field}, the network "
                             "and the credentials")
+
+
+explain = _explain
 
 
 def _is_cached(entries: dict[str, dict[str, Any]], base: Path, obj: _Object) -> bool:
@@ -225,20 +260,19 @@ def _drop_vanished(manifest: _Manifest, base: Path, prefix: str, present: set[st
     return len(gone)
 
 
-def _download_all(store: Any, loc: S3Location, base: Path, wanted: list[_Object], manifest: _Manifest) -> None:
-    """Every wanted object, as parts of at most PART_BYTES fetched in parallel (a model's
-    one big weights file keeps every worker busy, as boto3's download_file does)."""
+def download_objects(store: Any, loc: S3Location, base: Path, wanted: list[_Object],
+                     done: Callable[[_Object], None] = lambda obj: None, *, strip: str = "",
+                     at: Endpoint | None = None) -> None:
+    """Every wanted object to `base`/its key (less `strip`), as parts of at most PART_BYTES
+    fetched in parallel (a model's one big weights file keeps every worker busy, as
+    boto3's download_file does); `done` is called, one at a time, as each file is in place."""
     guard = threading.Lock()
-    downloads = [_Download(store, loc, base / obj.key, obj) for obj in wanted]
-
-    def record(job: _Download) -> None:
-        with guard:  # each complete file is recorded at once, so a killed run keeps what it finished
-            manifest.entries[job.obj.key] = {"etag": job.obj.etag, "size": job.obj.size}
-            manifest.save()
+    downloads = [_Download(store, loc, base / obj.key.removeprefix(strip), obj, at) for obj in wanted]
 
     def part(job: _Download, span: tuple[int, int] | None) -> None:
         if job.write(span):
-            record(job)
+            with guard:
+                done(job.obj)
 
     try:
         with ThreadPoolExecutor(max_workers=DOWNLOAD_WORKERS) as pool:
@@ -260,8 +294,8 @@ class _Download:
     part's offset), renamed into place after the last part and an fsync: never a partial
     file at the target."""
 
-    def __init__(self, store: Any, loc: S3Location, target: Path, obj: _Object) -> None:
-        self.store, self.loc, self.target, self.obj = store, loc, target, obj
+    def __init__(self, store: Any, loc: S3Location, target: Path, obj: _Object, at: Endpoint | None = None) -> None:
+        self.store, self.loc, self.target, self.obj, self.at = store, loc, target, obj, at
         target.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = target.parent / f".{target.name}.part-{os.getpid()}-{threading.get_ident()}"
         self.fd: int | None = None  # opened by the first part to run: a model's thousand files are not all open at once
@@ -295,7 +329,7 @@ class _Download:
             for chunk in result.stream(min_chunk_size=CHUNK_BYTES):
                 offset += os.pwrite(fd, chunk, offset)
         except Exception as err:  # reported with the bucket and key
-            raise ObjectStoreError(f"{_explain(self.loc, err)} (while downloading {self.obj.key})") from None
+            raise ObjectStoreError(f"{_explain(self.loc, err, self.at)} (while downloading {self.obj.key})") from None
         if offset != end:
             raise ObjectStoreError(f"{self.loc}: {self.obj.key} bytes {start}-{end} ended at {offset}; run again")
         with self.lock:

@@ -18,7 +18,7 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spillway_runtime import k8s_status
 from spillway_runtime.checkpoint import (
@@ -44,6 +44,9 @@ from spillway_runtime.optimizer_state import (
 
 STATE_FILE = "spillway_state.pt"
 DS_TAG = "ds"
+
+if TYPE_CHECKING:
+    from spillway_runtime.mirror import CheckpointMirror
 
 
 class RunFailed(RuntimeError):
@@ -82,6 +85,7 @@ class Checkpointing:
         from spillway_runtime.ds_checkpoint import SpillwayCheckpointEngine, SwapFiles, direct_io
 
         self.pending: PendingSave | None = None
+        self.mirror: CheckpointMirror | None = None
         self.swap_files = SwapFiles.of(self.engine)  # the optimizer's, on NVMe
         io = direct_io(self.plan.aio, memlock_limit(), Path(self.cfg.checkpoint_dir))
         self.ckpt = SpillwayCheckpointEngine(io, functools.partial(strip_swapped_subgroups, self.engine))
@@ -94,12 +98,13 @@ class Checkpointing:
             broadcast=self._broadcast,
             first_failure=self._first_failure,
             log=self._log,
-            pinned=self._pending_rollback,
+            pinned=self._pinned,
             keep_best=self.spec.checkpoint.keep_best,
             digest=self.ckpt.io.digest,
         )
         if self.rank == 0:
             self._check_writable(Path(self.cfg.checkpoint_dir), "checkpoint.path")
+        self._setup_mirror()
         # resumeFrom rolls back once: later restarts of the same job (preemption, node loss)
         # continue from the newest checkpoint of the new timeline, not from the rollback point.
         resume_from = self.spec.resume_from
@@ -109,12 +114,81 @@ class Checkpointing:
         abandoned: list[str] = []
         if info is not None and resume_from is not None:
             abandoned = self.store.adopt(info.name) if self.rank == 0 else []
+            if self.mirror is not None:
+                self.mirror.point_to(info.name)
             self._barrier()
         self._list_checkpoints_in_status()
         if info is not None:
             if resume_from is not None:
                 self.reporter.event("rolled_back", checkpoint=info.name, step=self.step, abandoned=abandoned)
             self.reporter.event("resumed", checkpoint=info.name, step=self.step)
+
+    def _pinned(self) -> set[str]:
+        """What pruning the volume must spare: a pending rollback's target and what the
+        mirror is still uploading."""
+        return self._pending_rollback() | (self.mirror.in_flight() if self.mirror is not None else set())
+
+    def _setup_mirror(self) -> None:
+        """spec.checkpoint.mirror: check it can be written (a wrong Secret or bucket fails
+        the job now, exit 2), bring its newest checkpoint onto an empty volume (or the one
+        resumeFrom names, when the volume lacks it), then start the uploader (rank 0)."""
+        from spillway_runtime.mirror import CheckpointMirror, Mirror
+        from spillway_runtime.objectstore import Endpoint, ObjectStoreError
+
+        uri = self.spec.checkpoint.mirror
+        if uri is None:
+            return
+        problem: str | None = None
+        mirror: Mirror | None = None
+        if self.rank == 0:
+            try:
+                where = Endpoint.of(self.spec.storage, in_pod=k8s_status.in_pod())
+                mirror = Mirror(uri, where=where)
+                mirror.check()
+                self._restore_from_mirror(mirror)
+            except ObjectStoreError as err:
+                problem = f"checkpoint.mirror: {err}"
+        problem = self._first_failure(problem)
+        if problem is not None:
+            raise RunFailed(problem, ExitCode.BAD_INPUT)
+        if mirror is not None:
+            self.mirror = CheckpointMirror(mirror, self.spec.checkpoint.keep,
+                                           spared=lambda: {c.name for c in self.store.list()})
+
+    def _restore_from_mirror(self, mirror: Any) -> None:
+        wanted = self.spec.resume_from
+        local = {c.name for c in self.store.list()}
+        if local and (wanted is None or wanted in local or self.store.applied_rollback() == wanted):
+            return
+        name = mirror.newest(wanted if wanted not in local else None)
+        if name is None:
+            self._log(f"checkpoint.mirror {mirror.uri} holds no complete checkpoint"
+                      + (f" named {wanted}" if wanted else "") + "; starting from the volume")
+            return
+        started = time.monotonic()
+        _path, nbytes = mirror.restore(name, self.store.root)
+        seconds = time.monotonic() - started
+        self.reporter.event("mirror_restored", checkpoint=name, uri=mirror.uri, bytes=nbytes,
+                            seconds=round(seconds, 3), bytes_per_s=round(nbytes / max(seconds, 1e-6)))
+
+    def report_mirror(self) -> None:
+        """The uploader's news since the last call, as events (the training thread's, so
+        the events file and the status are written from one thread)."""
+        if self.mirror is None:
+            return
+        for kind, fields in self.mirror.take_events():
+            self.reporter.event(kind, uri=self.mirror.mirror.uri, **fields)
+
+    def finish_mirror(self, budget_seconds: float) -> None:
+        """Wait for the uploads (the end of training, a stop's grace), then stop the uploader."""
+        if self.mirror is None:
+            return
+        if not self.mirror.drain(budget_seconds):
+            state = self.mirror.state
+            self.reporter.event("mirror_behind", uri=self.mirror.mirror.uri, uploaded=state.uploaded,
+                                waited_seconds=round(budget_seconds, 1), reason=state.last_error)
+        self.report_mirror()
+        self.mirror.close()
 
     def _pending_rollback(self) -> set[str]:
         """In a pod: the checkpoint a rollback asked for after this attempt began. The operator
@@ -203,12 +277,15 @@ class Checkpointing:
             raise RunFailed(str(err)) from None
         if self.swap_files is not None:
             self.swap_files.committed(pending.staging, info.path)
+        if self.mirror is not None:
+            self.mirror.submit(info.name, info.step, info.path)
         stall = self.pending_stall + time.monotonic() - waited
         background = self.pending_background[0].seconds if self.pending_background else 0.0
         self.last_saved_step = pending.step
         self._list_checkpoints_in_status()
         self.reporter.event("checkpoint", **info.public(), stall_seconds=round(stall, 4),
                             background_seconds=round(background, 4))
+        self.report_mirror()
         return info
 
     def _load_good(self, name: str | None) -> CheckpointInfo | None:
