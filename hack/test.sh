@@ -14,6 +14,7 @@ if [ -x hack/cluster ]; then
   echo "== control plane binaries"; hack/cluster build
 fi
 echo "== S3 server binary (SeaweedFS weed, cached by a hash of hack/weed-build)"; hack/weed build
+echo "== MLflow server (its own virtual environment, cached by a hash of hack/mlflow-requirements.txt)"; hack/mlflow build
 if [ $# -gt 0 ]; then
   echo "== pytest $*"
   exec "$PY" -m pytest -p no:cacheprovider "$@"

@@ -23,6 +23,11 @@ class ExitCode(IntEnum):
     ABORTED = 130  # 128 + SIGINT: a second Ctrl-C stopped it without the stop checkpoint
 
 
+# The runtime's own Prometheus endpoint (tracking.py): served on rank 0 when this variable
+# names a port; the operator sets it in every trainer pod and names the container port `metrics`.
+METRICS_PORT_ENV = "SPILLWAY_METRICS_PORT"
+POD_METRICS_PORT = 9400  # in the exporters' range; the pod has its own network namespace, so no node's exporter collides
+
 # Every phase a job can be in, in the operator (cluster) or the API's local launcher.
 Phase = Literal[
     "Pending",  # accepted, not yet planned

@@ -3,17 +3,20 @@
 Every event is appended as one JSON line to the run's events file, which the
 local launcher and the API read. On a terminal a rich progress bar shows step,
 loss, tokens/s, ETA and bytes per tier; elsewhere the JSON lines also go to
-stdout, so `kubectl logs` reads the same record.
+stdout, so `kubectl logs` reads the same record. Listeners (tracking.py: MLflow,
+TensorBoard, the /metrics endpoint) see every record too; what they have to say from
+their own threads comes back through `warn_soon` and is written by the training thread.
 """
 
 from __future__ import annotations
 
 import json
+import queue
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from spillway_runtime.units import format_bytes
 
@@ -28,6 +31,15 @@ def append_event(events_path: Path, kind: str, **fields: Any) -> None:
     events_path.parent.mkdir(parents=True, exist_ok=True)
     with events_path.open("a") as fh:
         fh.write(json.dumps(event_record(kind, **fields), default=str) + "\n")
+
+
+class EventListener(Protocol):
+    """Something else that follows the run's events (tracking.py). `handle` runs on the
+    training thread after each event is written: it must return at once."""
+
+    def handle(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Reporter:
@@ -50,10 +62,18 @@ class Reporter:
             self._fh = events_path.open("a", buffering=1)
         self._progress: Any = None
         self._task: Any = None
+        self.listeners: list[EventListener] = []
+        self._deferred: queue.SimpleQueue[str] = queue.SimpleQueue()
+
+    def warn_soon(self, message: str) -> None:
+        """A `warning` event from any thread: written by the training thread with its next
+        event (or at close), so that the events file has one writer."""
+        self._deferred.put(message)
 
     def event(self, kind: str, **fields: Any) -> None:
         if not self.enabled:
             return
+        self._write_deferred()
         record = event_record(kind, **fields)
         line = json.dumps(record, default=str)
         if self._fh is not None:
@@ -65,6 +85,19 @@ class Reporter:
                 self._console_print(f"[bold]{kind}[/bold] " + " ".join(f"{k}={v}" for k, v in fields.items()))
         else:
             print(line, flush=True)
+        for listener in list(self.listeners):
+            try:
+                listener.handle(record)
+            except Exception as err:  # a listener's fault (a full disk under tensorboard/): it goes, training does not
+                self.listeners.remove(listener)
+                self.warn_soon(f"{type(listener).__name__} stopped: {type(err).__name__}: {err}")
+
+    def _write_deferred(self) -> None:
+        messages = []
+        while not self._deferred.empty():
+            messages.append(self._deferred.get())
+        for message in messages:
+            self.event("warning", message=message)
 
     def _console_print(self, text: str) -> None:
         if self._progress is not None:
@@ -95,6 +128,11 @@ class Reporter:
         self._progress.update(self._task, completed=step, info=info)
 
     def close(self) -> None:
+        listeners, self.listeners = self.listeners, []
+        for listener in listeners:
+            listener.close()  # each bounds its own wait (tracking.py)
+        if self.enabled:
+            self._write_deferred()
         if self._progress is not None:
             self._progress.stop()
             self._progress = None

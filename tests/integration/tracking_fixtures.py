@@ -1,0 +1,83 @@
+"""A real MLflow tracking server for the tests: `mlflow server` on a free loopback port with a
+SQLite backend in a temporary directory, from its own virtual environment (hack/mlflow: the
+full mlflow package conflicts with requirements.lock). Import the fixture into a test module
+to use it; the tests talk to it with the runtime's own client (mlflow-skinny)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from .storage_fixtures import ROOT, _free_ports
+
+
+@dataclass(frozen=True)
+class MlflowServer:
+    uri: str
+    log: Path
+
+
+def mlflow_command() -> Path:
+    """hack/mlflow's `mlflow`, built first if missing (a hash check when it is there)."""
+    path = Path(subprocess.run([str(ROOT / "hack" / "mlflow"), "path"], check=True, capture_output=True,
+                               text=True).stdout.strip())
+    if not (path.parent.parent / ".complete").is_file():
+        subprocess.run([str(ROOT / "hack" / "mlflow"), "build"], check=True)
+    return path
+
+
+def _answers(uri: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{uri}/health", timeout=2) as response:
+            return response.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+@contextlib.contextmanager
+def mlflow_server(root: Path) -> Iterator[MlflowServer]:
+    """`mlflow server` with its database and artifacts under `root`, until the block ends."""
+    root.mkdir(parents=True, exist_ok=True)
+    (port,) = _free_ports(1)
+    uri = f"http://127.0.0.1:{port}"
+    command = [str(mlflow_command()), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+               "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+               "--default-artifact-root", str(root / "artifacts")]
+    log = root / "mlflow.log"
+    # The server's environment, not the tests': our virtual environment's variables would lead
+    # its Python to our packages.
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=root, env=env,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120  # the first start creates the database (Alembic migrations)
+        while not _answers(uri):
+            if proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited {proc.returncode}: {log.read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"mlflow server did not answer on {uri} in 120 s: {log.read_text()[-3000:]}")
+            time.sleep(0.3)
+        yield MlflowServer(uri, log)
+    finally:
+        os.killpg(proc.pid, 15)  # the server and the workers it started (its data is thrown away)
+        try:
+            proc.wait(timeout=3)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def tracking_server(tmp_path_factory) -> Iterator[MlflowServer]:
+    with mlflow_server(tmp_path_factory.mktemp("mlflow")) as server:
+        yield server

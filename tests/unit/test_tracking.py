@@ -1,0 +1,112 @@
+"""The reporter's listeners without training (tracking.py, reporting.py): /metrics answers
+with the last event's numbers over HTTP and stops with the reporter; a listener that fails
+is one warning in the events file and the events go on; the scalars every tracker shows."""
+
+from __future__ import annotations
+
+import socket
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spillway_runtime.reporting import Reporter, read_events
+from spillway_runtime.tracking import PrometheusListener, scalars
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _metrics(port: int) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {(f"{s.name}/{s.labels['tier']}" if "tier" in s.labels else s.name): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _reporter(tmp_path: Path) -> Reporter:
+    return Reporter(tmp_path / "events.jsonl", total_steps=10, interactive=False)
+
+
+def test_scalars_of_a_step_an_evaluation_and_a_checkpoint():
+    step = {"event": "step", "step": 3, "loss": 2.5, "lr": 1e-4, "tokens_per_s": 800.0, "step_seconds": 0.5,
+            "eta_seconds": 4.0, "data_position": 12, "bytes": {"cpu": 100, "nvme": 7}}
+    assert scalars(step) == {"loss": 2.5, "learning_rate": 1e-4, "tokens_per_s": 800.0, "step_seconds": 0.5,
+                             "bytes/cpu": 100.0, "bytes/nvme": 7.0}
+    assert scalars({"event": "eval", "step": 3, "eval_loss": 2.25, "perplexity": 9.5}) == {"eval_loss": 2.25}
+    assert scalars({"event": "checkpoint", "step": 3, "stall_seconds": 0.25, "background_seconds": 1.5}) == {
+        "checkpoint/stall_seconds": 0.25, "checkpoint/background_seconds": 1.5}
+    assert scalars({"event": "log", "message": "hello"}) == {}
+
+
+def test_metrics_endpoint_serves_the_last_events_numbers_until_the_reporter_closes(tmp_path, capsys):
+    port = _free_port()
+    reporter = _reporter(tmp_path)
+    reporter.listeners = [PrometheusListener(port)]
+    reporter.event("started", step=0, total_steps=10)
+    assert _metrics(port)["spillway_step"] == 0
+    reporter.step(1, loss=3.0, lr=1e-3, tokens_per_s=500.0, step_seconds=0.2, bytes={"cpu": 1000, "nvme": 64})
+    reporter.step(2, loss=2.75, lr=9e-4, tokens_per_s=520.0, step_seconds=0.19, bytes={"cpu": 1001, "nvme": 128})
+    reporter.event("checkpoint", step=2, stall_seconds=0.125, background_seconds=0.5)
+    reporter.event("eval", step=2, eval_loss=2.9)
+    seen = _metrics(port)
+    assert seen["spillway_step"] == 2 and seen["spillway_loss"] == 2.75
+    assert seen["spillway_learning_rate"] == 9e-4 and seen["spillway_tokens_per_second"] == 520.0
+    assert seen["spillway_tier_bytes/cpu"] == 1001 and seen["spillway_tier_bytes/nvme"] == 128
+    assert seen["spillway_checkpoint_stall_seconds"] == 0.125 and seen["spillway_checkpoints_total"] == 1
+    assert seen["spillway_eval_loss"] == 2.9 and seen["spillway_rollbacks_total"] == 0
+    reporter.close()
+    with pytest.raises(urllib.error.URLError):
+        _metrics(port)
+    capsys.readouterr()
+
+
+class _Breaks:
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def handle(self, record: dict[str, Any]) -> None:
+        self.seen.append(record["event"])
+        if record["event"] == "step":
+            raise OSError(28, "No space left on device")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_failing_listener_is_one_warning_and_the_events_go_on(tmp_path, capsys):
+    reporter = _reporter(tmp_path)
+    broken = _Breaks()
+    reporter.listeners = [broken]
+    reporter.event("started", step=0, total_steps=10)
+    reporter.step(1, loss=1.0)
+    reporter.step(2, loss=0.9)
+    reporter.close()
+    events = read_events(tmp_path / "events.jsonl")
+    assert [e["event"] for e in events] == ["started", "step", "warning", "step"]
+    assert "No space left on device" in events[2]["message"]
+    assert broken.seen == ["started", "step"]  # dropped after its failure
+    capsys.readouterr()
+
+
+def test_a_warning_from_another_thread_is_written_by_the_next_event_or_at_close(tmp_path, capsys):
+    import threading
+
+    reporter = _reporter(tmp_path)
+    thread = threading.Thread(target=reporter.warn_soon, args=("from the side",))
+    thread.start()
+    thread.join()
+    reporter.event("log", message="next")
+    reporter.warn_soon("at the end")
+    reporter.close()
+    events = read_events(tmp_path / "events.jsonl")
+    assert [(e["event"], e["message"]) for e in events] == [
+        ("warning", "from the side"), ("log", "next"), ("warning", "at the end")]
+    capsys.readouterr()
