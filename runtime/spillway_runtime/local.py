@@ -54,6 +54,20 @@ def _source(uri: str, base: Path, named: tuple[str, str, Path], fetched: list[tu
     return result.path
 
 
+def _check_mirror(spec: Any, job_path: Path) -> None:
+    """A checkpoint mirror that cannot be listed and written ends the run before it starts
+    (the runtime checks again, for pods)."""
+    if spec.checkpoint.mirror is None:
+        return
+    from spillway_runtime.mirror import Mirror
+    from spillway_runtime.objectstore import Endpoint, ObjectStoreError
+
+    try:
+        Mirror(spec.checkpoint.mirror, where=Endpoint.of(spec.storage)).check()
+    except ObjectStoreError as err:
+        raise SpecError(str(job_path), [f"spec.checkpoint.mirror: {err}"]) from None
+
+
 def plan_for_job(job: FineTuneJob, hw: NodeHardware, model_dir: Path, processes: int = 1,
                  price_per_hour: float | None = None) -> OffloadPlan:
     from spillway_runtime.modelinfo import shape_from_config
@@ -140,6 +154,7 @@ def prepare_local_run(
     held_out = spec.dataset.validation.uri if spec.dataset.validation else None
     validation_path = (source(held_out, "spec.dataset.validation.uri", "validation file or directory")
                        if held_out else None)
+    _check_mirror(spec, job_path)
     run_dir = (run_dir or Path.cwd() / "runs" / job.metadata.name).resolve()
     checkpoint_dir = resolve_uri(spec.checkpoint.path, base) if spec.checkpoint.path else run_dir / "checkpoints"
     nvme_dir = resolve_uri(spec.offload.nvme.path, base) if spec.offload.nvme.path else run_dir / "nvme"

@@ -94,9 +94,9 @@ class Mirror:
 
         probe = self.key(f".spillway-write-test-{os.getpid()}")
         try:
+            self.listing()  # first: a missing bucket is an error here, where a put may create it
             obstore.put(self.store, probe, b"x")
             obstore.delete(self.store, probe)
-            self.listing()
         except ObjectStoreError:
             raise
         except Exception as err:  # every failure becomes one message naming the bucket

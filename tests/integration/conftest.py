@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,20 +108,26 @@ def _kill_tree(pid: int) -> None:
     psutil.wait_procs(procs[:-1], timeout=30)
 
 
-def _last_step(events_path: Path, offset: int) -> int:
-    """The newest step reported after `offset` bytes of the events file (this launch only)."""
+def _new_events(events_path: Path, offset: int) -> list[dict[str, Any]]:
+    """The complete events written after `offset` bytes of the events file (this launch only)."""
     if not events_path.exists():
-        return 0
+        return []
     with events_path.open("rb") as fh:
         fh.seek(offset)
         lines = fh.read().decode(errors="replace").splitlines()
-    steps = [json.loads(line)["step"] for line in lines if '"event": "step"' in line and line.endswith("}")]
-    return max(steps, default=0)
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def _last_step(events_path: Path, offset: int) -> int:
+    """The newest step reported after `offset` bytes of the events file (this launch only)."""
+    return max((e["step"] for e in _new_events(events_path, offset) if e["event"] == "step"), default=0)
 
 
 def run_job(job_path: Path, run_dir: Path, *, processes: int = 1, faults: FaultInjection | None = None,
-            signal_at_step: int | None = None, sig: int = signal.SIGKILL, timeout: float = 600) -> Run:
-    """Run the runtime to completion, or send `sig` once the events show `signal_at_step`."""
+            signal_at_step: int | None = None, sig: int = signal.SIGKILL, timeout: float = 600,
+            signal_when: Callable[[list[dict[str, Any]]], bool] | None = None) -> Run:
+    """Run the runtime to completion, or send `sig` once the events show `signal_at_step`
+    (or `signal_when` holds for this launch's events)."""
     config = prepare_local_run(job_path, run_dir=run_dir, processes=processes, faults=faults)
     log_path = run_dir / f"runtime-{int(time.time() * 1000)}.log"
     events = run_dir / "events.jsonl"
@@ -133,7 +140,10 @@ def run_job(job_path: Path, run_dir: Path, *, processes: int = 1, faults: FaultI
             while child.poll() is None:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"runtime did not finish in {timeout} s; log: {log_path}")
-                if signal_at_step is not None and _last_step(events, offset) >= signal_at_step:
+                due = signal_at_step is not None and _last_step(events, offset) >= signal_at_step
+                if signal_when is not None and signal_when(_new_events(events, offset)):
+                    due, signal_when = True, None
+                if due:
                     if sig == signal.SIGKILL:
                         _kill_tree(child.pid)  # the supervisor and its ranks at once, as a node loss would
                     else:

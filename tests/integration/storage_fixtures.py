@@ -29,6 +29,7 @@ class S3Server:
     access_key: str
     secret_key: str
     log: Path
+    ports: tuple[int, ...] = ()  # weed's eight, to start it again at the same address
 
     def env(self, *, secret_key: str | None = None) -> dict[str, str]:
         """The AWS variables `spillway run` reads (a wrong secret for the refusal tests)."""
@@ -88,9 +89,10 @@ def _answers(endpoint: str) -> bool:
 
 
 @contextlib.contextmanager
-def weed_server(root: Path) -> Iterator[S3Server]:
+def weed_server(root: Path, ports: tuple[int, ...] = ()) -> Iterator[S3Server]:
     """`weed server -s3` with its data under `root`, until the block ends (the benchmark
-    uses it as is; the tests through the `s3_server` fixture)."""
+    uses it as is; the tests through the `s3_server` fixture). `ports`: those of an earlier
+    server on the same `root`, to bring it back where its clients look."""
     (root / "data").mkdir(parents=True, exist_ok=True)
     config = root / "identities.json"
     config.write_text(json.dumps({"identities": [{
@@ -98,7 +100,8 @@ def weed_server(root: Path) -> Iterator[S3Server]:
         "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
         "actions": ["Admin", "Read", "List", "Tagging", "Write"],
     }]}))
-    master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = _free_ports(8)
+    ports = ports or tuple(_free_ports(8))
+    master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = ports
     command = [
         str(weed_binary()), "server", f"-dir={root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
         f"-master.port={master}", f"-master.port.grpc={master_grpc}", "-master.volumeSizeLimitMB=64",
@@ -109,7 +112,7 @@ def weed_server(root: Path) -> Iterator[S3Server]:
     ]
     log = root / "weed.log"
     endpoint = f"http://127.0.0.1:{s3}"
-    with log.open("wb") as out:
+    with log.open("ab") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=root, start_new_session=True)
     try:
         deadline = time.monotonic() + 90
@@ -119,7 +122,7 @@ def weed_server(root: Path) -> Iterator[S3Server]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"weed server did not answer on {endpoint} in 90 s: {log.read_text()[-3000:]}")
             time.sleep(0.3)
-        yield S3Server(endpoint, ACCESS_KEY, SECRET_KEY, log)
+        yield S3Server(endpoint, ACCESS_KEY, SECRET_KEY, log, ports)
     finally:
         proc.terminate()
         try:
