@@ -18,7 +18,7 @@ from typing import Any
 
 from spillway_operator.placement import ShapeChoice
 from spillway_operator.settings import OperatorSettings
-from spillway_runtime.contract import TERMINAL_PHASES, ExitCode, Phase
+from spillway_runtime.contract import METRICS_PORT_ENV, POD_METRICS_PORT, TERMINAL_PHASES, ExitCode, Phase
 from spillway_runtime.dsconfig import build_deepspeed_config
 from spillway_runtime.hardware import GPU_RESOURCE, NodeHardware
 from spillway_runtime.planner import OffloadPlan
@@ -402,6 +402,8 @@ def build_pod(
         {"name": "SPILLWAY_JOB_NAME", "value": name},
         {"name": "SPILLWAY_JOB_NAMESPACE", "value": job["metadata"]["namespace"]},
         {"name": "SPILLWAY_ATTEMPT", "value": str(attempt)},
+        # Rank 0 serves /metrics here (the chart's PodMonitor scrapes the rank-0 pod's `metrics` port)
+        {"name": METRICS_PORT_ENV, "value": str(POD_METRICS_PORT)},
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         # The root filesystem is read-only: caches that libraries keep under HOME (Hugging
@@ -441,6 +443,7 @@ def build_pod(
                 "image": settings.runtime_image,
                 "command": _command(job, plan, attempt, rank),
                 "env": env,
+                "ports": [{"name": "metrics", "containerPort": POD_METRICS_PORT, "protocol": "TCP"}],
                 "resources": {"requests": requests, "limits": limits} if limits else {"requests": requests},
                 "volumeMounts": mounts,
                 # The runtime's own error (a bad dataset line, with file and line) as the

@@ -36,7 +36,7 @@ CHART = ROOT / "charts" / "spillway"
 EXAMPLE = ROOT / "examples" / "finetune.yaml"
 KUBE_VERSION = "1.33.0"
 # Kinds from other projects' CRDs: no schema in kubernetes-validate; checked by hand below.
-FOREIGN_KINDS = {"ServiceMonitor"}
+FOREIGN_KINDS = {"ServiceMonitor", "PodMonitor"}
 RELEASE = "spillway"
 STORAGE_CLASS = "spillway-e2e-chart"
 INSTANCE = f"app.kubernetes.io/instance={RELEASE}"
@@ -138,7 +138,8 @@ def test_every_rendered_manifest_is_valid_kubernetes(helm: Callable[..., Any], c
         where = f"{case}: {doc['kind']}/{doc['metadata']['name']}"
         if doc["kind"] in FOREIGN_KINDS:
             assert doc["apiVersion"] == "monitoring.coreos.com/v1", where
-            assert doc["spec"]["endpoints"][0]["port"] == "metrics", where
+            endpoints = doc["spec"].get("endpoints") or doc["spec"]["podMetricsEndpoints"]
+            assert endpoints[0]["port"] == "metrics", where
             continue
         try:
             kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
@@ -147,6 +148,23 @@ def test_every_rendered_manifest_is_valid_kubernetes(helm: Callable[..., Any], c
         labels = doc["metadata"].get("labels") or {}
         if doc["kind"] != "CustomResourceDefinition":
             assert labels.get("app.kubernetes.io/instance") == RELEASE, where
+
+
+def test_the_pod_monitor_scrapes_the_rank_0_trainer_pods_the_operator_builds(helm: Callable[..., Any]) -> None:
+    from spillway_operator import builders
+
+    monitors = [d for d in render(helm, MATRIX["namespaced-with-metrics"]) if d["kind"] == "PodMonitor"]
+    assert len(monitors) == 1
+    spec = monitors[0]["spec"]
+    assert spec["selector"]["matchLabels"] == {builders.LABEL_COMPONENT: "trainer",
+                                                builders.LABEL_MANAGED_BY: builders.MANAGER, builders.LABEL_RANK: "0"}
+    assert spec["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
+    assert spec["podMetricsEndpoints"][0]["port"] == "metrics"
+    everywhere = {"serviceMonitor.enabled": True}
+    assert [d["spec"]["namespaceSelector"] for d in render(helm, everywhere) if d["kind"] == "PodMonitor"] == [
+        {"any": True}]
+    assert not [d for d in render(helm, {**everywhere, "serviceMonitor.trainerPods": False}) if d["kind"] == "PodMonitor"]
+    assert not [d for d in render(helm, {}) if d["kind"] == "PodMonitor"]
 
 
 def test_the_validator_rejects_what_kubernetes_would() -> None:

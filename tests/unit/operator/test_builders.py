@@ -139,6 +139,9 @@ def test_pod_has_gpu_limits_memory_affinity_and_volumes() -> None:
     home = next(e["value"] for e in container["env"] if e["name"] == "HOME")
     writable = [m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")]
     assert any(home == path or home.startswith(path + "/") for path in writable), (home, writable)
+    # The runtime serves /metrics on the port the container names `metrics` (the chart's PodMonitor).
+    port = int(next(e["value"] for e in container["env"] if e["name"] == "SPILLWAY_METRICS_PORT"))
+    assert {"name": "metrics", "containerPort": port, "protocol": "TCP"} in container["ports"]
     # Deterministic: the same inputs build the same pod (restart safety rests on it).
     assert b.build_pod(JOB, s, choice, attempt=2, rank=0, settings=SETTINGS) == pod
 
