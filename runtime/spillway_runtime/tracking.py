@@ -345,7 +345,25 @@ class PrometheusListener:
             if key.startswith("bytes/"):
                 tiers.add_metric([key.removeprefix("bytes/")], value)
         yield tiers
+        yield from _disk_counters()
 
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def _disk_counters() -> Iterator[Any]:
+    """This process's block-device reads and writes, read at each scrape: the swap traffic
+    of an NVMe plan (DeepSpeed's async I/O runs in this process; checkpoints and the dataset
+    count too), whose rate() is the swap bytes/s. Rank 0's process only."""
+    import psutil
+    from prometheus_client.core import CounterMetricFamily
+
+    try:
+        io = psutil.Process().io_counters()
+    except (AttributeError, psutil.AccessDenied):  # not on this platform, or /proc/self/io hidden
+        return
+    yield CounterMetricFamily("spillway_disk_read_bytes", "Bytes this process read from block devices "
+                              "(NVMe swap, checkpoints, data)", value=io.read_bytes)
+    yield CounterMetricFamily("spillway_disk_written_bytes", "Bytes this process wrote to block devices "
+                              "(NVMe swap, checkpoints)", value=io.write_bytes)

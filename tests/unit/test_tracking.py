@@ -62,6 +62,7 @@ def test_metrics_endpoint_serves_the_last_events_numbers_until_the_reporter_clos
     assert seen["spillway_tier_bytes/cpu"] == 1001 and seen["spillway_tier_bytes/nvme"] == 128
     assert seen["spillway_checkpoint_stall_seconds"] == 0.125 and seen["spillway_checkpoints_total"] == 1
     assert seen["spillway_eval_loss"] == 2.9 and seen["spillway_rollbacks_total"] == 0
+    assert seen["spillway_disk_read_bytes_total"] >= 0 and seen["spillway_disk_written_bytes_total"] >= 0
     reporter.close()
     with pytest.raises(urllib.error.URLError):
         _metrics(port)
