@@ -1,5 +1,6 @@
-"""Download throughput of `spillway run`'s S3 cache fill against a plain boto3 copy of the
-same objects, in the same run, from a real SeaweedFS server on loopback.
+"""Download throughput of `spillway run`'s S3 cache fill, and upload and restore throughput
+of the checkpoint mirror, each against a plain boto3 copy of the same objects, in the same
+run, from and to a real SeaweedFS server on loopback.
 
     python benchmarks/bench_s3.py [--big-mib 192] [--files 16] [--file-mib 4] [--rounds 2]
 
@@ -9,8 +10,12 @@ big weights file and several small ones), then alternates, `--rounds` times: bot
 and `objectstore.fetch` into an empty cache (listing, parallel downloads with the big file
 in ranged parts, temp file + fsync + rename, manifest; boto3 does not fsync). Prints each
 one's MiB/s (best round) and their ratio; also the time of a fetch that finds everything
-cached. No assertions. On loopback with 2 shared cores weed and the client compete for
-the CPU, so the ratio varies from run to run (0.8x-1.14x seen; 1.28x with fsync skipped).
+cached. Then the same for a checkpoint-like directory (the big file and the small ones
+with a manifest): boto3's `upload_file` one by one against `Mirror.upload` (files in
+parallel, big ones in multipart parts, manifest last), and `download_file` against
+`Mirror.restore` (staging directory, fsync, rename). No assertions. On loopback with 2
+shared cores weed and the client compete for the CPU, so the ratios vary from run to run
+(downloads 0.8x-1.14x seen; 1.28x with fsync skipped).
 
 boto3 is not in the project's lock (its botocore pins python-dateutil<3, which the
 pinned kubernetes client excludes), so the baseline runs in a child process with
@@ -47,6 +52,18 @@ s3 = boto3.client("s3", endpoint_url=args["endpoint"], aws_access_key_id=args["k
 start = time.perf_counter()
 for key in args["keys"]:
     s3.download_file(args["bucket"], key, args["out"] + "/" + key.replace("/", "_"))
+print(time.perf_counter() - start)
+"""
+
+BASELINE_UP = r"""
+import json, sys, time
+import boto3
+args = json.loads(sys.argv[1])
+s3 = boto3.client("s3", endpoint_url=args["endpoint"], aws_access_key_id=args["key"],
+                  aws_secret_access_key=args["secret"], region_name="us-east-1")
+start = time.perf_counter()
+for rel in args["files"]:
+    s3.upload_file(args["root"] + "/" + rel, args["bucket"], args["prefix"] + "/" + rel)
 print(time.perf_counter() - start)
 """
 
@@ -96,6 +113,54 @@ def cache_fill(server: S3Server, root: Path) -> tuple[float, float]:
     return cold, warm
 
 
+def checkpoint_dir(root: Path, big_mib: int, files: int, file_mib: int) -> tuple[Path, list[str], int]:
+    """A committed checkpoint as the mirror sees it: files and a manifest naming them."""
+    from spillway_runtime.checkpoint import MANIFEST
+
+    path = root / "step-00000010"
+    path.mkdir(parents=True)
+    sizes = {"mp_rank_00_model_states.pt": big_mib << 20}
+    sizes.update({f"zero_pp_rank_{i}_optim_states.pt": file_mib << 20 for i in range(files)})
+    for rel, size in sizes.items():
+        (path / rel).write_bytes(os.urandom(size))
+    manifest = {"name": path.name, "step": 10, "files": {rel: {"size": n, "sha256": "-"} for rel, n in sizes.items()}}
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    return path, [*sorted(sizes), MANIFEST], sum(sizes.values())
+
+
+def plain_boto3_upload(server: S3Server, root: Path, files: list[str], prefix: str, site: Path) -> float:
+    args = {"endpoint": server.endpoint, "key": server.access_key, "secret": server.secret_key,
+            "bucket": BUCKET, "files": files, "root": str(root), "prefix": prefix}
+    done = subprocess.run([sys.executable, "-c", BASELINE_UP, json.dumps(args)], check=True, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(site)})
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def mirror_round(server: S3Server, ckpt: Path, files: list[str], tmp: Path, r: int, site: Path) -> dict[str, float]:
+    from spillway_runtime.mirror import Mirror
+
+    mirror = Mirror(f"s3://{BUCKET}/mirror-{r}", store=server.store(BUCKET))
+    times = {"boto3 up": plain_boto3_upload(server, ckpt, files, f"plain-{r}/{ckpt.name}", site)}
+    start = time.perf_counter()
+    mirror.upload(ckpt)
+    times["mirror up"] = time.perf_counter() - start
+    keys = [f"mirror-{r}/{ckpt.name}/{rel}" for rel in files]
+    times["boto3 down"] = plain_boto3(server, keys, tmp / f"plain-down-{r}", site)
+    start = time.perf_counter()
+    mirror.restore(ckpt.name, tmp / f"restored-{r}")
+    times["mirror down"] = time.perf_counter() - start
+    # weed's test volumes hold about 1 GiB: each round leaves nothing behind
+    import obstore
+
+    store = server.store(BUCKET)
+    keys = [str(m["path"]) for prefix in (f"plain-{r}/", f"mirror-{r}/") for batch in obstore.list(store, prefix=prefix)
+            for m in batch]
+    obstore.delete(store, keys)
+    shutil.rmtree(tmp / f"plain-down-{r}")
+    shutil.rmtree(tmp / f"restored-{r}")
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--big-mib", type=int, default=192)
@@ -115,11 +180,26 @@ def main() -> None:
             warm.append(cached)
             shutil.rmtree(Path(tmp) / f"plain-{r}")
             shutil.rmtree(Path(tmp) / f"cache-{r}")
+        import obstore
+
+        obstore.delete(server.store(BUCKET), keys)  # room for the checkpoint rounds
         print(f"{len(keys)} objects, {mib:.0f} MiB, from weed on loopback, best of {opts.rounds}")
         print(f"plain boto3 download_file, one by one: {mib / min(plain):8.1f} MiB/s  ({min(plain):.2f} s)")
         print(f"spillway cache fill (objectstore.fetch): {mib / min(ours):8.1f} MiB/s  ({min(ours):.2f} s)")
         print(f"ratio cache fill / plain boto3:          {min(plain) / min(ours):8.2f}x")
         print(f"a second fetch, everything cached:       {min(warm) * 1000:8.1f} ms")
+        ckpt, files, size = checkpoint_dir(Path(tmp) / "volume", opts.big_mib, opts.files, opts.file_mib)
+        rounds = [mirror_round(server, ckpt, files, Path(tmp), r, site) for r in range(opts.rounds)]
+        best = {k: min(t[k] for t in rounds) for k in rounds[0]}
+        mib = size / (1 << 20)
+        print(f"checkpoint of {len(files)} files, {mib:.0f} MiB, best of {opts.rounds}")
+        for label, key in (("plain boto3 upload_file, one by one:", "boto3 up"),
+                           ("mirror upload (Mirror.upload):", "mirror up"),
+                           ("plain boto3 download_file, one by one:", "boto3 down"),
+                           ("mirror restore (Mirror.restore):", "mirror down")):
+            print(f"{label:40s} {mib / best[key]:8.1f} MiB/s  ({best[key]:.2f} s)")
+        print(f"ratio mirror upload / plain boto3:       {best['boto3 up'] / best['mirror up']:8.2f}x")
+        print(f"ratio mirror restore / plain boto3:      {best['boto3 down'] / best['mirror down']:8.2f}x")
 
 
 if __name__ == "__main__":

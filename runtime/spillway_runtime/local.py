@@ -55,17 +55,20 @@ def _source(uri: str, base: Path, named: tuple[str, str, Path], fetched: list[tu
 
 
 def _check_mirror(spec: Any, job_path: Path) -> None:
-    """A checkpoint mirror that cannot be listed and written ends the run before it starts
-    (the runtime checks again, for pods)."""
-    if spec.checkpoint.mirror is None:
-        return
-    from spillway_runtime.mirror import Mirror
-    from spillway_runtime.objectstore import Endpoint, ObjectStoreError
+    """A checkpoint mirror or an export destination that cannot be listed and written ends
+    the run before it starts (the runtime checks again, for pods)."""
+    from spillway_runtime.mirror import check_writable
+    from spillway_runtime.objectstore import Endpoint, ObjectStoreError, S3Location, open_store
 
-    try:
-        Mirror(spec.checkpoint.mirror, where=Endpoint.of(spec.storage)).check()
-    except ObjectStoreError as err:
-        raise SpecError(str(job_path), [f"spec.checkpoint.mirror: {err}"]) from None
+    where = Endpoint.of(spec.storage)
+    for field, uri in (("spec.checkpoint.mirror", spec.checkpoint.mirror), ("spec.export.uri", spec.export.uri)):
+        if uri is None:
+            continue
+        loc = S3Location.parse(uri)
+        try:
+            check_writable(open_store(loc.bucket, where), loc, where)
+        except ObjectStoreError as err:
+            raise SpecError(str(job_path), [f"{field}: {err}"]) from None
 
 
 def plan_for_job(job: FineTuneJob, hw: NodeHardware, model_dir: Path, processes: int = 1,

@@ -74,6 +74,45 @@ class MirrorState:
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
 
+def check_writable(store: Any, loc: S3Location, where: Endpoint | None = None) -> None:
+    """List the prefix (a missing bucket fails here, where a put might create it), then put
+    and delete a probe object; any failure is one ObjectStoreError naming the bucket."""
+    import obstore
+
+    prefix = _prefix(loc)
+    try:
+        for _batch in obstore.list(store, prefix=prefix or None, chunk_size=1):
+            break
+        probe = f"{prefix}.spillway-write-test-{os.getpid()}"
+        obstore.put(store, probe, b"x")
+        obstore.delete(store, probe)
+    except Exception as err:  # every failure becomes one message naming the bucket
+        raise explain(loc, err, where, verb="write") from None
+
+
+def upload_directory(uri: str, path: Path, where: Endpoint | None = None, store: Any = None) -> int:
+    """Every file under `path` to `uri`/its relative path (files in parallel, large ones in
+    multipart parts); returns the bytes. For the export (spec.export.uri)."""
+    import obstore
+
+    loc = S3Location.parse(uri)
+    store = store if store is not None else open_store(loc.bucket, where)
+    prefix = _prefix(loc)
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+
+    def put(file: Path) -> None:
+        obstore.put(store, prefix + file.relative_to(path).as_posix(), file, chunk_size=PART_BYTES,
+                    max_concurrency=8)
+
+    try:
+        with ThreadPoolExecutor(max_workers=UPLOAD_WORKERS) as pool:
+            for future in [pool.submit(put, file) for file in files]:
+                future.result()
+    except Exception as err:  # reported with the bucket and what to check
+        raise explain(loc, err, where, verb="write") from None
+    return sum(file.stat().st_size for file in files)
+
+
 class Mirror:
     """The mirror's objects: listing, upload of one checkpoint, pruning, restore."""
 
@@ -90,17 +129,7 @@ class Mirror:
     def check(self) -> None:
         """Fail now, naming the bucket, if the mirror cannot be listed and written: a wrong
         credential or a missing bucket ends the job at start, never after hours of training."""
-        import obstore
-
-        probe = self.key(f".spillway-write-test-{os.getpid()}")
-        try:
-            self.listing()  # first: a missing bucket is an error here, where a put may create it
-            obstore.put(self.store, probe, b"x")
-            obstore.delete(self.store, probe)
-        except ObjectStoreError:
-            raise
-        except Exception as err:  # every failure becomes one message naming the bucket
-            raise explain(self.loc, err, self.where, verb="write") from None
+        check_writable(self.store, self.loc, self.where)
 
     def objects(self) -> list[_Object]:
         import obstore

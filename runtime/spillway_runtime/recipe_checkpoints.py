@@ -132,22 +132,28 @@ class Checkpointing:
         """spec.checkpoint.mirror: check it can be written (a wrong Secret or bucket fails
         the job now, exit 2), bring its newest checkpoint onto an empty volume (or the one
         resumeFrom names, when the volume lacks it), then start the uploader (rank 0)."""
-        from spillway_runtime.mirror import CheckpointMirror, Mirror
-        from spillway_runtime.objectstore import Endpoint, ObjectStoreError
+        from spillway_runtime.mirror import CheckpointMirror, Mirror, check_writable
+        from spillway_runtime.objectstore import Endpoint, ObjectStoreError, S3Location, open_store
 
-        uri = self.spec.checkpoint.mirror
-        if uri is None:
+        uri, export = self.spec.checkpoint.mirror, self.spec.export.uri
+        if uri is None and export is None:
             return
         problem: str | None = None
         mirror: Mirror | None = None
         if self.rank == 0:
+            where = Endpoint.of(self.spec.storage, in_pod=k8s_status.in_pod())
+            field = "export.uri"
             try:
-                where = Endpoint.of(self.spec.storage, in_pod=k8s_status.in_pod())
-                mirror = Mirror(uri, where=where)
-                mirror.check()
-                self._restore_from_mirror(mirror)
+                if export is not None:
+                    loc = S3Location.parse(export)
+                    check_writable(open_store(loc.bucket, where), loc, where)
+                if uri is not None:
+                    field = "checkpoint.mirror"
+                    mirror = Mirror(uri, where=where)
+                    mirror.check()
+                    self._restore_from_mirror(mirror)
             except ObjectStoreError as err:
-                problem = f"checkpoint.mirror: {err}"
+                problem = f"{field}: {err}"
         problem = self._first_failure(problem)
         if problem is not None:
             raise RunFailed(problem, ExitCode.BAD_INPUT)

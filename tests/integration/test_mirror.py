@@ -43,9 +43,10 @@ def aws_env(s3_server: S3Server, monkeypatch) -> S3Server:  # noqa: F811
     return s3_server
 
 
-def _job(make_job, name: str, mirror: str, **checkpoint: Any) -> Path:
+def _job(make_job, name: str, mirror: str, export: str | None = None) -> Path:
     return make_job(name, training={"maxSteps": MAX_STEPS}, offload={"optimizer": "cpu", "parameters": "gpu"},
-                    checkpoint={"everySteps": EVERY, "keep": 2, "mirror": mirror, **checkpoint})
+                    checkpoint={"everySteps": EVERY, "keep": 2, "mirror": mirror},
+                    export={"uri": export} if export else None)
 
 
 def _mirrored(server: S3Server, prefix: str) -> dict[str, int]:
@@ -60,8 +61,15 @@ def _uploaded(step: int):
 
 
 def test_a_lost_volume_resumes_from_the_mirror_bit_identically(tmp_path, make_job, aws_env):
-    reference = run_job(_job(make_job, "reference", f"s3://{BUCKET}/reference"), tmp_path / "reference")
+    reference = run_job(_job(make_job, "reference", f"s3://{BUCKET}/reference", export=f"s3://{BUCKET}/exported"),
+                        tmp_path / "reference")
     assert reference.returncode == ExitCode.OK, reference.log[-3000:]
+    # the export went up too (spec.export.uri), file for file
+    exported = tmp_path / "reference" / "final"
+    files = {p.relative_to(exported).as_posix(): p.stat().st_size for p in exported.rglob("*") if p.is_file()}
+    assert "model.safetensors" in files and _mirrored(aws_env, "exported") == files
+    [uploaded] = reference.of("export_uploaded")
+    assert uploaded["bytes"] == sum(files.values())
     # every checkpoint went up (its manifest last), the volume's `keep` is the mirror's too
     uploads = reference.of("mirror")
     assert [e["step"] for e in uploads] == list(range(EVERY, MAX_STEPS + 1, EVERY))
@@ -138,16 +146,21 @@ def test_the_store_going_away_does_not_stop_training(tmp_path, make_job, monkeyp
     assert not run.of("mirror_behind")
 
 
-@pytest.mark.parametrize("problem", ["missing bucket", "wrong secret"])
-def test_a_mirror_that_cannot_be_used_fails_the_run_at_start(tmp_path, make_job, aws_env, monkeypatch, problem):
+@pytest.mark.parametrize(("field", "problem"), [("spec.checkpoint.mirror", "missing bucket"),
+                                              ("spec.checkpoint.mirror", "wrong secret"),
+                                              ("spec.export.uri", "missing bucket")])
+def test_a_mirror_that_cannot_be_used_fails_the_run_at_start(tmp_path, make_job, aws_env, monkeypatch, field, problem):
     bucket = "no-such-bucket" if problem == "missing bucket" else BUCKET
     if problem == "wrong secret":
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
-    job = _job(make_job, "refused", f"s3://{bucket}/ckpt")
+    if field == "spec.export.uri":
+        job = _job(make_job, "refused", f"s3://{BUCKET}/ckpt", export=f"s3://{bucket}/exported")
+    else:
+        job = _job(make_job, "refused", f"s3://{bucket}/ckpt")
     with pytest.raises(SpecError) as refused:
         prepare_local_run(job, run_dir=tmp_path / "run")
     [reason] = refused.value.problems
-    assert reason.startswith("spec.checkpoint.mirror: ") and repr(bucket) in reason
+    assert reason.startswith(f"{field}: ") and repr(bucket) in reason
     assert ("does not exist" if problem == "missing bucket" else "refused the credentials") in reason
     assert not (tmp_path / "run" / "checkpoints").exists()
 
