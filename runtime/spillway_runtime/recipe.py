@@ -519,7 +519,24 @@ class FineTuneRecipe(Checkpointing):
             if self.spec.method.lora and self.spec.export.merge:
                 self._export_merged(out, out / MERGED_DIR)
             self.reporter.event("exported", path=str(out), bytes=_dir_bytes(out))
+            if self.spec.export.uri:
+                self._upload_export(out, self.spec.export.uri)
         self._barrier()
+
+    def _upload_export(self, out: Path, uri: str) -> None:
+        """The exported model to spec.export.uri; a failure fails the run (its checkpoints
+        stay, and a restart exports and uploads again)."""
+        from spillway_runtime.mirror import upload_directory
+        from spillway_runtime.objectstore import Endpoint, ObjectStoreError
+
+        started = time.monotonic()
+        try:
+            nbytes = upload_directory(uri, out, Endpoint.of(self.spec.storage, in_pod=k8s_status.in_pod()))
+        except ObjectStoreError as err:
+            raise RunFailed(f"export.uri: {err}") from None
+        seconds = time.monotonic() - started
+        self.reporter.event("export_uploaded", uri=uri, bytes=nbytes, seconds=round(seconds, 3),
+                            bytes_per_s=round(nbytes / max(seconds, 1e-6)))
 
     def _export_merged(self, adapter: Path, target: Path) -> None:
         """The base model read again on the CPU, the exported adapter merged in by PEFT."""
