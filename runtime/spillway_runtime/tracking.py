@@ -16,6 +16,7 @@ import functools
 import json
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,7 +39,9 @@ MLFLOW_OUTCOMES = {"finished": "FINISHED", "failed": "FAILED", "diverged": "FAIL
 # background thread seconds and the end of the run at most MLFLOW_CLOSE_SECONDS.
 MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
                         "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
-MLFLOW_CLOSE_SECONDS = 15.0  # the most the end of a run waits for the last metrics and the run's status
+# The most the end of a run waits for the last metrics and the run's status: a healthy server
+# takes well under a second, and a stopped pod's grace period is for its checkpoint.
+MLFLOW_CLOSE_SECONDS = 5.0
 MLFLOW_QUEUE_EVENTS = 10_000  # events with metrics held for the server; more are dropped (and counted)
 MLFLOW_BATCH_METRICS = 1000  # MLflow's limit per log_batch request
 MLFLOW_BATCH_PARAMS = 100  # likewise for params
@@ -125,7 +128,8 @@ def _flatten(prefix: str, value: Any) -> Iterator[tuple[str, str]]:
     (lists) or text, cut to MLflow's limit."""
     if isinstance(value, dict) and value:
         for key, inner in value.items():
-            yield from _flatten(f"{prefix}.{key}", inner)
+            # MLflow's key characters: a user's key (offload.deepspeed, nodeSelector) may hold others
+            yield from _flatten(f"{prefix}.{re.sub(r'[^A-Za-z0-9_./ -]', '_', str(key))}", inner)
         return
     text = value if isinstance(value, str) else json.dumps(value)
     yield prefix, text[:MLFLOW_PARAM_CHARS]
@@ -233,10 +237,11 @@ class MlflowListener:
                     raise
                 experiment_id = made.experiment_id
         run = client.create_run(experiment_id, run_name=self.run.name, tags=self.run.tags)
-        run_id = run.info.run_id
+        run_id: str = run.info.run_id
         params = [mlflow.entities.Param(key, value) for key, value in self.run.params.items()]
         for first in range(0, len(params), MLFLOW_BATCH_PARAMS):
-            client.log_batch(run_id, params=params[first:first + MLFLOW_BATCH_PARAMS])
+            self._try(functools.partial(client.log_batch, run_id, params=params[first:first + MLFLOW_BATCH_PARAMS]),
+                      "cannot log the params")
         return client, run_id
 
     def _next_batch(self) -> tuple[list[Any], bool]:

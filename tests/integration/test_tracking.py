@@ -47,9 +47,11 @@ def _float32(value: float) -> float:
 
 
 def test_mlflow_and_tensorboard_hold_the_runs_params_and_exact_losses(
-        tmp_path, tiny_model, tracking_server: MlflowServer):  # noqa: F811
+        tmp_path, tiny_model, tracking_server: MlflowServer, monkeypatch):  # noqa: F811
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("SPILLWAY_ATTEMPT", "2")  # as the operator sets it in a pod
 
     experiment = "spillway-tests"
     job = _job(tmp_path, tiny_model, "tracked", evalEverySteps=3,
@@ -67,7 +69,7 @@ def test_mlflow_and_tensorboard_hold_the_runs_params_and_exact_losses(
 
     client = MlflowClient(tracking_uri=tracking_server.uri)
     found = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
-    assert [r.info.run_name for r in found] == ["tracked"]
+    assert [r.info.run_name for r in found] == ["tracked-a2"]
     mlflow_run = found[0]
     assert mlflow_run.info.status == "FINISHED"
     params = mlflow_run.data.params
@@ -76,6 +78,7 @@ def test_mlflow_and_tensorboard_hold_the_runs_params_and_exact_losses(
     assert params["spec.training.maxSteps"] == "6"
     assert params["spec.model.uri"] == str(tiny_model["model"])
     assert mlflow_run.data.tags["spillway.job"] == "tracked"
+    assert mlflow_run.data.tags["spillway.attempt"] == "2"
     history = client.get_metric_history(mlflow_run.info.run_id, "loss")
     assert sorted((m.step, m.value) for m in history) == losses  # exactly: MLflow keeps doubles
     eval_history = client.get_metric_history(mlflow_run.info.run_id, "eval_loss")
@@ -102,6 +105,7 @@ def test_an_unreachable_mlflow_server_is_one_warning_and_training_goes_on(tmp_pa
     warnings = run.of("warning")
     assert len(warnings) == 1, warnings
     assert uri in warnings[0]["message"] and "training goes on" in warnings[0]["message"]
+    assert "experiment 'default'" in warnings[0]["message"]  # the job's namespace, by default
     assert run.of("finished")
     assert time.monotonic() - started < 120
 

@@ -111,3 +111,17 @@ def test_a_warning_from_another_thread_is_written_by_the_next_event_or_at_close(
     assert [(e["event"], e["message"]) for e in events] == [
         ("warning", "from the side"), ("log", "next"), ("warning", "at the end")]
     capsys.readouterr()
+
+
+def test_params_are_the_spec_flattened_by_dotted_keys_mlflow_accepts():
+    from spillway_runtime.tracking import _flatten
+
+    spec = {"training": {"maxSteps": 8, "learningRate": 0.001}, "method": {"targetModules": ["q_proj", "v_proj"]},
+            "resources": {"nodeSelector": {"pool:gpu": "a100", "nvidia.com/gpu.product": "A100"}}, "budget": {},
+            "export": {"merge": False}}
+    assert dict(_flatten("spec", spec)) == {
+        "spec.training.maxSteps": "8", "spec.training.learningRate": "0.001",
+        "spec.method.targetModules": '["q_proj", "v_proj"]',
+        "spec.resources.nodeSelector.pool_gpu": "a100", "spec.resources.nodeSelector.nvidia.com/gpu.product": "A100",
+        "spec.budget": "{}", "spec.export.merge": "false",
+    }
