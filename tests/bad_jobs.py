@@ -35,7 +35,7 @@ CORPUS: list[tuple[str, dict[str, Any], str]] = [
     ("no spec", {k: v for k, v in example().items() if k != "spec"}, "spec"),
     ("no model", with_("model", None), "spec.model"),
     ("empty model uri", with_("model.uri", ""), "spec.model.uri"),
-    ("s3 model uri", with_("model.uri", "s3://bucket/llama"), "spec.model.uri: unsupported URI scheme 's3'"),
+    ("gs model uri", with_("model.uri", "gs://bucket/llama"), "spec.model.uri: unsupported URI scheme 'gs'"),
     ("https dataset uri", with_("dataset.uri", "https://example.org/d.jsonl"), "spec.dataset.uri: unsupported URI scheme"),
     ("hf tokenizer uri", with_("model.tokenizerUri", "hf://meta/llama"), "spec.model.tokenizerUri"),
     ("pvc uri without claim", with_("dataset.uri", "pvc:///data.jsonl"), "spec.dataset.uri: 'pvc:///data.jsonl' names no valid"),
@@ -70,8 +70,8 @@ CORPUS: list[tuple[str, dict[str, Any], str]] = [
     ("chat template on text data", with_("dataset.chatTemplate", "{{ messages }}"), "chatTemplate applies"),
     ("validation with a file and a fraction", with_("dataset.validation", {"uri": "file:///v.jsonl", "fraction": 0.1}),
      "exactly one of validation.uri"),
-    ("an s3 validation file", with_("dataset.validation", {"uri": "s3://b/v.jsonl"}),
-     "spec.dataset.validation.uri: unsupported URI scheme 's3'"),
+    ("a gs validation file", with_("dataset.validation", {"uri": "gs://b/v.jsonl"}),
+     "spec.dataset.validation.uri: unsupported URI scheme 'gs'"),
     ("keepBest without held-out data", with_("checkpoint.keepBest", True), "checkpoint.keepBest needs dataset.validation"),
 ]
 

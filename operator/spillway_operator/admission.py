@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from spillway_runtime.dsconfig import DeepSpeedConfigError, check_overrides
-from spillway_runtime.runconfig import resolve_uri
+from spillway_runtime.runconfig import S3_CACHE_MOUNT, resolve_uri
 from spillway_runtime.spec import FineTuneJobSpec, SpecError, parse_job
 
 # A PersistentVolumeClaim's name: a DNS-1123 subdomain.
@@ -58,7 +58,7 @@ def _uris(spec: FineTuneJobSpec) -> list[tuple[str, str]]:
 
 def _uri_problems(field: str, uri: str) -> list[str]:
     try:
-        resolve_uri(uri, Path("/"))
+        resolve_uri(uri, Path("/"), S3_CACHE_MOUNT)  # s3:// is fetched onto the node first (s3_inputs)
     except ValueError as err:
         return [f"{field}: {err}"]
     if uri.startswith("pvc://"):

@@ -22,7 +22,7 @@ from spillway_runtime.contract import METRICS_PORT_ENV, POD_METRICS_PORT, TERMIN
 from spillway_runtime.dsconfig import build_deepspeed_config
 from spillway_runtime.hardware import GPU_RESOURCE, NodeHardware
 from spillway_runtime.planner import OffloadPlan
-from spillway_runtime.runconfig import PVC_MOUNT_ROOT, RuntimeConfig, resolve_uri
+from spillway_runtime.runconfig import PVC_MOUNT_ROOT, S3_CACHE_MOUNT, RuntimeConfig, resolve_uri, s3_inputs
 from spillway_runtime.spec import API_GROUP, API_VERSION, KIND, FineTuneJob, FineTuneJobSpec
 from spillway_runtime.units import GiB
 
@@ -231,10 +231,11 @@ def build_runtime_config(job: dict[str, Any], spec: FineTuneJobSpec, plan: Offlo
     return RuntimeConfig(
         job=ftj,
         plan=plan,
-        model_dir=str(resolve_uri(spec.model.uri, root)),
-        tokenizer_dir=str(resolve_uri(spec.model.tokenizer_uri or spec.model.uri, root)),
-        dataset_path=str(resolve_uri(spec.dataset.uri, root)),
-        validation_path=(str(resolve_uri(spec.dataset.validation.uri, root))
+        # s3:// at its place in the node's cache, which the fetch pods filled
+        model_dir=str(resolve_uri(spec.model.uri, root, S3_CACHE_MOUNT)),
+        tokenizer_dir=str(resolve_uri(spec.model.tokenizer_uri or spec.model.uri, root, S3_CACHE_MOUNT)),
+        dataset_path=str(resolve_uri(spec.dataset.uri, root, S3_CACHE_MOUNT)),
+        validation_path=(str(resolve_uri(spec.dataset.validation.uri, root, S3_CACHE_MOUNT))
                          if spec.dataset.validation and spec.dataset.validation.uri else None),
         run_dir=RUN_DIR,
         checkpoint_dir=CHECKPOINT_DIR,
@@ -397,6 +398,10 @@ def build_pod(
         volume = f"input-{claim}"[:63]
         mounts.append({"name": volume, "mountPath": str(PVC_MOUNT_ROOT / claim), "readOnly": True})
         volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+    if s3_inputs(spec):
+        # What the fetch pods put in this node's cache (spillway_operator.s3_inputs), read-only
+        mounts.append({"name": S3_CACHE_VOLUME, "mountPath": str(S3_CACHE_MOUNT), "readOnly": True})
+        volumes.append(s3_cache_volume(settings))
 
     env = [
         {"name": "SPILLWAY_JOB_NAME", "value": name},
@@ -409,6 +414,9 @@ def build_pod(
         # The root filesystem is read-only: caches that libraries keep under HOME (Hugging
         # Face, torch, Triton) go to the writable /tmp volume instead of failing.
         {"name": "HOME", "value": "/tmp"},
+        # The runtime bounds its last mirror upload after SIGTERM by what is left of this
+        {"name": "SPILLWAY_STOP_GRACE_SECONDS", "value": str(settings.termination_grace_seconds)},
+        *storage_env(spec),
     ]
     if plan.accelerator == "cpu":
         # torch sizes its thread pool by the host's cores, not the pod's CPU request: the
@@ -479,6 +487,37 @@ def build_pod(
             ]
         }
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+S3_CACHE_VOLUME = "s3-cache"
+STORAGE_SECRET_KEYS = (("AWS_ACCESS_KEY_ID", False), ("AWS_SECRET_ACCESS_KEY", False), ("AWS_SESSION_TOKEN", True))
+
+
+def storage_env(spec: FineTuneJobSpec) -> list[dict[str, Any]]:
+    """The AWS variables a pod that reads or writes s3:// gets from spec.storage: the keys
+    from its Secret (a session token and region only when the Secret has them), the endpoint
+    and a region the spec gives. Without a secretRef none are set, and the client finds
+    credentials where the node's environment puts them (IRSA's web identity, an instance role)."""
+    storage = spec.storage
+    env: list[dict[str, Any]] = []
+    keys = [*STORAGE_SECRET_KEYS, *([] if storage.region else [("AWS_REGION", True)])]
+    if storage.secret_ref is not None:
+        for key, optional in keys:
+            ref: dict[str, Any] = {"name": storage.secret_ref.name, "key": key}
+            if optional:
+                ref["optional"] = True
+            env.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
+    if storage.region:
+        env.append({"name": "AWS_REGION", "value": storage.region})
+    if storage.endpoint_url:
+        env.append({"name": "AWS_ENDPOINT_URL", "value": storage.endpoint_url})
+    return env
+
+
+def s3_cache_volume(settings: OperatorSettings) -> dict[str, Any]:
+    """The node's s3:// cache: a hostPath, so that what one job fetched serves the next job on
+    the same node (the cache's ETag manifest says what is current)."""
+    return {"name": S3_CACHE_VOLUME, "hostPath": {"path": settings.s3_cache_host_path, "type": "DirectoryOrCreate"}}
 
 
 def _nvme_owner(settings: OperatorSettings) -> dict[str, Any]:
@@ -602,6 +641,13 @@ def container_never_starts(pod: dict[str, Any], now: datetime, pull_grace_second
         waiting = (cs.get("state") or {}).get("waiting") or {}
         reason = waiting.get("reason") or ""
         overdue = created is not None and (now - created).total_seconds() >= pull_grace_seconds
+        if reason == "CreateContainerConfigError" and (secrets := _secrets_of(pod, cs.get("name"))):
+            # The kubelet's message says what is missing ('secret "x" not found', 'couldn't
+            # find key K in Secret ns/x'); the check names where the Secret comes from
+            message = (f"container {cs.get('name')} cannot start ({reason}): {waiting.get('message') or 'no message'}; "
+                       f"check that the Secret {' or '.join(repr(n) for n in secrets)} (spec.storage.secretRef) "
+                       "exists in the job's namespace with the keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
+            return PodOutcome(OUTCOME_PERMANENT, reason=reason, message=message)
         if reason in NEVER_STARTS or (reason in PULL_FAILURES and overdue):
             image = cs.get("image") or images.get(cs.get("name")) or "?"
             message = (f"container {cs.get('name')} cannot start ({reason}) with image {image}: "
@@ -609,6 +655,20 @@ def container_never_starts(pod: dict[str, Any], now: datetime, pull_grace_second
                        "(SPILLWAY_OPERATOR_RUNTIME_IMAGE) and the nodes' access to it")
             return PodOutcome(OUTCOME_PERMANENT, reason=reason, message=message)
     return None
+
+
+def _secrets_of(pod: dict[str, Any], container: str | None) -> list[str]:
+    """The Secrets a container's environment reads (secretKeyRef), in order."""
+    names: list[str] = []
+    spec = pod.get("spec") or {}
+    for c in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]:
+        if c.get("name") != container:
+            continue
+        for var in c.get("env") or []:
+            name = ((var.get("valueFrom") or {}).get("secretKeyRef") or {}).get("name")
+            if name and name not in names:
+                names.append(name)
+    return names
 
 
 def worst_outcome(outcomes: list[PodOutcome]) -> PodOutcome:

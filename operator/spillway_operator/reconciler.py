@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn
 
-from spillway_operator import admission, children, metrics, model_source
+from spillway_operator import admission, children, metrics, model_source, s3_inputs
 from spillway_operator import builders as b
 from spillway_operator.cluster import KUBE, Cluster
 from spillway_operator.placement import choose_placement, plan_status
@@ -158,13 +158,16 @@ def _reconcile_once(cluster: Cluster, namespace: str, name: str, settings: Opera
     uid = job["metadata"]["uid"]
     owned = [p for p in cluster.job_pods(namespace, name)
              if any(o.get("uid") == uid for o in p["metadata"].get("ownerReferences") or [])]
-    pods = [p for p in owned if not model_source.is_reader(p)]
+    pods = [p for p in owned if not model_source.is_reader(p) and not s3_inputs.is_fetcher(p)]
     if phase not in (b.PHASE_PENDING, b.PHASE_PLANNED):
         # A config reader left by a kill between its result and its deletion.
         for pod in owned:
             if model_source.is_reader(pod) and not pod["metadata"].get("deletionTimestamp"):
                 cluster.delete_pod(namespace, pod["metadata"]["name"], grace_seconds=0)
     current = [p for p in pods if _attempt_of(p) == attempt]
+    # Fetch pods are done once their attempt's training pods exist (or the job is over)
+    for fetcher in s3_inputs.leftovers(owned, attempt, bool(current) or phase in b.FINISHED_PHASES):
+        cluster.delete_pod(namespace, fetcher, grace_seconds=0)
     if phase in (b.PHASE_PENDING, b.PHASE_PLANNED) and not current and (problems := admission.spec_problems(spec)):
         # What the admission webhook refuses, found here for a job it did not see (created
         # while no webhook was registered): Failed with the reason before any pod, never retried.
@@ -656,6 +659,14 @@ def _read_model_config(change: StatusChange, spec: FineTuneJobSpec, settings: Op
     return None
 
 
+def _fail_before_pods(change: StatusChange, reason: str, message: str) -> NoReturn:
+    change.cond(b.PHASE_FAILED, True, reason, message)
+    change.phase(b.PHASE_FAILED, reason, message, warning=True)
+    change.status["finishedAt"] = b.rfc3339(change.now)
+    change.commit()
+    raise PermanentFailure(message)
+
+
 def _create_attempt(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorSettings, chosen: Any,
                     config: Any) -> Result:
     """The plan is made: once every input exists, store it and create the attempt's children."""
@@ -673,6 +684,12 @@ def _create_attempt(change: StatusChange, spec: FineTuneJobSpec, settings: Opera
         return Result(requeue_after=INPUT_RETRY_SECONDS)
     if b.condition(change.conditions, "InputsReady"):
         change.cond("InputsReady", True, "Found", "every PVC and StorageClass the job names exists")
+    fetch = s3_inputs.progress(change, spec, sorted(chosen.nodes), attempt, settings)
+    if fetch.failure is not None:
+        _fail_before_pods(change, "InputsUnreadable", fetch.failure)
+    if not fetch.done:
+        change.commit()
+        return Result(requeue_after=fetch.requeue_after)
 
     message = (
         f"{plan.label} on {chosen.shape} ({len(chosen.nodes)} node(s)); predicted "

@@ -81,6 +81,19 @@ class OperatorSettings(BaseSettings):
         "from its creation (scheduling, image pull, reading); past it the job plans from "
         "spec.model.parameterCount, or fails naming why when there is none",
     )
+    s3_cache_host_path: str = Field(
+        "/var/cache/spillway/s3",
+        description="The node directory (hostPath) that s3:// inputs are fetched into before a job's "
+        "training pods start, and that they mount read-only: kept across jobs, so a second job on the same "
+        "objects and node downloads nothing (its ETag manifest says what is current); put it on a disk "
+        "with room for the models the node trains",
+    )
+    s3_fetch_timeout_seconds: int = Field(
+        3600,
+        description="How long the pod that fetches a job's s3:// inputs on a node may take, from its "
+        "creation (scheduling, image pull, download): an hour moves ~100 GB at a modest 30 MB/s; past it "
+        "the job fails naming the URIs and node",
+    )
     backoff_base_seconds: float = Field(
         10.0, description="First retry delay after a failed attempt; doubles per failure (as Kubernetes Jobs)"
     )

@@ -26,14 +26,21 @@ def main(argv: list[str] | None = None) -> int:
 
     from spillway_runtime.checkpoint import CheckpointError
     from spillway_runtime.data import DatasetError
+    from spillway_runtime.k8s_status import in_pod
     from spillway_runtime.recipe import FineTuneRecipe
     from spillway_runtime.recipe_checkpoints import RunFailed
-    from spillway_runtime.runconfig import RuntimeConfig
+    from spillway_runtime.runconfig import RuntimeConfig, check_cached_inputs
 
     parser = argparse.ArgumentParser(prog="python -m spillway_runtime")
     parser.add_argument("--config", required=True, type=Path, help="RuntimeConfig JSON written by the launcher")
     args = parser.parse_args(argv)
     config = RuntimeConfig.read(args.config)
+    if in_pod():
+        try:  # the fetch pods filled the node's cache; one emptied since fails here, by field
+            check_cached_inputs(config)
+        except ValueError as err:
+            print(f"spillway: {err}", file=sys.stderr)
+            return ExitCode.BAD_INPUT
     recipe = FineTuneRecipe(config)  # installs its own stop handler
     recipe.stop_requested = recipe.stop_requested or bool(early)
     code: int = ExitCode.FAILED

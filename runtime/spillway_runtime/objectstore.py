@@ -4,7 +4,10 @@ cache keyed by their ETags.
 Where this sits: `local.prepare_local_run` calls `fetch` for each s3:// URI of the spec
 (model, tokenizer, dataset, validation file) before it plans, so a wrong credential, a
 missing bucket or an empty prefix ends the run at start (exit 2), never after training
-began. In a cluster s3:// is refused (`runconfig.resolve_uri`) until a pod downloads it.
+began. In a cluster the operator runs `spillway_runtime.s3_fetch` (which calls `fetch`) in a
+short pod on each chosen node, into a node-local cache the training pods then mount
+read-only; there the runtime only looks its inputs up (`cached`: the manifest and the
+files, no listing and no download).
 
 The client is obstore (the Rust `object_store` crate): boto3's botocore pins
 python-dateutil<3, which the pinned kubernetes client (>=3) excludes from our one lock.
@@ -168,6 +171,42 @@ def fetch(uri: str, *, root: Path | None = None, store: Any = None, where: Endpo
     result.bytes_downloaded = sum(o.size for o in wanted)
     result.seconds = time.monotonic() - start
     return result
+
+
+def cache_path(uri: str, root: Path) -> Path:
+    """Where `fetch` puts `uri` under `root`: the object's file, or the prefix's directory
+    (the same path either way, so the operator can name it before anything is fetched)."""
+    loc = S3Location.parse(uri)
+    return root / loc.bucket / loc.key.rstrip("/") if loc.key.rstrip("/") else root / loc.bucket
+
+
+def cached(uri: str, root: Path) -> Path:
+    """The cache-only lookup, for a pod that mounts a cache some other process filled: the
+    path of `uri` when the bucket's manifest names its objects and every one of their files
+    is present at its size. No listing, no download; ObjectStoreError otherwise."""
+    loc = S3Location.parse(uri)
+    path = root / MANIFESTS / f"{loc.bucket}.json"
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        entries = {}
+    if not isinstance(entries, dict):
+        entries = {}
+    base = root / loc.bucket
+    if loc.key and not loc.key.endswith("/") and loc.key in entries:
+        keys = [loc.key]
+    else:
+        prefix = _dir_prefix(loc.key)
+        keys = [key for key in entries if key.startswith(prefix)]
+    if not keys:
+        raise ObjectStoreError(f"{loc} is not in the cache at {root} ({path} names none of its objects): "
+                               "it is fetched before the training pods start; run the job again to fetch it")
+    missing = [key for key in keys if not _is_cached(entries, base, _Object(key, str(entries[key].get("etag")),
+                                                                              int(entries[key].get("size", -1))))]
+    if missing:
+        raise ObjectStoreError(f"{loc}: {len(missing)} of its {len(keys)} cached files are gone from {base} "
+                               f"(e.g. {missing[0]}); run the job again to fetch them")
+    return cache_path(uri, root)
 
 
 def _dir_prefix(key: str) -> str:

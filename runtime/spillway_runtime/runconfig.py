@@ -13,9 +13,12 @@ from pydantic import BaseModel, Field
 
 from spillway_runtime.planner import OffloadPlan
 from spillway_runtime.probe_cache import ProbeRecord
-from spillway_runtime.spec import FineTuneJob
+from spillway_runtime.spec import FineTuneJob, FineTuneJobSpec
 
 PVC_MOUNT_ROOT = Path("/mnt/pvc")
+# Where a training pod mounts its node's s3:// cache (read-only), which the operator's fetch
+# pods filled before the pod was created.
+S3_CACHE_MOUNT = Path("/mnt/s3-cache")
 
 
 class FaultInjection(BaseModel):
@@ -51,19 +54,46 @@ class RuntimeConfig(BaseModel):
         return cls.model_validate_json(Path(path).read_text())
 
 
-def resolve_uri(uri: str, base_dir: Path) -> Path:
-    """Map a spec URI to a local path: file://PATH, pvc://CLAIM/PATH (mounted under /mnt/pvc), or a path
-    relative to the job file's directory. s3:// is refused here: local mode fetches it first."""
+def s3_inputs(spec: FineTuneJobSpec) -> list[tuple[str, str]]:
+    """(field, URI) of every s3:// input of a spec: what is fetched before training reads it."""
+    uris = [("spec.model.uri", spec.model.uri), ("spec.model.tokenizerUri", spec.model.tokenizer_uri),
+            ("spec.dataset.uri", spec.dataset.uri),
+            ("spec.dataset.validation.uri", spec.dataset.validation.uri if spec.dataset.validation else None)]
+    return [(field, uri) for field, uri in uris if uri and uri.startswith("s3://")]
+
+
+def check_cached_inputs(config: RuntimeConfig, root: Path = S3_CACHE_MOUNT) -> None:
+    """In a pod: every s3:// input is in the node's cache (objectstore.cached), or ValueError
+    naming the field, before anything heavy starts."""
+    from spillway_runtime.objectstore import ObjectStoreError, cached
+
+    for field, uri in s3_inputs(config.job.spec):
+        try:
+            cached(uri, root)
+        except ObjectStoreError as err:
+            raise ValueError(f"{field}: {err}") from None
+
+
+def resolve_uri(uri: str, base_dir: Path, s3_cache: Path | None = None) -> Path:
+    """Map a spec URI to a local path: file://PATH, pvc://CLAIM/PATH (mounted under /mnt/pvc), a path
+    relative to the job file's directory, or (given `s3_cache`, in a cluster) s3://BUCKET/KEY to its
+    place in the node's s3 cache. Without `s3_cache` s3:// is refused: local mode fetches it first."""
     if uri.startswith("file://"):
         return Path(uri[len("file://") :])
     if uri.startswith("pvc://"):
         return PVC_MOUNT_ROOT / uri[len("pvc://") :]
     if uri.startswith("s3://"):
-        # `spillway run` downloads these itself (objectstore, before it calls this); a pod cannot yet
+        from spillway_runtime.objectstore import ObjectStoreError, cache_path
+
+        if s3_cache is not None:
+            try:
+                return cache_path(uri, s3_cache)
+            except ObjectStoreError as err:
+                raise ValueError(str(err)) from None
+        # `spillway run` downloads these itself (objectstore, before it calls this)
         raise ValueError(
-            f"unsupported URI scheme 's3' in {uri!r} here: s3:// is read by `spillway run` on its own machine "
-            "only (model.uri, model.tokenizerUri, dataset.uri, dataset.validation.uri) and is not supported "
-            "in a cluster yet: copy the objects to a PersistentVolumeClaim and use pvc://CLAIM/PATH"
+            f"unsupported URI scheme 's3' in {uri!r} here: s3:// is read by `spillway run` (which downloads "
+            "it first) and in a cluster (where the operator's fetch pods do)"
         )
     if "://" in uri:
         scheme = uri.split("://", 1)[0]

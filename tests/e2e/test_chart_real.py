@@ -81,7 +81,7 @@ def _the_webhook_refuses_the_corpus_and_renews_its_certificate(cluster: Cluster,
     webhooks = cluster.kubectl_json("get", "validatingwebhookconfiguration", configuration)["webhooks"]
     trusted = base64.b64decode(webhooks[0]["clientConfig"]["caBundle"])
     assert new.strip() in trusted and aging.cert_pem.strip() in trusted
-    bad = {**with_("model.uri", "s3://bucket/llama"), "metadata": {"name": "after-renewal"}}
+    bad = {**with_("model.uri", "gs://bucket/llama"), "metadata": {"name": "after-renewal"}}
 
     def refused_by_the_webhook() -> bool:
         # Each replica serves the new certificate from its next check on (a TLS error here

@@ -68,7 +68,7 @@ def server() -> Any:
 
 
 def _bad_review() -> dict[str, Any]:
-    job = {**with_("model.uri", "s3://bucket/llama"), "metadata": {"name": "bad"}}
+    job = {**with_("model.uri", "gs://bucket/llama"), "metadata": {"name": "bad"}}
     return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
             "request": {"uid": "u1", "operation": "CREATE", "object": job}}
 
@@ -83,7 +83,7 @@ def test_the_api_servers_view_denial_over_tls_and_a_renewal_without_restart(serv
     webhook, store = server
     status, answer, served = _post(webhook.port, store.bundle, _bad_review())
     assert status == 200 and answer["response"]["allowed"] is False
-    assert "spec.model.uri: unsupported URI scheme 's3'" in answer["response"]["status"]["message"]
+    assert "spec.model.uri: unsupported URI scheme 'gs'" in answer["response"]["status"]["message"]
     assert served.strip() in store.bundle
     now = dt.datetime.now(dt.UTC)
 

@@ -45,7 +45,7 @@ def test_the_examples_are_allowed(path: Path) -> None:
 def test_an_update_that_leaves_the_spec_alone_is_allowed_even_for_a_job_admitted_before_the_webhook() -> None:
     # A job stored while the webhook was down (failurePolicy Ignore): the operator must still
     # be able to add its finalizer and annotations, and to remove them when it is deleted.
-    stored = with_("model.uri", "s3://bucket/llama")
+    stored = with_("model.uri", "gs://bucket/llama")
     stored["metadata"]["finalizers"] = ["spillway.dev/cleanup"]
     updated = copy.deepcopy(stored)
     updated["metadata"]["annotations"] = {"kopf.zalando.org/last-handled-configuration": "{}"}
@@ -69,7 +69,7 @@ def test_a_rollback_is_allowed_only_to_a_kept_checkpoint() -> None:
 
 
 def test_every_problem_is_listed_on_its_own_line() -> None:
-    job = with_("model.uri", "s3://bucket/llama")
+    job = with_("model.uri", "gs://bucket/llama")
     job["spec"]["dataset"]["uri"] = "https://example.org/d.jsonl"
     lines = _review(job)["status"]["message"].splitlines()
     assert len(lines) == 3 and lines[1].startswith("- spec.model.uri") and lines[2].startswith("- spec.dataset.uri")
