@@ -131,8 +131,10 @@ def checkpoint_dir(root: Path, big_mib: int, files: int, file_mib: int) -> tuple
 def plain_boto3_upload(server: S3Server, root: Path, files: list[str], prefix: str, site: Path) -> float:
     args = {"endpoint": server.endpoint, "key": server.access_key, "secret": server.secret_key,
             "bucket": BUCKET, "files": files, "root": str(root), "prefix": prefix}
-    done = subprocess.run([sys.executable, "-c", BASELINE_UP, json.dumps(args)], check=True, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", BASELINE_UP, json.dumps(args)], capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": str(site)})
+    if done.returncode:
+        raise RuntimeError(f"the boto3 upload failed: {done.stderr[-2000:]}")
     return float(done.stdout.strip().splitlines()[-1])
 
 
@@ -169,7 +171,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     opts = parser.parse_args()
     site = boto3_path()
-    with tempfile.TemporaryDirectory(prefix="bench-s3-") as tmp, weed_server(Path(tmp) / "weed") as server:
+    with tempfile.TemporaryDirectory(prefix="bench-s3-") as tmp, weed_server(Path(tmp) / "weed", volumes=64) as server:
         keys, total = upload(server, opts.big_mib, opts.files, opts.file_mib)
         mib = total / (1 << 20)
         plain, ours, warm = [], [], []

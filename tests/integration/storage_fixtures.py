@@ -89,10 +89,11 @@ def _answers(endpoint: str) -> bool:
 
 
 @contextlib.contextmanager
-def weed_server(root: Path, ports: tuple[int, ...] = ()) -> Iterator[S3Server]:
+def weed_server(root: Path, ports: tuple[int, ...] = (), volumes: int = 16) -> Iterator[S3Server]:
     """`weed server -s3` with its data under `root`, until the block ends (the benchmark
     uses it as is; the tests through the `s3_server` fixture). `ports`: those of an earlier
-    server on the same `root`, to bring it back where its clients look."""
+    server on the same `root`, to bring it back where its clients look. `volumes`: of 64 MiB
+each, what the server can hold (deleted objects' space comes back only at a vacuum)."""
     (root / "data").mkdir(parents=True, exist_ok=True)
     config = root / "identities.json"
     config.write_text(json.dumps({"identities": [{
@@ -106,7 +107,7 @@ def weed_server(root: Path, ports: tuple[int, ...] = ()) -> Iterator[S3Server]:
         str(weed_binary()), "server", f"-dir={root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
         f"-master.port={master}", f"-master.port.grpc={master_grpc}", "-master.volumeSizeLimitMB=64",
         "-master.telemetry=false", f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
-        "-volume.max=16", "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
+        f"-volume.max={volumes}", "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
         f"-filer.localSocket={root / 'filer.sock'}", "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}",
         "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={config}", f"-s3.localSocket={root / 's3.sock'}",
     ]
