@@ -113,7 +113,7 @@ class StatusPublisher:
             force = True
         elif kind in ("mirror", "mirror_restored"):
             self._mirror = {"uri": str(record.get("uri")), "checkpoint": str(record.get("checkpoint")),
-                            "step": int(str(record.get("checkpoint", "0")).rpartition("-")[2] or 0),
+                            "step": int(record.get("step") or str(record.get("checkpoint", "0")).rpartition("-")[2] or 0),
                             "bytesPerSecond": _num(record.get("bytes_per_s")), "updatedAt": _iso(record.get("time"))}
             force = True
         elif kind in ("mirror_failed", "mirror_behind"):

@@ -40,6 +40,27 @@ def test_runtime_publishes_progress_and_checkpoints_beside_operator_fields(clust
     assert "Running" in printed and "2.5" in printed
 
 
+def test_the_mirror_s_progress_and_its_lag_are_in_status(cluster: Any, namespace: str) -> None:
+    """spec.checkpoint.mirror: the last checkpoint uploaded, how many steps training is ahead
+    of it, and the last upload's failure until the next success."""
+    cluster.kubectl("apply", "-f", str(CRD))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/finetunejobs.spillway.dev", "--timeout=30s")
+    cluster.apply(job_manifest("mirrored", node="nowhere"), namespace)
+    sink = k8s_status.StatusPublisher("mirrored", namespace, 100, k8s_status._server_side_apply("mirrored", namespace))
+    uri = "s3://ckpt/mirrored"
+    sink({"event": "mirror", "uri": uri, "checkpoint": "step-00000010", "step": 10, "bytes_per_s": 5e7, "time": 1.7e9})
+    sink({"event": "step", "step": 14, "loss": 2.5, "time": 1.7e9})
+    sink({"event": "mirror_failed", "uri": uri, "checkpoint": "step-00000012", "reason": "connection refused",
+          "failures": 2, "retry_in_seconds": 2.0, "time": 1.7e9})
+    mirror = cluster.get("finetunejob", "mirrored", namespace)["status"]["mirror"]
+    assert mirror["uri"] == uri and mirror["checkpoint"] == "step-00000010" and mirror["step"] == 10
+    assert mirror["lagSteps"] == 4
+    assert mirror["lastError"] == "connection refused" and mirror["failures"] == 2
+    sink({"event": "mirror", "uri": uri, "checkpoint": "step-00000014", "step": 14, "bytes_per_s": 5e7, "time": 1.7e9})
+    mirror = cluster.get("finetunejob", "mirrored", namespace)["status"]["mirror"]
+    assert mirror["lagSteps"] == 0 and "lastError" not in mirror
+
+
 def test_a_new_attempt_keeps_the_earlier_attempts_checkpoints_in_status(cluster: Any, namespace: str) -> None:
     """Server-side apply removes list entries their manager stops applying: a resumed pod
     whose publisher started empty would erase every earlier checkpoint from status (and a
