@@ -87,17 +87,36 @@ def plan_for_job(job: FineTuneJob, hw: NodeHardware, model_dir: Path, processes:
     return plan
 
 
-def _checkpoints_block_size(run_dir: Path, checkpoint_dir: Path) -> int | None:
+def _checkpoints_block_size(run_dir: Path, checkpoint_dir: Path, spec: Any = None) -> int | None:
     """The async-I/O block size the job's checkpoints were written under, when it has any.
     It decides which of the optimizer's sub-groups DeepSpeed swaps (one under max(1 MiB,
     block) bytes of fp32 stays in memory, its state in the ZeRO file rather than in swap
-    files), so a resume keeps it, whatever the disk's sweep says today."""
-    if not (checkpoint_dir / LATEST).is_file() or not (run_dir / RUNTIME_FILE).is_file():
+    files), so a resume keeps it, whatever the disk's sweep says today. An empty volume
+    with a checkpoint mirror: the block size of the mirrored checkpoint the run will restore."""
+    if not (checkpoint_dir / LATEST).is_file():
+        return _mirrored_block_size(spec) if spec is not None else None
+    if not (run_dir / RUNTIME_FILE).is_file():
         return None
     try:
         return RuntimeConfig.read(run_dir / RUNTIME_FILE).plan.aio.block_size
     except (OSError, ValueError):
         return None
+
+
+def _mirrored_block_size(spec: Any) -> int | None:
+    """The `aioBlockSize` in the manifest of the checkpoint a restore from the mirror takes."""
+    if spec.checkpoint.mirror is None:
+        return None
+    from spillway_runtime.mirror import Mirror
+    from spillway_runtime.objectstore import Endpoint
+
+    try:
+        mirror = Mirror(spec.checkpoint.mirror, where=Endpoint.of(spec.storage))
+        name = mirror.newest(spec.resume_from) if spec.resume_from else mirror.newest()
+        value = (mirror.manifest(name) or {}).get("aioBlockSize") if name else None
+    except Exception:  # the mirror was checked just before; a blip here only loses the pin
+        return None
+    return int(value) if isinstance(value, int) else None
 
 
 def _plan_here(job: FineTuneJob, job_path: Path, dirs: tuple[Path, Path, Path], model_dir: Path, processes: int,
@@ -111,7 +130,7 @@ def _plan_here(job: FineTuneJob, job_path: Path, dirs: tuple[Path, Path, Path], 
     nvme_dir, run_dir, checkpoint_dir = dirs
     _check_writable_dir(nvme_dir, "spec.offload.nvme.path", job_path)
     settings = ProbeCacheSettings(refresh=True) if reprobe else ProbeCacheSettings()
-    pinned = _checkpoints_block_size(run_dir, checkpoint_dir)
+    pinned = _checkpoints_block_size(run_dir, checkpoint_dir, job.spec)
 
     def measured(measure: bool) -> tuple[NodeHardware, ProbeRecord]:
         hardware, record = hardware_for_run(nvme_dir, measure=measure, settings=settings)

@@ -262,7 +262,9 @@ class Checkpointing:
             return lambda: [(w.path, w.size, w.digest) for w in background[0].wait()]
 
         meta = {"loss": loss, "worldSize": self.world_size, "plan": self.plan.label,
-                "dataPosition": self.data_position, "config": self.spec.model_dump(mode="json")}
+                "dataPosition": self.data_position, "config": self.spec.model_dump(mode="json"),
+                # what a resume elsewhere must plan with (local.py, from a mirrored checkpoint)
+                "aioBlockSize": self.plan.aio.block_size}
         evaluated = getattr(self, "last_eval", None)
         if evaluated is not None and evaluated[0] == self.step:
             meta["evalLoss"] = evaluated[1]

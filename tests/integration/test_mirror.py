@@ -75,13 +75,18 @@ def test_a_lost_volume_resumes_from_the_mirror_bit_identically(tmp_path, make_jo
     assert [e["step"] for e in uploads] == list(range(EVERY, MAX_STEPS + 1, EVERY))
     objects = _mirrored(aws_env, "reference")
     final = checkpoint_name(MAX_STEPS)
-    local = tmp_path / "reference" / "checkpoints" / final
-    manifest = json.loads((local / MANIFEST).read_text())
+    on_volume = tmp_path / "reference" / "checkpoints" / final
+    manifest = json.loads((on_volume / MANIFEST).read_text())
     for rel, entry in manifest["files"].items():
-        assert objects[f"{final}/{rel}"] == entry["size"] == (local / rel).stat().st_size
+        assert objects[f"{final}/{rel}"] == entry["size"] == (on_volume / rel).stat().st_size
     assert {key.split("/")[0] for key in objects} == {checkpoint_name(MAX_STEPS - EVERY), final, LATEST}
     assert bytes(obstore.get(aws_env.store(BUCKET), f"reference/{LATEST}").bytes()).decode() == final
     assert all(e["bytes"] > 0 and e["bytes_per_s"] > 0 for e in uploads)
+
+    # a new machine plans with the async-I/O block size the mirrored checkpoint was written under
+    empty = tmp_path / "empty"
+    assert local._checkpoints_block_size(empty, empty / "checkpoints", reference.config.job.spec) == (
+        reference.config.plan.aio.block_size) == manifest["aioBlockSize"]
 
     # the same job on a node that dies once checkpoint 4 is in the mirror...
     job = _job(make_job, "lost", f"s3://{BUCKET}/lost")
@@ -190,9 +195,9 @@ def _checkpoint(root: Path, step: int, payload: bytes) -> Path:
 def test_only_a_complete_checkpoint_of_the_current_timeline_is_restored(tmp_path, aws_env):
     mirror = Mirror(f"s3://{BUCKET}/timeline", store=aws_env.store(BUCKET))
     mirror.check()
-    local = tmp_path / "volume"
+    volume = tmp_path / "volume"
     for step in (2, 4, 6):
-        mirror.upload(_checkpoint(local, step, bytes([step]) * (1000 + step)))
+        mirror.upload(_checkpoint(volume, step, bytes([step]) * (1000 + step)))
     assert mirror.newest() == checkpoint_name(6)
     # a rollback to step 4: the mirror's newest is 4 from then on, not the abandoned 6
     mirror.point_to(checkpoint_name(4))
@@ -208,8 +213,8 @@ def test_only_a_complete_checkpoint_of_the_current_timeline_is_restored(tmp_path
     assert (tmp_path / "new-volume" / LATEST).read_text() == checkpoint_name(4)
     assert not [p for p in (tmp_path / "new-volume").iterdir() if p.name.startswith(".")]
     # pruning after the new 6 is up: keep 2 of the complete ones up to it, drop the rest
-    shutil.rmtree(local / checkpoint_name(6))
-    mirror.upload(_checkpoint(local, 6, b"new" * 10))
+    shutil.rmtree(volume / checkpoint_name(6))
+    mirror.upload(_checkpoint(volume, 6, b"new" * 10))
     assert mirror.prune(Mirrored(checkpoint_name(6), 6, True), keep=2, spared=set()) == [checkpoint_name(2)]
     assert set(mirror.listing()) == {checkpoint_name(4), checkpoint_name(6)}
     assert os.path.basename(mirror.newest() or "") == checkpoint_name(6)
