@@ -514,7 +514,8 @@ def test_operator_under_the_charts_service_account_runs_the_13b_example(
     }))
     example = yaml.safe_load(EXAMPLE.read_text())
     assert example["spec"]["checkpoint"]["storageClassName"] == "spillway-checkpoints"
-    for claim in ("models", "data"):
+    assert example["spec"]["model"]["uri"].startswith("s3://")
+    for claim in ("data",):
         volumes()
         cluster.apply({
             "apiVersion": "v1",
@@ -559,9 +560,24 @@ def test_operator_under_the_charts_service_account_runs_the_13b_example(
         assert plan["bytes"]["nvme"] > 100 * 10**9
         assert plan["pricePerHourUsd"] == pytest.approx(0.4), "the chart's pricing ConfigMap was not read"
 
+        def pods(component: str) -> list[dict[str, Any]]:
+            return cluster.kubectl_json("get", "pods", "-n", namespace, "-l",
+                                        f"spillway.dev/job=llama-13b-sft,app.kubernetes.io/component={component}")["items"]
+
+        # The model is in S3: a short pod on the chosen node downloads it first, holding no GPU,
+        # with the keys of the example's Secret; kwok runs it, and it is ended here as a done download.
+        fetcher = cluster.wait_for(lambda: (found := pods("s3-fetch")) and found[0], 60, what="the S3 fetch pod")
+        assert not pods("trainer"), "a training pod before the model was downloaded"
+        terms = fetcher["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert terms["nodeSelectorTerms"][0]["matchFields"][0]["values"] == [gpu]
+        container = fetcher["spec"]["containers"][0]
+        assert "nvidia.com/gpu" not in json.dumps(container["resources"])
+        keys = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in container["env"] if "valueFrom" in e}
+        assert keys["AWS_ACCESS_KEY_ID"] == keys["AWS_SECRET_ACCESS_KEY"] == "s3-credentials"
+        cluster.set_pod_phase(namespace, fetcher["metadata"]["name"], "Succeeded")
+
         def pod() -> dict[str, Any] | None:
-            items = cluster.kubectl_json("get", "pods", "-n", namespace, "-l", "spillway.dev/job=llama-13b-sft")["items"]
-            running = [p for p in items if p["status"].get("phase") == "Running"]
+            running = [p for p in pods("trainer") if p["status"].get("phase") == "Running"]
             return running[0] if running else None
 
         try:
@@ -581,7 +597,7 @@ def test_operator_under_the_charts_service_account_runs_the_13b_example(
         table = cluster.kubectl("get", "ftj", "-n", namespace).stdout
         header = table.splitlines()[0].split()
         assert header == ["NAME", "PHASE", "MODEL", "PLAN", "STEP", "LOSS", "COST", "AGE"], table
-        assert "llama-13b-sft" in table and "pvc://models/llama-13b" in table
+        assert "llama-13b-sft" in table and "s3://models/llama-13b" in table
 
         # Cost counts whole seconds from the pod's startTime to its container's finishedAt;
         # let at least two pass so the job has run for a measurable time.

@@ -82,6 +82,9 @@ def test_rest_submission_rollback_and_no_fit_through_the_installed_chart(
         # 2. The 13B example submitted over REST with curl.
         body = yaml.safe_load(EXAMPLE.read_text())
         body["metadata"] = {"name": "rest-13b"}
+        # The model from a claim here (test_chart.py follows the example's S3 download): this
+        # flow is about REST, the plan and a rollback.
+        body["spec"]["model"]["uri"] = "pvc://models/llama-13b"
         code, created = curl(f"{api.url}/v1/namespaces/{namespace}/jobs", token, "POST", body)
         assert code == 201, created
         assert cluster.get("ftj", "rest-13b", namespace) is not None
