@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spillway_operator import builders as b
+from spillway_operator.model_source import pending_reason
 from spillway_operator.settings import OperatorSettings
 from spillway_operator.status import StatusChange
 from spillway_runtime.runconfig import S3_CACHE_MOUNT, s3_inputs
@@ -145,8 +146,6 @@ def _failure(pod: dict[str, Any], change: StatusChange, settings: OperatorSettin
         return " ".join(why.split())[:1500]
     created = b.parse_time(pod["metadata"].get("creationTimestamp")) or change.now
     if (change.now - created).total_seconds() > settings.s3_fetch_timeout_seconds + 60:
-        from spillway_operator.model_source import pending_reason
-
         return f"not fetched within {settings.s3_fetch_timeout_seconds} s ({pending_reason(pod)})"
     return None
 
@@ -186,8 +185,6 @@ def progress(change: StatusChange, spec: FineTuneJobSpec, nodes: list[str], atte
             cleanup(change, namespace, list(pods))
             return Fetch(failure=message)
         if (pod.get("status") or {}).get("phase") != "Succeeded":
-            from spillway_operator.model_source import pending_reason
-
             waiting.append(f"{node} (pod {pod_id}: {pending_reason(pod)})")
             continue
         terminated: dict[str, Any] = {}
