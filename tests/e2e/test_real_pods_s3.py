@@ -10,7 +10,8 @@ the credentials in a Secret, the real operator and the CPU training image.
   as its InputsFetched condition says.
 - A job whose training process is killed mid-run and whose checkpoint volume is emptied
   resumes from the mirror (the runtime's mirror_restored event) and ends Succeeded.
-- A job whose Secret does not exist fails naming it, with no pod left.
+- A job whose Secret does not exist, or holds a wrong key, fails naming it (and the
+  bucket), before any training pod, with no pod left.
 """
 
 from __future__ import annotations
@@ -281,3 +282,18 @@ def test_a_job_whose_volume_and_pod_are_lost_resumes_from_the_mirror(
     assert job["status"]["phase"] == "Succeeded", json.dumps(job["status"], indent=1)[-3000:]
     assert job["status"]["progress"]["step"] == steps
     assert (checkpoints / f"step-{steps:08d}").is_dir()
+
+
+def test_a_wrong_secret_fails_the_job_at_the_fetch_naming_the_secret_and_bucket(
+        s3_real: tuple[RealNode, S3InCluster, Path], namespace: str) -> None:
+    real, s3, _ = s3_real
+    s3.secret(namespace, secret_key="not-the-key")
+    _s3_job(real, s3, namespace, "wrong-key")
+    job = _finished(real, namespace, "wrong-key")
+    failed = _condition(job, "Failed")
+    assert job["status"]["phase"] == "Failed" and failed["reason"] == "InputsUnreadable", failed
+    assert f"refused the credentials for bucket '{BUCKET}'" in failed["message"], failed
+    assert f"check the Secret '{SECRET}'" in failed["message"], failed
+    assert "progress" not in job["status"]  # no training pod ever ran
+    real.cluster.wait_for(lambda: not real.cluster.kubectl_json("get", "pods", "-n", namespace)["items"], 60,
+                          what="no pod left")
