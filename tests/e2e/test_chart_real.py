@@ -61,7 +61,7 @@ def _the_webhook_refuses_the_corpus_and_renews_its_certificate(cluster: Cluster,
             by_webhook.append(what)
             assert expected in proc.stderr, (what, proc.stderr)
     # The CRD's schema catches what it can; the rest only the webhook could.
-    assert {"s3 model uri", "ZeRO stage as a word", "resumeFrom on a new job", "batch contradicts training"} <= set(
+    assert {"gs model uri", "ZeRO stage as a word", "resumeFrom on a new job", "batch contradicts training"} <= set(
         by_webhook), by_webhook
     assert cluster.kubectl_json("get", "ftj", "-n", namespace)["items"] == []
 
