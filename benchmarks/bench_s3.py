@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -43,6 +44,7 @@ from tests.integration.storage_fixtures import S3Server, weed_server  # noqa: E4
 BOTO3 = "boto3==1.44.8"
 BUCKET = "bench"
 
+# The plain copy a user would write: boto3's download_file or upload_file, one object after another.
 BASELINE = r"""
 import json, sys, time
 import boto3
@@ -50,19 +52,9 @@ args = json.loads(sys.argv[1])
 s3 = boto3.client("s3", endpoint_url=args["endpoint"], aws_access_key_id=args["key"],
                   aws_secret_access_key=args["secret"], region_name="us-east-1")
 start = time.perf_counter()
-for key in args["keys"]:
+for key in args.get("keys", []):
     s3.download_file(args["bucket"], key, args["out"] + "/" + key.replace("/", "_"))
-print(time.perf_counter() - start)
-"""
-
-BASELINE_UP = r"""
-import json, sys, time
-import boto3
-args = json.loads(sys.argv[1])
-s3 = boto3.client("s3", endpoint_url=args["endpoint"], aws_access_key_id=args["key"],
-                  aws_secret_access_key=args["secret"], region_name="us-east-1")
-start = time.perf_counter()
-for rel in args["files"]:
+for rel in args.get("files", []):
     s3.upload_file(args["root"] + "/" + rel, args["bucket"], args["prefix"] + "/" + rel)
 print(time.perf_counter() - start)
 """
@@ -91,14 +83,20 @@ def upload(server: S3Server, big_mib: int, files: int, file_mib: int) -> tuple[l
     return sorted(objects), sum(objects.values())
 
 
+def boto3_seconds(server: S3Server, site: Path, **args: Any) -> float:
+    """The baseline's seconds, in a child process with boto3 on its path: `keys` and `out`
+    to download, or `files`, `root` and `prefix` to upload."""
+    args.update(endpoint=server.endpoint, key=server.access_key, secret=server.secret_key, bucket=BUCKET)
+    done = subprocess.run([sys.executable, "-c", BASELINE, json.dumps(args)], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(site)})
+    if done.returncode:
+        raise RuntimeError(f"the boto3 baseline failed: {done.stderr[-2000:]}")
+    return float(done.stdout.strip().splitlines()[-1])
+
+
 def plain_boto3(server: S3Server, keys: list[str], out: Path, site: Path) -> float:
     out.mkdir(parents=True)
-    args = {"endpoint": server.endpoint, "key": server.access_key, "secret": server.secret_key,
-            "bucket": BUCKET, "keys": keys, "out": str(out)}
-    env = {**os.environ, "PYTHONPATH": str(site)}
-    done = subprocess.run([sys.executable, "-c", BASELINE, json.dumps(args)], check=True, capture_output=True,
-                          text=True, env=env)
-    return float(done.stdout.strip().splitlines()[-1])
+    return boto3_seconds(server, site, keys=keys, out=str(out))
 
 
 def cache_fill(server: S3Server, root: Path) -> tuple[float, float]:
@@ -129,13 +127,7 @@ def checkpoint_dir(root: Path, big_mib: int, files: int, file_mib: int) -> tuple
 
 
 def plain_boto3_upload(server: S3Server, root: Path, files: list[str], prefix: str, site: Path) -> float:
-    args = {"endpoint": server.endpoint, "key": server.access_key, "secret": server.secret_key,
-            "bucket": BUCKET, "files": files, "root": str(root), "prefix": prefix}
-    done = subprocess.run([sys.executable, "-c", BASELINE_UP, json.dumps(args)], capture_output=True,
-                          text=True, env={**os.environ, "PYTHONPATH": str(site)})
-    if done.returncode:
-        raise RuntimeError(f"the boto3 upload failed: {done.stderr[-2000:]}")
-    return float(done.stdout.strip().splitlines()[-1])
+    return boto3_seconds(server, site, files=files, root=str(root), prefix=prefix)
 
 
 def mirror_round(server: S3Server, ckpt: Path, files: list[str], tmp: Path, r: int, site: Path) -> dict[str, float]:

@@ -37,7 +37,7 @@ from spillway_runtime.tiny import build_tiny_model, write_dataset
 from tests.e2e.conftest import Cluster
 from tests.e2e.operator_fixtures import running_operator, wait_status
 from tests.e2e.test_real_pods import EXAMPLE, POD_TIMEOUT_S, RealNode, _kill_trainer
-from tests.integration.storage_fixtures import ACCESS_KEY, SECRET_KEY, weed_binary
+from tests.integration.storage_fixtures import ACCESS_KEY, SECRET_KEY, stop, weed_command
 
 pytestmark = pytest.mark.e2e
 
@@ -123,22 +123,11 @@ def s3_real(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
     cluster.kubectl("annotate", "node", settings["NODE_NAME"], "--overwrite",
                     *[f"{k}={v}" for k, v in annotations.items()])
     weed = root / "weed"
-    (weed / "data").mkdir(parents=True)
-    (weed / "identities.json").write_text(json.dumps({"identities": [{
-        "name": "spillway-test", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
-        "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}))
-    p = WEED_PORTS
-    command = ["nsenter", f"--net=/run/netns/{netns}", "--", str(weed_binary()), "server", f"-dir={weed / 'data'}",
-               f"-ip={node_ip}", f"-ip.bind={node_ip}", f"-master.port={p['master']}",
-               f"-master.port.grpc={p['master.grpc']}", "-master.volumeSizeLimitMB=64", "-master.telemetry=false",
-               f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume.grpc']}", "-volume.max=16", "-filer",
-               f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer.grpc']}",
-               f"-filer.localSocket={weed / 'filer.sock'}", "-s3", f"-s3.port={p['s3']}",
-               f"-s3.port.grpc={p['s3.grpc']}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-               f"-s3.config={weed / 'identities.json'}", f"-s3.localSocket={weed / 's3.sock'}"]
+    command = ["nsenter", f"--net=/run/netns/{netns}", "--",
+               *weed_command(weed, node_ip, tuple(WEED_PORTS.values()))]
     with (weed / "weed.log").open("ab") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=weed, start_new_session=True)
-    s3 = S3InCluster(cluster, netns, f"http://{node_ip}:{p['s3']}")
+    s3 = S3InCluster(cluster, netns, f"http://{node_ip}:{WEED_PORTS['s3']}")
     storage_class = f"spillway-e2e-s3-{secrets.token_hex(3)}"
     try:
         s3.call("ready", BUCKET)
@@ -158,12 +147,7 @@ def s3_real(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
                               SPILLWAY_OPERATOR_S3_CACHE_HOST_PATH=str(cache)):
             yield RealNode(cluster, root, label, storage_class, image), s3, cache
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+        stop(proc, grace=5)
         cluster.kubectl("delete", "pv", "-l", "spillway.dev/e2e-real=true", "--wait=false", check=False)
         cluster.kubectl("delete", "storageclass", storage_class, check=False)
         cluster.kubectl("annotate", "node", settings["NODE_NAME"], *[f"{k}-" for k in annotations], check=False)
@@ -232,17 +216,23 @@ def test_a_job_trains_from_s3_mirrors_there_and_a_second_job_downloads_nothing(
     assert f"s3://{BUCKET}/data/arithmetic.jsonl: 1 objects" in fetched and "1 already cached" in fetched, fetched
 
 
+def _failed_unreadable(real: RealNode, namespace: str, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The job ended Failed (InputsUnreadable) with no pod left: the job and that condition."""
+    job = _finished(real, namespace, name)
+    failed = _condition(job, "Failed")
+    assert job["status"]["phase"] == "Failed" and failed["reason"] == "InputsUnreadable", failed
+    real.cluster.wait_for(lambda: not real.cluster.kubectl_json("get", "pods", "-n", namespace)["items"], 60,
+                          what="no pod left")
+    return job, failed
+
+
 def test_a_missing_secret_fails_the_job_naming_it_and_leaves_no_pod(
         s3_real: tuple[RealNode, S3InCluster, Path], namespace: str) -> None:
     real, s3, _ = s3_real
     _s3_job(real, s3, namespace, "no-secret")
-    job = _finished(real, namespace, "no-secret")
-    failed = _condition(job, "Failed")
-    assert job["status"]["phase"] == "Failed" and failed["reason"] == "InputsUnreadable", failed
+    _job, failed = _failed_unreadable(real, namespace, "no-secret")
     assert f"Secret '{SECRET}' (spec.storage.secretRef)" in failed["message"], failed
     assert f'"{SECRET}" not found' in failed["message"], failed
-    real.cluster.wait_for(lambda: not real.cluster.kubectl_json("get", "pods", "-n", namespace)["items"], 60,
-                          what="no pod left")
 
 
 def test_a_job_whose_volume_and_pod_are_lost_resumes_from_the_mirror(
@@ -289,11 +279,7 @@ def test_a_wrong_secret_fails_the_job_at_the_fetch_naming_the_secret_and_bucket(
     real, s3, _ = s3_real
     s3.secret(namespace, secret_key="not-the-key")
     _s3_job(real, s3, namespace, "wrong-key")
-    job = _finished(real, namespace, "wrong-key")
-    failed = _condition(job, "Failed")
-    assert job["status"]["phase"] == "Failed" and failed["reason"] == "InputsUnreadable", failed
+    job, failed = _failed_unreadable(real, namespace, "wrong-key")
     assert f"refused the credentials for bucket '{BUCKET}'" in failed["message"], failed
     assert f"check the Secret '{SECRET}'" in failed["message"], failed
     assert "progress" not in job["status"]  # no training pod ever ran
-    real.cluster.wait_for(lambda: not real.cluster.kubectl_json("get", "pods", "-n", namespace)["items"], 60,
-                          what="no pod left")

@@ -11,7 +11,7 @@ import os
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,12 +88,9 @@ def _answers(endpoint: str) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def weed_server(root: Path, ports: tuple[int, ...] = (), volumes: int = 16) -> Iterator[S3Server]:
-    """`weed server -s3` with its data under `root`, until the block ends (the benchmark
-    uses it as is; the tests through the `s3_server` fixture). `ports`: those of an earlier
-    server on the same `root`, to bring it back where its clients look. `volumes`: of 64 MiB
-each, what the server can hold (deleted objects' space comes back only at a vacuum)."""
+def weed_command(root: Path, ip: str, ports: tuple[int, ...], volumes: int = 16) -> list[str]:
+    """`weed server -s3` on `ip` with its data, sockets and identities (our one test key)
+    under `root`; `ports`: master, its gRPC, volume, its gRPC, filer, its gRPC, S3, its gRPC."""
     (root / "data").mkdir(parents=True, exist_ok=True)
     config = root / "identities.json"
     config.write_text(json.dumps({"identities": [{
@@ -101,36 +98,62 @@ each, what the server can hold (deleted objects' space comes back only at a vacu
         "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
         "actions": ["Admin", "Read", "List", "Tagging", "Write"],
     }]}))
-    ports = ports or tuple(_free_ports(8))
     master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = ports
-    command = [
-        str(weed_binary()), "server", f"-dir={root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+    return [
+        str(weed_binary()), "server", f"-dir={root / 'data'}", f"-ip={ip}", f"-ip.bind={ip}",
         f"-master.port={master}", f"-master.port.grpc={master_grpc}", "-master.volumeSizeLimitMB=64",
         "-master.telemetry=false", f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
         f"-volume.max={volumes}", "-filer", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
         f"-filer.localSocket={root / 'filer.sock'}", "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}",
         "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={config}", f"-s3.localSocket={root / 's3.sock'}",
     ]
-    log = root / "weed.log"
-    endpoint = f"http://127.0.0.1:{s3}"
-    with log.open("ab") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=root, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen[bytes], grace: float) -> None:
+    """SIGTERM to a server started in its own session (it and the workers it started), then
+    SIGKILL after `grace` seconds."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, 15)
     try:
-        deadline = time.monotonic() + 90
-        while not _answers(endpoint):
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+
+
+@contextlib.contextmanager
+def serving(command: list[str], log: Path, answers: Callable[[], bool], what: str, *, timeout: float,
+            grace: float, **popen: Any) -> Iterator[subprocess.Popen[bytes]]:
+    """`command` in its own session, its output appended to `log`, until `answers()` (else
+    an error with the log's tail after `timeout` seconds or at its exit); stopped at the end."""
+    with log.open("ab") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **popen)
+    try:
+        deadline = time.monotonic() + timeout
+        while not answers():
             if proc.poll() is not None:
-                raise RuntimeError(f"weed server exited {proc.returncode}: {log.read_text()[-3000:]}")
+                raise RuntimeError(f"{what} exited {proc.returncode}: {log.read_text()[-3000:]}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"weed server did not answer on {endpoint} in 90 s: {log.read_text()[-3000:]}")
+                raise RuntimeError(f"{what} did not answer in {timeout:.0f} s: {log.read_text()[-3000:]}")
             time.sleep(0.3)
-        yield S3Server(endpoint, ACCESS_KEY, SECRET_KEY, log, ports)
+        yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+        stop(proc, grace)
+
+
+@contextlib.contextmanager
+def weed_server(root: Path, ports: tuple[int, ...] = (), volumes: int = 16) -> Iterator[S3Server]:
+    """`weed server -s3` with its data under `root`, until the block ends (the benchmark
+    uses it as is; the tests through the `s3_server` fixture). `ports`: those of an earlier
+    server on the same `root`, to bring it back where its clients look. `volumes`: of 64 MiB
+    each, what the server can hold (deleted objects' space comes back only at a vacuum)."""
+    ports = ports or tuple(_free_ports(8))
+    command = weed_command(root, "127.0.0.1", ports, volumes)
+    log = root / "weed.log"
+    endpoint = f"http://127.0.0.1:{ports[6]}"
+    with serving(command, log, lambda: _answers(endpoint), f"weed server on {endpoint}", timeout=90, grace=2,
+                 cwd=root):
+        yield S3Server(endpoint, ACCESS_KEY, SECRET_KEY, log, ports)
 
 
 @pytest.fixture(scope="session")

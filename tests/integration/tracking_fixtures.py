@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from .storage_fixtures import ROOT, _free_ports
+from .storage_fixtures import ROOT, _free_ports, serving
 
 
 @dataclass(frozen=True)
@@ -56,25 +55,12 @@ def mlflow_server(root: Path) -> Iterator[MlflowServer]:
     # The server's environment, not the tests': our virtual environment's variables would lead
     # its Python to our packages.
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=root, env=env,
-                                start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120  # the first start creates the database (Alembic migrations)
-        while not _answers(uri):
-            if proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited {proc.returncode}: {log.read_text()[-3000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"mlflow server did not answer on {uri} in 120 s: {log.read_text()[-3000:]}")
-            time.sleep(0.3)
+    log.unlink(missing_ok=True)
+    # the first start creates the database (Alembic migrations); the server ignores SIGTERM
+    # for more than 3 s, and its data is thrown away
+    with serving(command, log, lambda: _answers(uri), f"mlflow server on {uri}", timeout=120, grace=3,
+                 cwd=root, env=env):
         yield MlflowServer(uri, log)
-    finally:
-        os.killpg(proc.pid, 15)  # the server and the workers it started (its data is thrown away)
-        try:
-            proc.wait(timeout=3)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
 
 
 @pytest.fixture(scope="session")
