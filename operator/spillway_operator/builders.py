@@ -44,6 +44,7 @@ RENDEZVOUS_PORT = 29500
 # Runtime exit codes (spillway_runtime.recipe); repeated here as the operator's contract.
 
 PHASE_PENDING: Phase = "Pending"
+PHASE_QUEUED: Phase = "Queued"
 PHASE_PLANNED: Phase = "Planned"
 PHASE_SCHEDULED: Phase = "Scheduled"
 PHASE_RUNNING: Phase = "Running"

@@ -49,6 +49,17 @@ class Cluster(Protocol):
 
     def post_event(self, job: dict[str, Any], type_: str, reason: str, message: str, now: datetime) -> None: ...
 
+    def kueue_get(self, plural: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+        """A Kueue object (kueue.x-k8s.io/v1beta2), or None when it does not exist."""
+
+    def kueue_list(self, plural: str, namespace: str, label_selector: str | None) -> list[dict[str, Any]]: ...
+
+    def patch_kueue(self, plural: str, namespace: str, name: str, patch: dict[str, Any], status: bool = False) -> None:
+        """A merge patch of a namespaced Kueue object (or its status); a resourceVersion in the
+        patch makes it conditional."""
+
+    def delete_kueue(self, plural: str, namespace: str, name: str) -> None: ...
+
 
 class KubeCluster:
     """Reads from the watch caches once the handlers have filled them, else from the API
@@ -109,6 +120,18 @@ class KubeCluster:
 
     def post_event(self, job: dict[str, Any], type_: str, reason: str, message: str, now: datetime) -> None:
         k8s.post_event(job, type_, reason, message, now)
+
+    def kueue_get(self, plural: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+        return k8s.kueue_get(plural, name, namespace)
+
+    def kueue_list(self, plural: str, namespace: str, label_selector: str | None) -> list[dict[str, Any]]:
+        return k8s.kueue_list(plural, namespace, label_selector)
+
+    def patch_kueue(self, plural: str, namespace: str, name: str, patch: dict[str, Any], status: bool = False) -> None:
+        k8s.patch_kueue(plural, namespace, name, patch, status)
+
+    def delete_kueue(self, plural: str, namespace: str, name: str) -> None:
+        k8s.delete_kueue(plural, namespace, name)
 
 
 KUBE: Cluster = KubeCluster()

@@ -25,7 +25,7 @@ from typing import Any, cast
 
 import kopf
 
-from spillway_operator import k8s, metrics, reconciler, store
+from spillway_operator import k8s, metrics, queueing, reconciler, store
 from spillway_operator.builders import LABEL_JOB
 from spillway_operator.settings import get_settings
 from spillway_operator.workqueue import WorkQueue
@@ -125,6 +125,18 @@ async def node_event(event: kopf.RawEvent, **_: Any) -> None:
     name = obj["metadata"]["name"]
     for pod in store.pods.select(lambda p: (p.get("spec") or {}).get("nodeName") == name):
         QUEUE.add((pod["metadata"]["namespace"], pod["metadata"]["labels"][LABEL_JOB]))
+
+
+async def workload_event(event: kopf.RawEvent, **_: Any) -> None:
+    """A Kueue Workload of a job changed (admitted, evicted, preempted): reconcile the job."""
+    obj = cast(dict[str, Any], event["object"])
+    QUEUE.add((obj["metadata"]["namespace"], obj["metadata"]["labels"][LABEL_JOB]))
+
+
+if SETTINGS.kueue:
+    # Only with Kueue on: its API may not exist in the cluster otherwise.
+    kopf.on.event(queueing.GROUP, queueing.VERSION, queueing.WORKLOADS, labels={LABEL_JOB: kopf.PRESENT})(
+        workload_event)
 
 
 def _worker() -> None:

@@ -213,6 +213,10 @@ def create_if_absent(obj: dict[str, Any]) -> dict[str, Any] | None:
     """Create `obj`; an existing object of the same name counts as done (idempotent).
     Returns the created object as the API server stored it, None when it existed."""
     try:
+        if obj["apiVersion"] == KUEUE_API:
+            return _json(_call(custom().create_namespaced_custom_object, KUEUE_GROUP, KUEUE_VERSION,
+                               obj["metadata"]["namespace"], obj["kind"].lower() + "s", obj,
+                               field_manager=FIELD_MANAGER, _preload_content=False))
         return _json(
             _call(
                 _creator(obj["kind"]),
@@ -240,6 +244,48 @@ def apply_configmap(obj: dict[str, Any]) -> None:
         field_manager=FIELD_MANAGER,
         _preload_content=False,
     )
+
+
+# ----------------------------------------------------------------- Kueue --
+
+KUEUE_GROUP, KUEUE_VERSION = "kueue.x-k8s.io", "v1beta2"
+KUEUE_API = f"{KUEUE_GROUP}/{KUEUE_VERSION}"
+
+
+def kueue_get(plural: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+    api = custom()
+    try:
+        if namespace:
+            return _json(_call(api.get_namespaced_custom_object, KUEUE_GROUP, KUEUE_VERSION, namespace, plural, name,
+                               _preload_content=False))
+        return _json(_call(api.get_cluster_custom_object, KUEUE_GROUP, KUEUE_VERSION, plural, name,
+                           _preload_content=False))
+    except ApiException as err:
+        if err.status == 404:
+            return None
+        raise
+
+
+def kueue_list(plural: str, namespace: str, label_selector: str | None) -> list[dict[str, Any]]:
+    data = _json(_call(custom().list_namespaced_custom_object, KUEUE_GROUP, KUEUE_VERSION, namespace, plural,
+                       label_selector=label_selector or "", _preload_content=False))
+    return list(data.get("items", []))
+
+
+def patch_kueue(plural: str, namespace: str, name: str, patch: dict[str, Any], status: bool = False) -> None:
+    api = custom()
+    call = api.patch_namespaced_custom_object_status if status else api.patch_namespaced_custom_object
+    _call(call, KUEUE_GROUP, KUEUE_VERSION, namespace, plural, name, patch, field_manager=FIELD_MANAGER,
+          _preload_content=False)
+
+
+def delete_kueue(plural: str, namespace: str, name: str) -> None:
+    try:
+        _call(custom().delete_namespaced_custom_object, KUEUE_GROUP, KUEUE_VERSION, namespace, plural, name,
+              _preload_content=False)
+    except ApiException as err:
+        if err.status != 404:
+            raise
 
 
 def read_secret(namespace: str, name: str) -> dict[str, Any] | None:

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn
 
-from spillway_operator import admission, children, metrics, model_source, s3_inputs
+from kubernetes.client.exceptions import ApiException
+
+from spillway_operator import admission, children, metrics, model_source, queueing, s3_inputs
 from spillway_operator import builders as b
 from spillway_operator.cluster import KUBE, Cluster
 from spillway_operator.placement import choose_placement, plan_status
@@ -38,6 +40,7 @@ log = logging.getLogger("spillway.operator")
 
 MAX_PASSES = 4  # decisions chained in one call (e.g. count a failure, then start the retry)
 INPUT_RETRY_SECONDS = 15.0
+QUEUE_RECHECK_SECONDS = 30.0  # a queued job's place in its queue, between its Workload's own events
 
 _locks: dict[tuple[str, str], threading.Lock] = {}
 # (namespace, job, attempt) whose children this process created, not yet in status.
@@ -159,7 +162,8 @@ def _reconcile_once(cluster: Cluster, namespace: str, name: str, settings: Opera
     owned = [p for p in cluster.job_pods(namespace, name)
              if any(o.get("uid") == uid for o in p["metadata"].get("ownerReferences") or [])]
     pods = [p for p in owned if not model_source.is_reader(p) and not s3_inputs.is_fetcher(p)]
-    if phase not in (b.PHASE_PENDING, b.PHASE_PLANNED):
+    unstarted = phase in (b.PHASE_PENDING, b.PHASE_QUEUED, b.PHASE_PLANNED)
+    if not unstarted:
         # A config reader left by a kill between its result and its deletion.
         for pod in owned:
             if model_source.is_reader(pod) and not pod["metadata"].get("deletionTimestamp"):
@@ -168,10 +172,16 @@ def _reconcile_once(cluster: Cluster, namespace: str, name: str, settings: Opera
     # Fetch pods are done once their attempt's training pods exist (or the job is over)
     for fetcher in s3_inputs.leftovers(owned, attempt, bool(current) or phase in b.FINISHED_PHASES):
         cluster.delete_pod(namespace, fetcher, grace_seconds=0)
-    if phase in (b.PHASE_PENDING, b.PHASE_PLANNED) and not current and (problems := admission.spec_problems(spec)):
+    if unstarted and not current and (problems := admission.spec_problems(spec)):
         # What the admission webhook refuses, found here for a job it did not see (created
         # while no webhook was registered): Failed with the reason before any pod, never retried.
         _invalid(change, problems)
+    queue = queueing.queue_name(job, spec)
+    if queue and not settings.kueue and phase in (b.PHASE_PENDING, b.PHASE_QUEUED) and not current:
+        _fail_before_pods(change, "QueueUnavailable", (
+            f"the job asks for Kueue LocalQueue {queue!r} (spec.queueName or label {queueing.QUEUE_LABEL}) but this "
+            "operator runs without Kueue: install Kueue and enable it (chart value kueue.enabled=true), or remove "
+            "the queue name"))
     for pod in pods:
         # Older attempts' pods that still run (a kill between commit and delete) go now.
         if _attempt_of(pod) != attempt and _active(pod) and not pod["metadata"].get("deletionTimestamp"):
@@ -219,6 +229,8 @@ def _suspend_or_resume(change: StatusChange, spec: FineTuneJobSpec, phase: str, 
     Unsuspended: Pending again, and the rest of this pass starts the next attempt."""
     if spec.suspend:
         if phase == b.PHASE_SUSPENDED and not any(_active(p) for p in current):
+            if queueing.queue_name(change.job, spec):
+                queueing.release(change.cluster, change.job)  # its quota goes back until it resumes
             change.commit()
             return Result()
         change.cond(b.PHASE_SUSPENDED, True, "Suspended", "spec.suspend is true: pods stopped after checkpointing")
@@ -258,6 +270,10 @@ def _follow_attempt(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict
         ended = _attempt_ended(change, spec, current, worst, settings)
         if ended is not None:
             return ended
+        if queueing.queue_name(change.job, spec) and any(_active(p) for p in current):
+            ended = _evicted_by_kueue(change, current, settings)
+            if ended is not None:
+                return ended
         live = sum(b.pod_run_seconds(p, change.now) for p in current)
         return _attempt_live(change, spec, current, worst, live, ranks, settings)
     stopping = [p for p in pods if _attempt_of(p) != attempt and _may_still_write(cluster, p)]
@@ -271,6 +287,55 @@ def _follow_attempt(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict
         change.commit()
         return Result(requeue_after=settings.resync_seconds)
     return _start_pods(change, spec, settings)
+
+
+def _evicted_by_kueue(change: StatusChange, pods: list[dict[str, Any]], settings: OperatorSettings) -> Result | None:
+    """Kueue took the running job's quota back (a preemption, a stopped queue) or its Workload
+    went: the attempt ends as a suspension does (pods checkpoint on SIGTERM, nothing is
+    counted) and the job waits Queued for Kueue to admit it again."""
+    wl = queueing.current_workload(change.cluster, change.job)
+    if queueing.admitted(wl):
+        return None
+    ev = queueing.evicted(wl)
+    why = (f"{ev.get('reason')}: {ev.get('message')}" if ev else
+           "its Workload is gone" if wl is None else "its Workload lost its admission")
+    message = f"evicted by Kueue ({why}); pods checkpoint and stop, and the job waits to be admitted again"
+    change.event("Warning", "Evicted", message)
+    change.cond(queueing.CONDITION, False, "Evicted", message)
+    change.cond(b.PHASE_RUNNING, False, "Evicted", message)
+    change.phase(b.PHASE_QUEUED, "Evicted", message, warning=True)
+    return _commit_attempt_end(change, pods, settings, counted=None, grace=None)
+
+
+def _queue_gate(change: StatusChange, spec: FineTuneJobSpec, queue: str, chosen: Any,
+                settings: OperatorSettings) -> Result | None:
+    """A queued job's pods start only once Kueue admitted its Workload for this plan; None
+    when they may, else the job waits Queued (woken by its Workload's events)."""
+    plan = chosen.plan
+    meta = change.job["metadata"]
+    cluster = change.cluster
+    pod = b.build_pod(change.job, spec, chosen, int(change.old.get("attempt", 0)), 0, settings)
+    nvme = b.nvme_volume_bytes(spec, plan, settings) if plan.uses_nvme else 0
+    writing = any(_may_still_write(cluster, p) for p in cluster.job_pods(meta["namespace"], meta["name"]))
+    try:
+        gate = queueing.gate(cluster, change.job, queue, pod, plan.nodes, nvme, writing)
+    except ApiException as err:
+        if err.status != 404:
+            raise
+        _fail_before_pods(change, "QueueUnavailable", (
+            f"Kueue's Workload API ({queueing.API_VERSION}) is not served by this cluster: install Kueue, or "
+            f"remove spec.queueName / label {queueing.QUEUE_LABEL} ({queue!r})"))
+    old = b.condition(change.conditions, queueing.CONDITION) or {}
+    if gate.admitted:
+        change.cond(queueing.CONDITION, True, "Admitted", gate.message)
+        if old.get("status") != "True":
+            change.event("Normal", "Admitted", gate.message)
+        return None
+    change.cond(queueing.CONDITION, False, gate.reason, gate.message)
+    change.cond(b.PHASE_SCHEDULED, False, "Queued", "waiting for Kueue to admit the job")
+    change.phase(b.PHASE_QUEUED, gate.reason, gate.message)
+    change.commit()
+    return Result(requeue_after=QUEUE_RECHECK_SECONDS)
 
 
 def _cost(change: StatusChange, live_seconds: float) -> dict[str, Any]:
@@ -355,6 +420,11 @@ def _finished(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[str, 
         if _active(pod) and not pod["metadata"].get("deletionTimestamp"):
             change.cluster.delete_pod(meta["namespace"], pod["metadata"]["name"])
     change.commit()
+    if queueing.queue_name(change.job, spec):
+        # Kueue releases the quota of a Finished Workload (marked on every pass until it is)
+        phase = change.status.get("phase") or change.old.get("phase")
+        queueing.finish(change.cluster, change.job, phase == b.PHASE_SUCCEEDED,
+                        str(change.status.get("message") or change.old.get("message") or phase))
     ttl = spec.ttl_seconds_after_finished
     finished = b.parse_time(change.old.get("finishedAt"))
     if ttl is None or finished is None:
@@ -557,6 +627,9 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
         raise PermanentFailure(message)
     pricing = _pricing(change.cluster, settings)
     block = _checkpoints_block_size(change)
+    if queueing.queue_name(change.job, spec):
+        # Admitted: planned on the nodes of the flavour Kueue assigned
+        spec = queueing.admitted_spec(change.cluster, change.job, spec)
     placement = choose_placement(spec, change.cluster.nodes(), pricing, settings, read, block)
     if placement.chosen is None or placement.chosen.plan is None:
         # The cache may not hold a node created a moment ago: "fits nowhere" is final, so
@@ -684,6 +757,11 @@ def _create_attempt(change: StatusChange, spec: FineTuneJobSpec, settings: Opera
         return Result(requeue_after=INPUT_RETRY_SECONDS)
     if b.condition(change.conditions, "InputsReady"):
         change.cond("InputsReady", True, "Found", "every PVC and StorageClass the job names exists")
+    queue = queueing.queue_name(change.job, spec)
+    if queue:
+        waiting = _queue_gate(change, spec, queue, chosen, settings)
+        if waiting is not None:
+            return waiting
     fetch = s3_inputs.progress(change, spec, sorted(chosen.nodes), attempt, settings)
     if fetch.failure is not None:
         _fail_before_pods(change, "InputsUnreadable", fetch.failure)
@@ -700,7 +778,7 @@ def _create_attempt(change: StatusChange, spec: FineTuneJobSpec, settings: Opera
     change.cond(b.PHASE_SCHEDULED, False, "Pending", "pods created, waiting for the scheduler")
     change.status["retryAfter"] = None
     # Pending as stored, or as this reconcile just decided (a resumed job).
-    if change.status.get("phase", change.old.get("phase")) in (None, b.PHASE_PENDING):
+    if change.status.get("phase", change.old.get("phase")) in (None, b.PHASE_PENDING, b.PHASE_QUEUED):
         change.phase(b.PHASE_PLANNED, "Planned", message)
     change.status.setdefault("cost", _cost(change, 0.0))
     # The plan is stored before any child exists: killed after this line, the next

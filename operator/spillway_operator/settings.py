@@ -94,6 +94,12 @@ class OperatorSettings(BaseSettings):
         "creation (scheduling, image pull, download): an hour moves ~100 GB at a modest 30 MB/s; past it "
         "the job fails naming the URIs and node",
     )
+    kueue: bool = Field(
+        False,
+        description="Integrate with Kueue (kueue.x-k8s.io/v1beta2, installed separately): a job with "
+        "spec.queueName (or the label kueue.x-k8s.io/queue-name) gets a Workload and starts only once Kueue "
+        "admits it; off: such a job fails at once, saying so (the chart's kueue.enabled)",
+    )
     backoff_base_seconds: float = Field(
         10.0, description="First retry delay after a failed attempt; doubles per failure (as Kubernetes Jobs)"
     )

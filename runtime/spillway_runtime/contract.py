@@ -31,6 +31,7 @@ POD_METRICS_PORT = 9400  # in the exporters' range; the pod has its own network 
 # Every phase a job can be in, in the operator (cluster) or the API's local launcher.
 Phase = Literal[
     "Pending",  # accepted, not yet planned
+    "Queued",  # cluster: waiting for Kueue to admit it (spec.queueName), or re-queued after an eviction
     "Planning",  # local: the plan is being made
     "Planned",  # cluster: planned, children being created
     "Scheduled",  # cluster: pods created, not yet running

@@ -430,6 +430,12 @@ class FineTuneJobSpec(SpecModel):
     storage: Storage = Field(default_factory=lambda: Storage())
     tracking: Tracking = Field(default_factory=lambda: Tracking())
     suspend: bool = False
+    queue_name: str | None = Field(
+        None, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        description="A Kueue LocalQueue in the job's namespace: no pod starts until Kueue admits the job's "
+        "Workload; an eviction or preemption by Kueue suspends it (checkpoint, no failure counted) until it is "
+        "admitted again. The label kueue.x-k8s.io/queue-name does the same. Ignored by `spillway run`",
+    )
     ttl_seconds_after_finished: int | None = Field(None, ge=0)
     backoff_limit: int = Field(3, ge=0, le=100)
 

@@ -145,6 +145,34 @@ class FakeCluster:
     def post_event(self, job: dict[str, Any], type_: str, reason: str, message: str, now: datetime) -> None:
         self.events.append((type_, reason, message))
 
+    KUEUE_KINDS = {"workloads": "Workload", "resourceflavors": "ResourceFlavor", "localqueues": "LocalQueue",
+                   "workloadpriorityclasses": "WorkloadPriorityClass"}
+
+    def kueue_get(self, plural: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+        return self.get(self.KUEUE_KINDS[plural], namespace or "", name)
+
+    def kueue_list(self, plural: str, namespace: str, label_selector: str | None) -> list[dict[str, Any]]:
+        key, _, value = (label_selector or "").partition("=")
+        kind = self.KUEUE_KINDS[plural]
+        return [copy.deepcopy(o) for (k, ns, _), o in sorted(self.objects.items())
+                if k == kind and ns == namespace and (not key or (o["metadata"].get("labels") or {}).get(key) == value)]
+
+    def patch_kueue(self, plural: str, namespace: str, name: str, patch: dict[str, Any], status: bool = False) -> None:
+        obj = self.objects.get((self.KUEUE_KINDS[plural], namespace, name))
+        if obj is None:
+            raise ApiException(status=404, reason="Not Found")
+        wanted = (patch.get("metadata") or {}).get("resourceVersion")
+        if wanted is not None and wanted != obj["metadata"]["resourceVersion"]:
+            raise ApiException(status=409, reason="Conflict")
+        if status:
+            _merge(obj.setdefault("status", {}), patch.get("status") or {})
+        else:
+            _merge(obj, {k: v for k, v in patch.items() if k != "status"})
+        obj["metadata"]["resourceVersion"] = str(next(self._versions))
+
+    def delete_kueue(self, plural: str, namespace: str, name: str) -> None:
+        self.objects.pop((self.KUEUE_KINDS[plural], namespace, name), None)
+
     @staticmethod
     def _key(obj: dict[str, Any]) -> Key:
         meta = obj["metadata"]
