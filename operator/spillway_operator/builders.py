@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from spillway_operator import node_pools
 from spillway_operator.placement import ShapeChoice
 from spillway_operator.settings import OperatorSettings
 from spillway_runtime.contract import METRICS_PORT_ENV, POD_METRICS_PORT, TERMINAL_PHASES, ExitCode, Phase
@@ -434,7 +435,7 @@ def build_pod(
             "fsGroup": settings.run_as_user,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "affinity": {
+        "affinity": {} if choice.pool else {
             "nodeAffinity": {
                 "requiredDuringSchedulingIgnoredDuringExecution": {
                     # One term per node (terms are ORed): the API server accepts a single value
@@ -472,6 +473,11 @@ def build_pod(
         pod_spec["initContainers"] = init_containers
     if spec.resources.node_selector:
         pod_spec["nodeSelector"] = dict(spec.resources.node_selector)
+    pool = node_pools.find(settings.node_pools, choice.pool)
+    if pool is not None:
+        # Planned on a pool's template: any node of the pool, once the autoscaler brings one up
+        pod_spec["nodeSelector"] = {**pod_spec.get("nodeSelector", {}), **pool.labels}
+        meta["annotations"][node_pools.POOL_ANNOTATION] = pool.name
     if spec.resources.tolerations:
         pod_spec["tolerations"] = [t.model_dump(mode="json", exclude_none=True) for t in spec.resources.tolerations]
     if plan.nodes > 1:
@@ -479,7 +485,7 @@ def build_pod(
         pod_spec["subdomain"] = service_name(name)
         # The plan sized RAM and NVMe per node: two ranks must never share one, even
         # where a node has the GPUs for both.
-        pod_spec["affinity"]["podAntiAffinity"] = {
+        pod_spec.setdefault("affinity", {})["podAntiAffinity"] = {
             "requiredDuringSchedulingIgnoredDuringExecution": [
                 {
                     "labelSelector": {"matchLabels": {LABEL_JOB: name, LABEL_ATTEMPT: str(attempt)}},
@@ -487,6 +493,8 @@ def build_pod(
                 }
             ]
         }
+    if not pod_spec["affinity"]:
+        del pod_spec["affinity"]
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from spillway_operator.node_pools import PRICE_ANNOTATION, pool_of
 from spillway_operator.settings import OperatorSettings
 from spillway_runtime.hardware import AioSettings, NodeHardware, hardware_from_node
 from spillway_runtime.hf_shape import count_decoder
@@ -79,6 +80,8 @@ class ShapeChoice:
     price_per_hour: float = 0.0
     plan: OffloadPlan | None = None
     why_not: str | None = None
+    pool: str | None = None  # a declared node pool's template nodes (node_pools), not nodes that exist
+    pool_price: float | None = None
 
 
 @dataclass
@@ -155,16 +158,21 @@ def choose_placement(
             excluded[name] = why
             continue
         hw = _with_block_size(hardware_from_node(node), aio_block_size)
-        key = hw.shape_key()
+        pool = pool_of(node)
+        key = f"{hw.shape_key()} (declared pool {pool})" if pool else hw.shape_key()
         if key in groups:
             groups[key].nodes.append(name)
         else:
-            groups[key] = ShapeChoice(shape=key, nodes=[name], hardware=hw)
+            price = ((node.get("metadata") or {}).get("annotations") or {}).get(PRICE_ANNOTATION)
+            groups[key] = ShapeChoice(shape=key, nodes=[name], hardware=hw, pool=pool,
+                                      pool_price=float(price) if price else None)
     gpus_wanted = spec.resources.gpus_per_node
     for choice in groups.values():
         hw = choice.hardware
         gpus = hw.gpu_count if gpus_wanted is None else gpus_wanted
         choice.price_per_hour, _ = gpu_hour_price(hw, pricing, settings)
+        if choice.pool_price is not None:
+            choice.price_per_hour = choice.pool_price
         # Per node: the planner multiplies by the job's node count itself.
         node_price = choice.price_per_hour * (gpus if hw.gpu_count else 1)
         if gpus > hw.gpu_count:

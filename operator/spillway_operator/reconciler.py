@@ -25,13 +25,14 @@ from typing import Any, NoReturn
 
 from kubernetes.client.exceptions import ApiException
 
-from spillway_operator import admission, children, metrics, model_source, queueing, s3_inputs
+from spillway_operator import admission, children, metrics, model_source, node_pools, queueing, s3_inputs
 from spillway_operator import builders as b
 from spillway_operator.cluster import KUBE, Cluster
 from spillway_operator.placement import choose_placement, plan_status
 from spillway_operator.settings import OperatorSettings
 from spillway_operator.status import StatusChange
 from spillway_runtime.contract import ExitCode
+from spillway_runtime.hardware import ANNOTATIONS, hardware_from_node
 from spillway_runtime.plan_summary import PlanSummary, plan_summary
 from spillway_runtime.runconfig import RuntimeConfig
 from spillway_runtime.spec import FineTuneJobSpec, SpecError, parse_job
@@ -524,6 +525,10 @@ def _attempt_live(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[s
         change.commit()
         return _finished(change, spec, pods)
 
+    if worst.kind in (b.OUTCOME_RUNNING, b.OUTCOME_SCHEDULED) and node_pools.pool_of(pods[0]):
+        replanned = _check_arrived_node(change, spec, pods, settings)
+        if replanned is not None:
+            return replanned
     if worst.kind == b.OUTCOME_RUNNING:
         nodes = sorted({p["spec"].get("nodeName", "") for p in pods})
         message = f"{len(pods)} pod(s) running on {', '.join(nodes)}"
@@ -539,16 +544,26 @@ def _attempt_live(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[s
         unscheduled = _unschedulable_message(pods)
         if len(pods) < ranks:
             return _start_pods(change, spec, settings)
-        if unscheduled:
+        pool = node_pools.pool_of(pods[0])
+        if unscheduled and not pool:
             replanned = _replan_unschedulable(change, spec, pods, unscheduled, settings)
             if replanned is not None:
                 return replanned
-        change.cond(
-            b.PHASE_SCHEDULED,
-            False,
-            "Unschedulable" if unscheduled else "Pending",
-            unscheduled or "waiting for the scheduler",
-        )
+        if pool:
+            # Planned on a declared pool: the pods wait for the autoscaler to add its nodes.
+            plan = _plan(old)
+            waiting = (f"waiting for {len(pods)} node(s) of declared pool {pool} "
+                       f"({plan.shape if plan else '?'}) to come up")
+            change.cond(b.PHASE_SCHEDULED, False, "WaitingForNode",
+                        f"{waiting}; the scheduler says: {unscheduled[:300]}" if unscheduled else waiting)
+            unscheduled = waiting
+        else:
+            change.cond(
+                b.PHASE_SCHEDULED,
+                False,
+                "Unschedulable" if unscheduled else "Pending",
+                unscheduled or "waiting for the scheduler",
+            )
         if old.get("phase") not in (b.PHASE_PLANNED,):
             change.phase(b.PHASE_PLANNED, "Planned", unscheduled or "pods created, waiting for the scheduler")
     change.commit()
@@ -584,6 +599,39 @@ def _replan_unschedulable(
     change.cond(b.PHASE_SCHEDULED, False, "Replanned", message)
     change.phase(b.PHASE_PENDING, "Replanned", message)
     return _commit_attempt_end(change, pods, settings, counted="replans", grace=0)
+
+
+def _check_arrived_node(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[str, Any]],
+                        settings: OperatorSettings) -> Result | None:
+    """Pods planned on a declared pool's template are on a real node now: once the node probe
+    has measured it, its hardware must be the template's. If it is not (another GPU, less
+    RAM or NVMe), the job is planned again on the nodes there are, and a different plan
+    replaces the attempt (the pods checkpoint first), counted as a re-plan."""
+    pool = node_pools.find(settings.node_pools, node_pools.pool_of(pods[0]))
+    nodes = {n["metadata"]["name"]: n for n in change.cluster.nodes()}
+    arrived = [nodes[p["spec"]["nodeName"]] for p in pods if p["spec"].get("nodeName") in nodes]
+    probed = [n for n in arrived if any(k in (n["metadata"].get("annotations") or {}) for k in ANNOTATIONS)]
+    if pool is None or not probed:
+        return None  # the pool is no longer declared, or the probe has not measured the node yet
+    declared = hardware_from_node(node_pools.template_nodes([pool])[0]).shape_key()
+    differs = {n["metadata"]["name"]: hardware_from_node(n).shape_key() for n in probed}
+    differs = {name: shape for name, shape in differs.items() if shape != declared}
+    if not differs:
+        return None
+    placement = choose_placement(spec, change.cluster.nodes(), _pricing(change.cluster, settings), settings,
+                                 _model_read(change, spec), _checkpoints_block_size(change))
+    old_plan = _plan(change.old)
+    chosen = placement.chosen
+    if chosen is not None and chosen.plan is not None and old_plan is not None and \
+            chosen.plan.label == old_plan.label and set(differs) <= set(chosen.nodes):
+        return None  # the same plan on the node that came: nothing to change
+    found = ", ".join(f"{name} is {shape}" for name, shape in sorted(differs.items()))
+    message = (f"node(s) of declared pool {pool.name} came up unlike its template {declared} ({found}): "
+               f"re-planning on the nodes there are")
+    change.event("Normal", "Replanned", message)
+    change.cond(b.PHASE_SCHEDULED, False, "Replanned", message)
+    change.phase(b.PHASE_PENDING, "Replanned", message)
+    return _commit_attempt_end(change, pods, settings, counted="replans", grace=None)
 
 
 def _unschedulable_message(pods: list[dict[str, Any]]) -> str:
@@ -635,6 +683,10 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
         # The cache may not hold a node created a moment ago: "fits nowhere" is final, so
         # it is decided on a fresh LIST.
         placement = choose_placement(spec, change.cluster.nodes(fresh=True), pricing, settings, read, block)
+    if (placement.chosen is None or placement.chosen.plan is None) and settings.node_pools:
+        # No node that exists fits: the declared pools' template nodes, for the autoscaler to bring up
+        placement = choose_placement(spec, [*change.cluster.nodes(), *node_pools.template_nodes(settings.node_pools)],
+                                     pricing, settings, read, block)
     change.status["plan"] = plan_status(placement)
     chosen = placement.chosen
     if chosen is None or chosen.plan is None:

@@ -13,6 +13,8 @@ from functools import lru_cache
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from spillway_operator.node_pools import NodePool
+
 
 class OperatorSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPILLWAY_OPERATOR_", extra="ignore")
@@ -93,6 +95,12 @@ class OperatorSettings(BaseSettings):
         description="How long the pod that fetches a job's s3:// inputs on a node may take, from its "
         "creation (scheduling, image pull, download): an hour moves ~100 GB at a modest 30 MB/s; past it "
         "the job fails naming the URIs and node",
+    )
+    node_pools: list[NodePool] = Field(
+        default_factory=list,
+        description="Node pools that scale from zero (the chart's nodePools, as JSON): when no node that "
+        "exists fits a job, it is planned on the pools' template nodes and its pods select the pool's labels, "
+        "so the autoscaler brings a node up; a job fails NoFit only when neither fits",
     )
     kueue: bool = Field(
         False,
