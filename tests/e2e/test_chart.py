@@ -103,6 +103,13 @@ MATRIX: dict[str, dict[str, Any]] = {
         "nodeProbe.serviceAccount.create": False,
         "fullnameOverride": "ftj",
     },
+    "queues-and-pools": {
+        "kueue.enabled": True,
+        "nodePools": [{"name": "l4-nvme", "labels": {"karpenter.sh/nodepool": "l4-nvme"},
+                       "taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}],
+                       "gpuProduct": "NVIDIA-L4", "gpuCount": 1, "gpuMemory": "24Gi", "cpu": 16, "memory": "64Gi",
+                       "nvme": {"path": "/mnt/nvme0", "capacity": "1800G"}, "gpuHourUSD": 0.8, "maxNodes": 8}],
+    },
     "crds-and-pricing-only": {"operator.enabled": False, "api.enabled": False, "nodeProbe.enabled": False},
     "everything-customised": {
         "commonLabels": {"team": "ml"},
@@ -253,6 +260,37 @@ def test_rendered_values_reach_the_processes(helm: Callable[..., Any]) -> None:
     assert ("ClusterRoleBinding", None, "spillway-operator-jobs") not in bindings
 
 
+def test_kueue_and_node_pools_reach_the_operator_with_the_rbac_they_need(
+    helm: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from spillway_operator.settings import OperatorSettings
+
+    def operator(docs: list[dict[str, Any]]) -> tuple[dict[str, str], list[dict[str, Any]]]:
+        by_name = {f"{d['kind']}/{d['metadata']['name']}": d for d in docs}
+        container = by_name["Deployment/spillway-operator"]["spec"]["template"]["spec"]["containers"][0]
+        rules = [r for name in ("spillway-operator-cluster", "spillway-operator-jobs")
+                 for r in by_name[f"ClusterRole/{name}"]["rules"]]
+        return {e["name"]: e.get("value") for e in container["env"]}, rules
+
+    env, rules = operator(render(helm, MATRIX["queues-and-pools"]))
+    assert env["SPILLWAY_OPERATOR_KUEUE"] == "true"
+    monkeypatch.setenv("SPILLWAY_OPERATOR_NODE_POOLS", env["SPILLWAY_OPERATOR_NODE_POOLS"])
+    [pool] = OperatorSettings().node_pools  # what the operator reads is what the values said
+    assert (pool.name, pool.labels, pool.cpu, pool.gpu_hour_usd, pool.max_nodes) == (
+        "l4-nvme", {"karpenter.sh/nodepool": "l4-nvme"}, 16, 0.8, 8)
+    assert pool.nvme is not None and pool.nvme.capacity == "1800G"
+    kueue = {(tuple(r["resources"]), tuple(r["verbs"])) for r in rules if r["apiGroups"] == ["kueue.x-k8s.io"]}
+    assert kueue == {
+        (("workloads",), ("get", "list", "watch", "create", "delete", "patch")),
+        (("workloads/status",), ("get", "patch")),
+        (("localqueues",), ("get",)),
+        (("resourceflavors", "workloadpriorityclasses"), ("get",)),
+    }
+    env, rules = operator(render(helm, {}))
+    assert "SPILLWAY_OPERATOR_KUEUE" not in env and "SPILLWAY_OPERATOR_NODE_POOLS" not in env
+    assert not [r for r in rules if r["apiGroups"] == ["kueue.x-k8s.io"]]
+
+
 def test_the_webhook_is_registered_for_the_operators_replicas(helm: Callable[..., Any]) -> None:
     by_name = {f"{d['kind']}/{d['metadata']['name']}": d for d in render(helm, MATRIX["namespaced-with-metrics"])}
     [hook] = by_name["ValidatingWebhookConfiguration/spillway-spillway-system-finetunejobs"]["webhooks"]
@@ -288,6 +326,8 @@ def test_the_webhook_is_registered_for_the_operators_replicas(helm: Callable[...
         ({"operatr": {"enabled": True}}, "additional properties 'operatr' not allowed"),
         ({"pricing.gpuHourUSD": {"NVIDIA-L4": "cheap"}}, "/pricing/gpuHourUSD/NVIDIA-L4"),
         ({"operator.webhook.failurePolicy": "Maybe"}, "/operator/webhook/failurePolicy"),
+        ({"nodePools": [{"name": "l4", "cpu": 16, "memory": "64Gi"}]}, "missing property 'labels'"),
+        ({"kueue.enabled": "yes"}, "/kueue/enabled"),
     ],
 )
 def test_bad_values_are_refused_with_the_reason(helm: Callable[..., Any], values: dict[str, Any], message: str) -> None:
