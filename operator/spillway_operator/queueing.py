@@ -297,8 +297,10 @@ def finish(cluster: Cluster, job: dict[str, Any], succeeded: bool, message: str)
         conditions = b.set_condition(list((wl.get("status") or {}).get("conditions") or []), "Finished", True,
                                      "Succeeded" if succeeded else "Failed", message[:1000],
                                      int(wl["metadata"].get("generation") or 1), datetime.now(UTC))
-        cluster.patch_kueue(WORKLOADS, wl["metadata"]["namespace"], wl["metadata"]["name"],
-                            {"status": {"conditions": conditions}}, status=True)
+        # The whole list (a merge patch replaces it), so only if Kueue has not changed it since
+        cluster.patch_kueue(WORKLOADS, wl["metadata"]["namespace"], wl["metadata"]["name"], {
+            "metadata": {"resourceVersion": wl["metadata"]["resourceVersion"]},
+            "status": {"conditions": conditions}}, status=True)
 
 
 def release(cluster: Cluster, job: dict[str, Any]) -> None:
