@@ -16,6 +16,9 @@ cluster's real node, driven by the real operator, as a user drives it with kubec
 - Two ranks in one pod, and two ranks on two real nodes (rank 1 finds rank 0 by its
   headless-Service name through the cluster's DNS): suspended and resumed, both end with
   the losses of an uninterrupted two-rank run, to the bit.
+- Under a real Kueue, a job preempted by a higher-priority one checkpoints (exit 75, no
+  failure counted), waits Queued while the other runs, and resumes with the uninterrupted
+  run's losses, to the bit.
 """
 
 from __future__ import annotations
@@ -34,12 +37,14 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from kubernetes.utils import parse_quantity
 
 from spillway_operator.builders import checkpoint_pvc_name
 from spillway_runtime.hardware import NVME_PATH_ANNOTATION
 from spillway_runtime.modelinfo import shape_from_config
 from spillway_runtime.tiny import build_tiny_model, write_chat_dataset, write_dataset
 from tests.e2e.conftest import REPO_ROOT, Cluster
+from tests.e2e.kueue_fixtures import kueue  # noqa: F401  (the fixture)
 from tests.e2e.operator_fixtures import active_pods, running_operator, wait_status
 from tests.e2e.test_api_cluster import ApiServer
 
@@ -92,10 +97,12 @@ class RealNode:
                      "volumeName": f"{namespace}-inputs", "resources": {"requests": {"storage": "1Gi"}}}}, namespace)
 
     def job(self, namespace: str, name: str, dataset: str | None = None, max_steps: int | None = None,
-            processes: int = 1, nodes: int = 1, spec_update: dict[str, Any] | None = None) -> Path:
+            processes: int = 1, nodes: int = 1, spec_update: dict[str, Any] | None = None,
+            labels: dict[str, str] | None = None, top: dict[str, Any] | None = None) -> Path:
         """`kubectl apply -f examples/tiny-cluster.yaml` under another name, with this
         module's storage class and an NVMe directory of its own; returns its checkpoint
-        directory on this machine. With ``nodes`` 2 it spans both real nodes."""
+        directory on this machine. With ``nodes`` 2 it spans both real nodes. ``labels``
+        go on the job, ``top`` are top-level spec fields (spec.queueName)."""
         checkpoints = self.host_dir(f"{namespace}-{name}-checkpoints")
         self.pv(f"{namespace}-{name}-ckpt", checkpoints, namespace, checkpoint_pvc_name(name),
                 "ReadWriteOnce" if nodes == 1 else "ReadWriteMany")
@@ -118,6 +125,9 @@ class RealNode:
                 {"key": self.cluster.settings()["NODE2_TAINT"], "operator": "Exists", "effect": "NoSchedule"})
         for key, value in (spec_update or {}).items():  # a None removes the field
             spec[key] = {k: v for k, v in {**spec.get(key, {}), **value}.items() if v is not None}
+        spec.update(top or {})
+        if labels:
+            job["metadata"]["labels"] = {**job["metadata"].get("labels", {}), **labels}
         self.cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(job))
         return checkpoints
 
@@ -149,7 +159,7 @@ def real(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     log = tmp_path_factory.mktemp("operator-real") / "operator.log"
     try:
         with running_operator(cluster, log, SPILLWAY_OPERATOR_RUNTIME_IMAGE=image,
-                              SPILLWAY_OPERATOR_READ_MODEL_CONFIG="true"):
+                              SPILLWAY_OPERATOR_READ_MODEL_CONFIG="true", SPILLWAY_OPERATOR_KUEUE="true"):
             example = yaml.safe_load(EXAMPLE.read_text())["spec"]
             # The example is written for this cluster's real node and `spillway make-tiny`'s model.
             assert example["resources"]["nodeSelector"] == {label: "true"}
@@ -630,3 +640,60 @@ def test_a_two_node_job_meets_across_real_nodes_and_resumes_to_the_same_losses(
     _assert_resumed_as_reference(cluster, namespace, log, "nodes-ref-a0-0", stopped)
     started = [e for e in log if e["event"] == "started"]
     assert [e["world_size"] for e in started] == [2], started
+
+
+def test_a_job_preempted_by_kueue_checkpoints_and_resumes_with_no_lost_step(
+    real: RealNode, cluster: Cluster, kube_api: Any, namespace: str, uninterrupted: tuple[dict[str, Any], Path],
+    kueue: Any,  # noqa: F811  (the fixture)
+) -> None:
+    """Under a real Kueue: a ClusterQueue with room for one tiny job on the real node and
+    preemption of lower priorities. A higher-priority job arrives while the first trains;
+    Kueue evicts the first, whose pod checkpoints and exits 75 (no failure counted), the
+    quota goes to the second, which runs to the end; the first is admitted again and
+    resumes from its stop checkpoint, every later step's loss equal to an uninterrupted
+    run's, to the bit."""
+    reference, _ = uninterrupted
+    real.inputs(namespace)
+    suffix = secrets.token_hex(3)
+    low, high = kueue.priority_class(f"low-{suffix}", 10), kueue.priority_class(f"high-{suffix}", 1000)
+    flavor = kueue.flavor(f"real-{suffix}", node_labels={real.label: "true"})
+    cq_name = f"real-{suffix}"
+    kueue.local_queue(namespace, "team", cq_name)  # its ClusterQueue follows, sized to the job
+    pods = PodWatch(kube_api, namespace, "tiny")
+    queued = {"queueName": "team"}
+    real.job(namespace, "tiny", max_steps=MAX_STEPS, labels={"kueue.x-k8s.io/priority-class": low}, top=queued)
+    [wl] = cluster.wait_for(lambda: cluster.kubectl_json("get", "workloads.kueue.x-k8s.io", "-n", namespace,
+                                                         "-l", "spillway.dev/job=tiny")["items"], 120,
+                            what="the job's Workload")
+    requests = wl["spec"]["podSets"][0]["template"]["spec"]["containers"][0]["resources"]["requests"]
+    # Room for one such job, not two.
+    kueue.cluster_queue(cq_name, {flavor: {k: str(int(parse_quantity(v) * 3 // 2)) for k, v in requests.items()}},
+                        preemption={"withinClusterQueue": "LowerPriority"})
+    try:
+        wait_status(cluster, namespace, "tiny", lambda s: (s.get("progress") or {}).get("step", 0) >= 4,
+                    POD_TIMEOUT_S, "step 4")
+        [first] = active_pods(cluster, namespace, "tiny")
+        real.job(namespace, "urgent", max_steps=6, labels={"kueue.x-k8s.io/priority-class": high}, top=queued)
+        evicted = wait_status(cluster, namespace, "tiny", lambda s: s.get("phase") == "Queued"
+                              and not active_pods(cluster, namespace, "tiny"), 300, "tiny evicted, no pod running")
+        assert _condition(evicted, "Admitted")["reason"] == "Evicted"
+        assert "Preempted" in _condition(evicted, "Admitted")["message"]
+        cluster.wait_for(lambda: pods.exit_code(first) is not None, 300, what=f"{first}'s exit")
+        assert pods.exit_code(first) == 75
+        stopped = max(c["step"] for c in (cluster.get("finetunejob", "tiny", namespace) or {})["status"]["checkpoints"])
+        urgent = _finished(real, namespace, "urgent")
+        assert urgent["status"]["phase"] == "Succeeded"
+        job = _finished(real, namespace, "tiny")
+    finally:
+        pods.stop()
+    status = job["status"]
+    assert status["phase"] == "Succeeded", json.dumps(status)[-2000:]
+    assert status.get("failures", 0) == 0
+    [last] = [name for name in pods.names() if name != first]
+    log = _events(cluster, namespace, last)
+    assert [e["step"] for e in log if e["event"] == "resumed"] == [stopped]
+    expected = {e["step"]: e["loss"] for e in _events(cluster, reference["metadata"]["namespace"], "tiny-a0-0")
+                if e["event"] == "step"}
+    got = {e["step"]: e["loss"] for e in log if e["event"] == "step"}
+    assert sorted(got) == list(range(stopped + 1, MAX_STEPS + 1))
+    assert {s: (got[s], expected[s]) for s in got if got[s] != expected[s]} == {}
