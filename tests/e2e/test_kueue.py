@@ -1,6 +1,7 @@
 """Shared and elastic GPU clusters, with the real operator on kwok's simulated GPU nodes.
 
 Under a real Kueue (built from the Go module proxy, tests/e2e/kueue_fixtures.py):
+- the harness itself: a plain Workload is admitted within quota, the next once it is Finished;
 - two jobs and a ClusterQueue with GPU quota for one: the second waits Queued (its queue,
   its place and Kueue's reason in its status, no pod), and runs once the first finished;
 - a two-node job under quota for one node is never started in part: no pod until the
@@ -14,13 +15,14 @@ takes the pod."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from tests.e2e.kueue_fixtures import kueue  # noqa: F401  (the fixture)
+from tests.e2e.kueue_fixtures import API_VERSION, GROUP, Kueue, kueue  # noqa: F401  (the fixture)
 from tests.e2e.operator_fixtures import (
     POOL,
     OperatorProcess,
@@ -36,6 +38,7 @@ from tests.e2e.operator_fixtures import (
 
 pytestmark = pytest.mark.e2e
 
+ADMIT_TIMEOUT_S = 60
 ROOMY = {"cpu": "1000", "memory": "100Ti", "ephemeral-storage": "1000Ti"}
 POOL_TEMPLATE = "spillway.dev/e2e-node-pool"
 # The kwok profile gpu-80g as a pool that has no node yet.
@@ -52,6 +55,74 @@ def operator(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield op
 
 
+def plain_workload(name: str, queue: str, cpu: str) -> dict[str, Any]:
+    container = {"name": "main", "image": "registry.invalid/none", "resources": {"requests": {"cpu": cpu}}}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "Workload",
+        "metadata": {"name": name},
+        "spec": {
+            "queueName": queue,
+            "podSets": [{"name": "main", "count": 1,
+                         "template": {"spec": {"restartPolicy": "Never", "containers": [container]}}}],
+        },
+    }
+
+
+def wait_admitted(cluster: Any, namespace: str, name: str) -> dict[str, Any]:
+    def admitted() -> dict[str, Any] | None:
+        wl = cluster.get(f"workloads.{GROUP}", name, namespace)
+        return wl if condition(wl, "Admitted").get("status") == "True" else None
+
+    result: dict[str, Any] = cluster.wait_for(admitted, ADMIT_TIMEOUT_S, what=f"Kueue to admit Workload {name}")
+    return result
+
+
+def test_the_harness_kueue_admits_a_plain_workload_and_the_next_once_the_first_finished(
+    cluster: Any, namespace: str, kueue: Kueue  # noqa: F811
+) -> None:
+    """Kueue itself, before any Spillway code is involved: a plain Workload within a
+    ClusterQueue's quota is admitted on its flavour, one beyond what is left waits with
+    Kueue's reason, and is admitted once the first reports Finished (as the operator does)."""
+    suffix = namespace.rsplit("-", 1)[-1]
+    flavor = kueue.flavor(f"e2e-harness-{suffix}")
+    cq = kueue.cluster_queue(f"e2e-harness-{suffix}", {flavor: {"cpu": "2", "memory": "4Gi"}})
+    kueue.local_queue(namespace, "team", cq)
+
+    cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(plain_workload("first", "team", "1")))
+    first = wait_admitted(cluster, namespace, "first")
+    assert condition(first, "QuotaReserved")["status"] == "True"
+    admission = first["status"]["admission"]
+    assert admission["clusterQueue"] == cq
+    assert [(a["name"], a["flavors"]["cpu"], a["count"]) for a in admission["podSetAssignments"]] == [
+        ("main", flavor, 1)
+    ]
+
+    # 2 CPUs do not fit next to the first's 1 of 2: pending, with Kueue's reason.
+    cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(plain_workload("second", "team", "2")))
+
+    def pending() -> dict[str, Any] | None:
+        wl = cluster.get(f"workloads.{GROUP}", "second", namespace)
+        reserved = condition(wl, "QuotaReserved")
+        return wl if reserved.get("status") == "False" and reserved.get("message") else None
+
+    second = cluster.wait_for(pending, ADMIT_TIMEOUT_S, what="Kueue to say why Workload second waits")
+    reserved = condition(second, "QuotaReserved")
+    assert reserved["reason"] == "Pending", reserved
+    assert "insufficient unused quota for cpu" in reserved["message"], reserved
+    assert condition(second, "Admitted").get("status") != "True"
+    assert not (second.get("status") or {}).get("admission")
+
+    # The owner reports the end of the first: its quota goes back, the second fits.
+    finished = {"type": "Finished", "status": "True", "reason": "Succeeded", "message": "done",
+                "lastTransitionTime": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    cluster.kubectl("patch", f"workloads.{GROUP}", "first", "-n", namespace, "--subresource=status",
+                    "--type=json", "-p", json.dumps([{"op": "add", "path": "/status/conditions/-", "value": finished}]))
+    second = wait_admitted(cluster, namespace, "second")
+    assert second["status"]["admission"]["clusterQueue"] == cq
+    assert [w["metadata"]["name"] for w in kueue.workloads(namespace)] == ["first", "second"]
+
+
 def queued_job(cluster: Any, name: str, pool: str, queue: str, **spec: Any) -> dict[str, Any]:
     add_checkpoint_volume(cluster, "ReadWriteMany" if (spec.get("resources") or {}).get("nodes", 1) > 1
                           else "ReadWriteOnce")
@@ -65,8 +136,8 @@ def workloads_of(cluster: Any, namespace: str, job: str) -> list[dict[str, Any]]
     return list(data.get("items", []))
 
 
-def condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
-    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == kind), {})
+def condition(obj: dict[str, Any] | None, kind: str) -> dict[str, Any]:
+    return next((c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c["type"] == kind), {})
 
 
 def test_the_second_job_waits_queued_until_the_first_finishes(
