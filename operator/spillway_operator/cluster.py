@@ -52,7 +52,8 @@ class Cluster(Protocol):
     def kueue_get(self, plural: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
         """A Kueue object (kueue.x-k8s.io/v1beta2), or None when it does not exist."""
 
-    def kueue_list(self, plural: str, namespace: str, label_selector: str | None) -> list[dict[str, Any]]: ...
+    def kueue_list(self, plural: str, namespace: str | None, label_selector: str | None) -> list[dict[str, Any]]:
+        """Kueue objects of a namespace (None: of a cluster-scoped kind)."""
 
     def patch_kueue(self, plural: str, namespace: str, name: str, patch: dict[str, Any], status: bool = False) -> None:
         """A merge patch of a namespaced Kueue object (or its status); a resourceVersion in the
@@ -124,7 +125,7 @@ class KubeCluster:
     def kueue_get(self, plural: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
         return k8s.kueue_get(plural, name, namespace)
 
-    def kueue_list(self, plural: str, namespace: str, label_selector: str | None) -> list[dict[str, Any]]:
+    def kueue_list(self, plural: str, namespace: str | None, label_selector: str | None) -> list[dict[str, Any]]:
         return k8s.kueue_list(plural, namespace, label_selector)
 
     def patch_kueue(self, plural: str, namespace: str, name: str, patch: dict[str, Any], status: bool = False) -> None:

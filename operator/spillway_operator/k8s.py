@@ -266,9 +266,13 @@ def kueue_get(plural: str, name: str, namespace: str | None = None) -> dict[str,
         raise
 
 
-def kueue_list(plural: str, namespace: str, label_selector: str | None) -> list[dict[str, Any]]:
-    data = _json(_call(custom().list_namespaced_custom_object, KUEUE_GROUP, KUEUE_VERSION, namespace, plural,
-                       label_selector=label_selector or "", _preload_content=False))
+def kueue_list(plural: str, namespace: str | None, label_selector: str | None) -> list[dict[str, Any]]:
+    if namespace is None:  # a cluster-scoped kind (ResourceFlavor)
+        data = _json(_call(custom().list_cluster_custom_object, KUEUE_GROUP, KUEUE_VERSION, plural,
+                           label_selector=label_selector or "", _preload_content=False))
+    else:
+        data = _json(_call(custom().list_namespaced_custom_object, KUEUE_GROUP, KUEUE_VERSION, namespace, plural,
+                           label_selector=label_selector or "", _preload_content=False))
     return list(data.get("items", []))
 
 

@@ -23,6 +23,11 @@ outside its code base (Kueue's `integrations.externalFrameworks`):
   Re-admitted, the next attempt resumes from the latest checkpoint.
 - Finished, the Workload is marked Finished (Kueue releases the quota); suspended
   (spec.suspend), it is deleted once the pods are gone, and made anew on resume.
+- A ResourceFlavor says which nodes, not what they hold; one annotated with
+  `spillway.dev/node-shape` (the node pool fields of the chart's nodePools: GPUs, CPU,
+  RAM, NVMe, price, maxNodes) is also a declared node pool (`flavour_pools`), its
+  nodeLabels and nodeTaints the pool's, so a flavour whose nodes scale from zero is
+  planned on like the chart's pools.
 """
 
 from __future__ import annotations
@@ -34,9 +39,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes.utils import parse_quantity
+from pydantic import ValidationError
 
 from spillway_operator import builders as b
 from spillway_operator.cluster import Cluster
+from spillway_operator.node_pools import NodePool
 from spillway_runtime.spec import FineTuneJobSpec, Toleration
 
 GROUP = "kueue.x-k8s.io"
@@ -48,6 +55,7 @@ PRIORITY_LABEL = f"{GROUP}/priority-class"
 POD_SET = "trainer"
 CONDITION = "Admitted"  # the job's condition: whether Kueue admitted it, and why not
 EPHEMERAL = "ephemeral-storage"
+SHAPE_ANNOTATION = "spillway.dev/node-shape"  # on a ResourceFlavor: its nodes' shape, a declared pool
 
 
 class QueueUnavailable(Exception):
@@ -177,6 +185,41 @@ def admitted_spec(cluster: Cluster, job: dict[str, Any], spec: FineTuneJobSpec) 
         "tolerations": [*spec.resources.tolerations, *(Toleration.model_validate(t) for t in tolerations)],
     })
     return spec.model_copy(update={"resources": resources})
+
+
+def flavour_pools(cluster: Cluster, declared: list[NodePool]) -> tuple[list[NodePool], list[str]]:
+    """The ResourceFlavors annotated with `spillway.dev/node-shape` as declared node pools
+    (named after the flavour, after the chart's pools of the same name), and why any
+    annotated flavour could not be one."""
+    pools: list[NodePool] = []
+    problems: list[str] = []
+    names = {p.name for p in declared}
+    for flavor in cluster.kueue_list("resourceflavors", None, None):
+        meta = flavor["metadata"]
+        raw = (meta.get("annotations") or {}).get(SHAPE_ANNOTATION)
+        if raw is None or meta["name"] in names:
+            continue
+        where = f"ResourceFlavor {meta['name']}'s annotation {SHAPE_ANNOTATION}"
+        spec = flavor.get("spec") or {}
+        try:
+            shape = json.loads(raw)
+            if not isinstance(shape, dict):
+                raise ValueError("not a JSON object")
+            for key in ("name", "labels", "taints"):
+                if key in shape:
+                    raise ValueError(f"{key!r} comes from the flavour (its name, nodeLabels, nodeTaints): remove it")
+            pools.append(NodePool.model_validate({
+                **shape, "name": meta["name"], "labels": spec.get("nodeLabels") or {},
+                "taints": [{k: str(v) for k, v in t.items() if k in ("key", "value", "effect")}
+                           for t in spec.get("nodeTaints") or []]}))
+        except ValidationError as err:
+            fields = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'value'}: {e['msg']}" for e in err.errors())
+            problems.append(f"{where} is not a node shape ({fields})"
+                            + (" — the flavour needs spec.nodeLabels for its pods to select" if "labels" in fields
+                               else ""))
+        except ValueError as err:
+            problems.append(f"{where} is not a node shape: {err}")
+    return pools, problems
 
 
 def _priority(cluster: Cluster, job: dict[str, Any]) -> tuple[str, int] | None:

@@ -607,12 +607,17 @@ def _check_arrived_node(change: StatusChange, spec: FineTuneJobSpec, pods: list[
     has measured it, its hardware must be the template's. If it is not (another GPU, less
     RAM or NVMe), the job is planned again on the nodes there are, and a different plan
     replaces the attempt (the pods checkpoint first), counted as a re-plan."""
-    pool = node_pools.find(settings.node_pools, node_pools.pool_of(pods[0]))
     nodes = {n["metadata"]["name"]: n for n in change.cluster.nodes()}
     arrived = [nodes[p["spec"]["nodeName"]] for p in pods if p["spec"].get("nodeName") in nodes]
     probed = [n for n in arrived if any(k in (n["metadata"].get("annotations") or {}) for k in ANNOTATIONS)]
-    if pool is None or not probed:
-        return None  # the pool is no longer declared, or the probe has not measured the node yet
+    if not probed:
+        return None  # the node probe has not measured the node yet
+    pool = node_pools.find(settings.node_pools, node_pools.pool_of(pods[0]))
+    if pool is None:  # a ResourceFlavor's
+        settings, _ = _with_flavour_pools(change, settings)
+        pool = node_pools.find(settings.node_pools, node_pools.pool_of(pods[0]))
+    if pool is None:
+        return None  # the pool is no longer declared
     declared = hardware_from_node(node_pools.template_nodes([pool])[0]).shape_key()
     differs = {n["metadata"]["name"]: hardware_from_node(n).shape_key() for n in probed}
     differs = {name: shape for name, shape in differs.items() if shape != declared}
@@ -632,6 +637,24 @@ def _check_arrived_node(change: StatusChange, spec: FineTuneJobSpec, pods: list[
     change.cond(b.PHASE_SCHEDULED, False, "Replanned", message)
     change.phase(b.PHASE_PENDING, "Replanned", message)
     return _commit_attempt_end(change, pods, settings, counted="replans", grace=None)
+
+
+def _with_flavour_pools(change: StatusChange, settings: OperatorSettings) -> tuple[OperatorSettings, list[str]]:
+    """The settings with the node pools Kueue's ResourceFlavors declare (annotated with
+    their node shape) after the chart's, and why an annotated flavour was left out."""
+    if not settings.kueue:
+        return settings, []
+    try:
+        pools, problems = queueing.flavour_pools(change.cluster, settings.node_pools)
+    except ApiException as err:
+        if err.status in (403, 404):  # Kueue not installed, or no RBAC to list flavours
+            return settings, []
+        raise
+    for problem in problems:
+        log.warning("%s", problem)
+    if not pools:
+        return settings, problems
+    return settings.model_copy(update={"node_pools": [*settings.node_pools, *pools]}), problems
 
 
 def _unschedulable_message(pods: list[dict[str, Any]]) -> str:
@@ -683,6 +706,9 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
         # The cache may not hold a node created a moment ago: "fits nowhere" is final, so
         # it is decided on a fresh LIST.
         placement = choose_placement(spec, change.cluster.nodes(fresh=True), pricing, settings, read, block)
+    flavour_problems: list[str] = []
+    if placement.chosen is None or placement.chosen.plan is None:
+        settings, flavour_problems = _with_flavour_pools(change, settings)
     if (placement.chosen is None or placement.chosen.plan is None) and settings.node_pools:
         # No node that exists fits: the declared pools' template nodes, for the autoscaler to bring up
         placement = choose_placement(spec, [*change.cluster.nodes(), *node_pools.template_nodes(settings.node_pools)],
@@ -691,7 +717,7 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
     chosen = placement.chosen
     if chosen is None or chosen.plan is None:
         metrics.PLANNING_FAILURES.inc()
-        message = placement.failure
+        message = "; ".join([placement.failure, *flavour_problems])
         change.cond(b.PHASE_PLANNED, False, "NoFit", message)
         change.cond(b.PHASE_FAILED, True, "NoFit", message)
         change.phase(b.PHASE_FAILED, "NoFit", message, warning=True)

@@ -154,8 +154,11 @@ class Kueue:
     log: Path
     made: list[tuple[str, str]] = field(default_factory=list)  # (resource, name), cluster-scoped
 
-    def _create(self, kind: str, name: str, spec: dict[str, Any], namespace: str | None = None) -> str:
+    def _create(self, kind: str, name: str, spec: dict[str, Any], namespace: str | None = None,
+                annotations: dict[str, str] | None = None) -> str:
         meta: dict[str, Any] = {"name": name, "labels": {CREATED_BY: "true"}}
+        if annotations:
+            meta["annotations"] = annotations
         if namespace:
             meta["namespace"] = namespace
         self.cluster.kubectl("create", "-f", "-", input=json.dumps(
@@ -165,14 +168,14 @@ class Kueue:
         return name
 
     def flavor(self, name: str, node_labels: dict[str, str] | None = None,
-               tolerations: list[dict[str, Any]] | None = None) -> str:
+               tolerations: list[dict[str, Any]] | None = None, annotations: dict[str, str] | None = None) -> str:
         """A ResourceFlavor whose workloads go to nodes with ``node_labels``."""
         spec: dict[str, Any] = {}
         if node_labels:
             spec["nodeLabels"] = node_labels
         if tolerations:
             spec["tolerations"] = tolerations
-        return self._create("ResourceFlavor", name, spec)
+        return self._create("ResourceFlavor", name, spec, annotations=annotations)
 
     def cluster_queue(self, name: str, flavor_quotas: dict[str, dict[str, str]],
                       preemption: dict[str, Any] | None = None,

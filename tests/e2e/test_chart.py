@@ -284,7 +284,8 @@ def test_kueue_and_node_pools_reach_the_operator_with_the_rbac_they_need(
         (("workloads",), ("get", "list", "watch", "create", "delete", "patch")),
         (("workloads/status",), ("get", "patch")),
         (("localqueues",), ("get",)),
-        (("resourceflavors", "workloadpriorityclasses"), ("get",)),
+        (("resourceflavors",), ("get", "list")),
+        (("workloadpriorityclasses",), ("get",)),
     }
     env, rules = operator(render(helm, {}))
     assert "SPILLWAY_OPERATOR_KUEUE" not in env and "SPILLWAY_OPERATOR_NODE_POOLS" not in env

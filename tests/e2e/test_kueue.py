@@ -11,12 +11,14 @@ needs a real training pod: tests/e2e/test_real_pods.py.
 
 A node pool that scales from zero: a job submitted while no node fits is planned on the
 pool's declared template and waits for its node, saying so; the node added afterwards
-takes the pod."""
+takes the pod. The same for a pool that is a ResourceFlavor annotated with its node shape,
+under Kueue: admitted on that flavour, the job waits for the flavour's node."""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import secrets
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -222,3 +224,31 @@ def test_a_job_waits_for_a_node_of_a_declared_pool_and_runs_on_it_when_it_comes(
     running = wait_status(cluster, namespace, "elastic", lambda s: s.get("phase") == "Running", 120, "elastic Running")
     assert running["status"].get("replans", 0) == 0 and running["status"].get("attempt", 0) == 0
     assert cluster.get("pod", "elastic-a0-0", namespace)["spec"]["nodeName"] == node
+
+
+def test_a_flavour_annotated_with_a_node_shape_is_a_pool_its_admitted_job_waits_for(
+    cluster: Any, namespace: str, operator: OperatorProcess, kueue: Any, make_node: Callable[..., str],  # noqa: F811
+) -> None:
+    value = f"flavour-{secrets.token_hex(3)}"  # no node has it yet
+    shape = {k: v for k, v in A100_POOL.items() if k not in ("name", "labels")}
+    flavor = kueue.flavor(f"e2e-{value}", node_labels={POOL_TEMPLATE: value},
+                          annotations={"spillway.dev/node-shape": json.dumps(shape)})
+    kueue.local_queue(namespace, "team", kueue.cluster_queue(f"e2e-{value}", {flavor: {**ROOMY, "nvidia.com/gpu": "8"}}))
+    add_checkpoint_volume(cluster)
+    job = job_manifest("flavoured", queueName="team")
+    job["spec"]["resources"]["nodeSelector"] = {POOL_TEMPLATE: value}
+    cluster.apply(job, namespace)
+    waiting = wait_status(cluster, namespace, "flavoured", lambda s: condition(
+        {"status": s}, "Scheduled").get("reason") == "WaitingForNode", 120, "flavoured WaitingForNode")
+    assert condition(waiting, "Admitted")["status"] == "True", waiting["status"]
+    message = condition(waiting, "Scheduled")["message"]
+    assert f"waiting for 1 node(s) of declared pool {flavor} (8xNVIDIA-A100-SXM4-80GB" in message, message
+    [pod] = pods_of(cluster, namespace, "flavoured")
+    assert pod["spec"]["nodeSelector"][POOL_TEMPLATE] == value and not pod["spec"].get("nodeName")
+
+    node = make_node("gpu-80g")
+    cluster.kubectl("label", "node", node, f"{POOL_TEMPLATE}={value}")
+    running = wait_status(cluster, namespace, "flavoured", lambda s: s.get("phase") == "Running", 120,
+                          "flavoured Running")
+    assert running["status"].get("replans", 0) == 0 and running["status"].get("attempt", 0) == 0
+    assert cluster.get("pod", "flavoured-a0-0", namespace)["spec"]["nodeName"] == node

@@ -151,7 +151,8 @@ class FakeCluster:
     def kueue_get(self, plural: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
         return self.get(self.KUEUE_KINDS[plural], namespace or "", name)
 
-    def kueue_list(self, plural: str, namespace: str, label_selector: str | None) -> list[dict[str, Any]]:
+    def kueue_list(self, plural: str, namespace: str | None, label_selector: str | None) -> list[dict[str, Any]]:
+        namespace = namespace or ""
         key, _, value = (label_selector or "").partition("=")
         kind = self.KUEUE_KINDS[plural]
         return [copy.deepcopy(o) for (k, ns, _), o in sorted(self.objects.items())

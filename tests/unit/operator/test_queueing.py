@@ -279,3 +279,54 @@ def test_a_queue_without_kueue_enabled_fails_the_job_naming_the_setting(by: str)
     st = status(cluster)
     assert st["phase"] == "Failed" and "kueue.enabled=true" in st["message"] and "'team-q'" in st["message"]
     assert cluster.names("Pod") == []
+
+
+def flavour_shape(cluster: FakeCluster, name: str, shape: str, labels: dict[str, str]) -> None:
+    cluster.add({"kind": "ResourceFlavor", "metadata": {"name": name, "namespace": "", "annotations": {
+        queueing.SHAPE_ANNOTATION: shape}}, "spec": {"nodeLabels": labels}})
+
+
+def test_a_flavour_annotated_with_a_node_shape_is_a_declared_pool_its_admitted_job_waits_for() -> None:
+    from spillway_operator import node_pools
+
+    from .fake_cluster import node
+    from .test_node_pools import RTX
+
+    cluster = queued_world("cpu-only")  # no node that exists has a GPU
+    shape = RTX.model_dump_json(by_alias=True, exclude={"name", "labels", "taints"})
+    flavour_shape(cluster, "l4", shape, {"cloud.example.com/pool": "l4"})
+    step(cluster)
+    st = status(cluster)
+    assert st["phase"] == "Queued" and "declared pool l4" in st["plan"]["shape"], st
+    admit(cluster, flavor="l4")
+    step(cluster)
+    pod = cluster.get("Pod", NS, "j-a0-0")
+    assert pod is not None and pod["spec"]["nodeSelector"]["cloud.example.com/pool"] == "l4"
+    assert pod["metadata"]["annotations"][node_pools.POOL_ANNOTATION] == "l4"
+    assert status(cluster)["plan"]["pricePerHourUsd"] == pytest.approx(0.4)  # the annotation's price
+
+    # The autoscaler brings up another machine than the annotation says: planned again, as
+    # for the chart's pools (the flavour's pool is found to compare with).
+    arrived = node("gpu-48g-nvme", "l4-odd")
+    arrived["metadata"]["labels"]["cloud.example.com/pool"] = "l4"
+    cluster.add(arrived)
+    cluster.run(NS, "j-a0-0", "l4-odd")
+    step(cluster)
+    st = status(cluster)
+    assert st["replans"] == 1 and ("j-a0-0", None) in cluster.deleted, st
+    replanned = [m for _, r, m in cluster.events if r == "Replanned"]
+    assert "declared pool l4 came up unlike its template" in replanned[0]
+
+
+def test_a_flavour_whose_node_shape_is_wrong_is_named_when_the_job_fits_nowhere() -> None:
+    cluster = queued_world("cpu-only")
+    flavour_shape(cluster, "broken", '{"gpuCount": "many", "cpu": 8, "memory": "32Gi"}', {"pool": "b"})
+    flavour_shape(cluster, "unlabelled", '{"cpu": 8, "memory": "32Gi"}', {})
+    flavour_shape(cluster, "named", '{"name": "x", "cpu": 8, "memory": "32Gi"}', {"pool": "n"})
+    with pytest.raises(PermanentFailure):
+        step(cluster)
+    message = status(cluster)["message"]
+    assert "ResourceFlavor broken's annotation spillway.dev/node-shape is not a node shape (gpuCount:" in message
+    assert "ResourceFlavor unlabelled's" in message and "needs spec.nodeLabels" in message, message
+    assert "'name' comes from the flavour" in message
+    assert workloads(cluster) == []
