@@ -4,27 +4,53 @@
 # Kubernetes control plane). Called by `make test` and by CI (.ci/run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+logs=$(mktemp -d)
+# A failed set-up or lint leaves no build running behind it (each build writes to a
+# temporary directory and renames it into the cache when done).
+trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$logs"' EXIT
+
+# The builds the tests need, cached by hashes of their inputs (warm, each is a hash check),
+# run beside the set-up and the lint: on a fresh machine the Go builds (control plane,
+# Kueue, weed: ~15 min of CPU) overlap the set-up's downloads, and the images' downloads
+# overlap the lint. Each build's output is printed when it is waited for.
+declare -A build_pids
+start_build() { # NAME CMD...
+  local name=$1
+  shift
+  echo "== $name: building in the background"
+  "$@" >"$logs/build-$name.log" 2>&1 &
+  build_pids[$name]=$!
+}
+end_build() { # NAME
+  local rc=0
+  wait "${build_pids[$1]}" || rc=$?
+  echo "== $1"
+  cat "$logs/build-$1.log"
+  if ((rc != 0)); then echo "== $1: failed, exit $rc"; exit "$rc"; fi
+}
+binaries() {
+  if [ -x hack/cluster ]; then hack/cluster build; fi  # control plane, kubelet, kwok, helm, CoreDNS, Kueue
+  hack/weed build  # the S3 server (SeaweedFS)
+}
+start_build "binaries (control plane, Kueue, weed)" binaries
+start_build "MLflow server (its own virtual environment)" hack/mlflow build
 hack/setup.sh
 PY="$(pwd)/.venv/bin/python"
 export DS_ACCELERATOR=cpu
+# The test cluster's images, before the tests and outside their timeouts: a change to
+# pyproject.toml or requirements.lock rebuilds the training image's DeepSpeed layer
+# (20+ minutes on 2 cores), which a test fixture's 15-minute limit does not cover. They
+# need buildah, which the set-up installs.
+if [ -x hack/images ] && [ -x hack/cluster ] && [ $# -eq 0 ]; then
+  start_build "images: operator, runtime-cpu" hack/images build operator runtime-cpu
+fi
 echo "== ruff"; "$PY" -m ruff check runtime operator api tests benchmarks
 echo "== mypy"; "$PY" -m mypy
 echo "== import contracts"; "$PY" -c 'import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())'
-if [ -x hack/cluster ]; then
-  echo "== control plane binaries"; hack/cluster build
-fi
-echo "== S3 server binary (SeaweedFS weed, cached by a hash of hack/weed-build)"; hack/weed build
-echo "== MLflow server (its own virtual environment, cached by a hash of hack/mlflow-requirements.txt)"; hack/mlflow build
+for name in "${!build_pids[@]}"; do end_build "$name"; done
 if [ $# -gt 0 ]; then
   echo "== pytest $*"
   exec "$PY" -m pytest -p no:cacheprovider "$@"
-fi
-# The test cluster's images, before the tests and outside their timeouts: a change to
-# pyproject.toml or requirements.lock rebuilds the training image's DeepSpeed layer
-# (20+ minutes on 2 cores), which a test fixture's 15-minute limit does not cover. Warm,
-# this is a hash check of the inputs.
-if [ -x hack/images ] && [ -x hack/cluster ]; then
-  echo "== images: operator, runtime-cpu (cached by a hash of their inputs)"; hack/images build operator runtime-cpu
 fi
 # The whole suite as two pytest runs at once: the e2e tests mostly wait (on the API
 # server, kwok, a container starting), the others mostly compute (DeepSpeed on the CPU),
@@ -37,8 +63,6 @@ if ((free_gb < 20)); then
   echo "== warning: ${free_gb} GB free in ${TMPDIR:-/tmp}; the whole suite needs about 20 GB (old pytest-of-$(id -un) runs can go)"
 fi
 echo "== pytest: tests/e2e and tests/unit + tests/integration, side by side"
-logs=$(mktemp -d)
-trap 'rm -rf "$logs"' EXIT
 run_group() { # NAME PATH...
   local name=$1
   shift
