@@ -6,6 +6,9 @@
 # share the multi-GB torch install), this checkout's .venv on top of it, and DeepSpeed's
 # CPU ops built once.
 # A second run that finds everything in place takes a few seconds.
+#   hack/setup.sh            everything
+#   hack/setup.sh --system   the system packages only (hack/test.sh starts the image
+#                            build, which needs buildah, before the Python set-up)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,6 +34,8 @@ if [ ${#need_pkgs[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_pkgs[@]}" >/dev/null
 fi
+
+if [ "${1:-}" = "--system" ]; then exit 0; fi
 
 if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
   echo "Python 3.11 or newer is required (found $("$PYTHON" --version))" >&2; exit 1

@@ -11,8 +11,9 @@ trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$logs"' EXIT
 
 # The builds the tests need, cached by hashes of their inputs (warm, each is a hash check),
 # run beside the set-up and the lint: on a fresh machine the Go builds (control plane,
-# Kueue, weed: ~15 min of CPU) overlap the set-up's downloads, and the images' downloads
-# overlap the lint. Each build's output is printed when it is waited for.
+# Kueue, weed: ~15 min of CPU) and the images (~20 min, much of it downloads and layer
+# copies) overlap the set-up's downloads and each other. Each build's output is printed
+# when it is waited for.
 declare -A build_pids
 start_build() { # NAME CMD...
   local name=$1
@@ -34,16 +35,18 @@ binaries() {
 }
 start_build "binaries (control plane, Kueue, weed)" binaries
 start_build "MLflow server (its own virtual environment)" hack/mlflow build
-hack/setup.sh
-PY="$(pwd)/.venv/bin/python"
-export DS_ACCELERATOR=cpu
 # The test cluster's images, before the tests and outside their timeouts: a change to
 # pyproject.toml or requirements.lock rebuilds the training image's DeepSpeed layer
 # (20+ minutes on 2 cores), which a test fixture's 15-minute limit does not cover. They
-# need buildah, which the set-up installs.
+# need buildah, the first thing the set-up installs; the rest of it (the Python
+# environment, DeepSpeed's ops) runs beside them.
+hack/setup.sh --system
 if [ -x hack/images ] && [ -x hack/cluster ] && [ $# -eq 0 ]; then
   start_build "images: operator, runtime-cpu" hack/images build operator runtime-cpu
 fi
+hack/setup.sh
+PY="$(pwd)/.venv/bin/python"
+export DS_ACCELERATOR=cpu
 echo "== ruff"; "$PY" -m ruff check runtime operator api tests benchmarks
 echo "== mypy"; "$PY" -m mypy
 echo "== import contracts"; "$PY" -c 'import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())'
