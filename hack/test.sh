@@ -7,7 +7,9 @@ cd "$(dirname "$0")/.."
 logs=$(mktemp -d)
 # A failed set-up or lint leaves no build running behind it (each build writes to a
 # temporary directory and renames it into the cache when done).
-trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$logs"' EXIT
+# (`|| true`: set -e holds inside the trap too, and `kill` with no jobs left fails, which
+# would turn a green run's exit 0 into 2.)
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$logs"' EXIT
 
 # The builds the tests need, cached by hashes of their inputs (warm, each is a hash check),
 # run beside the set-up and the lint: on a fresh machine the Go builds (control plane,
