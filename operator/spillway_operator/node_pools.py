@@ -9,7 +9,7 @@ on the nodes that exist first, and only when none fits on the pools' template no
 ("declared" nodes, never pinned by name). Pods for a declared shape select the pool's
 labels, so the autoscaler sees pending pods it can satisfy with that pool and brings a
 node up; when it comes, its probed hardware is checked against the template
-(`reconciler._check_arrived_node`).
+(`waits.check_arrived_node`).
 """
 
 from __future__ import annotations

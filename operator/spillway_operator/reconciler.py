@@ -4,13 +4,15 @@ Where this sits: called by `handlers` (the work queue's workers); reads jobs, po
 and nodes and acts through a `cluster.Cluster` (the watch caches and the API server,
 or an in-memory cluster in the unit tests), writes status through
 `status.StatusChange`, makes children through `children`, and calls `builders` for
-every decision's shape. It keeps no state between calls but a per-job lock
-and a hint of which attempts' children it created, so a restarted operator
-converges from whatever it finds: child names are deterministic (`<job>-a<attempt>-<rank>`), and every
-decision that moves the job to a new attempt (counting a failure or a
-preemption, applying a rollback, suspending) is first committed to status with a
-resourceVersion precondition and only then acted on. Killed between the two, the
-operator redoes nothing it had committed and commits nothing twice.
+every decision's shape. The steps of a job that waits on Kueue or on a declared pool's
+node are in `waits`; what every step shares (ending an attempt, settling its cost) is
+in `attempts`. It keeps no state between calls but a per-job lock and a hint of which
+attempts' children it created, so a restarted operator converges from whatever it
+finds: child names are deterministic (`<job>-a<attempt>-<rank>`), and every decision
+that moves the job to a new attempt (counting a failure or a preemption, applying a
+rollback, suspending) is first committed to status with a resourceVersion
+precondition and only then acted on. Killed between the two, the operator redoes
+nothing it had committed and commits nothing twice.
 """
 
 from __future__ import annotations
@@ -19,29 +21,47 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn
 
-from kubernetes.client.exceptions import ApiException
-
 from spillway_operator import admission, children, metrics, model_source, node_pools, queueing, s3_inputs
 from spillway_operator import builders as b
+from spillway_operator.attempts import (
+    PermanentFailure,
+    Result,
+    attempt_of,
+    checkpoints_block_size,
+    commit_attempt_end,
+    cost_so_far,
+    fail_before_pods,
+    finish,
+    is_active,
+    may_still_write,
+    model_config_read,
+    plan_of,
+    pricing_of,
+)
 from spillway_operator.cluster import KUBE, Cluster
 from spillway_operator.placement import choose_placement, plan_status
 from spillway_operator.settings import OperatorSettings
 from spillway_operator.status import StatusChange
+from spillway_operator.waits import (
+    check_arrived_node,
+    evicted_by_kueue,
+    queue_gate,
+    replan_unschedulable,
+    unschedulable_message,
+    with_flavour_pools,
+)
 from spillway_runtime.contract import ExitCode
-from spillway_runtime.hardware import ANNOTATIONS, hardware_from_node
-from spillway_runtime.plan_summary import PlanSummary, plan_summary
-from spillway_runtime.runconfig import RuntimeConfig
 from spillway_runtime.spec import FineTuneJobSpec, SpecError, parse_job
+
+__all__ = ["PermanentFailure", "Result", "reconcile", "report_forbidden"]
 
 log = logging.getLogger("spillway.operator")
 
 MAX_PASSES = 4  # decisions chained in one call (e.g. count a failure, then start the retry)
 INPUT_RETRY_SECONDS = 15.0
-QUEUE_RECHECK_SECONDS = 30.0  # a queued job's place in its queue, between its Workload's own events
 
 _locks: dict[tuple[str, str], threading.Lock] = {}
 # (namespace, job, attempt) whose children this process created, not yet in status.
@@ -52,16 +72,6 @@ _locks_guard = threading.Lock()
 def _job_lock(namespace: str, name: str) -> threading.Lock:
     with _locks_guard:
         return _locks.setdefault((namespace, name), threading.Lock())
-
-
-class PermanentFailure(Exception):
-    """Written into the job's status already; retrying cannot help."""
-
-
-@dataclass
-class Result:
-    requeue_after: float | None = None
-    again: bool = False
 
 
 def report_forbidden(namespace: str, name: str, err: Exception, cluster: Cluster = KUBE) -> str:
@@ -107,32 +117,10 @@ def reconcile(namespace: str, name: str, settings: OperatorSettings, cluster: Cl
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
 
 
-def _pricing(cluster: Cluster, settings: OperatorSettings) -> dict[str, str]:
-    return cluster.configmap_data(settings.namespace, settings.pricing_configmap,
-                                  max_age=settings.pricing_cache_seconds) or {}
-
-
-def _active(pod: dict[str, Any]) -> bool:
-    return (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
-
-
 def _tail_of(message: str, limit: int = 1500) -> str:
     """The end of a pod's termination message (a traceback's last lines say the most)."""
     text = " ".join(message.split())
     return text if len(text) <= limit else "..." + text[-limit:]
-
-
-def _may_still_write(cluster: Cluster, pod: dict[str, Any]) -> bool:
-    """A pod that has not exited, on a node that still exists (a lost node's pods write nothing)."""
-    node = pod["spec"].get("nodeName")
-    return _active(pod) and bool(node) and cluster.node_exists(node)
-
-
-def _attempt_of(pod: dict[str, Any]) -> int:
-    try:
-        return int(pod["metadata"]["labels"][b.LABEL_ATTEMPT])
-    except (KeyError, ValueError):
-        return -1
 
 
 def _invalid(change: StatusChange, problems: list[str]) -> NoReturn:
@@ -169,7 +157,7 @@ def _reconcile_once(cluster: Cluster, namespace: str, name: str, settings: Opera
         for pod in owned:
             if model_source.is_reader(pod) and not pod["metadata"].get("deletionTimestamp"):
                 cluster.delete_pod(namespace, pod["metadata"]["name"], grace_seconds=0)
-    current = [p for p in pods if _attempt_of(p) == attempt]
+    current = [p for p in pods if attempt_of(p) == attempt]
     # Fetch pods are done once their attempt's training pods exist (or the job is over)
     for fetcher in s3_inputs.leftovers(owned, attempt, bool(current) or phase in b.FINISHED_PHASES):
         cluster.delete_pod(namespace, fetcher, grace_seconds=0)
@@ -179,13 +167,13 @@ def _reconcile_once(cluster: Cluster, namespace: str, name: str, settings: Opera
         _invalid(change, problems)
     queue = queueing.queue_name(job, spec)
     if queue and not settings.kueue and phase in (b.PHASE_PENDING, b.PHASE_QUEUED) and not current:
-        _fail_before_pods(change, "QueueUnavailable", (
+        fail_before_pods(change, "QueueUnavailable", (
             f"the job asks for Kueue LocalQueue {queue!r} (spec.queueName or label {queueing.QUEUE_LABEL}) but this "
             "operator runs without Kueue: install Kueue and enable it (chart value kueue.enabled=true), or remove "
             "the queue name"))
     for pod in pods:
         # Older attempts' pods that still run (a kill between commit and delete) go now.
-        if _attempt_of(pod) != attempt and _active(pod) and not pod["metadata"].get("deletionTimestamp"):
+        if attempt_of(pod) != attempt and is_active(pod) and not pod["metadata"].get("deletionTimestamp"):
             cluster.delete_pod(namespace, pod["metadata"]["name"])
     decided = _rollback(change, spec, current, settings)
     if decided is not None:
@@ -229,7 +217,7 @@ def _suspend_or_resume(change: StatusChange, spec: FineTuneJobSpec, phase: str, 
     """spec.suspend: the attempt ends (pods checkpoint on SIGTERM), counted as nothing.
     Unsuspended: Pending again, and the rest of this pass starts the next attempt."""
     if spec.suspend:
-        if phase == b.PHASE_SUSPENDED and not any(_active(p) for p in current):
+        if phase == b.PHASE_SUSPENDED and not any(is_active(p) for p in current):
             if queueing.queue_name(change.job, spec):
                 queueing.release(change.cluster, change.job)  # its quota goes back until it resumes
             change.commit()
@@ -237,7 +225,7 @@ def _suspend_or_resume(change: StatusChange, spec: FineTuneJobSpec, phase: str, 
         change.cond(b.PHASE_SUSPENDED, True, "Suspended", "spec.suspend is true: pods stopped after checkpointing")
         change.cond(b.PHASE_RUNNING, False, "Suspended", "suspended")
         change.phase(b.PHASE_SUSPENDED, "Suspended", "spec.suspend is true; pods checkpoint on SIGTERM and stop")
-        return _commit_attempt_end(change, current, settings, counted=None, grace=None)
+        return commit_attempt_end(change, current, settings, counted=None, grace=None)
     if phase == b.PHASE_SUSPENDED:
         change.cond(b.PHASE_SUSPENDED, False, "Resumed", "spec.suspend is false: resuming from the latest checkpoint")
         change.phase(b.PHASE_PENDING, "Resumed", "resuming from the latest checkpoint")
@@ -252,7 +240,7 @@ def _follow_attempt(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict
     meta = change.job["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     attempt = int(status.get("attempt", 0))
-    planned = _plan(status)
+    planned = plan_of(status)
     ranks = planned.node_count if planned is not None else spec.resources.nodes
     if current and int(status.get("childrenAttempt", -1)) != attempt:
         if (namespace, name, attempt) in _children_done:
@@ -271,13 +259,13 @@ def _follow_attempt(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict
         ended = _attempt_ended(change, spec, current, worst, settings)
         if ended is not None:
             return ended
-        if queueing.queue_name(change.job, spec) and any(_active(p) for p in current):
-            ended = _evicted_by_kueue(change, current, settings)
+        if queueing.queue_name(change.job, spec) and any(is_active(p) for p in current):
+            ended = evicted_by_kueue(change, current, settings)
             if ended is not None:
                 return ended
         live = sum(b.pod_run_seconds(p, change.now) for p in current)
         return _attempt_live(change, spec, current, worst, live, ranks, settings)
-    stopping = [p for p in pods if _attempt_of(p) != attempt and _may_still_write(cluster, p)]
+    stopping = [p for p in pods if attempt_of(p) != attempt and may_still_write(cluster, p)]
     if stopping:
         # The previous attempt's pods are in their grace period, writing the stop checkpoint
         # to the volumes a new pod would mount: a rolled-back attempt started now could
@@ -288,107 +276,6 @@ def _follow_attempt(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict
         change.commit()
         return Result(requeue_after=settings.resync_seconds)
     return _start_pods(change, spec, settings)
-
-
-def _evicted_by_kueue(change: StatusChange, pods: list[dict[str, Any]], settings: OperatorSettings) -> Result | None:
-    """Kueue took the running job's quota back (a preemption, a stopped queue) or its Workload
-    went: the attempt ends as a suspension does (pods checkpoint on SIGTERM, nothing is
-    counted) and the job waits Queued for Kueue to admit it again."""
-    wl = queueing.current_workload(change.cluster, change.job)
-    if queueing.admitted(wl):
-        return None
-    ev = queueing.evicted(wl)
-    why = (f"{ev.get('reason')}: {ev.get('message')}" if ev else
-           "its Workload is gone" if wl is None else "its Workload lost its admission")
-    message = f"evicted by Kueue ({why}); pods checkpoint and stop, and the job waits to be admitted again"
-    change.event("Warning", "Evicted", message)
-    change.cond(queueing.CONDITION, False, "Evicted", message)
-    change.cond(b.PHASE_RUNNING, False, "Evicted", message)
-    change.phase(b.PHASE_QUEUED, "Evicted", message, warning=True)
-    return _commit_attempt_end(change, pods, settings, counted=None, grace=None)
-
-
-def _queue_gate(change: StatusChange, spec: FineTuneJobSpec, queue: str, chosen: Any,
-                settings: OperatorSettings) -> Result | None:
-    """A queued job's pods start only once Kueue admitted its Workload for this plan; None
-    when they may, else the job waits Queued (woken by its Workload's events)."""
-    plan = chosen.plan
-    meta = change.job["metadata"]
-    cluster = change.cluster
-    pod = b.build_pod(change.job, spec, chosen, int(change.old.get("attempt", 0)), 0, settings)
-    nvme = b.nvme_volume_bytes(spec, plan, settings) if plan.uses_nvme else 0
-    writing = any(_may_still_write(cluster, p) for p in cluster.job_pods(meta["namespace"], meta["name"]))
-    try:
-        gate = queueing.gate(cluster, change.job, queue, pod, plan.nodes, nvme, writing)
-    except ApiException as err:
-        if err.status != 404:
-            raise
-        _fail_before_pods(change, "QueueUnavailable", (
-            f"Kueue's Workload API ({queueing.API_VERSION}) is not served by this cluster: install Kueue, or "
-            f"remove spec.queueName / label {queueing.QUEUE_LABEL} ({queue!r})"))
-    old = b.condition(change.conditions, queueing.CONDITION) or {}
-    if gate.admitted:
-        change.cond(queueing.CONDITION, True, "Admitted", gate.message)
-        if old.get("status") != "True":
-            change.event("Normal", "Admitted", gate.message)
-        return None
-    change.cond(queueing.CONDITION, False, gate.reason, gate.message)
-    change.cond(b.PHASE_SCHEDULED, False, "Queued", "waiting for Kueue to admit the job")
-    change.phase(b.PHASE_QUEUED, gate.reason, gate.message)
-    change.commit()
-    return Result(requeue_after=QUEUE_RECHECK_SECONDS)
-
-
-def _cost(change: StatusChange, live_seconds: float) -> dict[str, Any]:
-    old = change.old.get("cost") or {}
-    plan = _plan(change.status) or _plan(change.old)
-    return b.cost_status(
-        change.now,
-        float(old.get("settledUSD", 0.0)),
-        float(old.get("settledGpuHours", 0.0)),
-        live_seconds,
-        (plan.price_per_hour_usd or 0.0) if plan is not None else 0.0,
-        plan.gpus if plan is not None else 0,
-    )
-
-
-def _plan(status: dict[str, Any]) -> PlanSummary | None:
-    return plan_summary(status.get("plan"))
-
-
-def _settle(change: StatusChange, pods: list[dict[str, Any]]) -> None:
-    """Fold this attempt's pod time into the settled cost (same patch as the attempt change)."""
-    live = sum(b.pod_run_seconds(p, change.now) for p in pods)
-    cost = _cost(change, live)
-    cost["settledUSD"] = cost["usd"]
-    cost["settledGpuHours"] = cost["gpuHours"]
-    change.status["cost"] = cost
-
-
-def _commit_attempt_end(
-    change: StatusChange,
-    pods: list[dict[str, Any]],
-    settings: OperatorSettings,
-    counted: str | None,
-    grace: int | None,
-    retry_after: float = 0.0,
-) -> Result:
-    """Settle cost and move to the next attempt in one conditional patch; then stop the pods."""
-    old = change.old
-    change.status["attempt"] = int(old.get("attempt", 0)) + 1
-    if counted:
-        change.status[counted] = int(old.get(counted, 0)) + 1
-    if retry_after > 0:
-        change.status["retryAfter"] = b.rfc3339(change.now + timedelta(seconds=retry_after))
-    _settle(change, pods)
-    suspended = change.status.get("phase") == b.PHASE_SUSPENDED
-    change.conditional = True
-    change.commit()
-    meta = change.job["metadata"]
-    for pod in pods:
-        if _active(pod):
-            change.cluster.delete_pod(meta["namespace"], pod["metadata"]["name"], grace)
-    return Result(again=retry_after <= 0 and not suspended, requeue_after=retry_after or None)
 
 
 def _start_new_attempt(
@@ -412,13 +299,13 @@ def _start_new_attempt(
             change.status["phase"] = b.PHASE_PENDING
             change.status["finishedAt"] = None
             change.status["failures"] = 0
-    return _commit_attempt_end(change, pods, settings, counted=None, grace=None)
+    return commit_attempt_end(change, pods, settings, counted=None, grace=None)
 
 
 def _finished(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[str, Any]]) -> Result:
     meta = change.job["metadata"]
     for pod in pods:
-        if _active(pod) and not pod["metadata"].get("deletionTimestamp"):
+        if is_active(pod) and not pod["metadata"].get("deletionTimestamp"):
             change.cluster.delete_pod(meta["namespace"], pod["metadata"]["name"])
     change.commit()
     if queueing.queue_name(change.job, spec):
@@ -446,17 +333,6 @@ def _finished(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[str, 
     return Result()
 
 
-def _finish(change: StatusChange, phase: str, reason: str, message: str, pods: list[dict[str, Any]]) -> None:
-    warning = phase != b.PHASE_SUCCEEDED
-    change.cond(phase, True, reason, message)
-    change.cond(b.PHASE_RUNNING, False, reason, message)
-    change.phase(phase, reason, message, warning=warning)
-    change.status["finishedAt"] = b.rfc3339(change.now)
-    change.status["retryAfter"] = None
-    _settle(change, pods)
-    change.conditional = True
-
-
 def _attempt_ended(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[str, Any]], worst: b.PodOutcome,
                    settings: OperatorSettings) -> Result | None:
     """The attempt's pods exited or lost their node: finish the job, or count the failure
@@ -467,14 +343,14 @@ def _attempt_ended(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[
     # its log), so that `kubectl describe ftj` says why without a trip to the pod's logs.
     said = f": {_tail_of(worst.message)}" if worst.message else ""
     if worst.kind == b.OUTCOME_SUCCEEDED:
-        _finish(change, b.PHASE_SUCCEEDED, "Completed", "training finished", pods)
+        finish(change, b.PHASE_SUCCEEDED, "Completed", "training finished", pods)
         change.commit()
         return _finished(change, spec, [])
     if worst.kind == b.OUTCOME_PERMANENT:
         message = f"{worst.reason}{code}: {worst.message}".strip(": ")
         if worst.exit_code == ExitCode.DIVERGED:
             change.cond("Diverged", True, "Diverged", message)
-        _finish(change, b.PHASE_FAILED, worst.reason, message, pods)
+        finish(change, b.PHASE_FAILED, worst.reason, message, pods)
         change.commit()
         return _finished(change, spec, pods)
     if worst.kind == b.OUTCOME_RETRYABLE:
@@ -482,7 +358,7 @@ def _attempt_ended(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[
         if failures > spec.backoff_limit:
             message = f"attempt failed{code} ({worst.reason}); backoffLimit {spec.backoff_limit} reached{said}"
             change.status["failures"] = failures
-            _finish(change, b.PHASE_FAILED, "BackoffLimitExceeded", message, pods)
+            finish(change, b.PHASE_FAILED, "BackoffLimitExceeded", message, pods)
             change.commit()
             return _finished(change, spec, pods)
         delay = b.backoff_seconds(failures, settings)
@@ -493,14 +369,14 @@ def _attempt_ended(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[
         change.event("Warning", "AttemptFailed", message)
         change.cond(b.PHASE_RUNNING, False, "BackingOff", message)
         change.phase(b.PHASE_PENDING, "BackingOff", message, warning=True)
-        return _commit_attempt_end(change, pods, settings, counted="failures", grace=None, retry_after=delay)
+        return commit_attempt_end(change, pods, settings, counted="failures", grace=None, retry_after=delay)
     if worst.kind == b.OUTCOME_PREEMPTED:
         message = f"{worst.reason}{code}: {worst.message}; recreating from the latest checkpoint (not counted)"
         change.event("Warning", "Preempted", message)
         change.cond(b.PHASE_RUNNING, False, worst.reason, message)
         change.phase(b.PHASE_PENDING, "Preempted", message, warning=True)
         grace = 0 if worst.reason == "NodeLost" else None
-        return _commit_attempt_end(change, pods, settings, counted="preemptions", grace=grace)
+        return commit_attempt_end(change, pods, settings, counted="preemptions", grace=grace)
     return None
 
 
@@ -509,7 +385,7 @@ def _attempt_live(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[s
     """The attempt lives: its cost so far (and the budget), and Running, Scheduled or
     waiting for the scheduler (re-planned when the scheduler keeps refusing it)."""
     old = change.old
-    cost = _cost(change, live)
+    cost = cost_so_far(change, live)
     # Live cost changes on every reconcile of a running job: written with the next patch,
     # or on its own once `cost_update_seconds` have passed (300 running jobs would
     # otherwise patch their status on every resync).
@@ -521,12 +397,12 @@ def _attempt_live(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[s
     budget = spec.budget.max_cost_usd
     if budget is not None and cost["usd"] >= budget:
         message = f"cost ${cost['usd']:.2f} reached budget.maxCostUSD ${budget:.2f}; pods stopped after checkpointing"
-        _finish(change, b.PHASE_BUDGET_EXCEEDED, "BudgetExceeded", message, pods)
+        finish(change, b.PHASE_BUDGET_EXCEEDED, "BudgetExceeded", message, pods)
         change.commit()
         return _finished(change, spec, pods)
 
     if worst.kind in (b.OUTCOME_RUNNING, b.OUTCOME_SCHEDULED) and node_pools.pool_of(pods[0]):
-        replanned = _check_arrived_node(change, spec, pods, settings)
+        replanned = check_arrived_node(change, spec, pods, settings)
         if replanned is not None:
             return replanned
     if worst.kind == b.OUTCOME_RUNNING:
@@ -541,17 +417,17 @@ def _attempt_live(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[s
         change.cond(b.PHASE_SCHEDULED, True, "Scheduled", message)
         change.phase(b.PHASE_SCHEDULED, "Scheduled", message)
     else:
-        unscheduled = _unschedulable_message(pods)
+        unscheduled = unschedulable_message(pods)
         if len(pods) < ranks:
             return _start_pods(change, spec, settings)
         pool = node_pools.pool_of(pods[0])
         if unscheduled and not pool:
-            replanned = _replan_unschedulable(change, spec, pods, unscheduled, settings)
+            replanned = replan_unschedulable(change, spec, pods, unscheduled, settings)
             if replanned is not None:
                 return replanned
         if pool:
             # Planned on a declared pool: the pods wait for the autoscaler to add its nodes.
-            plan = _plan(old)
+            plan = plan_of(old)
             waiting = (f"waiting for {len(pods)} node(s) of declared pool {pool} "
                        f"({plan.shape if plan else '?'}) to come up")
             change.cond(b.PHASE_SCHEDULED, False, "WaitingForNode",
@@ -570,101 +446,6 @@ def _attempt_live(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[s
     return Result()
 
 
-def _replan_unschedulable(
-    change: StatusChange,
-    spec: FineTuneJobSpec,
-    pods: list[dict[str, Any]],
-    unscheduled: str,
-    settings: OperatorSettings,
-) -> Result | None:
-    """Pods pinned to a node set the scheduler refuses, while a plan on today's nodes would
-    pin them elsewhere (nodes that were NotReady at planning time are back, new nodes came):
-    replace them with a new attempt, counted as neither a failure nor a preemption. The
-    same node set again (every node of the shape is simply busy) changes nothing."""
-    created = [b.parse_time(p["metadata"].get("creationTimestamp")) for p in pods]
-    oldest = min((t for t in created if t is not None), default=None)
-    if oldest is None or (change.now - oldest).total_seconds() < settings.replan_pending_seconds:
-        return None
-    placement = choose_placement(spec, change.cluster.nodes(), _pricing(change.cluster, settings), settings,
-                                 _model_read(change, spec), _checkpoints_block_size(change))
-    old_plan = _plan(change.old)
-    chosen = placement.chosen
-    if chosen is None or chosen.plan is None or (old_plan and sorted(chosen.nodes) == old_plan.node_names):
-        return None
-    message = (
-        f"pods unschedulable for {(change.now - oldest).total_seconds():.0f} s on {old_plan and old_plan.shape} "
-        f"({unscheduled[:300]}); re-planning onto {chosen.shape} ({len(chosen.nodes)} node(s))"
-    )
-    change.event("Normal", "Replanned", message)
-    change.cond(b.PHASE_SCHEDULED, False, "Replanned", message)
-    change.phase(b.PHASE_PENDING, "Replanned", message)
-    return _commit_attempt_end(change, pods, settings, counted="replans", grace=0)
-
-
-def _check_arrived_node(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[str, Any]],
-                        settings: OperatorSettings) -> Result | None:
-    """Pods planned on a declared pool's template are on a real node now: once the node probe
-    has measured it, its hardware must be the template's. If it is not (another GPU, less
-    RAM or NVMe), the job is planned again on the nodes there are, and a different plan
-    replaces the attempt (the pods checkpoint first), counted as a re-plan."""
-    nodes = {n["metadata"]["name"]: n for n in change.cluster.nodes()}
-    arrived = [nodes[p["spec"]["nodeName"]] for p in pods if p["spec"].get("nodeName") in nodes]
-    probed = [n for n in arrived if any(k in (n["metadata"].get("annotations") or {}) for k in ANNOTATIONS)]
-    if not probed:
-        return None  # the node probe has not measured the node yet
-    pool = node_pools.find(settings.node_pools, node_pools.pool_of(pods[0]))
-    if pool is None:  # a ResourceFlavor's
-        settings, _ = _with_flavour_pools(change, settings)
-        pool = node_pools.find(settings.node_pools, node_pools.pool_of(pods[0]))
-    if pool is None:
-        return None  # the pool is no longer declared
-    declared = hardware_from_node(node_pools.template_nodes([pool])[0]).shape_key()
-    differs = {n["metadata"]["name"]: hardware_from_node(n).shape_key() for n in probed}
-    differs = {name: shape for name, shape in differs.items() if shape != declared}
-    if not differs:
-        return None
-    placement = choose_placement(spec, change.cluster.nodes(), _pricing(change.cluster, settings), settings,
-                                 _model_read(change, spec), _checkpoints_block_size(change))
-    old_plan = _plan(change.old)
-    chosen = placement.chosen
-    if chosen is not None and chosen.plan is not None and old_plan is not None and \
-            chosen.plan.label == old_plan.label and set(differs) <= set(chosen.nodes):
-        return None  # the same plan on the node that came: nothing to change
-    found = ", ".join(f"{name} is {shape}" for name, shape in sorted(differs.items()))
-    message = (f"node(s) of declared pool {pool.name} came up unlike its template {declared} ({found}): "
-               f"re-planning on the nodes there are")
-    change.event("Normal", "Replanned", message)
-    change.cond(b.PHASE_SCHEDULED, False, "Replanned", message)
-    change.phase(b.PHASE_PENDING, "Replanned", message)
-    return _commit_attempt_end(change, pods, settings, counted="replans", grace=None)
-
-
-def _with_flavour_pools(change: StatusChange, settings: OperatorSettings) -> tuple[OperatorSettings, list[str]]:
-    """The settings with the node pools Kueue's ResourceFlavors declare (annotated with
-    their node shape) after the chart's, and why an annotated flavour was left out."""
-    if not settings.kueue:
-        return settings, []
-    try:
-        pools, problems = queueing.flavour_pools(change.cluster, settings.node_pools)
-    except ApiException as err:
-        if err.status in (403, 404):  # Kueue not installed, or no RBAC to list flavours
-            return settings, []
-        raise
-    for problem in problems:
-        log.warning("%s", problem)
-    if not pools:
-        return settings, problems
-    return settings.model_copy(update={"node_pools": [*settings.node_pools, *pools]}), problems
-
-
-def _unschedulable_message(pods: list[dict[str, Any]]) -> str:
-    for pod in pods:
-        for c in (pod.get("status") or {}).get("conditions") or []:
-            if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("message"):
-                return str(c["message"])
-    return ""
-
-
 def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorSettings) -> Result:
     """Plan the attempt: not before retryAfter, not past the budget, on the cheapest or
     fastest node shape that fits, with settings the runtime accepts."""
@@ -676,7 +457,7 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
     budget = spec.budget.max_cost_usd
     settled = float((old.get("cost") or {}).get("settledUSD", 0.0))
     if budget is not None and settled >= budget:
-        _finish(change, b.PHASE_BUDGET_EXCEEDED, "BudgetExceeded", f"settled cost ${settled:.2f} >= budget", [])
+        finish(change, b.PHASE_BUDGET_EXCEEDED, "BudgetExceeded", f"settled cost ${settled:.2f} >= budget", [])
         change.commit()
         return Result()
 
@@ -684,7 +465,7 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
         decided = _read_model_config(change, spec, settings)
         if decided is not None:
             return decided
-    read = _model_read(change, spec)
+    read = model_config_read(change, spec)
     if spec.model.config is None and spec.model.parameter_count is None and "config" not in read:
         message = ("the operator plans from spec.model.config (the model's config.json) or "
                    "spec.model.parameterCount (e.g. 7B): give one")
@@ -696,8 +477,8 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
         change.phase(b.PHASE_FAILED, "ModelShapeRequired", message, warning=True)
         change.commit()
         raise PermanentFailure(message)
-    pricing = _pricing(change.cluster, settings)
-    block = _checkpoints_block_size(change)
+    pricing = pricing_of(change.cluster, settings)
+    block = checkpoints_block_size(change)
     if queueing.queue_name(change.job, spec):
         # Admitted: planned on the nodes of the flavour Kueue assigned
         spec = queueing.admitted_spec(change.cluster, change.job, spec)
@@ -708,7 +489,7 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
         placement = choose_placement(spec, change.cluster.nodes(fresh=True), pricing, settings, read, block)
     flavour_problems: list[str] = []
     if placement.chosen is None or placement.chosen.plan is None:
-        settings, flavour_problems = _with_flavour_pools(change, settings)
+        settings, flavour_problems = with_flavour_pools(change, settings)
     if (placement.chosen is None or placement.chosen.plan is None) and settings.node_pools:
         # No node that exists fits: the declared pools' template nodes, for the autoscaler to bring up
         placement = choose_placement(spec, [*change.cluster.nodes(), *node_pools.template_nodes(settings.node_pools)],
@@ -741,30 +522,6 @@ def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorS
         change.commit()
         raise PermanentFailure(message) from None
     return _create_attempt(change, spec, settings, chosen, config)
-
-
-def _checkpoints_block_size(change: StatusChange) -> int | None:
-    """The async-I/O block size the job's checkpoints were written under, when they keep state
-    in swap files: from the runtime config of the attempt that wrote them, which the job's
-    ConfigMap holds until the next attempt's replaces it (every attempt since the first
-    checkpoint kept the same one)."""
-    if not change.old.get("checkpoints"):
-        return None
-    meta = change.job["metadata"]
-    data = change.cluster.configmap_data(meta["namespace"], b.configmap_name(meta["name"]))
-    if not data or b.CONFIG_FILE not in data:
-        return None
-    try:
-        plan = RuntimeConfig.model_validate_json(data[b.CONFIG_FILE]).plan
-    except ValueError:
-        return None
-    return plan.aio.block_size if plan.uses_nvme else None
-
-
-def _model_read(change: StatusChange, spec: FineTuneJobSpec) -> dict[str, Any]:
-    """status.modelConfig when it was read from the model's present URI, else {}."""
-    read = change.old.get("modelConfig") or {}
-    return dict(read) if read.get("source") == spec.model.uri and spec.model.config is None else {}
 
 
 def _read_model_config(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorSettings) -> Result | None:
@@ -810,14 +567,6 @@ def _read_model_config(change: StatusChange, spec: FineTuneJobSpec, settings: Op
     return None
 
 
-def _fail_before_pods(change: StatusChange, reason: str, message: str) -> NoReturn:
-    change.cond(b.PHASE_FAILED, True, reason, message)
-    change.phase(b.PHASE_FAILED, reason, message, warning=True)
-    change.status["finishedAt"] = b.rfc3339(change.now)
-    change.commit()
-    raise PermanentFailure(message)
-
-
 def _create_attempt(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorSettings, chosen: Any,
                     config: Any) -> Result:
     """The plan is made: once every input exists, store it and create the attempt's children."""
@@ -837,12 +586,12 @@ def _create_attempt(change: StatusChange, spec: FineTuneJobSpec, settings: Opera
         change.cond("InputsReady", True, "Found", "every PVC and StorageClass the job names exists")
     queue = queueing.queue_name(change.job, spec)
     if queue:
-        waiting = _queue_gate(change, spec, queue, chosen, settings)
+        waiting = queue_gate(change, spec, queue, chosen, settings)
         if waiting is not None:
             return waiting
     fetch = s3_inputs.progress(change, spec, sorted(chosen.nodes), attempt, settings)
     if fetch.failure is not None:
-        _fail_before_pods(change, "InputsUnreadable", fetch.failure)
+        fail_before_pods(change, "InputsUnreadable", fetch.failure)
     if not fetch.done:
         change.commit()
         return Result(requeue_after=fetch.requeue_after)
@@ -858,7 +607,7 @@ def _create_attempt(change: StatusChange, spec: FineTuneJobSpec, settings: Opera
     # Pending as stored, or as this reconcile just decided (a resumed job).
     if change.status.get("phase", change.old.get("phase")) in (None, b.PHASE_PENDING, b.PHASE_QUEUED):
         change.phase(b.PHASE_PLANNED, "Planned", message)
-    change.status.setdefault("cost", _cost(change, 0.0))
+    change.status.setdefault("cost", cost_so_far(change, 0.0))
     # The plan is stored before any child exists: killed after this line, the next
     # reconcile re-creates the same children under the same names. Its Events wait until
     # the pods exist: nothing that is not needed first stands before them.

@@ -1,0 +1,152 @@
+"""What every step of the reconcile shares: its result, an attempt's pods, the move to the
+next attempt (cost settled, status committed before any pod is stopped), a finished or
+refused job, and the inputs a (re-)plan reads.
+
+Where this sits: `reconciler` runs the state machine and `waits` the steps of a job that
+waits on something outside it (Kueue's admission, a declared pool's node); both end
+attempts and re-plan through the functions here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, NoReturn
+
+from spillway_operator import builders as b
+from spillway_operator.cluster import Cluster
+from spillway_operator.settings import OperatorSettings
+from spillway_operator.status import StatusChange
+from spillway_runtime.plan_summary import PlanSummary, plan_summary
+from spillway_runtime.runconfig import RuntimeConfig
+from spillway_runtime.spec import FineTuneJobSpec
+
+
+@dataclass
+class Result:
+    """When to look at the job again: in `requeue_after` seconds (None: on its next event),
+    or at once in the same call (`again`: a decision was committed, the next one follows)."""
+
+    requeue_after: float | None = None
+    again: bool = False
+
+
+class PermanentFailure(Exception):
+    """Written into the job's status already; retrying cannot help."""
+
+
+def pricing_of(cluster: Cluster, settings: OperatorSettings) -> dict[str, str]:
+    return cluster.configmap_data(settings.namespace, settings.pricing_configmap,
+                                  max_age=settings.pricing_cache_seconds) or {}
+
+
+def is_active(pod: dict[str, Any]) -> bool:
+    return (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+
+
+def may_still_write(cluster: Cluster, pod: dict[str, Any]) -> bool:
+    """A pod that has not exited, on a node that still exists (a lost node's pods write nothing)."""
+    node = pod["spec"].get("nodeName")
+    return is_active(pod) and bool(node) and cluster.node_exists(node)
+
+
+def attempt_of(pod: dict[str, Any]) -> int:
+    try:
+        return int(pod["metadata"]["labels"][b.LABEL_ATTEMPT])
+    except (KeyError, ValueError):
+        return -1
+
+
+def plan_of(status: dict[str, Any]) -> PlanSummary | None:
+    return plan_summary(status.get("plan"))
+
+
+def cost_so_far(change: StatusChange, live_seconds: float) -> dict[str, Any]:
+    old = change.old.get("cost") or {}
+    plan = plan_of(change.status) or plan_of(change.old)
+    return b.cost_status(
+        change.now,
+        float(old.get("settledUSD", 0.0)),
+        float(old.get("settledGpuHours", 0.0)),
+        live_seconds,
+        (plan.price_per_hour_usd or 0.0) if plan is not None else 0.0,
+        plan.gpus if plan is not None else 0,
+    )
+
+
+def settle(change: StatusChange, pods: list[dict[str, Any]]) -> None:
+    """Fold this attempt's pod time into the settled cost (same patch as the attempt change)."""
+    live = sum(b.pod_run_seconds(p, change.now) for p in pods)
+    cost = cost_so_far(change, live)
+    cost["settledUSD"] = cost["usd"]
+    cost["settledGpuHours"] = cost["gpuHours"]
+    change.status["cost"] = cost
+
+
+def commit_attempt_end(
+    change: StatusChange,
+    pods: list[dict[str, Any]],
+    settings: OperatorSettings,
+    counted: str | None,
+    grace: int | None,
+    retry_after: float = 0.0,
+) -> Result:
+    """Settle cost and move to the next attempt in one conditional patch; then stop the pods."""
+    old = change.old
+    change.status["attempt"] = int(old.get("attempt", 0)) + 1
+    if counted:
+        change.status[counted] = int(old.get(counted, 0)) + 1
+    if retry_after > 0:
+        change.status["retryAfter"] = b.rfc3339(change.now + timedelta(seconds=retry_after))
+    settle(change, pods)
+    suspended = change.status.get("phase") == b.PHASE_SUSPENDED
+    change.conditional = True
+    change.commit()
+    meta = change.job["metadata"]
+    for pod in pods:
+        if is_active(pod):
+            change.cluster.delete_pod(meta["namespace"], pod["metadata"]["name"], grace)
+    return Result(again=retry_after <= 0 and not suspended, requeue_after=retry_after or None)
+
+
+def finish(change: StatusChange, phase: str, reason: str, message: str, pods: list[dict[str, Any]]) -> None:
+    warning = phase != b.PHASE_SUCCEEDED
+    change.cond(phase, True, reason, message)
+    change.cond(b.PHASE_RUNNING, False, reason, message)
+    change.phase(phase, reason, message, warning=warning)
+    change.status["finishedAt"] = b.rfc3339(change.now)
+    change.status["retryAfter"] = None
+    settle(change, pods)
+    change.conditional = True
+
+
+def fail_before_pods(change: StatusChange, reason: str, message: str) -> NoReturn:
+    change.cond(b.PHASE_FAILED, True, reason, message)
+    change.phase(b.PHASE_FAILED, reason, message, warning=True)
+    change.status["finishedAt"] = b.rfc3339(change.now)
+    change.commit()
+    raise PermanentFailure(message)
+
+
+def model_config_read(change: StatusChange, spec: FineTuneJobSpec) -> dict[str, Any]:
+    """status.modelConfig when it was read from the model's present URI, else {}."""
+    read = change.old.get("modelConfig") or {}
+    return dict(read) if read.get("source") == spec.model.uri and spec.model.config is None else {}
+
+
+def checkpoints_block_size(change: StatusChange) -> int | None:
+    """The async-I/O block size the job's checkpoints were written under, when they keep state
+    in swap files: from the runtime config of the attempt that wrote them, which the job's
+    ConfigMap holds until the next attempt's replaces it (every attempt since the first
+    checkpoint kept the same one)."""
+    if not change.old.get("checkpoints"):
+        return None
+    meta = change.job["metadata"]
+    data = change.cluster.configmap_data(meta["namespace"], b.configmap_name(meta["name"]))
+    if not data or b.CONFIG_FILE not in data:
+        return None
+    try:
+        plan = RuntimeConfig.model_validate_json(data[b.CONFIG_FILE]).plan
+    except ValueError:
+        return None
+    return plan.aio.block_size if plan.uses_nvme else None
