@@ -6,6 +6,7 @@ runs the same against a real Kueue."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from typing import Any
 
@@ -330,3 +331,33 @@ def test_a_flavour_whose_node_shape_is_wrong_is_named_when_the_job_fits_nowhere(
     assert "ResourceFlavor unlabelled's" in message and "needs spec.nodeLabels" in message, message
     assert "'name' comes from the flavour" in message
     assert workloads(cluster) == []
+
+
+def test_chart_pools_and_flavour_pools_are_planned_on_together_and_a_chart_pool_wins_its_name() -> None:
+    """The chart's pools and the annotated flavours compete on price like any shapes; a flavour
+    named as a chart pool is that pool (its annotation is not read: the chart says what the
+    pool's machines are)."""
+    from .test_node_pools import RTX
+
+    settings = KUEUE.model_copy(update={"node_pools": [RTX]})  # the chart's rtx: $0.40/h
+    cluster = queued_world("cpu-only")
+    shape = RTX.model_dump(by_alias=True, mode="json", exclude={"name", "labels", "taints"})
+    flavour_shape(cluster, "rtx", json.dumps({**shape, "gpuHourUSD": 0.1}), {"karpenter.sh/nodepool": "rtx"})
+    flavour_shape(cluster, "rtx-spot", json.dumps({**shape, "gpuHourUSD": 0.3}), {"cloud.example.com/spot": "rtx"})
+    pools, problems = queueing.flavour_pools(cluster, settings.node_pools)
+    assert [p.name for p in pools] == ["rtx-spot"] and problems == []
+    reconcile(NS, "j", settings, cluster)
+    st = status(cluster)
+    assert st["phase"] == "Queued" and "declared pool rtx-spot" in st["plan"]["shape"], st
+    assert st["plan"]["pricePerHourUsd"] == pytest.approx(0.3)  # cheaper than the chart's 0.4; rtx's 0.1 unread
+    admit(cluster, flavor="rtx-spot")
+    reconcile(NS, "j", settings, cluster)
+    pod = cluster.get("Pod", NS, "j-a0-0")
+    assert pod is not None and pod["spec"]["nodeSelector"].get("cloud.example.com/spot") == "rtx", pod["spec"]
+
+    # Without the spot flavour the chart's pool is the cheapest declared shape, at the chart's price.
+    cluster = queued_world("cpu-only")
+    flavour_shape(cluster, "rtx", json.dumps({**shape, "gpuHourUSD": 0.1}), {"karpenter.sh/nodepool": "rtx"})
+    reconcile(NS, "j", settings, cluster)
+    st = status(cluster)
+    assert "declared pool rtx" in st["plan"]["shape"] and st["plan"]["pricePerHourUsd"] == pytest.approx(0.4), st
