@@ -36,10 +36,12 @@ def conditions(cluster: FakeCluster) -> dict[str, dict[str, Any]]:
     return {c["type"]: c for c in status(cluster).get("conditions") or []}
 
 
-def arrive(cluster: FakeCluster, profile: str, name: str) -> None:
+def arrive(cluster: FakeCluster, profile: str, name: str, product: str | None = None) -> None:
     """The autoscaler's node, as the node probe annotated it, labelled as the pool's."""
     n = node(profile, name)
     n["metadata"]["labels"][POOL_LABEL] = "rtx"
+    if product:
+        n["metadata"]["labels"]["nvidia.com/gpu.product"] = product
     cluster.add(n)
 
 
@@ -90,6 +92,21 @@ def test_a_pool_node_unlike_its_template_gets_the_job_planned_again() -> None:
     pod = cluster.get("Pod", NS, "j-a1-0")
     assert pod is not None and node_pools.POOL_ANNOTATION not in pod["metadata"]["annotations"]
     assert status(cluster)["plan"]["nodeNames"] == ["rtx-odd"]
+
+
+def test_a_pool_node_unlike_its_template_on_which_the_plan_holds_keeps_the_job_running() -> None:
+    cluster = world("cpu-only")
+    step(cluster)
+    planned = status(cluster)["plan"]
+    # Another card than declared, planned the same: the probe's shape differs, the plan does not.
+    arrive(cluster, "gpu-24g", "rtx-d", product="NVIDIA-GeForce-RTX-4090-D")
+    cluster.run(NS, "j-a0-0", "rtx-d")
+    step(cluster)
+    step(cluster)
+    st = status(cluster)
+    assert st["phase"] == "Running" and st.get("replans", 0) == 0 and st.get("attempt", 0) == 0, st
+    assert st["plan"]["label"] == planned["label"]
+    assert cluster.names("Pod") == ["j-a0-0"] and "Replanned" not in reasons(cluster)
 
 
 def test_an_existing_node_that_fits_wins_over_a_declared_pool() -> None:
