@@ -54,7 +54,9 @@ class StatusChange:
     def phase(self, phase: str, reason: str, message: str, warning: bool = False) -> None:
         self.status["phase"] = phase
         self.status["message"] = message
-        if self.old.get("phase") != phase:
+        # A change of phase is an Event, once: a step that already queued this one (say
+        # Replanned, Evicted, Preempted) is not told twice.
+        if self.old.get("phase") != phase and not any(r == reason and m == message for _, r, m in self.events):
             self.events.append(("Warning" if warning else "Normal", reason, message))
 
     def event(self, type_: str, reason: str, message: str) -> None:

@@ -11,8 +11,9 @@ needs a real training pod: tests/e2e/test_real_pods.py.
 
 A node pool that scales from zero: a job submitted while no node fits is planned on the
 pool's declared template and waits for its node, saying so; the node added afterwards
-takes the pod. The same for a pool that is a ResourceFlavor annotated with its node shape,
-under Kueue: admitted on that flavour, the job waits for the flavour's node."""
+takes the pod; a node that comes up unlike the template (the node probe's figures), where
+the job plans otherwise, gets it planned again there. The same for a pool that is a
+ResourceFlavor annotated with its node shape, under Kueue: admitted on that flavour, the job waits for the flavour's node."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from tests.e2e.operator_fixtures import (
     OperatorProcess,
     active_pods,
     add_checkpoint_volume,
+    events_of,
     job_manifest,
     pods_of,
     pool_nodes,
@@ -44,6 +46,8 @@ ADMIT_TIMEOUT_S = 60
 ROOMY = {"cpu": "1000", "memory": "100Ti", "ephemeral-storage": "1000Ti"}
 POOL_TEMPLATE = "spillway.dev/e2e-node-pool"
 # The kwok profile gpu-80g as a pool that has no node yet.
+# What the provisioner brings instead: a kwok profile unlike the pool's template.
+ARRIVING_PROFILE = "gpu-24g"
 A100_POOL = {"name": "a100", "labels": {POOL_TEMPLATE: "a100"}, "gpuProduct": "NVIDIA-A100-SXM4-80GB",
              "gpuCount": 8, "gpuMemory": "80Gi", "cpu": "96", "memory": "1Ti", "maxNodes": 2,
              "nvme": {"path": "/raid", "capacity": "3600000000000", "readBytesPerSecond": 6800000000,
@@ -224,6 +228,35 @@ def test_a_job_waits_for_a_node_of_a_declared_pool_and_runs_on_it_when_it_comes(
     running = wait_status(cluster, namespace, "elastic", lambda s: s.get("phase") == "Running", 120, "elastic Running")
     assert running["status"].get("replans", 0) == 0 and running["status"].get("attempt", 0) == 0
     assert cluster.get("pod", "elastic-a0-0", namespace)["spec"]["nodeName"] == node
+
+
+def test_a_pool_node_that_comes_up_unlike_its_template_gets_the_job_planned_again_on_it(
+    cluster: Any, namespace: str, operator: OperatorProcess, make_node: Callable[..., str],
+) -> None:
+    add_checkpoint_volume(cluster)
+    # 3B trains GPU-resident on an 80 GB A100; on a 24 GB card its Adam state must go to the CPU.
+    job = job_manifest("surprised", model={"uri": "file:///models/llama", "parameterCount": "3B"})
+    job["spec"]["resources"]["nodeSelector"] = {POOL_TEMPLATE: "a100"}  # no node has it yet
+    cluster.apply(job, namespace)
+    waiting = wait_status(cluster, namespace, "surprised", lambda s: condition(
+        {"status": s}, "Scheduled").get("reason") == "WaitingForNode", 120, "surprised WaitingForNode")
+    declared_plan = waiting["status"]["plan"]
+    assert declared_plan["label"] == "Z2 opt:gpu par:gpu", declared_plan
+
+    # The provisioner brings another machine than the pool declares (an RTX 4090 box, as the
+    # node probe measured it): the waiting pod lands on it, and the job is planned again there.
+    node = make_node(ARRIVING_PROFILE)
+    cluster.kubectl("label", "node", node, f"{POOL_TEMPLATE}=a100")
+    replanned = wait_status(cluster, namespace, "surprised", lambda s: s.get("replans", 0) == 1
+                            and s.get("phase") == "Running", 180, "surprised re-planned and Running")
+    status = replanned["status"]
+    assert status["attempt"] == 1 and status["plan"]["nodeNames"] == [node], status
+    assert status["plan"]["label"] == "Z2 opt:cpu par:gpu", status["plan"]
+    [event] = [e for e in events_of(cluster, namespace, "surprised") if e["reason"] == "Replanned"]  # once
+    assert "node(s) of declared pool a100 came up unlike its template" in event["message"], event
+    assert f"{node} is 1xNVIDIA-GeForce-RTX-4090" in event["message"], event
+    assert active_pods(cluster, namespace, "surprised") == ["surprised-a1-0"]
+    assert cluster.get("pod", "surprised-a1-0", namespace)["spec"]["nodeName"] == node
 
 
 def test_a_flavour_annotated_with_a_node_shape_is_a_pool_its_admitted_job_waits_for(

@@ -86,8 +86,8 @@ def test_a_pool_node_unlike_its_template_gets_the_job_planned_again() -> None:
     step(cluster)
     st = status(cluster)
     assert st["replans"] == 1 and st["attempt"] == 1 and ("j-a0-0", None) in cluster.deleted
-    replanned = [m for _, r, m in cluster.events if r == "Replanned"]
-    assert replanned and "rtx-odd is 4xNVIDIA-L40S" in replanned[0] and "unlike its template" in replanned[0]
+    [replanned] = [m for _, r, m in cluster.events if r == "Replanned"]  # one Event, not two
+    assert "rtx-odd is 4xNVIDIA-L40S" in replanned and "unlike its template" in replanned
     step(cluster)
     pod = cluster.get("Pod", NS, "j-a1-0")
     assert pod is not None and node_pools.POOL_ANNOTATION not in pod["metadata"]["annotations"]
