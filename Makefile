@@ -5,7 +5,7 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: setup demo demo-cluster demo-cluster-down test lint unit integration e2e bench crds
+.PHONY: setup demo demo-cluster demo-cluster-down test check lint unit integration e2e realnode bench crds
 
 setup:
 	@hack/setup.sh
@@ -26,17 +26,25 @@ demo-cluster: setup
 demo-cluster-down:
 	@hack/demo-cluster.sh down
 
-test: setup
+# The test tiers (tests/conftest.py says what each holds), each alone; `make test` runs
+# them all. Each prints its time and its 25 slowest tests.
+test:
 	@hack/test.sh
 
-unit: setup
-	$(PY) -m pytest tests/unit
+check:  # ruff, mypy, import contracts, the unit tests
+	@hack/test.sh check
 
-integration: setup
-	DS_ACCELERATOR=cpu $(PY) -m pytest tests/integration
+unit:
+	@hack/test.sh unit
 
-e2e: setup
-	$(PY) -m pytest tests/e2e
+integration:  # real DeepSpeed on the CPU, databases, S3 and MLflow servers
+	@hack/test.sh integration
+
+e2e:  # the test cluster's control plane with kwok nodes
+	@hack/test.sh e2e
+
+realnode:  # real pods on the test cluster's real node
+	@hack/test.sh realnode
 
 bench: setup
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; DS_ACCELERATOR=cpu $(PY) $$b || exit 1; done

@@ -45,21 +45,28 @@ ENV PATH=/opt/spillway/bin:$PATH
 # The slow layer (torch, DeepSpeed and its compiled ops) is made from docker/deepspeed.lock
 # alone, requirements.lock's pins of those packages and what they need: another
 # dependency's change rebuilds only the quick layer after it.
-# torch first, from TORCH_INDEX, at the version the lock pins.
-COPY docker/deepspeed.lock ./
-RUN pip install --index-url "${TORCH_INDEX}" "$(grep '^torch==' deepspeed.lock)" \
- && pip install --constraint deepspeed.lock setuptools==84.2.1 wheel==0.45.1 ninja py-cpuinfo packaging numpy
+# torch first, from TORCH_INDEX, at the version the lock pins; or, where the build mounts
+# them at WHEELS (hack/images: the wheels hack/setup.sh made for this machine's own
+# environment, DeepSpeed's CPU ops already compiled in), from those wheels alone.
 # DeepSpeed's ops are compiled now, so pods never JIT-compile at start (the final image has
 # no compiler): async_io, cpu_adam, fused_adam, pin_memory, and on the CPU accelerator the
 # shared-memory collectives that init_distributed loads (shm_comm).
 # LDFLAGS: DeepSpeed's ahead-of-time build of the CPU accelerator's ops drops their link
 # flags (its JIT build keeps them), so async_io would miss libaio's io_submit at import;
 # the ops are then loaded here, as a pod would, so such a miss fails the build.
+ARG WHEELS=
+COPY docker/deepspeed.lock ./
 RUN export DS_ACCELERATOR="${DS_ACCELERATOR}" \
- && export LDFLAGS="-Wl,--no-as-needed -laio" \
- && DS_BUILD_AIO=1 DS_BUILD_CPU_ADAM=1 DS_BUILD_UTILS=1 DS_BUILD_PIN_MEMORY=1 DS_BUILD_FUSED_ADAM=1 DS_BUILD_SHM_COMM=1 \
-    TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}" \
-    pip install --constraint deepspeed.lock --no-build-isolation "$(grep '^deepspeed==' deepspeed.lock)" \
+ && if [ -n "${WHEELS}" ]; then \
+      pip install --no-index --find-links "${WHEELS}" -r deepspeed.lock setuptools==84.2.1; \
+    else \
+      pip install --index-url "${TORCH_INDEX}" "$(grep '^torch==' deepspeed.lock)" \
+      && pip install --constraint deepspeed.lock setuptools==84.2.1 wheel==0.45.1 ninja py-cpuinfo packaging numpy \
+      && export LDFLAGS="-Wl,--no-as-needed -laio" \
+      && DS_BUILD_AIO=1 DS_BUILD_CPU_ADAM=1 DS_BUILD_UTILS=1 DS_BUILD_PIN_MEMORY=1 DS_BUILD_FUSED_ADAM=1 DS_BUILD_SHM_COMM=1 \
+         TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}" \
+         pip install --constraint deepspeed.lock --no-build-isolation "$(grep '^deepspeed==' deepspeed.lock)"; \
+    fi \
  && python -c "import deepspeed.ops.op_builder as b; assert b.AsyncIOBuilder().is_compatible(), 'libaio missing'" \
  && python -c "from deepspeed.git_version_info import installed_ops as i; \
 want = ['async_io', 'cpu_adam'] + (['deepspeed_shm_comm'] if '${DS_ACCELERATOR}' == 'cpu' else []); \

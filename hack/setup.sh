@@ -7,8 +7,10 @@
 # CPU ops built once.
 # A second run that finds everything in place takes a few seconds.
 #   hack/setup.sh            everything
-#   hack/setup.sh --system   the system packages only (hack/test.sh starts the image
-#                            build, which needs buildah, before the Python set-up)
+#   hack/setup.sh --system   the system packages only (hack/test.sh starts the Go builds
+#                            first, then the image build, which needs buildah)
+#   hack/setup.sh --wheels   the system packages and the torch + DeepSpeed wheels only;
+#                            prints the wheels' folder (hack/images mounts it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,14 +46,49 @@ if [ ! -x "$VENV/bin/python" ]; then
   log "creating virtual environment $VENV"
   mkdir -p "$(dirname "$VENV")"
   "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
 fi
 
+# The wheels of the training image's slow layer (torch, DeepSpeed with its CPU ops compiled
+# ahead of time, and what they need; docker/deepspeed.lock), made once and used twice: this
+# environment installs from them and hack/images mounts them into the image build, so a
+# fresh machine downloads torch once and compiles DeepSpeed's ops once (they were done
+# twice, ~35 minutes of a cold `make test`). hack/images finds them with `--wheels`.
+WHEELS_RECIPE=1  # bump to rebuild the wheels after changing how they are made
+WHEELS="$SPILLWAY_CACHE/wheels-$( (echo "$WHEELS_RECIPE"; cat docker/deepspeed.lock) | sha256sum | cut -c1-16)"
+make_wheels() {
+  log "making the torch + DeepSpeed wheels (first time: downloads torch, compiles DeepSpeed's CPU ops, ~10 minutes)"
+  exec 8>"$SPILLWAY_CACHE/.wheels.lock"
+  flock 8
+  if [ ! -d "$WHEELS" ]; then
+    rm -rf "$SPILLWAY_CACHE"/.wheels.*/  # what a failed try left (we hold the lock)
+    tmp=$(mktemp -d "$SPILLWAY_CACHE/.wheels.XXXXXX")
+    # setuptools: torch needs one at run time (>=77), the Dockerfile pins its own.
+    { grep -v '^deepspeed==' docker/deepspeed.lock; echo setuptools==84.2.1; echo wheel==0.45.1; } >"$tmp/binary.txt"
+    "$VENV/bin/pip" download -q --no-deps --only-binary=:all: -d "$tmp" -r "$tmp/binary.txt"
+    # DeepSpeed is an sdist: its ops are compiled against the torch installed beside it
+    # (no build isolation), as the Dockerfile does, into a wheel of this Python's ABI
+    # (cp311 on Debian 12: the image's python3 too). LDFLAGS: the ahead-of-time build of
+    # the CPU accelerator's ops drops their link flags, so async_io would miss libaio.
+    "$VENV/bin/pip" install -q --no-index --find-links "$tmp" -r "$tmp/binary.txt"
+    DS_ACCELERATOR=cpu LDFLAGS="-Wl,--no-as-needed -laio" DS_BUILD_AIO=1 DS_BUILD_CPU_ADAM=1 \
+      DS_BUILD_UTILS=1 DS_BUILD_PIN_MEMORY=1 DS_BUILD_SHM_COMM=1 \
+      "$VENV/bin/pip" wheel -q --no-deps --no-build-isolation -w "$tmp" "$(grep '^deepspeed==' docker/deepspeed.lock)"
+    rm "$tmp/binary.txt"
+    chmod 755 "$tmp"
+    mv "$tmp" "$WHEELS"
+  fi
+  exec 8>&-
+}
+[ -d "$WHEELS" ] || make_wheels >&2
+if [ "${1:-}" = "--wheels" ]; then echo "$WHEELS"; exit 0; fi
+
 # The shared environment holds the pinned dependencies only (several GB, reused by every
-# checkout); re-install when the pins change.
-deps_stamp="$VENV/.spillway-deps-$(sha256sum requirements.lock | cut -c1-16)"
+# checkout); re-install when the pins change. torch and DeepSpeed come from the wheels.
+deps_stamp="$VENV/.spillway-deps-$( (cat requirements.lock; basename "$WHEELS") | sha256sum | cut -c1-16)"
 if [ ! -f "$deps_stamp" ]; then
-  log "installing pinned Python dependencies (first time: several GB for torch)"
-  "$VENV/bin/pip" install -q --upgrade pip
+  log "installing pinned Python dependencies"
+  "$VENV/bin/pip" install -q --no-index --find-links "$WHEELS" -r docker/deepspeed.lock setuptools==84.2.1
   "$VENV/bin/pip" install -q -r requirements.lock
   rm -f "$VENV"/.spillway-deps-*
   touch "$deps_stamp"

@@ -1,21 +1,49 @@
 #!/usr/bin/env bash
-# The whole test gate: set-up, lint, type checks, layer contracts, then every test
-# tier (unit, integration with real DeepSpeed and databases, e2e against a real
-# Kubernetes control plane). Called by `make test` and by CI (.ci/run).
+# The test gate, by tiers (see tests/conftest.py for what each holds):
+#   hack/test.sh                 everything: set-up, then check, then the other tiers at once
+#   hack/test.sh TIER...         only these: check (ruff, mypy, import contracts and the unit
+#                                tests), unit, integration, e2e, realnode
+#   hack/test.sh -- ARGS...      set-up and builds, then `pytest ARGS` (e.g. one test file)
+# Called by `make test` (the README's test command and CI's) and the tiers' make targets.
+# Each step prints its time; every pytest run ends with its 25 slowest tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 logs=$(mktemp -d)
-# A failed set-up or lint leaves no build running behind it (each build writes to a
-# temporary directory and renames it into the cache when done).
-# (`|| true`: set -e holds inside the trap too, and `kill` with no jobs left fails, which
-# would turn a green run's exit 0 into 2.)
+# A failed step leaves no build running behind it (each build writes to a temporary
+# directory and renames it into the cache when done). (`|| true`: set -e holds inside the
+# trap too, and `kill` with no jobs left fails, which would turn a green run's exit 0 into 2.)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$logs"' EXIT
 
-# The builds the tests need, cached by hashes of their inputs (warm, each is a hash check),
-# run beside the set-up and the lint: on a fresh machine the Go builds (control plane,
-# Kueue, weed: ~15 min of CPU) and the images (~20 min, much of it downloads and layer
-# copies) overlap the set-up's downloads and each other. Each build's output is printed
-# when it is waited for.
+tiers=() pytest_args=()
+while (($#)); do
+  case $1 in
+  --) shift; pytest_args=("$@"); break ;;
+  check | unit | integration | e2e | realnode) tiers+=("$1"); shift ;;
+  *) echo "hack/test.sh: unknown tier '$1' (check, unit, integration, e2e, realnode; or -- PYTEST-ARGS)" >&2; exit 2 ;;
+  esac
+done
+((${#tiers[@]} || ${#pytest_args[@]})) || tiers=(check integration e2e realnode)
+wants() { [[ " ${tiers[*]} " == *" $1 "* ]]; }
+# What the tiers need built: the lint and unit tests nothing; the others servers, the
+# cluster's binaries and, for the real node, its images.
+needs_servers=0 needs_images=0
+if ((${#pytest_args[@]})) || wants integration || wants e2e || wants realnode; then needs_servers=1; fi
+if ((${#pytest_args[@]})) || wants realnode; then needs_images=1; fi
+
+SECONDS_AT_START=$SECONDS
+timed() { # NAME CMD...: run CMD, then print its time
+  local name=$1 start=$SECONDS rc=0
+  shift
+  echo "== $name"
+  "$@" || rc=$?
+  echo "== $name: $((SECONDS - start)) s$( ((rc == 0)) || echo ", failed (exit $rc)")"
+  return "$rc"
+}
+
+# The builds, cached by hashes of their inputs (warm, each is a hash check), run beside the
+# set-up and the lint: on a fresh machine the Go builds (control plane, Kueue, weed) start
+# first and overlap the Python set-up's downloads and the image build. Each build's output
+# is printed when it is waited for.
 declare -A build_pids
 start_build() { # NAME CMD...
   local name=$1
@@ -24,73 +52,70 @@ start_build() { # NAME CMD...
   "$@" >"$logs/build-$name.log" 2>&1 &
   build_pids[$name]=$!
 }
-end_build() { # NAME
-  local rc=0
-  wait "${build_pids[$1]}" || rc=$?
-  echo "== $1"
-  cat "$logs/build-$1.log"
-  if ((rc != 0)); then echo "== $1: failed, exit $rc"; exit "$rc"; fi
+end_builds() {
+  local name rc
+  for name in "${!build_pids[@]}"; do
+    rc=0
+    wait "${build_pids[$name]}" || rc=$?
+    echo "== $name"
+    cat "$logs/build-$name.log"
+    if ((rc != 0)); then echo "== $name: failed, exit $rc"; exit "$rc"; fi
+  done
 }
 binaries() {
   if [ -x hack/cluster ]; then hack/cluster build; fi  # control plane, kubelet, kwok, helm, CoreDNS, Kueue
   hack/weed build  # the S3 server (SeaweedFS)
 }
-start_build "binaries (control plane, Kueue, weed)" binaries
-start_build "MLflow server (its own virtual environment)" hack/mlflow build
-# The test cluster's images, before the tests and outside their timeouts: a change to
-# pyproject.toml or requirements.lock rebuilds the training image's DeepSpeed layer
-# (20+ minutes on 2 cores), which a test fixture's 15-minute limit does not cover. They
-# need buildah, the first thing the set-up installs; the rest of it (the Python
-# environment, DeepSpeed's ops) runs beside them.
-hack/setup.sh --system
-if [ -x hack/images ] && [ -x hack/cluster ] && [ $# -eq 0 ]; then
+if ((needs_servers)); then
+  start_build "binaries (control plane, Kueue, weed)" binaries
+  start_build "MLflow server (its own virtual environment)" hack/mlflow build
+fi
+# The torch + DeepSpeed wheels (downloaded and compiled once) come first: the training
+# image and this machine's environment are both made from them.
+wheels() { hack/setup.sh --wheels >/dev/null; }
+timed "set-up: system packages, torch + DeepSpeed wheels" wheels
+if ((needs_images)) && [ -x hack/images ] && [ -x hack/cluster ]; then
   start_build "images: operator, runtime-cpu" hack/images build operator runtime-cpu
 fi
-hack/setup.sh
+timed "set-up: Python environment" hack/setup.sh
 PY="$(pwd)/.venv/bin/python"
 export DS_ACCELERATOR=cpu
-echo "== ruff"; "$PY" -m ruff check runtime operator api tests benchmarks
-echo "== mypy"; "$PY" -m mypy
-echo "== import contracts"; "$PY" -c 'import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())'
-for name in "${!build_pids[@]}"; do end_build "$name"; done
-if [ $# -gt 0 ]; then
-  echo "== pytest $*"
-  exec "$PY" -m pytest -p no:cacheprovider "$@"
+# mypy's and ruff's caches outside the checkout: a fresh clone (CI's) checks only what
+# changed since the last run on this machine (mypy: ~60 s cold, ~2 s warm).
+CACHE=${SPILLWAY_CACHE:-$HOME/.cache/spillway}
+export MYPY_CACHE_DIR=${MYPY_CACHE_DIR:-$CACHE/mypy} RUFF_CACHE_DIR=${RUFF_CACHE_DIR:-$CACHE/ruff}
+# Two workers for two cores; the e2e tests share one cluster on one worker (loadgroup), the
+# other worker takes the rest, and the worker that finishes first takes what is left.
+WORKERS=${SPILLWAY_TEST_WORKERS:-2}
+pytest() { "$PY" -m pytest -p no:cacheprovider "$@"; }  # --durations=25: pyproject.toml
+
+if wants check; then
+  timed "ruff" "$PY" -m ruff check runtime operator api tests benchmarks
+  timed "mypy" "$PY" -m mypy
+  timed "import contracts" "$PY" -c 'import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())'
 fi
-# The whole suite as two pytest runs at once: the e2e tests mostly wait (on the API
-# server, kwok, a container starting), the others mostly compute (DeepSpeed on the CPU),
-# so together they take about as long as the longer one. Each line is prefixed with its
-# group; each group's summary is printed again at the end.
-# The real-pod tests import the 3.4 GB training image into both nodes' containerd (about
-# 13 GB unpacked, under the e2e group's temporary directory); the kubelets evict below 1%.
-free_gb=$(($(df -Pk "${TMPDIR:-/tmp}" | awk 'NR == 2 {print $4}') / 1024 / 1024))
-if ((free_gb < 20)); then
-  echo "== warning: ${free_gb} GB free in ${TMPDIR:-/tmp}; the whole suite needs about 20 GB (old pytest-of-$(id -un) runs can go)"
+if wants check || wants unit; then
+  timed "tier unit" pytest -m unit tests/unit
 fi
-echo "== pytest: tests/e2e and tests/unit + tests/integration, side by side"
-run_group() { # NAME PATH...
-  local name=$1
-  shift
-  set +e
-  "$PY" -m pytest -p no:cacheprovider "$@" 2>&1 | tee "$logs/$name.log" | sed -u "s/^/[$name] /"
-  echo "${PIPESTATUS[0]}" >"$logs/$name.rc"
-}
-# Some tests run beside the e2e tests: by the durations of the last warm run (rest 31.7 min,
-# e2e 29.0, before the S3 mirror's 4 minutes joined the rest and the tracking tests' 2 this
-# list), that evens the groups out (the e2e group waits more than it computes, the GPU kit's
-# dry run mostly waits on its child processes, the tracking tests on the MLflow server).
-BESIDE_E2E=(tests/integration/api/test_local_signals.py tests/integration/api/test_dashboard.py
-            tests/integration/api/test_local_launcher.py tests/integration/test_gpu_kit.py
-            tests/integration/test_tracking.py)
-run_group e2e tests/e2e "${BESIDE_E2E[@]}" &
-run_group rest tests/unit tests/integration "${BESIDE_E2E[@]/#/--ignore=}" &
-wait
-rc=0
-for name in e2e rest; do
-  code=$(cat "$logs/$name.rc" 2>/dev/null || echo 1)
-  echo "== $name: exit $code"
-  sed -n '/short test summary info/,$p' "$logs/$name.log"
-  tail -n 1 "$logs/$name.log"
-  [ "$code" -eq 0 ] || rc=1
+end_builds
+if ((${#pytest_args[@]})); then
+  timed "pytest ${pytest_args[*]}" pytest "${pytest_args[@]}"
+  exit
+fi
+# A real-node module is marked e2e too (its folder's tier): the e2e tier leaves it out.
+declare -A mark=([integration]=integration [e2e]="(e2e and not realnode)" [realnode]=realnode)
+rest=() marks=()
+for tier in integration e2e realnode; do
+  if wants "$tier"; then rest+=("$tier") marks+=("${mark[$tier]}"); fi
 done
-exit $rc
+if ((${#rest[@]})); then
+  # The real-pod tests import the 3.4 GB training image into the node's containerd (about
+  # 13 GB unpacked, under the session's temporary directory); the kubelet evicts below 1%.
+  free_gb=$(($(df -Pk "${TMPDIR:-/tmp}" | awk 'NR == 2 {print $4}') / 1024 / 1024))
+  if ((free_gb < 20)); then
+    echo "== warning: ${free_gb} GB free in ${TMPDIR:-/tmp}; the whole suite needs about 20 GB (old pytest-of-$(id -un) runs can go)"
+  fi
+  expression=$(printf ' or %s' "${marks[@]}")
+  timed "tiers ${rest[*]}" pytest -n "$WORKERS" --dist loadgroup -m "${expression# or }" tests/integration tests/e2e
+fi
+echo "== all: $((SECONDS - SECONDS_AT_START)) s"

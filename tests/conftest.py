@@ -1,10 +1,78 @@
-"""Settings every test session shares."""
+"""Settings every test session shares, and the test tiers.
+
+Tiers (a marker each, given here by folder so that no test is left out of one; each
+is a make target, see the Makefile):
+    unit         tests/unit: pure functions and the reconciler against the in-memory
+                 cluster; no server, no DeepSpeed step, no cluster.
+    integration  tests/integration: real DeepSpeed training on the CPU, real databases,
+                 the FastAPI app over HTTP, real S3 and MLflow servers.
+    e2e          tests/e2e on the test cluster's control plane and kwok nodes.
+    realnode     tests/e2e whose module marks itself `realnode`: real containers on
+                 the cluster's real node (kubelet, containerd, runc).
+Every e2e test shares one cluster per session: under pytest-xdist they form one
+`xdist_group`, which `--dist loadgroup` keeps on one worker.
+"""
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+TESTS = Path(__file__).resolve().parent
+TIERS = ("unit", "integration", "e2e", "realnode")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for tier, what in zip(TIERS, ("pure functions, no server", "real DeepSpeed, databases, servers",
+                                  "the test cluster with kwok nodes", "real pods on the real node"), strict=True):
+        config.addinivalue_line("markers", f"{tier}: tier {tier}: {what}")
+
+
+def tier_of(item: pytest.Item) -> str:
+    folder = item.path.relative_to(TESTS).parts[0]
+    if folder == "e2e" and item.get_closest_marker("realnode"):
+        return "realnode"
+    return folder
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = tier_of(item)
+        item.add_marker(tier)
+        if tier in ("e2e", "realnode"):
+            item.add_marker(pytest.mark.xdist_group("cluster"))
+
+
+_tier_seconds: dict[str, float] = defaultdict(float)
+_tier_tests: dict[str, int] = defaultdict(int)
+_started = time.monotonic()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """The time of each tier's tests (setup, call and teardown), summed; under xdist the
+    reports reach the controller, so the sums cover every worker."""
+    # realnode first: a real-node test carries the e2e keyword too (its folder).
+    tier = next((t for t in ("realnode", "unit", "integration", "e2e") if t in report.keywords), None)
+    if tier is None:
+        return
+    _tier_seconds[tier] += report.duration
+    if report.when == "call":
+        _tier_tests[tier] += 1
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _tier_tests:
+        return
+    wall = time.monotonic() - _started
+    terminalreporter.section("time per tier")
+    for tier in TIERS:
+        if _tier_tests.get(tier):
+            terminalreporter.write_line(f"{tier:<12} {_tier_tests[tier]:4d} tests  {_tier_seconds[tier]:8.1f} s of test time")
+    terminalreporter.write_line(f"{'wall':<12} {'':10} {wall:8.1f} s for the whole session")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -28,7 +28,7 @@ from tests.bad_jobs import CORPUS, with_
 from tests.e2e.conftest import REPO_ROOT, Cluster
 from tests.e2e.operator_fixtures import free_port
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.realnode]
 
 RUNTIME_UID = 1000
 CERT_CHECK_SECONDS = 2

@@ -21,7 +21,7 @@ import pytest
 
 from tests.e2e.conftest import HACK_CLUSTER, Cluster
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.realnode]
 
 # Reads the pod's own object from the API server as its ServiceAccount, through the
 # `kubernetes` Service (kube-proxy's rules), verifying the server with the mounted CA.

@@ -48,7 +48,7 @@ from tests.e2e.kueue_fixtures import kueue  # noqa: F401  (the fixture)
 from tests.e2e.operator_fixtures import active_pods, running_operator, wait_status
 from tests.e2e.test_api_cluster import ApiServer
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.realnode]
 
 RUNTIME_UID = 1000
 EXAMPLE = REPO_ROOT / "examples" / "tiny-cluster.yaml"

@@ -39,7 +39,7 @@ from tests.e2e.operator_fixtures import running_operator, wait_status
 from tests.e2e.test_real_pods import EXAMPLE, POD_TIMEOUT_S, RealNode, _kill_trainer
 from tests.integration.storage_fixtures import ACCESS_KEY, SECRET_KEY, stop, weed_command
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.realnode]
 
 # Ports inside the cluster's network namespace, clear of the cluster's own (20000-31999
 # on 127.0.0.1 and every address the API server listens on) and of the kubelet's.
