@@ -84,8 +84,8 @@ export DS_ACCELERATOR=cpu
 # changed since the last run on this machine (mypy: ~60 s cold, ~2 s warm).
 CACHE=${SPILLWAY_CACHE:-$HOME/.cache/spillway}
 export MYPY_CACHE_DIR=${MYPY_CACHE_DIR:-$CACHE/mypy} RUFF_CACHE_DIR=${RUFF_CACHE_DIR:-$CACHE/ruff}
-# Two workers for two cores; the e2e tests share one cluster on one worker (loadgroup), the
-# other worker takes the rest, and the worker that finishes first takes what is left.
+# Two workers for two cores; the e2e tests share one cluster on one worker (tests/conftest.py:
+# ClusterOnOneWorker), the other takes the rest, and the first done takes what is left.
 WORKERS=${SPILLWAY_TEST_WORKERS:-2}
 pytest() { "$PY" -m pytest -p no:cacheprovider "$@"; }  # --durations=25: pyproject.toml
 
@@ -116,6 +116,6 @@ if ((${#rest[@]})); then
     echo "== warning: ${free_gb} GB free in ${TMPDIR:-/tmp}; the whole suite needs about 20 GB (old pytest-of-$(id -un) runs can go)"
   fi
   expression=$(printf ' or %s' "${marks[@]}")
-  timed "tiers ${rest[*]}" pytest -n "$WORKERS" --dist loadgroup -m "${expression# or }" tests/integration tests/e2e
+  timed "tiers ${rest[*]}" pytest -n "$WORKERS" -m "${expression# or }" tests/integration tests/e2e
 fi
 echo "== all: $((SECONDS - SECONDS_AT_START)) s"

@@ -9,8 +9,11 @@ is a make target, see the Makefile):
     e2e          tests/e2e on the test cluster's control plane and kwok nodes.
     realnode     tests/e2e whose module marks itself `realnode`: real containers on
                  the cluster's real node (kubelet, containerd, runc).
-Every e2e test shares one cluster per session: under pytest-xdist they form one
-`xdist_group`, which `--dist loadgroup` keeps on one worker.
+Every e2e test shares one cluster per session: under pytest-xdist (`-n`, as
+hack/test.sh runs the tiers) `ClusterOnOneWorker` sends them all to one worker, first,
+while the other workers take the rest one test at a time. (xdist's own `--dist loadgroup`
+does not group under pytest 9: it renames items through an attribute pytest no longer
+reads.)
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
 TESTS = Path(__file__).resolve().parent
 TIERS = ("unit", "integration", "e2e", "realnode")
@@ -41,10 +45,21 @@ def tier_of(item: pytest.Item) -> str:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        tier = tier_of(item)
-        item.add_marker(tier)
-        if tier in ("e2e", "realnode"):
-            item.add_marker(pytest.mark.xdist_group("cluster"))
+        item.add_marker(tier_of(item))
+
+
+class ClusterOnOneWorker(LoadScopeScheduling):
+    """xdist's scope scheduling with two kinds of unit: all of tests/e2e (one cluster, whose
+    start and images are paid once), and each other test alone. The largest unit goes out
+    first (xdist orders units by size), so the cluster's tests start at once on one worker
+    and that worker takes no other test until they are done."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return "tests/e2e" if nodeid.startswith("tests/e2e/") else nodeid
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> LoadScopeScheduling | None:
+    return ClusterOnOneWorker(config, log) if config.getvalue("dist") == "load" else None
 
 
 _tier_seconds: dict[str, float] = defaultdict(float)
