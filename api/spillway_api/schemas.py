@@ -254,7 +254,7 @@ class PlanRequest(WireModel):
     )
     node_count: int = Field(1, ge=1, le=1024)
     gpus_per_node: int | None = Field(None, ge=0, le=64)
-    price_per_hour: float | None = Field(None, ge=0)
+    price_per_hour: float | None = Field(None, ge=0, le=1e6)
 
     _spec_types = field_validator("spec", "offload", "method", mode="wrap")(_type_errors_are_invalid)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from spillway_runtime.spec import API_GROUP, API_VERSION, KIND, POLICY_TIERS, FineTuneJobSpec
+from spillway_runtime.spec import API_GROUP, API_VERSION, KIND, MAX_LABEL_KEY, POLICY_TIERS, FineTuneJobSpec
 
 PLURAL = "finetunejobs"
 SINGULAR = "finetunejob"
@@ -32,11 +32,17 @@ INT_OR_STRING_PATHS = {
 }
 # Raw maps whose keys we do not know: kept as written instead of pruned.
 PRESERVE_UNKNOWN_PATHS = {("offload", "deepspeed")}
-# Strings without a bound make CEL's cost estimator assume megabytes; URIs are short.
-MAX_LENGTHS = {("model", "uri"): 2048, ("dataset", "uri"): 2048, ("resumeFrom",): 253}
 
 # CEL rules, attached at a path inside spec. Messages name the field, as kubectl shows them.
 VALIDATIONS: dict[tuple[str, ...], list[dict[str, str]]] = {
+    # A map's keys have no structural bound (propertyNames is not structural): the model's
+    # label-key length, in CEL.
+    ("resources", "nodeSelector"): [
+        {
+            "rule": f"self.all(key, size(key) <= {MAX_LABEL_KEY})",
+            "message": f"resources.nodeSelector keys are label keys: at most {MAX_LABEL_KEY} characters",
+        }
+    ],
     ("training",): [
         {
             "rule": "!has(self.warmupSteps) || !has(self.maxSteps) || self.warmupSteps <= self.maxSteps",
@@ -126,7 +132,8 @@ def _structural(schema: dict[str, Any], defs: dict[str, Any], path: tuple[str, .
         out["type"] = schema["type"]
     if nullable:
         out["nullable"] = True
-    for key in ("enum", "minimum", "maximum", "minLength", "maxLength", "pattern", "minItems", "maxItems"):
+    for key in ("enum", "minimum", "maximum", "minLength", "maxLength", "pattern", "minItems", "maxItems",
+                "minProperties", "maxProperties"):
         if key in schema:
             out[key] = schema[key]
     # JSON Schema 2020-12 writes exclusive bounds as numbers; OpenAPI v3.0 as flags.
@@ -136,8 +143,6 @@ def _structural(schema: dict[str, Any], defs: dict[str, Any], path: tuple[str, .
     if "exclusiveMaximum" in schema:
         out["maximum"] = schema["exclusiveMaximum"]
         out["exclusiveMaximum"] = True
-    if path in MAX_LENGTHS:
-        out["maxLength"] = MAX_LENGTHS[path]
     if "default" in schema and schema["default"] is not None and schema["default"] != {}:
         out["default"] = schema["default"]
 

@@ -44,16 +44,31 @@ class SpecModel(BaseModel):
 
 
 
+# Bounds of every free-form string, list and map of the spec (the CRD and the API's OpenAPI
+# are generated from these models): an unbounded one lets a single apply carry megabytes into
+# the API server, the operator and the database, and makes the CEL cost estimator assume the
+# worst of every rule that reads it.
+MAX_URI = 2048  # a URI or a filesystem path
+MAX_DNS_NAME = 253  # a DNS-1123 subdomain: StorageClass, claim, checkpoint names
+MAX_FIELD = 256  # a JSON field name, a module name, a region, an experiment
+MAX_LABEL_KEY = 317  # a Kubernetes label key: a 253-character prefix, '/', a 63-character name
+MAX_LABEL_VALUE = 63
+MAX_ITEMS = 64  # list items and map entries (tolerations, nodeSelector, targetModules)
+# Seconds as Kubernetes types them (int32: Job.ttlSecondsAfterFinished); also what keeps a
+# finish time plus a TTL inside Python's datetime (a TTL of 3e11 s overflowed it).
+MAX_SECONDS = 2**31 - 1
+
+
 # What the wire carries for a size or a count: an integer, or a string such as 500Gi or 13B
 # (the models store the integer). The CRD spells these int-or-string.
 SIZE_SCHEMA: dict[str, Any] = {"anyOf": [
     {"type": "integer", "minimum": 0, "maximum": MAX_SIZE},
-    {"type": "string", "pattern": SIZE_PATTERN + "|^auto$"},
+    {"type": "string", "pattern": SIZE_PATTERN + "|^auto$", "maxLength": 32},
     {"type": "null"},
 ]}
 COUNT_SCHEMA: dict[str, Any] = {"anyOf": [
     {"type": "integer", "minimum": 1, "maximum": MAX_COUNT},
-    {"type": "string", "pattern": COUNT_PATTERN},
+    {"type": "string", "pattern": COUNT_PATTERN, "maxLength": 32},
     {"type": "null"},
 ]}
 Size = Annotated[int | None, WithJsonSchema(SIZE_SCHEMA)]
@@ -69,10 +84,11 @@ def _size_or_none(value: Any) -> Any:
 class ModelSource(SpecModel):
     uri: str = Field(
         description="Hugging Face model directory: a local path, file://PATH, or pvc://CLAIM/PATH in a cluster",
-        min_length=1,
+        min_length=1, max_length=MAX_URI,
     )
     dtype: DType = Field("bf16", description="Training precision of the weights and activations")
-    tokenizer_uri: str | None = Field(None, description="Tokenizer directory when it differs from the model's")
+    tokenizer_uri: str | None = Field(None, max_length=MAX_URI,
+                                      description="Tokenizer directory when it differs from the model's")
     parameter_count: Count = Field(
         None,
         description="Parameters, e.g. 13B: lets the operator plan before the model's config.json is readable",
@@ -110,7 +126,7 @@ DatasetFormat = Literal["auto", "jsonl", "text", "chat", "completion"]
 
 class Validation(SpecModel):
     uri: str | None = Field(
-        None, min_length=1,
+        None, min_length=1, max_length=MAX_URI,
         description="A held-out file or directory in the dataset's format (local path, file:// or pvc://)",
     )
     fraction: float | None = Field(
@@ -127,17 +143,21 @@ class Validation(SpecModel):
 
 
 class DatasetSource(SpecModel):
-    uri: str = Field(description="A .jsonl or .txt file, or a directory of them", min_length=1)
+    uri: str = Field(description="A .jsonl or .txt file, or a directory of them", min_length=1, max_length=MAX_URI)
     format: DatasetFormat = Field(
         "auto",
         description="auto picks jsonl or text by file extension; chat: JSON lines with OpenAI-style `messages`, "
         "the loss on assistant turns only; completion: JSON lines with a prompt and a completion, the loss on "
         "the completion only",
     )
-    text_field: str = Field("text", description="Field of each JSON line that holds the text", min_length=1)
-    messages_field: str = Field("messages", min_length=1, description="chat: field holding the conversation")
-    prompt_field: str = Field("prompt", min_length=1, description="completion: field holding the prompt")
-    completion_field: str = Field("completion", min_length=1, description="completion: field holding the answer")
+    text_field: str = Field("text", description="Field of each JSON line that holds the text", min_length=1,
+                            max_length=MAX_FIELD)
+    messages_field: str = Field("messages", min_length=1, max_length=MAX_FIELD,
+                                description="chat: field holding the conversation")
+    prompt_field: str = Field("prompt", min_length=1, max_length=MAX_FIELD,
+                              description="completion: field holding the prompt")
+    completion_field: str = Field("completion", min_length=1, max_length=MAX_FIELD,
+                                  description="completion: field holding the answer")
     chat_template: str | None = Field(
         None, min_length=1, max_length=65536,
         description="chat: a Jinja chat template, for a tokenizer without one (it replaces the tokenizer's)",
@@ -175,7 +195,7 @@ class Training(SpecModel):
     sequence_length: int = Field(512, ge=8, le=1_048_576, description="Tokens per packed sequence")
     learning_rate: float = Field(2e-5, gt=0, le=1.0)
     min_learning_rate_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor as a fraction of learningRate")
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)
     weight_decay: float = Field(0.0, ge=0, le=1)
     eval_every_steps: int = Field(
         0, ge=0, le=MAX_STEPS,
@@ -184,11 +204,12 @@ class Training(SpecModel):
     eval_batches: int | None = Field(
         None, ge=1, le=1_000_000, description="At most this many micro-batches per evaluation (none: all of it)"
     )
-    gradient_clipping: float = Field(1.0, ge=0, description="Max gradient norm; 0 disables clipping")
+    gradient_clipping: float = Field(1.0, ge=0, le=1e6, description="Max gradient norm; 0 disables clipping")
     activation_checkpointing: ActivationCheckpointing = Field(
         "auto", description="auto turns it on when activations would not fit next to the model state"
     )
-    seed: int = Field(1234, ge=0)
+    # numpy's generators take seeds below 2**32: a larger one would fail at the first step.
+    seed: int = Field(1234, ge=0, le=2**32 - 1)
 
     @model_validator(mode="after")
     def _warmup_within_run(self) -> Training:
@@ -210,8 +231,8 @@ class Method(SpecModel):
     rank: int = Field(16, ge=1, le=4096, description="LoRA: rank r of each adapter")
     alpha: int = Field(32, ge=1, le=65536, description="LoRA: scaling numerator (the update is scaled by alpha/rank)")
     dropout: float = Field(0.0, ge=0, lt=1, description="LoRA: dropout on the adapters' input")
-    target_modules: list[str] = Field(
-        default_factory=lambda: [ALL_LINEAR],
+    target_modules: list[Annotated[str, Field(max_length=MAX_FIELD)]] = Field(
+        default_factory=lambda: [ALL_LINEAR], max_length=MAX_ITEMS,
         description="LoRA: names of the linear layers to adapt (q_proj, v_proj, ...); [all-linear]: every one "
         "but the output head",
     )
@@ -241,17 +262,20 @@ S3_URI = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$"
 class Export(SpecModel):
     merge: bool = Field(False, description="LoRA: also write the base model with the adapters merged in (merged/)")
     uri: str | None = Field(
-        None, pattern=S3_URI,
+        None, pattern=S3_URI, max_length=MAX_URI,
         description="Also upload the exported model to this s3://BUCKET/PREFIX when training ends (credentials: "
         "spec.storage)",
     )
 
 
 class NvmeVolume(SpecModel):
-    path: str | None = Field(None, description="Local mode: directory on a local NVMe drive for swap files")
-    host_path: str | None = Field(None, description="Cluster mode: node directory mounted as a hostPath volume")
+    path: str | None = Field(None, max_length=MAX_URI,
+                             description="Local mode: directory on a local NVMe drive for swap files")
+    host_path: str | None = Field(None, max_length=MAX_URI,
+                                  description="Cluster mode: node directory mounted as a hostPath volume")
     storage_class_name: str | None = Field(
-        None, description="Cluster mode: StorageClass of a generic ephemeral volume (local, WaitForFirstConsumer)"
+        None, max_length=MAX_DNS_NAME,
+        description="Cluster mode: StorageClass of a generic ephemeral volume (local, WaitForFirstConsumer)",
     )
     size: Size = Field(None, description="Volume size (e.g. 500Gi); omitted or 'auto' sizes it from the plan")
 
@@ -309,11 +333,11 @@ class Offload(SpecModel):
 
 
 class Toleration(SpecModel):
-    key: str | None = None
+    key: str | None = Field(None, max_length=MAX_LABEL_KEY)
     operator: Literal["Exists", "Equal"] | None = None
-    value: str | None = None
+    value: str | None = Field(None, max_length=MAX_LABEL_VALUE)
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = None
+    toleration_seconds: int | None = Field(None, ge=0, le=MAX_SECONDS)
 
 
 class Resources(SpecModel):
@@ -326,8 +350,10 @@ class Resources(SpecModel):
 
     nodes: int = Field(1, ge=1, le=1024)
     gpus_per_node: int | None = Field(None, ge=0, le=64, description="Omitted: every GPU of the chosen node")
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[Toleration] = Field(default_factory=list)
+    node_selector: dict[Annotated[str, Field(max_length=MAX_LABEL_KEY)],
+                        Annotated[str, Field(max_length=MAX_LABEL_VALUE)]] = Field(
+        default_factory=dict, max_length=MAX_ITEMS)
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=MAX_ITEMS)
     placement: Literal["cheapest", "fastest"] = Field(
         "cheapest", description="How to choose among node shapes that fit"
     )
@@ -348,7 +374,7 @@ class Resources(SpecModel):
 
 
 class CheckpointPolicy(SpecModel):
-    every_steps: int = Field(50, ge=1, description="Checkpoint every N optimizer steps (and on SIGTERM)")
+    every_steps: int = Field(50, ge=1, le=MAX_STEPS, description="Checkpoint every N optimizer steps (and on SIGTERM)")
     keep: int = Field(3, ge=1, le=1000, description="Keep the last K good checkpoints")
     keep_best: bool = Field(
         False,
@@ -356,11 +382,12 @@ class CheckpointPolicy(SpecModel):
         "dataset.validation; a checkpoint counts when its step was evaluated: evalEverySteps a multiple of "
         "everySteps, or the end)",
     )
-    path: str | None = Field(None, description="Local mode: checkpoint directory (default: <run dir>/checkpoints)")
+    path: str | None = Field(None, max_length=MAX_URI,
+                             description="Local mode: checkpoint directory (default: <run dir>/checkpoints)")
     size: Size = Field(None, description="Cluster mode: checkpoint PVC size; auto from the plan")
-    storage_class_name: str | None = None
+    storage_class_name: str | None = Field(None, max_length=MAX_DNS_NAME)
     mirror: str | None = Field(
-        None, pattern=S3_URI,
+        None, pattern=S3_URI, max_length=MAX_URI,
         description="s3://BUCKET/PREFIX: upload every checkpoint there in the background (its manifest last); "
         "a job whose checkpoint volume is empty resumes from the newest complete one there (credentials: "
         "spec.storage)",
@@ -373,7 +400,7 @@ class RollbackPolicy(SpecModel):
     on_divergence: bool = Field(True, description="Reload the last good checkpoint on NaN/Inf or a loss spike")
     max_rollbacks: int = Field(3, ge=0, le=100)
     spike_factor: float = Field(
-        4.0, gt=1, description="A loss above this multiple of the running average counts as divergence"
+        4.0, gt=1, le=1e6, description="A loss above this multiple of the running average counts as divergence"
     )
     window: int = Field(20, ge=2, le=10_000, description="Steps in the running loss average")
     lr_backoff: float = Field(0.5, gt=0, le=1, description="Learning rate multiplier applied after each rollback")
@@ -392,15 +419,18 @@ class Storage(SpecModel):
         "(optionally AWS_SESSION_TOKEN, AWS_REGION); local mode reads the usual AWS variables instead",
     )
     endpoint_url: str | None = Field(
-        None, pattern=r"^https?://[^\s/]+(/.*)?$",
+        None, pattern=r"^https?://[^\s/]+(/.*)?$", max_length=MAX_URI,
         description="The S3 endpoint of a non-AWS server (MinIO, Ceph, SeaweedFS), e.g. http://seaweedfs.storage:8333",
     )
-    region: str | None = Field(None, min_length=1, description="The bucket's region (default: AWS_REGION, else us-east-1)")
+    region: str | None = Field(None, min_length=1, max_length=MAX_FIELD,
+                               description="The bucket's region (default: AWS_REGION, else us-east-1)")
 
 
 class MlflowTracking(SpecModel):
-    tracking_uri: str = Field(min_length=1, description="The MLflow tracking server, e.g. http://mlflow.tracking:5000")
-    experiment: str | None = Field(None, min_length=1, description="Experiment name (default: the job's namespace)")
+    tracking_uri: str = Field(min_length=1, max_length=MAX_URI,
+                              description="The MLflow tracking server, e.g. http://mlflow.tracking:5000")
+    experiment: str | None = Field(None, min_length=1, max_length=MAX_FIELD,
+                                   description="Experiment name (default: the job's namespace)")
 
 
 class Tracking(SpecModel):
@@ -412,7 +442,7 @@ class Tracking(SpecModel):
 
 
 class Budget(SpecModel):
-    max_cost_usd: float | None = Field(None, gt=0, alias="maxCostUSD")
+    max_cost_usd: float | None = Field(None, gt=0, le=1e9, alias="maxCostUSD")
 
 
 class FineTuneJobSpec(SpecModel):
@@ -425,7 +455,8 @@ class FineTuneJobSpec(SpecModel):
     resources: Resources = Field(default_factory=lambda: Resources())
     checkpoint: CheckpointPolicy = Field(default_factory=lambda: CheckpointPolicy())
     rollback: RollbackPolicy = Field(default_factory=lambda: RollbackPolicy())
-    resume_from: str | None = Field(None, description="Checkpoint name to restart from; setting it rolls the job back")
+    resume_from: str | None = Field(None, max_length=MAX_DNS_NAME,
+                                    description="Checkpoint name to restart from; setting it rolls the job back")
     budget: Budget = Field(default_factory=lambda: Budget())
     storage: Storage = Field(default_factory=lambda: Storage())
     tracking: Tracking = Field(default_factory=lambda: Tracking())
@@ -436,7 +467,7 @@ class FineTuneJobSpec(SpecModel):
         "Workload; an eviction or preemption by Kueue suspends it (checkpoint, no failure counted) until it is "
         "admitted again. The label kueue.x-k8s.io/queue-name does the same. Ignored by `spillway run`",
     )
-    ttl_seconds_after_finished: int | None = Field(None, ge=0)
+    ttl_seconds_after_finished: int | None = Field(None, ge=0, le=MAX_SECONDS)
     backoff_limit: int = Field(3, ge=0, le=100)
 
     @model_validator(mode="after")

@@ -42,6 +42,9 @@ def test_api_server_rejects_invalid_job_naming_the_field(cluster: Any, namespace
     typo = job_manifest("typo", resources={"placement": "random"})
     proc = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(typo), check=False)
     assert proc.returncode != 0 and "spec.resources.placement" in proc.stderr
+    forever = {**job_manifest("forever"), "spec": {**job_manifest("forever")["spec"], "ttlSecondsAfterFinished": 3 * 10**11}}
+    proc = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(forever), check=False)
+    assert proc.returncode != 0 and "spec.ttlSecondsAfterFinished" in proc.stderr  # it overflowed the reconciler
     cluster.apply(job_manifest("ok", node="nowhere"), namespace)
     proc = cluster.kubectl(
         "patch", "ftj", "ok", "-n", namespace, "--type=merge", "-p", '{"spec":{"model":{"uri":"file:///other"}}}', check=False

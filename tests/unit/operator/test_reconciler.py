@@ -18,6 +18,7 @@ from spillway_operator.status import StatusChange
 from spillway_runtime.contract import ExitCode
 from spillway_runtime.plan_summary import PlanSummary
 from spillway_runtime.runconfig import RuntimeConfig
+from spillway_runtime.spec import MAX_SECONDS
 
 from .fake_cluster import FakeCluster, node
 
@@ -248,6 +249,17 @@ def test_a_finished_job_is_deleted_after_its_ttl() -> None:
     step(cluster)
     step(cluster)
     assert cluster.get("FineTuneJob", NS, "j") is None and reasons(cluster)[-1] == "Expired"
+
+
+def test_the_longest_ttl_admitted_keeps_a_finished_job_without_overflowing() -> None:
+    """A TTL of 3e11 s overflowed the finish time's datetime; the spec's bound keeps one in range."""
+    cluster = world(ttlSecondsAfterFinished=MAX_SECONDS)
+    pod = running(cluster)
+    cluster.exit(NS, pod, 0)
+    step(cluster)
+    step(cluster)
+    job = cluster.get("FineTuneJob", NS, "j")
+    assert job is not None and job["status"]["phase"] == "Succeeded"
 
 
 def test_a_status_write_decided_on_a_stale_job_is_refused_not_applied() -> None:
