@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from spillway_runtime import unpickle
 from spillway_runtime.ckpt_io import BLOCK_HASH, chunked_digest
 
 MANIFEST = "manifest.json"
@@ -346,6 +347,10 @@ class CheckpointStore:
                     return f"{rel} does not match its checksum"
             elif _sha256(file) != entry["sha256"]:
                 return f"{rel} does not match its sha256"
+            # A manifest is no proof of origin (whoever writes the bucket writes it too): a
+            # pickle that names anything but data is refused before any file is loaded.
+            if unpickle.is_pickle(file) and (bad := unpickle.unsafe_globals(file)):
+                return f"{rel} holds Python objects a checkpoint never holds ({', '.join(bad)})"
         return None
 
     def deferred(self, path: Path) -> dict[Path, str]:

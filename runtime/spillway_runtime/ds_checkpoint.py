@@ -33,6 +33,7 @@ from typing import Any
 
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
+from spillway_runtime import unpickle
 from spillway_runtime.ckpt_io import (
     CHUNK,
     READ_AHEAD,
@@ -149,9 +150,7 @@ class SpillwayCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         return state
 
     def _read(self, path: str, map_location: Any) -> Any:
-        import torch
-
-        skeleton = torch.load(path, map_location=map_location, weights_only=False)
+        skeleton = unpickle.load(path, map_location)
         refs = refs_in(skeleton)
         if not refs:
             return skeleton

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from spillway_runtime import k8s_status
+from spillway_runtime import k8s_status, unpickle
 from spillway_runtime.checkpoint import (
     STAGING,
     CheckpointError,
@@ -354,7 +354,7 @@ class Checkpointing:
                 restore_in_memory_subgroups(self.engine, str(root), DS_TAG, self.ckpt.load)
             except OptimizerStateError as err:
                 raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
-        state = self.torch.load(state_file, weights_only=False)
+        state = unpickle.load(state_file)
         steps = state.get("optimizer_steps", [])
         try:
             restore_swapped_state(self.engine, steps, self.swap_files.where if self.swap_files else None)
@@ -423,7 +423,7 @@ class Checkpointing:
             self._barrier()  # every rank has read the converted files before rank 0 removes them
             if self.rank == 0:
                 shutil.rmtree(scratch, ignore_errors=True)
-        state = self.torch.load(info.path / f"rank0-{STATE_FILE}", weights_only=False)
+        state = unpickle.load(info.path / f"rank0-{STATE_FILE}")
         replay_adam_kernel(self.engine, max((s for s in state.get("optimizer_steps", []) if s is not None),
                                             default=state["step"]))
         self.engine.micro_steps = self.engine.global_steps * self.engine.gradient_accumulation_steps()

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from spillway_runtime import unpickle
+
 ZERO3_MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # what a ZeRO-3 engine's universal load reads
 ZERO12_MODEL_STATES = "mp_rank_00_model_states.pt"  # and a ZeRO-1/2 engine's
 GLOBAL_STATE = "optimizer_state.pt"
@@ -157,13 +159,13 @@ def _complete(target: Path) -> None:
     model_states = [target / name for name in (ZERO12_MODEL_STATES, ZERO3_MODEL_STATES) if (target / name).exists()]
     if not model_states:
         raise UniversalError(f"{target}: DeepSpeed's conversion wrote no model-states file")
-    state = torch.load(model_states[0], weights_only=False)
+    state = unpickle.load(model_states[0])
     _shape_states(zero, {name: shape for group in state["param_shapes"] for name, shape in group.items()})
     _fill_module(state, zero)
     for name in (ZERO12_MODEL_STATES, ZERO3_MODEL_STATES):
         torch.save(state, target / name)
 
-    global_state = torch.load(zero / GLOBAL_STATE, weights_only=False)
+    global_state = unpickle.load(zero / GLOBAL_STATE)
     step = _step(global_state, zero)
     inner = global_state.setdefault("optimizer_state_dict", {})
     inner.setdefault("state", {}).setdefault(0, {})["step"] = step
@@ -181,7 +183,7 @@ def _shape_states(zero: Path, shapes: dict[str, Any]) -> None:
     for name, shape in shapes.items():
         for key in ("fp32", "exp_avg", "exp_avg_sq"):
             path = zero / name / f"{key}.pt"
-            loaded = torch.load(path, weights_only=False)
+            loaded = unpickle.load(path)
             if not isinstance(loaded, dict):
                 torch.save({"param": loaded.reshape(tuple(shape)), "cat_dim": 0}, path)
 
@@ -193,17 +195,16 @@ def _fill_module(state: dict[str, Any], zero: Path) -> None:
     for name, tensor in module.items():
         fp32 = zero / name / "fp32.pt"
         if isinstance(tensor, torch.Tensor) and fp32.exists():
-            whole = torch.load(fp32, weights_only=False)["param"]
+            whole = unpickle.load(fp32)["param"]
             if whole.numel() != tensor.numel():
                 module[name] = whole.to(tensor.dtype)
 
 
 def _step(global_state: dict[str, Any], zero: Path) -> Any:
-    import torch
 
     steps = sorted(zero.glob("*/step.pt"))
     if steps:
-        return torch.load(steps[0], weights_only=False)
+        return unpickle.load(steps[0])
     try:
         return global_state["optimizer_state_dict"]["state"][0]["step"]
     except (KeyError, IndexError, TypeError):
@@ -232,10 +233,9 @@ def load_swapped_zero3(zero: Any, target: Path) -> None:
     written from the masters and it is swapped out again (to this run's swap folder); a
     sub-group too small to swap is filled where it is. Then the step count and the
     hyperparameters, as DeepSpeed's ZeRO-3 universal load sets them."""
-    import torch
 
     zero_dir = target / "zero"
-    global_state = torch.load(zero_dir / GLOBAL_STATE, weights_only=False)
+    global_state = unpickle.load(zero_dir / GLOBAL_STATE)
     inner = global_state["optimizer_state_dict"]
     step = inner["state"][0]["step"]
     zero._load_global_state_stage3(global_state)
