@@ -18,7 +18,7 @@ from spillway_operator.cli import register as register_operator_commands
 from spillway_runtime.cli import make_tiny, plan, probe
 from spillway_runtime.contract import ExitCode
 
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)  # a path in an error is never cut across lines
 
 
 def api(

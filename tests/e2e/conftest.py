@@ -607,3 +607,24 @@ def set_pod_phase(cluster: Cluster) -> Callable[..., dict[str, Any]]:
 def delete_node(cluster: Cluster) -> Callable[[str], None]:
     """delete_node(name): the node disappears, as when a machine is lost."""
     return cluster.delete_node
+
+
+@pytest.fixture(scope="session")
+def kueue_manager(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A Kueue manager for the session (tests/e2e/kueue_fixtures.py), started by the first test
+    that asks for it (~25 s) and kept for the others."""
+    from tests.e2e.kueue_fixtures import running_kueue
+
+    with running_kueue(cluster, tmp_path_factory.mktemp("kueue")) as k:
+        yield k
+
+
+@pytest.fixture
+def kueue(kueue_manager: Any) -> Iterator[Any]:
+    """The session's Kueue; what a test made with it (flavours, queues, priority classes) is
+    deleted after the test, so that no later test's operator plans on its flavours (an
+    annotated flavour is a node pool). `.log` is the manager's log."""
+    try:
+        yield kueue_manager
+    finally:
+        kueue_manager.delete_made()

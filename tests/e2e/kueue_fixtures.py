@@ -1,9 +1,7 @@
 """A real Kueue for the e2e tests: its manager (`hack/cluster build` builds it from the Go
 module proxy, with the CRDs and webhook configurations of the same version) run against
-the e2e control plane, inside the cluster's network namespace. Import the fixture into a
-test module to use it:
-
-    from tests.e2e.kueue_fixtures import kueue  # noqa: F401  (the fixture)
+the e2e control plane, inside the cluster's network namespace. Tests ask for the `kueue`
+fixture (tests/e2e/conftest.py): one manager for the session.
 
 Kueue manages Workloads and its own kinds only: Spillway's FineTuneJob is declared an
 external framework (the operator makes its Workloads), batch Jobs stay Kueue's default
@@ -27,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -304,8 +301,3 @@ def running_kueue(cluster: Cluster, work: Path) -> Iterator[Kueue]:
         unregister()
 
 
-@pytest.fixture(scope="module")
-def kueue(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kueue]:
-    """A Kueue manager for the test module (see the module docstring); `.log` is its log."""
-    with running_kueue(cluster, tmp_path_factory.mktemp("kueue")) as k:
-        yield k

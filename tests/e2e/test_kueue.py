@@ -11,8 +11,8 @@ needs a real training pod: tests/e2e/test_real_pods.py.
 
 A node pool that scales from zero: a job submitted while no node fits is planned on the
 pool's declared template and waits for its node, saying so; the node added afterwards
-takes the pod; a node that comes up unlike the template (the node probe's figures), where
-the job plans otherwise, gets it planned again there. The same for a pool that is a
+takes the pod (a node that comes up unlike the template is planned on again: the
+operator's own decision, tests/unit/operator/test_node_pools.py). The same for a pool that is a
 ResourceFlavor annotated with its node shape, under Kueue: admitted on that flavour, the job waits for the flavour's node."""
 
 from __future__ import annotations
@@ -25,13 +25,12 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.kueue_fixtures import API_VERSION, GROUP, Kueue, kueue  # noqa: F401  (the fixture)
+from tests.e2e.kueue_fixtures import API_VERSION, GROUP, Kueue
 from tests.e2e.operator_fixtures import (
     POOL,
     OperatorProcess,
     active_pods,
     add_checkpoint_volume,
-    events_of,
     job_manifest,
     pods_of,
     pool_nodes,
@@ -47,7 +46,6 @@ ROOMY = {"cpu": "1000", "memory": "100Ti", "ephemeral-storage": "1000Ti"}
 POOL_TEMPLATE = "spillway.dev/e2e-node-pool"
 # The kwok profile gpu-80g as a pool that has no node yet.
 # What the provisioner brings instead: a kwok profile unlike the pool's template.
-ARRIVING_PROFILE = "gpu-24g"
 A100_POOL = {"name": "a100", "labels": {POOL_TEMPLATE: "a100"}, "gpuProduct": "NVIDIA-A100-SXM4-80GB",
              "gpuCount": 8, "gpuMemory": "80Gi", "cpu": "96", "memory": "1Ti", "maxNodes": 2,
              "nvme": {"path": "/raid", "capacity": "3600000000000", "readBytesPerSecond": 6800000000,
@@ -85,7 +83,7 @@ def wait_admitted(cluster: Any, namespace: str, name: str) -> dict[str, Any]:
 
 
 def test_the_harness_kueue_admits_a_plain_workload_and_the_next_once_the_first_finished(
-    cluster: Any, namespace: str, kueue: Kueue  # noqa: F811
+    cluster: Any, namespace: str, kueue: Kueue
 ) -> None:
     """Kueue itself, before any Spillway code is involved: a plain Workload within a
     ClusterQueue's quota is admitted on its flavour, one beyond what is left waits with
@@ -147,7 +145,7 @@ def condition(obj: dict[str, Any] | None, kind: str) -> dict[str, Any]:
 
 
 def test_the_second_job_waits_queued_until_the_first_finishes(
-    cluster: Any, namespace: str, operator: OperatorProcess, kueue: Any, make_node: Callable[..., str],  # noqa: F811
+    cluster: Any, namespace: str, operator: OperatorProcess, kueue: Any, make_node: Callable[..., str],
     set_pod_phase: Callable[..., Any],
 ) -> None:
     pool, _ = pool_nodes(cluster, make_node, "gpu-80g", "gpu-80g")
@@ -182,7 +180,7 @@ def test_the_second_job_waits_queued_until_the_first_finishes(
 
 
 def test_a_two_node_job_is_admitted_whole_or_not_at_all(
-    cluster: Any, namespace: str, operator: OperatorProcess, kueue: Any, make_node: Callable[..., str],  # noqa: F811
+    cluster: Any, namespace: str, operator: OperatorProcess, kueue: Any, make_node: Callable[..., str],
 ) -> None:
     pool, _ = pool_nodes(cluster, make_node, "gpu-80g", "gpu-80g")
     flavor = kueue.flavor(f"e2e-{pool}", node_labels={POOL: pool})
@@ -230,37 +228,8 @@ def test_a_job_waits_for_a_node_of_a_declared_pool_and_runs_on_it_when_it_comes(
     assert cluster.get("pod", "elastic-a0-0", namespace)["spec"]["nodeName"] == node
 
 
-def test_a_pool_node_that_comes_up_unlike_its_template_gets_the_job_planned_again_on_it(
-    cluster: Any, namespace: str, operator: OperatorProcess, make_node: Callable[..., str],
-) -> None:
-    add_checkpoint_volume(cluster)
-    # 3B trains GPU-resident on an 80 GB A100; on a 24 GB card its Adam state must go to the CPU.
-    job = job_manifest("surprised", model={"uri": "file:///models/llama", "parameterCount": "3B"})
-    job["spec"]["resources"]["nodeSelector"] = {POOL_TEMPLATE: "a100"}  # no node has it yet
-    cluster.apply(job, namespace)
-    waiting = wait_status(cluster, namespace, "surprised", lambda s: condition(
-        {"status": s}, "Scheduled").get("reason") == "WaitingForNode", 120, "surprised WaitingForNode")
-    declared_plan = waiting["status"]["plan"]
-    assert declared_plan["label"] == "Z2 opt:gpu par:gpu", declared_plan
-
-    # The provisioner brings another machine than the pool declares (an RTX 4090 box, as the
-    # node probe measured it): the waiting pod lands on it, and the job is planned again there.
-    node = make_node(ARRIVING_PROFILE)
-    cluster.kubectl("label", "node", node, f"{POOL_TEMPLATE}=a100")
-    replanned = wait_status(cluster, namespace, "surprised", lambda s: s.get("replans", 0) == 1
-                            and s.get("phase") == "Running", 180, "surprised re-planned and Running")
-    status = replanned["status"]
-    assert status["attempt"] == 1 and status["plan"]["nodeNames"] == [node], status
-    assert status["plan"]["label"] == "Z2 opt:cpu par:gpu", status["plan"]
-    [event] = [e for e in events_of(cluster, namespace, "surprised") if e["reason"] == "Replanned"]  # once
-    assert "node(s) of declared pool a100 came up unlike its template" in event["message"], event
-    assert f"{node} is 1xNVIDIA-GeForce-RTX-4090" in event["message"], event
-    assert active_pods(cluster, namespace, "surprised") == ["surprised-a1-0"]
-    assert cluster.get("pod", "surprised-a1-0", namespace)["spec"]["nodeName"] == node
-
-
 def test_a_flavour_annotated_with_a_node_shape_is_a_pool_its_admitted_job_waits_for(
-    cluster: Any, namespace: str, operator: OperatorProcess, kueue: Any, make_node: Callable[..., str],  # noqa: F811
+    cluster: Any, namespace: str, operator: OperatorProcess, kueue: Any, make_node: Callable[..., str],
 ) -> None:
     value = f"flavour-{secrets.token_hex(3)}"  # no node has it yet
     shape = {k: v for k, v in A100_POOL.items() if k not in ("name", "labels")}

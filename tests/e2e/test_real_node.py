@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,10 +93,21 @@ def _cgroup_dirs(path: str) -> list[str]:
     return [m + path for m in mounts if os.path.isdir(m + path)]
 
 
-def test_down_leaves_no_process_mount_namespace_or_cgroup(cluster: Cluster, tmp_path: Path) -> None:
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A directory with a short path: containerd's sockets under it must stay within the
+    104 characters of a Unix socket path (a pytest-xdist worker's tmp_path is too long)."""
+    path = Path(tempfile.mkdtemp(prefix="sw-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_down_leaves_no_process_mount_namespace_or_cgroup(cluster: Cluster, short_tmp: Path) -> None:
     """A second cluster, beside the session's, with a running container; `down`
     must remove every trace of it and leave the session's cluster alone."""
-    state = tmp_path / "second"
+    state = short_tmp / "second"
     env = dict(os.environ, SPILLWAY_CLUSTER_DIR=str(state))
     up = subprocess.run([str(HACK_CLUSTER), "up"], env=env, capture_output=True, text=True, timeout=300)
     assert up.returncode == 0, up.stderr[-3000:]

@@ -44,7 +44,6 @@ from spillway_runtime.hardware import NVME_PATH_ANNOTATION
 from spillway_runtime.modelinfo import shape_from_config
 from spillway_runtime.tiny import build_tiny_model, write_chat_dataset, write_dataset
 from tests.e2e.conftest import REPO_ROOT, Cluster
-from tests.e2e.kueue_fixtures import kueue  # noqa: F401  (the fixture)
 from tests.e2e.operator_fixtures import active_pods, running_operator, wait_status
 from tests.e2e.test_api_cluster import ApiServer
 
@@ -644,7 +643,7 @@ def test_a_two_node_job_meets_across_real_nodes_and_resumes_to_the_same_losses(
 
 def test_a_job_preempted_by_kueue_checkpoints_and_resumes_with_no_lost_step(
     real: RealNode, cluster: Cluster, kube_api: Any, namespace: str, uninterrupted: tuple[dict[str, Any], Path],
-    kueue: Any,  # noqa: F811  (the fixture)
+    kueue: Any,
 ) -> None:
     """Under a real Kueue: a ClusterQueue with room for one tiny job on the real node and
     preemption of lower priorities. A higher-priority job arrives while the first trains;

@@ -122,29 +122,24 @@ BEFORE_TRAINING: list[Case] = [
 ]
 
 IN_TRAINING: list[Case] = [
-    ("a dataset that is not UTF-8", _dataset_case(b'{"text": "ok"}\n{"text": "caf\xe9"}\n'), "bad.jsonl:2: not UTF-8"),
+    # One dataset case takes the path from the training process's data reader to exit 2 and
+    # the failed event; the reader's other refusals (not UTF-8, not JSON, no text field, an
+    # empty file, a chat role, a completion, a chat template) are tests/unit/test_data.py's
+    # and tests/unit/test_sft.py's, with the same messages.
     ("a dataset line that is not JSON", _dataset_case(b'{"text": "ok"}\n{"text": \n'), "bad.jsonl:2: not valid JSON"),
-    ("a dataset line without the text field", _dataset_case(b'{"body": "ok"}\n'), "bad.jsonl:1"),
-    ("an empty dataset", _dataset_case(b""), "no text found"),
     ("truncated weights", _model_case("model.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{}"), "model.uri"),
     ("a tokenizer directory without a tokenizer", _tokenizer_case({"README": b"nothing here"}), "tokenizer"),
     ("a tokenizer.json that is not JSON", _tokenizer_case({"tokenizer.json": b"{broken",
                                                           "tokenizer_config.json": b"{}"}), "tokenizer"),
-    ("chat data for a tokenizer without a chat template", _dataset_case(
-        b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n',
-        format="chat"), "give one in dataset.chatTemplate"),
-    ("a chat line with an unknown role", _dataset_case(
-        b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
-        b'{"messages": [{"role": "wizard", "content": "hi"}]}\n',
-        format="chat", chatTemplate="{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"),
-     "bad.jsonl:2: messages[0].role is 'wizard'"),
-    ("a completion line without its completion", _dataset_case(b'{"prompt": "2 plus 2 is"}\n', format="completion"),
-     "bad.jsonl:1: no field 'completion'"),
 ]
+# Found by the readers, tested there with these messages (tests/unit): counted in the corpus.
+IN_THE_READERS = ["a dataset that is not UTF-8", "a dataset line without the text field", "an empty dataset",
+                  "a chat line with an unknown role", "a completion line without its completion",
+                  "chat data for a tokenizer without a chat template"]
 
 
 def test_the_corpus_is_large_enough() -> None:
-    assert len(BEFORE_TRAINING) + len(IN_TRAINING) >= 30
+    assert len(BEFORE_TRAINING) + len(IN_TRAINING) + len(IN_THE_READERS) >= 30
 
 
 @pytest.fixture(autouse=True)

@@ -83,6 +83,22 @@ def test_fingerprint_follows_what_the_tokens_depend_on(model_dir: Path, tmp_path
     assert len(read_texts(source, data)) == 51
 
 
+@pytest.mark.parametrize(("content", "message"), [
+    (b'{"text": "ok"}\n{"text": \n', "bad.jsonl:2: not valid JSON"),
+    (b'{"body": "ok"}\n', "bad.jsonl:1: no field 'text'; set dataset.textField"),
+    (b'{"text": 3}\n', "bad.jsonl:1: field 'text' is int, not text"),
+    (b"", "no text found"),
+], ids=["a line that is not JSON", "a line without the text field", "a text that is a number", "an empty file"])
+def test_a_malformed_jsonl_dataset_is_refused_naming_file_and_line(tmp_path: Path, content: bytes,
+                                                                   message: str) -> None:
+    """What `spillway run` reports with exit 2 (the path from here to the exit code is
+    tests/integration/test_run_bad_input.py's)."""
+    (tmp_path / "bad.jsonl").write_bytes(content)
+    with pytest.raises(DatasetError) as err:
+        read_texts(DatasetSource(uri=str(tmp_path / "bad.jsonl")), tmp_path / "bad.jsonl")
+    assert message in str(err.value)
+
+
 @pytest.mark.parametrize("fmt", ["jsonl", "text"])
 def test_a_file_that_is_not_utf8_is_refused_with_file_line_and_byte(tmp_path: Path, fmt: str) -> None:
     name = "data.jsonl" if fmt == "jsonl" else "data.txt"

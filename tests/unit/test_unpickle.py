@@ -42,7 +42,7 @@ def test_a_checkpoint_carrying_a_pickled_call_is_refused_and_the_previous_one_is
     assert good is not None and good.name == "step-00000005"
     assert any("step-00000010 rejected" in line and "rank0-spillway_state.pt" in line and "posix.system" in line
                for line in logs), logs
-    with pytest.raises(unpickle.UnsafePickleError, match="rank0-spillway_state.pt"):
+    with pytest.raises(unpickle.UnsafePickleError, match=r"rank0-spillway_state\.pt"):
         unpickle.load(tmp_path / "checkpoints" / "step-00000010" / "rank0-spillway_state.pt")
     assert not marker.exists()
 
@@ -53,8 +53,8 @@ def test_what_the_runtime_and_deepspeed_write_loads_back(tmp_path: Path) -> None
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
     skeleton, _ = split_state({"big": torch.zeros(1 << 19), "small": torch.ones(2)})
-    state = {"rng": np.random.get_state(), "stage": ZeroStageEnum.weights, "scaler": DynamicLossScaler(2.0**16, 1000, 1.0, 2, False),
-             "skeleton": skeleton}
+    state = {"rng": np.random.get_state(), "stage": ZeroStageEnum.weights,
+             "scaler": DynamicLossScaler(2.0**16, 1000, 1.0, 2, False), "skeleton": skeleton}
     torch.save(state, tmp_path / "state.pt")
     assert unpickle.unsafe_globals(tmp_path / "state.pt") == []
     loaded = unpickle.load(tmp_path / "state.pt")

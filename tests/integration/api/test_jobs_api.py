@@ -18,6 +18,11 @@ from .conftest import job_body
 pytestmark = pytest.mark.integration
 
 
+# What never reads or writes the database beyond the app's start (auth, the planner, metrics)
+# runs once, on SQLite: PostgreSQL adds nothing there.
+SQLITE_ONLY = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+
+
 def wait_phase(client: Any, ns: str, name: str, phases: set[str], timeout: float = 60) -> dict[str, Any]:
     def reached() -> dict[str, Any] | None:
         job: dict[str, Any] = client.get(f"/v1/namespaces/{ns}/jobs/{name}").json()
@@ -107,6 +112,7 @@ def test_bad_input_is_refused_with_field_paths(client: Any) -> None:
     assert client.get("/v1/namespaces/ns/jobs").json()["count"] == 0
 
 
+@SQLITE_ONLY
 def test_auth_local_token(make_client: Any, settings: Settings) -> None:
     client = make_client(settings, authenticated=False)
     token_file = settings.resolved_token_file
@@ -132,6 +138,7 @@ def test_auth_local_token(make_client: Any, settings: Settings) -> None:
     assert token_file.read_text().strip() == token
 
 
+@SQLITE_ONLY
 def test_plan_dry_run(client: Any) -> None:
     hw = {"name": "box", "gpu_count": 1, "gpu_product": "RTX 4090", "gpu_memory_bytes": 24 << 30,
           "cpu_cores": 16, "cpu_memory_bytes": 64 << 30, "nvme_capacity_bytes": 2 * 10**12,
@@ -166,6 +173,7 @@ def test_plan_dry_run(client: Any) -> None:
     assert client.post("/v1/plan", json={"parameterCount": "lots", "hardware": hw}).status_code == 422
 
 
+@SQLITE_ONLY
 def test_plan_of_a_spec_with_the_models_config_plans_its_real_shape(client: Any) -> None:
     """spec.model.config wins over a parameter count, as in the operator: Qwen2-7B's 152k
     vocabulary, not a 32k-vocabulary Llama guess of the same size."""
@@ -188,6 +196,7 @@ def test_plan_of_a_spec_with_the_models_config_plans_its_real_shape(client: Any)
     assert bad.status_code == 422 and "spec.model.config.hidden_size" in bad.text
 
 
+@SQLITE_ONLY
 def test_plan_without_a_size_answers_the_largest_model_per_placement(client: Any) -> None:
     from spillway_runtime.hardware import NodeHardware
     from spillway_runtime.largest import largest_model
@@ -222,6 +231,7 @@ def test_plan_without_a_size_answers_the_largest_model_per_placement(client: Any
     assert all(p["whyNot"] for p in shape["placements"] if "nvme" in p["placement"])
 
 
+@SQLITE_ONLY
 def test_metrics_count_requests(client: Any) -> None:
     client.get("/v1/namespaces/ns/jobs")
     body = client.get("/metrics").text
