@@ -390,23 +390,3 @@ def test_kwok_runs_pods_and_tests_decide_how_they_end(
     # Finished pods hold no GPUs: all eight fit again.
     cluster.apply(pod_manifest("trainer-big", gpus=8, nodes=[node]), namespace)
     assert cluster.wait_for_pod_phase(namespace, "trainer-big", "Running")["spec"]["nodeName"] == node
-
-
-@pytest.mark.slow  # the pod GC waits 40 s before it trusts that a node is gone
-def test_pods_of_a_lost_node_are_garbage_collected(
-    cluster: Cluster, namespace: str, make_node: Any, delete_node: Any
-) -> None:
-    node = make_node("gpu-24g")
-    cluster.apply(pod_manifest("stranded", gpus=1, nodes=[node]), namespace)
-    cluster.wait_for_pod_phase(namespace, "stranded", "Running")
-
-    delete_node(node)
-    assert cluster.get("node", node) is None
-    # kube-controller-manager's pod GC removes pods bound to a node that
-    # has been gone for 40 s (it looks every 20 s).
-    cluster.wait_for(
-        lambda: cluster.get("pod", "stranded", namespace) is None,
-        timeout=120,
-        interval=2,
-        what="the pod GC to delete the pod of the lost node",
-    )
