@@ -14,6 +14,7 @@ What a checkpoint holds for a state dict (`save_state`): the dict itself as a sm
 from __future__ import annotations
 
 import copy
+import enum
 import hashlib
 import os
 from collections.abc import Callable, Iterator
@@ -425,6 +426,11 @@ def split_state(obj: Any, inline_bytes: int = INLINE_BYTES) -> tuple[Any, list[A
             return [walk(v) for v in value]
         if isinstance(value, tuple) and not hasattr(value, "_fields"):
             return tuple(walk(v) for v in value)
+        if isinstance(value, enum.Enum) and isinstance(value, int | str):
+            # DeepSpeed's ZeroStageEnum(int, Enum): Python 3.12 (and Debian's 3.11.2) pickle such a
+            # member as getattr(class, name), which the weights-only load refuses (unpickle.py);
+            # its plain value compares equal wherever DeepSpeed reads it back.
+            return value._value_
         return copy.deepcopy(value)
 
     return walk(obj), tensors

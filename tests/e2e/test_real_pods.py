@@ -537,7 +537,9 @@ def _assert_resumed_as_reference(cluster: Cluster, namespace: str, log: list[dic
                                  stopped: int) -> None:
     """The resumed run started from the stop checkpoint, and every later step's loss equals
     the uninterrupted reference run's, to the bit."""
-    assert [e["step"] for e in log if e["event"] == "resumed"] == [stopped]
+    # On failure, what the resumed run said instead (a checkpoint it rejected, and why).
+    said = json.dumps([e for e in log if e["event"] != "step"])[:6000]
+    assert [e["step"] for e in log if e["event"] == "resumed"] == [stopped], said
     expected = {e["step"]: e["loss"] for e in _events(cluster, namespace, reference_pod) if e["event"] == "step"}
     got = {e["step"]: e["loss"] for e in log if e["event"] == "step"}
     assert sorted(got) == list(range(stopped + 1, TWO_RANK_STEPS + 1))

@@ -67,3 +67,24 @@ def test_a_file_that_is_no_torch_checkpoint_is_refused(tmp_path: Path) -> None:
     path.write_bytes(b"not a checkpoint")
     [problem] = unpickle.unsafe_globals(path)
     assert problem.startswith("<unreadable")
+
+
+def test_an_int_enum_is_saved_as_its_value_and_loads_where_python_would_pickle_it_by_name(tmp_path: Path) -> None:
+    """Python 3.12 and Debian's 3.11.2 pickle DeepSpeed's ZeroStageEnum(int, Enum) as
+    getattr(ZeroStageEnum, 'weights'), which a weights-only load refuses: the checkpoint
+    engine's skeleton holds the plain value instead (the real-pod resumes failed on it)."""
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    skeleton, _ = split_state({"zero_stage": ZeroStageEnum.weights, "nested": [ZeroStageEnum.gradients]})
+    assert type(skeleton["zero_stage"]) is int and skeleton["zero_stage"] == ZeroStageEnum.weights == 3
+    assert type(skeleton["nested"][0]) is int
+    torch.save(skeleton, tmp_path / "optim_states.pt")
+    assert unpickle.unsafe_globals(tmp_path / "optim_states.pt") == []
+    # What those Pythons write for the member itself, which the scan refuses.
+
+    class ByName:
+        def __reduce__(self):
+            return (getattr, (ZeroStageEnum, "weights"))
+
+    torch.save({"zero_stage": ByName()}, tmp_path / "by_name.pt")
+    assert unpickle.unsafe_globals(tmp_path / "by_name.pt") == ["builtins.getattr"]
