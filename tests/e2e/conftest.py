@@ -41,10 +41,9 @@ import re
 import secrets
 import shutil
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -100,9 +99,6 @@ class Cluster:
     # cluster was not started by this session.
     state_dir: Path | None = None
     started_here: bool = False
-    # Real nodes whose image import started in the background with the session (see
-    # `preload_images`): set when it has ended, one way or the other.
-    preloads: dict[int, threading.Event] = field(default_factory=dict)
 
     # -- commands ---------------------------------------------------------
 
@@ -176,33 +172,10 @@ class Cluster:
     def real_node(self) -> str:
         return self.settings()["NODE_NAME"]
 
-    def _socket(self, node: int) -> str:
-        return self.settings()["CONTAINERD_SOCKET" if node == 1 else f"CONTAINERD{node}_SOCKET"]
-
-    def preload_images(self, name: str, nodes: tuple[int, ...]) -> None:
-        """Import image ``name`` into these real nodes in the background, one node after the
-        other, while the session's kwok tests run (the 3.3 GB training image takes ~100 s a
-        node, mostly disk). `load_images` into such a node waits until its import has ended:
-        two imports of images sharing layers into one containerd at once can collide."""
-        self.preloads = {node: threading.Event() for node in nodes}
-        sockets = {node: self._socket(node) for node in nodes}
-
-        def load_all() -> None:
-            for node in nodes:
-                try:  # a failure is not reported here: the test's own load imports and says why
-                    subprocess.run([str(HACK_IMAGES), "load", sockets[node], name], capture_output=True,
-                                   timeout=IMAGES_TIMEOUT_S, check=False)
-                finally:
-                    self.preloads[node].set()
-
-        threading.Thread(target=load_all, name="preload-images", daemon=True).start()
-
     def load_images(self, *names: str, node: int = 1) -> dict[str, str]:
         """Build (or reuse) images with hack/images and import them into the containerd of
         real node 1 (or 2); returns name -> reference (pull policy Never finds them)."""
-        if node in self.preloads:
-            self.preloads[node].wait(IMAGES_TIMEOUT_S)
-        sock = self._socket(node)
+        sock = self.settings()["CONTAINERD_SOCKET" if node == 1 else f"CONTAINERD{node}_SOCKET"]
         proc = subprocess.run(
             [str(HACK_IMAGES), "load", sock, *names], capture_output=True, text=True, timeout=IMAGES_TIMEOUT_S
         )
@@ -524,8 +497,6 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         if state_dir is not None:
             _hack_cluster("down", state_dir, timeout=60)
         pytest.fail(f"the API server at {kubeconfig} is not ready:\n{ready.stderr}", pytrace=False)
-    if state_dir is not None and any(item.get_closest_marker("realnode") for item in request.session.items):
-        c.preload_images("runtime-cpu", (1, 2))
 
     # Code under test that reads KUBECONFIG/PATH itself (the kubernetes client,
     # an operator subprocess) finds this cluster and its tools too.
