@@ -142,11 +142,23 @@ class LeaderElector:
         self._stop.set()
         if self.lost.is_set():
             return
-        try:
-            lease = self.api.read_namespaced_lease(self.config.name, self.config.namespace)
-            if lease.spec.holder_identity == self.holder:
-                lease.spec.holder_identity = ""
-                lease.spec.renew_time = None
-                self.api.replace_namespaced_lease(self.config.name, self.config.namespace, lease)
-        except Exception as err:
-            log.warning("could not release the lease: %s", err)
+        from kubernetes.client.exceptions import ApiException
+
+        # A renewal in flight when the stop came may change the lease between our read and our
+        # write (409): read it again and retry, or the follower waits out the whole lease.
+        for attempt in range(5):
+            try:
+                lease = self.api.read_namespaced_lease(self.config.name, self.config.namespace)
+                if lease.spec.holder_identity == self.holder:
+                    lease.spec.holder_identity = ""
+                    lease.spec.renew_time = None
+                    self.api.replace_namespaced_lease(self.config.name, self.config.namespace, lease)
+                return
+            except ApiException as err:
+                if err.status == 409 and attempt < 4:
+                    continue
+                log.warning("could not release the lease: %s", err)
+                return
+            except Exception as err:
+                log.warning("could not release the lease: %s", err)
+                return
