@@ -157,8 +157,8 @@ class LeaderElector:
             except ApiException as err:
                 if err.status == 409 and attempt < 4:
                     continue
-                log.warning("could not release the lease: %s", err)
-                return
+                problem: Exception = err
             except Exception as err:
-                log.warning("could not release the lease: %s", err)
-                return
+                problem = err
+            log.warning("could not release the lease: %s", problem)
+            return

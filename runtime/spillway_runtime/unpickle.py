@@ -65,14 +65,6 @@ def unsafe_globals(path: Path) -> list[str]:
     return sorted(set(named) - set(ALLOWED_GLOBALS))
 
 
-def check_pickle(path: Path) -> None:
-    """Raise UnsafePickleError naming the file and the globals it should not hold."""
-    bad = unsafe_globals(path)
-    if bad:
-        raise UnsafePickleError(f"{path.name} holds Python objects a checkpoint never holds ({', '.join(bad)}): "
-                                "refused unread, as data that could run code")
-
-
 def load(path: str | Path, map_location: Any = None) -> Any:
     """`torch.load` of a checkpoint file with the weights_only unpickler and ALLOWED_GLOBALS."""
     import pickle
