@@ -72,6 +72,11 @@ CORPUS: list[tuple[str, dict[str, Any], str]] = [
      "exactly one of validation.uri"),
     ("a gs validation file", with_("dataset.validation", {"uri": "gs://b/v.jsonl"}),
      "spec.dataset.validation.uri: unsupported URI scheme 'gs'"),
+    # A hostile tenant's: a node directory mounted read-write (static pods, other pods' Secrets)
+    ("NVMe on the node's static-pod folder", with_("offload.nvme.hostPath", "/etc/kubernetes/manifests"),
+     "spec.offload.nvme.hostPath: a job may not choose a node directory"),
+    ("NVMe on the kubelet's pods", with_("offload.nvme", {"hostPath": "/var/lib/kubelet/pods", "size": "1Gi"}),
+     "spec.offload.nvme.hostPath: a job may not choose a node directory"),
     ("keepBest without held-out data", with_("checkpoint.keepBest", True), "checkpoint.keepBest needs dataset.validation"),
 ]
 

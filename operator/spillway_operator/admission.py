@@ -23,6 +23,14 @@ from spillway_runtime.spec import FineTuneJobSpec, SpecError, parse_job
 _CLAIM = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 
 
+HOST_PATH_REFUSED = (
+    "spec.offload.nvme.hostPath: a job may not choose a node directory (the pod would mount it read-write on "
+    "the node); leave it out: the job gets a directory of its own under the node's NVMe root, which the "
+    "cluster admin declares (the chart's nodeProbe.nvmeHostPath, a node pool's nvme.path or "
+    "operator.nvme.hostRoot), or set spec.offload.nvme.storageClassName to a local-volume StorageClass"
+)
+
+
 def problems(job: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
     """Every reason to refuse ``job`` (``old``: the stored job, on an update); [] admits it."""
     try:
@@ -40,6 +48,8 @@ def new_job_problems(spec: FineTuneJobSpec) -> list[str]:
 def spec_problems(spec: FineTuneJobSpec) -> list[str]:
     """The checks past the spec model's own: URIs and the DeepSpeed overrides."""
     found = [line for field, uri in _uris(spec) for line in _uri_problems(field, uri)]
+    if spec.offload.nvme.host_path:
+        found.append(HOST_PATH_REFUSED)
     try:
         check_overrides(spec, _world_size(spec))
     except DeepSpeedConfigError as err:

@@ -391,11 +391,12 @@ def build_pod(
     ]
     init_containers: list[dict[str, Any]] = []
     if plan.uses_nvme:
-        mounts.append({"name": "nvme", "mountPath": NVME_DIR})
         nvme = _nvme_volume(spec, plan, hw, settings)
         volumes.append(nvme)
-        if "hostPath" in nvme:
-            init_containers.append(_nvme_owner(settings))
+        mount = {"name": "nvme", "mountPath": NVME_DIR}
+        if "hostPath" in nvme:  # this job's own directory under the node's NVMe root, nothing else of it
+            mount["subPath"] = nvme_sub_path(job["metadata"]["namespace"], name)
+        mounts.append(mount)
     for claim in input_claims(spec):
         volume = f"input-{claim}"[:63]
         mounts.append({"name": volume, "mountPath": str(PVC_MOUNT_ROOT / claim), "readOnly": True})
@@ -529,31 +530,24 @@ def s3_cache_volume(settings: OperatorSettings) -> dict[str, Any]:
     return {"name": S3_CACHE_VOLUME, "hostPath": {"path": settings.s3_cache_host_path, "type": "DirectoryOrCreate"}}
 
 
-def _nvme_owner(settings: OperatorSettings) -> dict[str, Any]:
-    """Hands the hostPath NVMe directory to the training uid. The kubelet creates a
-    missing hostPath directory root-owned 0755 and fsGroup does not apply to hostPath,
-    so without this the runtime could not write a single swap file. Root, but with no
-    capability beyond CHOWN, no privilege escalation and a read-only root filesystem."""
-    uid = settings.run_as_user
-    return {
-        "name": "nvme-owner",
-        "image": settings.runtime_image,
-        "command": ["chown", f"{uid}:{uid}", NVME_DIR],
-        "volumeMounts": [{"name": "nvme", "mountPath": NVME_DIR}],
-        "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "32Mi"}},
-        "securityContext": {
-            "runAsUser": 0,
-            "runAsNonRoot": False,
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
-        },
-    }
+def nvme_storage_class(spec: FineTuneJobSpec, settings: OperatorSettings) -> str | None:
+    """The StorageClass of the job's NVMe volume: the job's choice, else the cluster admin's
+    default (chart: operator.nvme.storageClassName); None: the node's NVMe root (hostPath)."""
+    return spec.offload.nvme.storage_class_name or settings.nvme_storage_class or None
+
+
+def nvme_sub_path(namespace: str, name: str) -> str:
+    """A job's directory under a node's NVMe root. The kubelet makes it (and `jobs/NAMESPACE`)
+    with the root's mode, 1777 as the node probe leaves it (0777 then: the sticky bit is not
+    copied), so the training uid can write it with no root init container; the pod sees
+    this directory only, never another job's swap files. Both parts are DNS labels: no
+    '..', no '/'."""
+    return f"jobs/{namespace}/{name}"
 
 
 def _nvme_volume(spec: FineTuneJobSpec, plan: OffloadPlan, hw: NodeHardware, settings: OperatorSettings) -> dict[str, Any]:
-    nvme = spec.offload.nvme
-    if nvme.storage_class_name:
+    storage_class = nvme_storage_class(spec, settings)
+    if storage_class:
         return {
             "name": "nvme",
             "ephemeral": {
@@ -561,14 +555,18 @@ def _nvme_volume(spec: FineTuneJobSpec, plan: OffloadPlan, hw: NodeHardware, set
                     "metadata": {"labels": {LABEL_COMPONENT: "nvme-swap"}},
                     "spec": {
                         "accessModes": ["ReadWriteOnce"],
-                        "storageClassName": nvme.storage_class_name,
+                        "storageClassName": storage_class,
                         "resources": {"requests": {"storage": _quantity(nvme_volume_bytes(spec, plan, settings))}},
                     },
                 }
             },
         }
-    host_path = nvme.host_path or f"{(hw.nvme_path or '/mnt/nvme').rstrip('/')}/spillway"
-    return {"name": "nvme", "hostPath": {"path": host_path, "type": "DirectoryOrCreate"}}
+    # The root is what the cluster admin declared, never the job: the node probe's measured
+    # directory (its spillway.dev/nvme-path annotation), a node pool's nvme.path, or the
+    # operator's default. A root the kubelet has to make is root's 0755: the runtime then
+    # fails before training, naming the mode the root needs (spillway_runtime.__main__).
+    root = (hw.nvme_path or settings.nvme_host_root).rstrip("/") or "/"
+    return {"name": "nvme", "hostPath": {"path": root, "type": "DirectoryOrCreate"}}
 
 
 # ------------------------------------------------------------ pod outcomes --

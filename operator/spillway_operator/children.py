@@ -78,8 +78,10 @@ def missing_inputs(
         if not cluster.pvc_exists(namespace, claim):
             missing.append(f"PersistentVolumeClaim {claim!r} (from a pvc:// URI) does not exist in {namespace}")
     classes = []
-    if plan.uses_nvme and spec.offload.nvme.storage_class_name:
-        classes.append(("offload.nvme.storageClassName", spec.offload.nvme.storage_class_name))
+    if plan.uses_nvme and (nvme_class := b.nvme_storage_class(spec, settings)):
+        where = "offload.nvme.storageClassName" if spec.offload.nvme.storage_class_name else \
+            "the operator's nvme.storageClassName"
+        classes.append((where, nvme_class))
     if spec.checkpoint.storage_class_name:
         classes.append(("checkpoint.storageClassName", spec.checkpoint.storage_class_name))
     for field_name, cls in classes:

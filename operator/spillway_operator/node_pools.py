@@ -38,7 +38,8 @@ class _Model(BaseModel):
 
 
 class PoolNvme(_Model):
-    path: str = Field(description="Where the node's NVMe is mounted (the pods' hostPath for swap files)")
+    path: str = Field(description="The directory on the node's NVMe under which each job gets its own for swap files "
+                      "(a hostPath subPath; mode 1777, see the README's security model)")
     capacity: str = Field(description="Its size, a Kubernetes quantity (e.g. 1800G)")
     read_bytes_per_second: int | None = None
     write_bytes_per_second: int | None = None

@@ -83,15 +83,22 @@ def report_forbidden(namespace: str, name: str, err: Exception, cluster: Cluster
         detail = json.loads(body).get("message", "") if body else ""
     except ValueError:
         detail = str(body)
-    message = f"the operator is not allowed to act for this job: {detail or err} (check its RBAC)"
+    reason, message = "Forbidden", f"the operator is not allowed to act for this job: {detail or err} (check its RBAC)"
+    if "violates PodSecurity" in detail:
+        # Not RBAC: the namespace's Pod Security level refuses the pod the job needs
+        reason, message = "PodSecurity", (
+            f"the namespace's Pod Security level refuses this job's pod: {detail}. A job whose NVMe tier is a "
+            "directory under the node's NVMe root mounts a hostPath, which only 'privileged' allows: set "
+            "spec.offload.nvme.storageClassName (or the chart's operator.nvme.storageClassName) to a "
+            "local-volume StorageClass, which 'restricted' allows")
     job = cluster.job(namespace, name, fresh=True)
     if job is None:
         return message
     change = StatusChange(job, datetime.now(UTC), cluster)
     old = b.condition(change.conditions, "Authorized") or {}
-    change.cond("Authorized", False, "Forbidden", message)
+    change.cond("Authorized", False, reason, message)
     if old.get("message") != message:
-        change.event("Warning", "Forbidden", message)
+        change.event("Warning", reason, message)
     change.commit()
     return message
 

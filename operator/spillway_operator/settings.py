@@ -126,6 +126,21 @@ class OperatorSettings(BaseSettings):
         0.10,
         description="Extra NVMe requested above the plan's swap bytes, for DeepSpeed's alignment padding",
     )
+    nvme_storage_class: str | None = Field(
+        None,
+        description="StorageClass of the NVMe volume (a generic ephemeral volume, one per pod) of a job "
+        "that names none: a local-volume provisioner's class, with fsGroup ownership and no hostPath, so job "
+        "namespaces can enforce Pod Security 'restricted'. None: each job gets its own directory under the "
+        "node's NVMe root (nvme_host_root)",
+    )
+    nvme_host_root: str = Field(
+        "/mnt/nvme/spillway",
+        max_length=4096,
+        description="The node directory under which each job gets its own NVMe directory "
+        "(jobs/NAMESPACE/NAME, a hostPath subPath) when no StorageClass is used and the node advertises no "
+        "path of its own (the node probe's spillway.dev/nvme-path, a node pool's nvme.path). It must be "
+        "mode 1777 (the node probe makes it so); jobs never choose it",
+    )
     checkpoint_storage_class: str | None = Field(
         None, description="StorageClass of checkpoint PVCs when the job names none (None: cluster default)"
     )

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     from spillway_runtime.k8s_status import in_pod
     from spillway_runtime.recipe import FineTuneRecipe
     from spillway_runtime.recipe_checkpoints import RunFailed
-    from spillway_runtime.runconfig import RuntimeConfig, check_cached_inputs
+    from spillway_runtime.runconfig import RuntimeConfig, check_cached_inputs, nvme_problem
 
     parser = argparse.ArgumentParser(prog="python -m spillway_runtime")
     parser.add_argument("--config", required=True, type=Path, help="RuntimeConfig JSON written by the launcher")
@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
             check_cached_inputs(config)
         except ValueError as err:
             print(f"spillway: {err}", file=sys.stderr)
+            return ExitCode.BAD_INPUT
+        if problem := nvme_problem(config):
+            print(f"spillway: {problem}", file=sys.stderr)
             return ExitCode.BAD_INPUT
     recipe = FineTuneRecipe(config)  # installs its own stop handler
     recipe.stop_requested = recipe.stop_requested or bool(early)

@@ -7,6 +7,7 @@ reads it. Torch-free.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pydantic import BaseModel, Field
@@ -72,6 +73,23 @@ def check_cached_inputs(config: RuntimeConfig, root: Path = S3_CACHE_MOUNT) -> N
             cached(uri, root)
         except ObjectStoreError as err:
             raise ValueError(f"{field}: {err}") from None
+
+
+def nvme_problem(config: RuntimeConfig) -> str | None:
+    """In a pod: why the NVMe directory cannot take swap files, naming what the cluster admin
+    changes, or None. (The operator mounts a job's own directory under the node's NVMe root;
+    the kubelet makes it with the root's mode, so a root that is not 1777 gives the training
+    uid a directory it cannot write: found here, not by DeepSpeed at its first swap.)"""
+    from spillway_runtime.checkpoint import write_problem
+
+    if not config.nvme_dir:
+        return None
+    problem = write_problem(Path(config.nvme_dir))
+    if problem is None:
+        return None
+    return (f"spec.offload.nvme: the job's NVMe directory is not writable by uid {os.getuid()} ({problem}): "
+            "the cluster admin makes the node's NVMe root mode 1777 (the chart's node probe does so for "
+            "nodeProbe.nvmeHostPath) or sets operator.nvme.storageClassName to a local-volume StorageClass")
 
 
 def resolve_uri(uri: str, base_dir: Path, s3_cache: Path | None = None) -> Path:

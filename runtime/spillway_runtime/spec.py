@@ -271,8 +271,12 @@ class Export(SpecModel):
 class NvmeVolume(SpecModel):
     path: str | None = Field(None, max_length=MAX_URI,
                              description="Local mode: directory on a local NVMe drive for swap files")
-    host_path: str | None = Field(None, max_length=MAX_URI,
-                                  description="Cluster mode: node directory mounted as a hostPath volume")
+    host_path: str | None = Field(
+        None, max_length=MAX_URI,
+        description="Refused: a job never chooses a node directory (it would be mounted read-write on the node). "
+        "In a cluster each job gets its own directory under the NVMe root the cluster admin declared, or a "
+        "volume of storageClassName",
+    )
     storage_class_name: str | None = Field(
         None, max_length=MAX_DNS_NAME,
         description="Cluster mode: StorageClass of a generic ephemeral volume (local, WaitForFirstConsumer)",

@@ -35,8 +35,11 @@ CERT_CHECK_SECONDS = 2
 WEBHOOK = "finetunejobs.validation.spillway.dev"
 
 
-def _apply(cluster: Cluster, namespace: str, job: dict[str, Any]) -> subprocess.CompletedProcess[str]:
-    return cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(job), check=False)
+TENANT = "tenant@example.org"  # a namespace editor: the built-in `edit` role, nothing more
+
+
+def _apply(cluster: Cluster, namespace: str, job: dict[str, Any], *as_: str) -> subprocess.CompletedProcess[str]:
+    return cluster.kubectl("apply", "-n", namespace, "-f", "-", *as_, input=json.dumps(job), check=False)
 
 
 def _pods_told(cluster: Cluster, namespace: str) -> str:
@@ -48,12 +51,17 @@ def _pods_told(cluster: Cluster, namespace: str) -> str:
 
 
 def _the_webhook_refuses_the_corpus_and_renews_its_certificate(cluster: Cluster, namespace: str, release: str) -> None:
-    """`kubectl apply` of each malformed job is refused, by the CRD's schema or by the
+    """`kubectl apply` of each malformed job, by a namespace editor (a real `edit` RoleBinding,
+    into which the chart folds FineTuneJobs), is refused, by the CRD's schema or by the
     operator's webhook, with the field named; the webhook's certificate, found past two
     thirds of its life, is renewed by the operator and the webhook goes on answering."""
+    cluster.kubectl("create", "rolebinding", "tenant-edit", "--clusterrole=edit", f"--user={TENANT}", "-n", namespace)
+    tenant = f"--as={TENANT}"
+    assert cluster.kubectl("auth", "can-i", "create", "finetunejobs.spillway.dev", "-n", namespace, tenant,
+                           check=False).stdout.strip() == "yes"
     by_webhook = []
     for i, (what, job, expected) in enumerate(CORPUS):
-        proc = _apply(cluster, namespace, {**copy.deepcopy(job), "metadata": {"name": f"bad-{i}"}})
+        proc = _apply(cluster, namespace, {**copy.deepcopy(job), "metadata": {"name": f"bad-{i}"}}, tenant)
         assert proc.returncode != 0, f"{what}: admitted"
         field = re.split(r"[: ]", expected, maxsplit=1)[0]
         assert field in proc.stderr, (what, proc.stderr)
@@ -61,8 +69,8 @@ def _the_webhook_refuses_the_corpus_and_renews_its_certificate(cluster: Cluster,
             by_webhook.append(what)
             assert expected in proc.stderr, (what, proc.stderr)
     # The CRD's schema catches what it can; the rest only the webhook could.
-    assert {"gs model uri", "ZeRO stage as a word", "resumeFrom on a new job", "batch contradicts training"} <= set(
-        by_webhook), by_webhook
+    assert {"gs model uri", "ZeRO stage as a word", "resumeFrom on a new job", "batch contradicts training",
+            "NVMe on the node's static-pod folder", "NVMe on the kubelet's pods"} <= set(by_webhook), by_webhook
     assert cluster.kubectl_json("get", "ftj", "-n", namespace)["items"] == []
 
     configuration = f"{release}-spillway-{namespace}-finetunejobs"

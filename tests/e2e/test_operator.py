@@ -179,6 +179,51 @@ def test_no_malformed_job_of_the_corpus_sits_in_planned(cluster: Any, namespace:
         assert pods_of(cluster, namespace, name) == []
 
 
+def test_a_restricted_namespace_runs_nvme_on_a_storage_class_volume_and_names_why_not_on_the_nodes_root(
+    cluster: Any, namespace: str, operator: Any, make_node: Callable[..., str]
+) -> None:
+    """Pod Security `restricted` enforced by the API server on the job's namespace. A job
+    whose NVMe tier is its directory under the node's NVMe root (a hostPath) gets no pod: its
+    condition says the namespace refuses it and names storageClassName. The same job with a
+    StorageClass volume (a generic ephemeral claim, fsGroup, nothing of the node) runs."""
+    cluster.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
+    node = make_node("gpu-48g-nvme")
+    nvme = {"policy": "nvme", "optimizer": "nvme"}
+    add_checkpoint_volume(cluster)
+    cluster.apply(job_manifest("on-root", node=node, offload=nvme), namespace)
+
+    def refused(status: dict[str, Any]) -> bool:
+        return any(c["type"] == "Authorized" and c["reason"] == "PodSecurity" for c in status.get("conditions", []))
+
+    job = wait_status(cluster, namespace, "on-root", refused, 60, "the pod refused by Pod Security")
+    message = next(c["message"] for c in job["status"]["conditions"] if c["type"] == "Authorized")
+    assert 'violates PodSecurity "restricted' in message and "spec.offload.nvme.storageClassName" in message, message
+    assert job["status"]["plan"]["optimizer"] == "nvme" and pods_of(cluster, namespace, "on-root") == []
+
+    local_class = f"e2e-local-nvme-{namespace}"[:63]
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": local_class},
+        "provisioner": "kubernetes.io/no-provisioner", "volumeBindingMode": "Immediate"}))
+    volume = f"{local_class}-pv"[:63]
+    cluster.kubectl("create", "-f", "-", input=json.dumps({  # what a local-volume provisioner would make
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
+        "spec": {"capacity": {"storage": "1Pi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": local_class,
+                 "persistentVolumeReclaimPolicy": "Delete", "hostPath": {"path": f"/tmp/{volume}"}}}))
+    try:
+        add_checkpoint_volume(cluster)
+        cluster.apply(job_manifest("on-class", node=node, offload={**nvme, "nvme": {"storageClassName": local_class}}),
+                      namespace)
+        wait_status(cluster, namespace, "on-class", lambda s: s.get("phase") == "Running", 60, "Running under restricted")
+        [pod] = pods_of(cluster, namespace, "on-class")
+        [claim] = [v for v in pod["spec"]["volumes"] if v["name"] == "nvme"]
+        assert claim["ephemeral"]["volumeClaimTemplate"]["spec"]["storageClassName"] == local_class
+        assert not [v for v in pod["spec"]["volumes"] if "hostPath" in v] and "initContainers" not in pod["spec"]
+    finally:
+        cluster.kubectl("delete", "ftj", "--all", "-n", namespace, "--wait=true", timeout=60, check=False)
+        cluster.kubectl("delete", "pv", volume, "--wait=false", check=False)
+        cluster.kubectl("delete", "storageclass", local_class, check=False)
+
+
 def test_suspend_resume_and_rollback(cluster: Any, namespace: str, operator: Any, make_node: Callable[..., str]) -> None:
     node = make_node("gpu-48g-nvme")
     add_checkpoint_volume(cluster)

@@ -1,10 +1,10 @@
 """Training in real containers: the CPU flavour of the training image on the test
 cluster's real node, driven by the real operator, as a user drives it with kubectl.
 
-- A tiny job with its Adam state on the node's NVMe (a hostPath the init container hands
-  to the training uid) trains to Succeeded. status.progress and status.checkpoints are
-  written by the pod under its own ServiceAccount; the exported model loads with
-  transformers.
+- A tiny job with its Adam state on the node's NVMe (its own directory under the node's
+  NVMe root, made by the kubelet as a subPath: no root init container) trains to
+  Succeeded. status.progress and status.checkpoints are written by the pod under its own
+  ServiceAccount; the exported model loads with transformers.
 - The same job suspended (SIGTERM: the step finishes, a checkpoint, exit 75, phase
   Suspended), resumed (earlier checkpoints still listed in status), rolled back through
   the REST API (the old pod exits before the new one is created, and spares the named
@@ -99,7 +99,8 @@ class RealNode:
             processes: int = 1, nodes: int = 1, spec_update: dict[str, Any] | None = None,
             labels: dict[str, str] | None = None, top: dict[str, Any] | None = None) -> Path:
         """`kubectl apply -f examples/tiny-cluster.yaml` under another name, with this
-        module's storage class and an NVMe directory of its own; returns its checkpoint
+        module's storage class (its NVMe directory, jobs/NAMESPACE/NAME under the node's NVMe
+        root, is the operator's choice, not the job's); returns its checkpoint
         directory on this machine. With ``nodes`` 2 it spans both real nodes. ``labels``
         go on the job, ``top`` are top-level spec fields (spec.queueName)."""
         checkpoints = self.host_dir(f"{namespace}-{name}-checkpoints")
@@ -109,7 +110,6 @@ class RealNode:
         job["metadata"]["name"] = name
         spec = job["spec"]
         spec["checkpoint"]["storageClassName"] = self.storage_class
-        spec["offload"]["nvme"] = {"hostPath": str(self.root / "nvme" / f"{namespace}-{name}")}
         if dataset:
             spec["dataset"]["uri"] = f"pvc://tiny-inputs/data/{dataset}"
         if max_steps:
@@ -145,7 +145,8 @@ def real(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     (data.parent / "bad.jsonl").write_text("".join(lines[: BAD_LINE - 1]) + '{"text": "cut off\n' + "".join(lines[BAD_LINE:]))
     for path in [root, *root.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
-    (root / "nvme").mkdir(mode=0o755)
+    (root / "nvme").mkdir()
+    (root / "nvme").chmod(0o1777)  # as the chart's node probe leaves its directory
     # What the node probe (its own test) would have written: the NVMe the plan may spill to.
     usage = shutil.disk_usage(root)
     annotations = {NVME_PATH_ANNOTATION: str(root / "nvme"), "spillway.dev/nvme-capacity-bytes": str(usage.total),
@@ -204,6 +205,12 @@ def test_a_tiny_job_trains_in_a_pod_with_adam_state_on_the_nodes_nvme(
     # Written by the pod, under the job's own ServiceAccount (the operator writes neither).
     assert status["progress"]["step"] == MAX_STEPS and status["progress"]["loss"] > 0
     assert status["progress"]["bytes"].get("nvme", 0) > 0, status["progress"]  # the Adam state went to NVMe
+    # ... into the job's own directory under the node's root, the only part of it the pod saw
+    namespace = job["metadata"]["namespace"]
+    assert [p.name for p in (real.root / "nvme" / "jobs" / namespace).iterdir()] == ["tiny"]
+    own = real.root / "nvme" / "jobs" / namespace / "tiny"
+    assert own.stat().st_mode & 0o777 == 0o777 and own.stat().st_uid == 0, oct(own.stat().st_mode)
+    assert sum(p.stat().st_size for p in own.rglob("*") if p.is_file()) > 0, sorted(own.rglob("*"))
     # Planned from the model's own config.json, read from the claim by a short pod that is gone.
     assert status["modelConfig"]["source"] == "pvc://tiny-inputs/model"
     assert status["modelConfig"]["config"]["model_type"] == "llama", status["modelConfig"]

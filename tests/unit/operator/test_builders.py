@@ -14,7 +14,7 @@ import yaml
 from spillway_operator import builders as b
 from spillway_operator.placement import choose_placement, plan_status
 from spillway_operator.settings import OperatorSettings
-from spillway_runtime.hardware import AioSettings
+from spillway_runtime.hardware import NVME_PATH_ANNOTATION, AioSettings, hardware_from_node
 from spillway_runtime.plan_summary import PlanSummary
 from spillway_runtime.spec import FineTuneJobSpec, parse_job
 
@@ -146,23 +146,43 @@ def test_pod_has_gpu_limits_memory_affinity_and_volumes() -> None:
     assert b.build_pod(JOB, s, choice, attempt=2, rank=0, settings=SETTINGS) == pod
 
 
-def test_a_hostpath_nvme_directory_is_handed_to_the_training_uid() -> None:
+def test_each_job_mounts_only_its_own_directory_under_the_nodes_nvme_root_with_no_root_step() -> None:
     s = spec(resources={"gpusPerNode": 1}, offload={"policy": "nvme", "optimizer": "nvme"})
-    choice = choose_placement(s, [node("gpu-48g-nvme", "n1")], {}, SETTINGS).chosen
+    hardware = node("gpu-48g-nvme", "n1")
+    choice = choose_placement(s, [hardware], {}, SETTINGS).chosen
     assert choice is not None and choice.plan is not None and choice.plan.bytes.nvme > 0
     pod = b.build_pod(JOB, s, choice, attempt=0, rank=0, settings=SETTINGS)
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
-    assert "hostPath" in volumes["nvme"]
-    (init,) = pod["spec"]["initContainers"]
-    assert init["command"] == ["chown", f"{SETTINGS.run_as_user}:{SETTINGS.run_as_user}", b.NVME_DIR]
-    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
-    assert init["securityContext"]["allowPrivilegeEscalation"] is False
-    # A generic ephemeral volume gets fsGroup from the kubelet: no root step.
-    s = spec(resources={"gpusPerNode": 1}, offload={"policy": "nvme", "optimizer": "nvme",
-                                                    "nvme": {"storageClassName": "local-nvme"}})
-    choice = choose_placement(s, [node("gpu-48g-nvme", "n1")], {}, SETTINGS).chosen
+    root = hardware_from_node(hardware).nvme_path
+    assert root and volumes["nvme"]["hostPath"] == {"path": root, "type": "DirectoryOrCreate"}
+    (mount,) = [m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "nvme"]
+    meta = JOB["metadata"]
+    assert mount == {"name": "nvme", "mountPath": b.NVME_DIR, "subPath": f"jobs/{meta['namespace']}/{meta['name']}"}
+    assert "initContainers" not in pod["spec"]  # the kubelet makes the subPath with the root's mode
+    # Without a path of the node's own, the admin's default root, never one the job names.
+    bare = node("gpu-48g-nvme", "n2")
+    bare["metadata"]["annotations"].pop(NVME_PATH_ANNOTATION)
+    choice = choose_placement(s, [bare], {}, SETTINGS).chosen
+    assert choice is not None and choice.plan is not None and choice.plan.uses_nvme
+    pod = b.build_pod(JOB, s, choice, attempt=0, rank=0, settings=SETTINGS)
+    assert {v["name"]: v for v in pod["spec"]["volumes"]}["nvme"]["hostPath"]["path"] == SETTINGS.nvme_host_root
+
+
+@pytest.mark.parametrize("where", ["job", "operator"])
+def test_a_storage_class_nvme_volume_is_an_ephemeral_claim_with_no_host_path(where: str) -> None:
+    """The job's class, or the admin's default (chart: operator.nvme.storageClassName): a
+    generic ephemeral volume that fsGroup hands to the training uid, nothing of the node."""
+    nvme = {"storageClassName": "local-nvme"} if where == "job" else {}
+    settings = SETTINGS if where == "job" else SETTINGS.model_copy(update={"nvme_storage_class": "local-nvme"})
+    s = spec(resources={"gpusPerNode": 1}, offload={"policy": "nvme", "optimizer": "nvme", "nvme": nvme})
+    choice = choose_placement(s, [node("gpu-48g-nvme", "n1")], {}, settings).chosen
     assert choice is not None
-    assert "initContainers" not in b.build_pod(JOB, s, choice, attempt=0, rank=0, settings=SETTINGS)["spec"]
+    pod = b.build_pod(JOB, s, choice, attempt=0, rank=0, settings=settings)
+    assert "initContainers" not in pod["spec"]
+    assert not [v for v in pod["spec"]["volumes"] if "hostPath" in v]
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "nvme"]
+    assert volume["ephemeral"]["volumeClaimTemplate"]["spec"]["storageClassName"] == "local-nvme"
+    assert pod["spec"]["securityContext"]["fsGroup"] == settings.run_as_user
 
 
 def test_nvme_asked_for_gets_a_volume_even_when_everything_stays_in_ram() -> None:
