@@ -25,6 +25,8 @@ RESOURCE = "finetunejobs"
 # Decisions are cached briefly so a busy client does not cost two API-server calls per request;
 # 10 s bounds how long a revoked RoleBinding keeps working.
 CACHE_SECONDS = 10.0
+# The Host header a `--no-auth` API answers (its port aside): the names of 127.0.0.1 only.
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
 
 def unauthorized(detail: str) -> ApiError:
@@ -99,9 +101,10 @@ class KubernetesAuth:
 
     MAX_CACHED = 4096
 
-    def __init__(self, api_client: Any):
+    def __init__(self, api_client: Any, audience: str = "spillway"):
         from kubernetes import client
 
+        self.audience = audience
         self.auth = client.AuthenticationV1Api(api_client)
         self.authz = client.AuthorizationV1Api(api_client)
         self._users: dict[str, tuple[float, Caller, dict[str, Any]]] = {}
@@ -129,12 +132,17 @@ class KubernetesAuth:
             return cached[1]
         try:
             review = self.auth.create_token_review(
-                client.V1TokenReview(spec=client.V1TokenReviewSpec(token=token)))
+                client.V1TokenReview(spec=client.V1TokenReviewSpec(token=token, audiences=[self.audience])))
         except Exception as err:  # ApiException, or the connection itself
             raise _cluster_unavailable("review the token", err) from None
         status = review.status
-        if not status or not status.authenticated or not status.user:
-            raise unauthorized("the Kubernetes API server did not accept this token")
+        # The API server answers with the audiences the token is valid for among those asked;
+        # a token for any other audience (the API server's own) is not authenticated.
+        if (not status or not status.authenticated or not status.user
+                or self.audience not in (status.audiences or [])):
+            raise unauthorized(f"the Kubernetes API server did not accept this token for audience "
+                               f"{self.audience!r}: make one with `kubectl create token NAME --audience "
+                               f"{self.audience}`")
         user = status.user
         caller = Caller(user.username or "", tuple(user.groups or ()))
         extra = {k: list(v) for k, v in (user.extra or {}).items()}

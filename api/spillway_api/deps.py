@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Annotated, Any
 
-from fastapi import Depends, Request
+from fastapi import Depends, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
@@ -82,14 +82,28 @@ CanPatch = Annotated[Caller, Depends(allowed("patch"))]
 CanDelete = Annotated[Caller, Depends(allowed("delete"))]
 
 
-def authenticated(request: Request,
-                  credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Caller:
+def may_plan(request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+             namespace: Annotated[str | None, Query(
+                 min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+                 description="Plan as for a job in this namespace: the caller must be allowed to create "
+                 "FineTuneJobs there (cluster mode). Omitted: allowed to create them in every namespace")] = None,
+             ) -> Caller:
+    """A plan reads the cluster's nodes, shapes and prices and runs the planner: in cluster
+    mode, for whoever may create a job where it would run (SubjectAccessReview), not for any
+    holder of a token."""
     auth: Authenticator = request.app.state.auth
-    caller: Caller = auth.authenticate(_token(credentials))
+    token = _token(credentials)
+    caller = auth.authenticate(token)
+    try:
+        auth.authorize(caller, token, "create", namespace)
+    except ApiError as err:
+        if err.status == 403 and namespace is None:
+            err.detail += "; to plan for a namespace where you may, add ?namespace=NAMESPACE"
+        raise
     return caller
 
 
-CurrentUser = Annotated[Caller, Depends(authenticated)]
+MayPlan = Annotated[Caller, Depends(may_plan)]
 
 
 def reject_unknown_query(request: Request) -> None:

@@ -11,9 +11,10 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from spillway_api import errors
-from spillway_api.auth import KubernetesAuth, NoAuth, TokenAuth, ensure_token_file
+from spillway_api.auth import LOOPBACK_HOSTS, KubernetesAuth, NoAuth, TokenAuth, ensure_token_file
 from spillway_api.db import make_engine, make_sessionmaker, migrate
 from spillway_api.deps import reject_unknown_query
 from spillway_api.launchers.local import LocalLauncher
@@ -61,7 +62,7 @@ def create_app(settings: Settings | None = None, *, kube_api_client: Any = None)
     if settings.auth == "none":
         app.state.auth = NoAuth()
     elif settings.auth == "kubernetes":
-        app.state.auth = KubernetesAuth(app.state.kube)
+        app.state.auth = KubernetesAuth(app.state.kube, audience=settings.audience)
     else:
         app.state.auth = TokenAuth(ensure_token_file(settings.resolved_token_file))
     errors.install(app)
@@ -69,4 +70,8 @@ def create_app(settings: Settings | None = None, *, kube_api_client: Any = None)
         app.include_router(module.router)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    if settings.auth == "none":
+        # No credential protects it: a web page the user opens must not reach it through a
+        # name of its own that resolves to 127.0.0.1 (DNS rebinding). Outermost: checked first.
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(LOOPBACK_HOSTS))
     return app

@@ -31,6 +31,12 @@ class Settings(BaseSettings):
         description="token: the bearer token in token_file (local mode); kubernetes: TokenReview + "
         "SubjectAccessReview (cluster mode); none: no checks, only ever bound to 127.0.0.1",
     )
+    audience: str = Field(
+        "spillway", min_length=1, max_length=253,
+        description="Kubernetes mode: the audience a caller's token must be issued for (`kubectl create token "
+        "NAME --audience spillway`), checked by TokenReview. A token for the API server's own audience is "
+        "refused, so the API never receives a credential that would work against the cluster",
+    )
     token_file: Path | None = Field(None, description="Local-mode token; default <data_dir>/api-token, mode 0600")
     launcher: Literal["local", "kubernetes"] = Field(
         "local", description="Where POST /v1/namespaces/{ns}/jobs runs a job: this machine, or the cluster"

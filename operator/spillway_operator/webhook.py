@@ -16,6 +16,7 @@ When the webhook is down the chart's failurePolicy decides; see charts/spillway/
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import ssl
 import tempfile
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 
 PATH = "/validate-finetunejob"
 _MAX_MESSAGE = 4000  # the API server truncates long denial messages; keep every line readable
+# An AdmissionReview holds the job and, on an update, the stored one: etcd keeps objects
+# under 1.5 MiB, so 4 MiB is room for both; anything larger is not from the API server.
+MAX_BODY_BYTES = 4 << 20
 
 
 def review(body: dict[str, Any]) -> dict[str, Any]:
@@ -62,8 +66,19 @@ def create_app() -> FastAPI:
 
     @app.post(PATH)
     async def validate(request: Request) -> JSONResponse:
+        too_large = JSONResponse({"detail": f"the body exceeds {MAX_BODY_BYTES} bytes: an AdmissionReview of a "
+                                  "FineTuneJob is far smaller"}, status_code=413)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            return too_large
+        chunks, received = [], 0
+        async for chunk in request.stream():  # a chunked body is cut off as it grows, not after
+            received += len(chunk)
+            if received > MAX_BODY_BYTES:
+                return too_large
+            chunks.append(chunk)
         try:
-            body = await request.json()
+            body = json.loads(b"".join(chunks))
         except ValueError:
             return JSONResponse({"detail": "the body is not JSON: send an admission.k8s.io/v1 AdmissionReview"},
                                 status_code=400)

@@ -189,7 +189,8 @@ def world(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wo
             ]
         cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": manifests}))
         cluster.kubectl("wait", "--for=condition=Established", "crd/finetunejobs.spillway.dev", "--timeout=30s")
-        tokens = {user: cluster.kubectl("create", "token", user, "-n", team_a, "--duration=1h").stdout.strip()
+        tokens = {user: cluster.kubectl("create", "token", user, "-n", team_a, "--duration=1h",
+                                        f"--audience={AUDIENCE}").stdout.strip()
                   for user in ("alice", "reader")}
         api_kubeconfig = tmp / "api-kubeconfig"
         _service_account_kubeconfig(cluster, system, "spillway-api", api_kubeconfig)
@@ -209,6 +210,9 @@ def api(world: World, tmp_path: Path) -> Iterator[ApiServer]:
         yield server
     finally:
         server.stop(signal.SIGKILL)
+
+
+AUDIENCE = "spillway"  # the API's default (chart: api.audience)
 
 
 def _routes(ns: str, job: str) -> list[tuple[str, str, str, Any]]:
@@ -242,12 +246,24 @@ def test_every_route_needs_a_token_and_rbac_in_its_namespace(world: World, api: 
     served = {(m.upper(), p) for p, ops in schema["paths"].items() for m in ops if "{namespace}" in p}
     assert served == {(m, p) for m, p, _, _ in routes}
 
-    for method, _, path, body in [*routes, ("POST", "", "/v1/plan", {"parameterCount": "7B"})]:
-        for token in (None, "not-a-token", alice + "x"):
+    # alice's own ServiceAccount token, but for the API server's audience: a credential that
+    # works against the cluster is never accepted (nor, so, ever sent here by a client that works)
+    cluster_token = world.cluster.kubectl("create", "token", "alice", "-n", world.team_a,
+                                          "--duration=10m").stdout.strip()
+    plan = f"/v1/plan?namespace={world.team_a}"
+    for method, _, path, body in [*routes, ("POST", "", plan, {"parameterCount": "7B"})]:
+        for token in (None, "not-a-token", alice + "x", cluster_token):
             r = api.call(method, path, token, body)
             assert r.status_code == 401, (method, path, token and token[:8], r.text)
             assert r.json()["code"] == "unauthorized"
-    assert api.call("POST", "/v1/plan", alice, {"parameterCount": "7B"}).status_code == 200
+            if token == cluster_token:
+                assert f"--audience {AUDIENCE}" in r.json()["detail"], r.text
+    # A plan reads the cluster's nodes and prices: for whoever may create a job where it asks.
+    assert api.call("POST", plan, alice, {"parameterCount": "7B"}).status_code == 200
+    for who, path in ((alice, "/v1/plan"), (reader, plan), (alice, f"/v1/plan?namespace={world.team_b}")):
+        r = api.call("POST", path, who, {"parameterCount": "7B"})
+        assert r.status_code == 403 and r.json()["code"] == "forbidden", (path, r.text)
+    assert "?namespace=" in api.call("POST", "/v1/plan", alice, {"parameterCount": "7B"}).json()["detail"]
 
     # Allowed in team-a, so forbidden in team-b, whether or not the job exists there.
     for method, _, path, body in _routes(world.team_b, "matrix"):
@@ -436,7 +452,8 @@ def test_revoked_access_stops_working_within_the_cache_time(world: World, api: A
         cluster.kubectl("create", "serviceaccount", account, "-n", ns)
         cluster.kubectl("create", "rolebinding", f"ftj-{account}", "-n", ns, "--role=ftj-reader",
                         f"--serviceaccount={ns}:{account}")
-        tokens[account] = cluster.kubectl("create", "token", account, "-n", ns, "--duration=10m").stdout.strip()
+        tokens[account] = cluster.kubectl("create", "token", account, "-n", ns, "--duration=10m",
+                                          f"--audience={AUDIENCE}").stdout.strip()
         assert api.call("GET", path, tokens[account]).status_code == 200
         assert api.call("POST", path, tokens[account], job_body(f"{account}-job")).status_code == 403
     cluster.kubectl("delete", "rolebinding", "ftj-unbound", "-n", ns)
@@ -472,7 +489,7 @@ def test_the_cluster_plan_is_the_operators_placement(world: World, api: ApiServe
                     *[f"--from-literal={k}={v}" for k, v in prices.items()])
     spec = _pool_spec(pool)
     try:
-        answer = api.call("POST", "/v1/plan", world.tokens["alice"], {"spec": spec})
+        answer = api.call("POST", f"/v1/plan?namespace={world.team_a}", world.tokens["alice"], {"spec": spec})
         assert answer.status_code == 200, answer.text
         listed = cluster.kubectl_json("get", "nodes")["items"]
     finally:

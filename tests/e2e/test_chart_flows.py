@@ -75,7 +75,8 @@ def test_rest_submission_rollback_and_no_fit_through_the_installed_chart(
     cluster.kubectl("create", "serviceaccount", "engineer", "-n", namespace)
     cluster.kubectl("create", "rolebinding", "engineer-edit", "--clusterrole=edit",
                     f"--serviceaccount={namespace}:engineer", "-n", namespace)
-    token = cluster.kubectl("create", "token", "engineer", "-n", namespace, "--duration=1h").stdout.strip()
+    token = cluster.kubectl("create", "token", "engineer", "-n", namespace, "--duration=1h",
+                            "--audience=spillway").stdout.strip()  # the README's command
     operator.start()
     api.start()
     try:
@@ -90,7 +91,7 @@ def test_rest_submission_rollback_and_no_fit_through_the_installed_chart(
         assert cluster.get("ftj", "rest-13b", namespace) is not None
         # The dry run as the engineer sees it: the operator's placement, priced from the chart's
         # ConfigMap (the API reads it under the chart's Role; the default price would be $2).
-        code, plans = curl(f"{api.url}/v1/plan", token, "POST", {"spec": body["spec"]})
+        code, plans = curl(f"{api.url}/v1/plan?namespace={namespace}", token, "POST", {"spec": body["spec"]})
         assert code == 200, plans
         [mine] = [d for d in plans["data"] if d["plan"] and gpu in d["plan"]["nodeNames"]]
         per_gpu = mine["plan"]["pricePerHourUsd"] / (mine["plan"]["gpusPerNode"] * mine["plan"]["nodeCount"])

@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from spillway_api.deps import CurrentUser
+from spillway_api.deps import MayPlan
 from spillway_api.errors import PROBLEM_RESPONSES, ApiError
 from spillway_api.schemas import LargestFitPublic, LargestPublic, PlanPublic, PlanRequest, PlansPublic
 from spillway_runtime.hardware import NodeHardware, hardware_from_node
@@ -124,7 +124,7 @@ def _largest(request: Request, body: PlanRequest, training: Training, offload: O
 
 
 @router.post("/plan", response_model=PlansPublic)
-def plan(_caller: CurrentUser, request: Request, body: PlanRequest) -> PlansPublic:
+def plan(_caller: MayPlan, request: Request, body: PlanRequest) -> PlansPublic:
     """Where training state would live on each node shape, the predicted step time and cost,
     and for shapes that do not fit, which tier is short and by how much. Without `hardware`
     or `nodes`: in cluster mode, the operator's own placement over the cluster's nodes (its

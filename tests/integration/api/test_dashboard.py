@@ -301,3 +301,11 @@ def test_no_auth_asks_for_nothing(browser: Any, tmp_path: Path) -> None:
         assert page.evaluate("sessionStorage.getItem('spillway.token')") is None
         assert page.locator("#forget-token").is_hidden()
         page.close()
+        # No credential guards it, so only its loopback names are answered: a page whose own
+        # name was made to resolve to 127.0.0.1 (DNS rebinding) gets nothing.
+        port = srv["url"].rsplit(":", 1)[1]
+        for host in (f"localhost:{port}", f"127.0.0.1:{port}"):
+            assert httpx.get(srv["url"] + "/v1/jobs", headers={"Host": host}).status_code == 200, host
+        for host in (f"rebind.example:{port}", "rebind.example", f"127.0.0.1.rebind.example:{port}"):
+            refused = httpx.get(srv["url"] + "/v1/jobs", headers={"Host": host})
+            assert refused.status_code == 400 and "Invalid host header" in refused.text, (host, refused.text)

@@ -4,6 +4,8 @@ field named (as `kubectl apply` shows it), good jobs and metadata-only updates p
 from __future__ import annotations
 
 import copy
+import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,3 +75,26 @@ def test_every_problem_is_listed_on_its_own_line() -> None:
     job["spec"]["dataset"]["uri"] = "https://example.org/d.jsonl"
     lines = _review(job)["status"]["message"].splitlines()
     assert len(lines) == 3 and lines[1].startswith("- spec.model.uri") and lines[2].startswith("- spec.dataset.uri")
+
+
+def test_a_body_over_the_limit_is_a_413_whether_declared_or_streamed() -> None:
+    from fastapi.testclient import TestClient
+
+    from spillway_operator.webhook import MAX_BODY_BYTES, PATH, create_app
+
+    client = TestClient(create_app())
+    review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+              "request": {"uid": "u", "operation": "CREATE", "object": with_("model.uri", "gs://bucket/llama")}}
+    padded = json.dumps({**review, "padding": "x" * MAX_BODY_BYTES}).encode()
+    declared = client.post(PATH, content=padded, headers={"Content-Type": "application/json"})
+    assert declared.status_code == 413 and str(MAX_BODY_BYTES) in declared.json()["detail"]
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: chunked, cut off as it grows
+        for start in range(0, len(padded), 1 << 20):
+            yield padded[start:start + (1 << 20)]
+
+    streamed = client.post(PATH, content=chunks(), headers={"Content-Type": "application/json"})
+    assert streamed.status_code == 413
+    # At the limit's side of it, the same review is judged as usual.
+    judged = client.post(PATH, json=review)
+    assert judged.status_code == 200 and judged.json()["response"]["allowed"] is False
