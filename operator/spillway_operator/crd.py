@@ -173,6 +173,11 @@ def _structural(schema: dict[str, Any], defs: dict[str, Any], path: tuple[str, .
     return out
 
 
+COST_NUMBERS = ("usd", "gpuHours", "settledUSD", "settledGpuHours", "pricePerHourUSD")
+# The plan's fields that price an attempt (attempts.cost_so_far reads them back)
+PLAN_PRICING = ("accelerator", "gpusPerNode", "nodeCount", "pricePerHourUsd")
+
+
 def _status_schema() -> dict[str, Any]:
     """The operator and the runtime own different parts of status; both are typed where
     kubectl's printer columns and server-side apply need it, the rest is kept as written."""
@@ -212,8 +217,28 @@ def _status_schema() -> dict[str, Any]:
                 "x-kubernetes-list-type": "map",
                 "x-kubernetes-list-map-keys": ["type"],
             },
-            "plan": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
-            "cost": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+            # What the cost is computed from and what the budget and the ledger read: typed, so
+            # that the chart's status policy (templates/status-policy.yaml) can see and keep them
+            # the operator's alone (CEL cannot read fields a schema does not declare).
+            "plan": {
+                "type": "object",
+                "x-kubernetes-preserve-unknown-fields": True,
+                "properties": {
+                    "accelerator": {"type": "string"},
+                    "gpusPerNode": {"type": "integer"},
+                    "nodeCount": {"type": "integer"},
+                    "pricePerHourUsd": {"type": "number", "nullable": True},
+                },
+            },
+            "cost": {
+                "type": "object",
+                "x-kubernetes-preserve-unknown-fields": True,
+                "properties": {
+                    **{key: {"type": "number"} for key in COST_NUMBERS},
+                    "asOf": {"type": "string"},
+                    "display": {"type": "string"},
+                },
+            },
             "progress": {
                 "description": "Owned by the runtime (field manager spillway-runtime)",
                 "type": "object",

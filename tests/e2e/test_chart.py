@@ -24,6 +24,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from spillway_operator.builders import runtime_account_name
+
 from .operator_fixtures import OperatorProcess
 
 if TYPE_CHECKING:
@@ -419,7 +421,8 @@ def running_on(cluster: Cluster, namespace: str, component: str) -> list[str] | 
     return None
 
 
-CLUSTER_KINDS = "clusterroles,clusterrolebindings,validatingwebhookconfigurations"
+CLUSTER_KINDS = ("clusterroles,clusterrolebindings,validatingwebhookconfigurations,validatingadmissionpolicies,"
+                 "validatingadmissionpolicybindings")
 NAMESPACED_KINDS = "deployments,daemonsets,services,serviceaccounts,configmaps,roles,rolebindings,persistentvolumeclaims"
 
 
@@ -538,6 +541,34 @@ def service_account_kubeconfig(cluster: Cluster, namespace: str, account: str, p
     return path
 
 
+def _the_runtime_account_reports_progress_but_cannot_touch_what_is_billed(cluster: Cluster, namespace: str,
+                                                                          job: str) -> None:
+    """The job's runtime ServiceAccount may patch its status (a namespace editor can run a
+    pod as it), but the chart's status policy keeps cost, the plan that prices it and the
+    phase the operator's: the API server refuses a forged one, and the operator goes on
+    writing them."""
+    runtime = f"--as=system:serviceaccount:{namespace}:{runtime_account_name(job)}"
+
+    def patch(status: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+        return cluster.kubectl("patch", "ftj", job, "-n", namespace, "--subresource=status", "--type=merge",
+                               "-p", json.dumps({"status": status}), runtime, check=False)
+
+    reported = patch({"progress": {"step": 1, "totalSteps": 1000}})
+    assert reported.returncode == 0, reported.stderr
+    before = (cluster.get("ftj", job, namespace) or {})["status"]
+    for forged in ({"cost": {"usd": 0, "settledUSD": 0}}, {"plan": {"pricePerHourUsd": 0}}, {"phase": "Succeeded"}):
+        refused = patch(forged)
+        field = next(iter(forged))
+        assert refused.returncode != 0 and f"status.{field} is written by the spillway operator only" in refused.stderr, (
+            forged, refused.stderr)
+    after = (cluster.get("ftj", job, namespace) or {})["status"]
+    assert after["plan"]["pricePerHourUsd"] == before["plan"]["pricePerHourUsd"] > 0
+    assert after["phase"] != "Succeeded"
+    # The operator still accrues cost (its own writes pass the policy).
+    cluster.wait_for(lambda: ((cluster.get("ftj", job, namespace) or {}).get("status", {}).get("cost") or {}).get(
+        "asOf") not in (None, (before.get("cost") or {}).get("asOf")), 60, what="the operator's next status.cost")
+
+
 def test_operator_under_the_charts_service_account_runs_the_13b_example(
     cluster: Cluster, namespace: str, make_node: Callable[..., str], volumes: Callable[[], str],
     release: Callable[..., Any], tmp_path: Path,
@@ -582,6 +613,7 @@ def test_operator_under_the_charts_service_account_runs_the_13b_example(
     operator = OperatorProcess(env, tmp_path / "operator.log")
     operator.env["SPILLWAY_OPERATOR_NAMESPACE"] = namespace  # where the chart put the pricing ConfigMap
     operator.env["SPILLWAY_OPERATOR_PRICING_CONFIGMAP"] = "spillway-pricing"
+    operator.env["SPILLWAY_OPERATOR_COST_UPDATE_SECONDS"] = "3"  # the status policy lets its writes through
     operator.start()
     try:
         cluster.kubectl("apply", "-n", namespace, "-f", str(EXAMPLE))
@@ -633,6 +665,7 @@ def test_operator_under_the_charts_service_account_runs_the_13b_example(
         assert [e["storageClassName"] for e in ephemeral] == ["spillway-local-nvme"]
         requests = training_pod["spec"]["containers"][0]["resources"]["requests"]
         assert requests["nvidia.com/gpu"] == "1"
+        _the_runtime_account_reports_progress_but_cannot_touch_what_is_billed(cluster, namespace, "llama-13b-sft")
         assert parse_bytes(requests["memory"]) >= plan["bytes"]["cpu"]
 
         table = cluster.kubectl("get", "ftj", "-n", namespace).stdout
