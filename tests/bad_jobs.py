@@ -77,6 +77,8 @@ CORPUS: list[tuple[str, dict[str, Any], str]] = [
      "spec.offload.nvme.hostPath: a job may not choose a node directory"),
     ("NVMe on the kubelet's pods", with_("offload.nvme", {"hostPath": "/var/lib/kubelet/pods", "size": "1Gi"}),
      "spec.offload.nvme.hostPath: a job may not choose a node directory"),
+    ("a claim path that climbs out of the claim", with_("model.uri", "pvc://models/../../s3-cache/ns/x/bucket/m"),
+     "spec.model.uri: 'pvc://models/../../s3-cache/ns/x/bucket/m' has a '..' segment"),
     ("keepBest without held-out data", with_("checkpoint.keepBest", True), "checkpoint.keepBest needs dataset.validation"),
 ]
 

@@ -71,6 +71,9 @@ def _uri_problems(field: str, uri: str) -> list[str]:
         resolve_uri(uri, Path("/"), S3_CACHE_MOUNT)  # s3:// is fetched onto the node first (s3_inputs)
     except ValueError as err:
         return [f"{field}: {err}"]
+    if uri.startswith(("pvc://", "s3://")) and ".." in uri.split("://", 1)[1].split("/"):
+        return [f"{field}: {uri!r} has a '..' segment: name the path inside the claim or bucket itself "
+                "(the pod mounts other volumes beside it)"]
     if uri.startswith("pvc://"):
         claim = uri[len("pvc://"):].split("/", 1)[0]
         if not _CLAIM.fullmatch(claim):

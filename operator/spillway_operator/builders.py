@@ -403,7 +403,8 @@ def build_pod(
         volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
     if s3_inputs(spec):
         # What the fetch pods put in this node's cache (spillway_operator.s3_inputs), read-only
-        mounts.append({"name": S3_CACHE_VOLUME, "mountPath": str(S3_CACHE_MOUNT), "readOnly": True})
+        mounts.append({"name": S3_CACHE_VOLUME, "mountPath": str(S3_CACHE_MOUNT), "readOnly": True,
+                       "subPath": s3_cache_sub_path(job["metadata"]["namespace"], spec)})
         volumes.append(s3_cache_volume(settings))
 
     env = [
@@ -522,6 +523,16 @@ def storage_env(spec: FineTuneJobSpec) -> list[dict[str, Any]]:
     if storage.endpoint_url:
         env.append({"name": "AWS_ENDPOINT_URL", "value": storage.endpoint_url})
     return env
+
+
+def s3_cache_sub_path(namespace: str, spec: FineTuneJobSpec) -> str:
+    """A job's part of the node's s3:// cache: its namespace's, for its storage endpoint. The
+    fetch pods and the training pods mount only this (a subPath), so a job never sees what
+    another namespace fetched, and the same bucket name on another endpoint (a tenant's own
+    server) is another entry; the kubelet makes it (root's, 0755 when it has to make the
+    root; the fetch pod's init container hands the leaf to the training uid)."""
+    endpoint = spec.storage.endpoint_url or "s3.amazonaws.com"
+    return f"{namespace}/{hashlib.sha256(endpoint.encode()).hexdigest()[:16]}"
 
 
 def s3_cache_volume(settings: OperatorSettings) -> dict[str, Any]:

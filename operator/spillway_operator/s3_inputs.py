@@ -65,7 +65,9 @@ def build_fetch_pod(job: dict[str, Any], spec: FineTuneJobSpec, node: str, attem
         command += ["--region", storage.region]
     if storage.secret_ref is not None:
         command += ["--secret", storage.secret_ref.name]
-    mounts = [{"name": b.S3_CACHE_VOLUME, "mountPath": str(S3_CACHE_MOUNT)}, {"name": "tmp", "mountPath": "/tmp"}]
+    mounts = [{"name": b.S3_CACHE_VOLUME, "mountPath": str(S3_CACHE_MOUNT),
+               "subPath": b.s3_cache_sub_path(job["metadata"]["namespace"], spec)},
+              {"name": "tmp", "mountPath": "/tmp"}]
     hardened = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
     uid = settings.run_as_user
     pod_spec: dict[str, Any] = {
@@ -77,7 +79,8 @@ def build_fetch_pod(job: dict[str, Any], spec: FineTuneJobSpec, node: str, attem
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
             {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}]}}},
-        # The kubelet makes a missing hostPath directory root's; as for NVMe (builders._nvme_owner)
+        # The kubelet makes a missing subPath directory root's: hand this job's part (and only
+        # it: the init container mounts the same subPath) to the training uid
         "initContainers": [{
             "name": "cache-owner",
             "image": settings.runtime_image,

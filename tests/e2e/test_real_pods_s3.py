@@ -31,8 +31,9 @@ import pytest
 import yaml
 
 from spillway_operator import s3_inputs
-from spillway_operator.builders import pod_name
+from spillway_operator.builders import pod_name, s3_cache_sub_path
 from spillway_runtime.hardware import NVME_PATH_ANNOTATION
+from spillway_runtime.spec import parse_job
 from spillway_runtime.tiny import build_tiny_model, write_dataset
 from tests.e2e.conftest import Cluster
 from tests.e2e.operator_fixtures import running_operator, wait_status
@@ -115,7 +116,8 @@ def s3_real(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
     inputs = root / "inputs"
     build_tiny_model(inputs / "model")
     write_dataset(inputs / "data" / "arithmetic.jsonl", count=400)
-    (root / "nvme").mkdir(mode=0o755)
+    (root / "nvme").mkdir()
+    (root / "nvme").chmod(0o1777)  # as the chart's node probe leaves its directory
     # What the node probe would have written: the NVMe the plan may spill to (test_real_pods does the same)
     usage = shutil.disk_usage(root)
     annotations = {NVME_PATH_ANNOTATION: str(root / "nvme"), "spillway.dev/nvme-capacity-bytes": str(usage.total),
@@ -197,7 +199,10 @@ def test_a_job_trains_from_s3_mirrors_there_and_a_second_job_downloads_nothing(
     assert fetched["status"] == "True", fetched
     assert f"s3://{BUCKET}/tiny: {model_files} objects" in fetched["message"], fetched
     assert f"{model_files} downloaded" in fetched["message"] and fetched["message"].startswith(cluster.real_node)
-    assert sorted(p.name for p in (cache / BUCKET / "tiny").iterdir()) == sorted(
+    # In the job's part of the node's cache (its namespace's, for its endpoint): all it mounted
+    entry = cache / s3_cache_sub_path(namespace, parse_job(job).spec)
+    assert entry.parent.parent == cache and entry.stat().st_uid == 1000
+    assert sorted(p.name for p in (entry / BUCKET / "tiny").iterdir()) == sorted(
         p.name for p in (real.root / "inputs" / "model").iterdir())
     assert _fetch_pods(cluster, namespace) == []
     # The mirror holds the last checkpoint, complete (its manifest went up last)

@@ -74,8 +74,13 @@ def test_the_fetch_pod_is_pinned_to_the_chosen_node_holds_no_gpu_and_reads_the_s
     assert env["AWS_REGION"]["secretKeyRef"]["optional"] is True
     assert env["AWS_ENDPOINT_URL"] == "http://10.200.0.1:8333"
     assert {"name": "s3-cache", "hostPath": {"path": CACHE, "type": "DirectoryOrCreate"}} in spec["volumes"]
-    assert {"name": "s3-cache", "mountPath": "/mnt/s3-cache"} in container["volumeMounts"]
-    (owner,) = spec["initContainers"]  # the hostPath made writable for the training uid
+    # Only this namespace's part of the cache, for this endpoint: never another tenant's entries
+    part = b.s3_cache_sub_path(NS, parse_job(cluster.get("FineTuneJob", NS, "j")).spec)
+    assert part.startswith(f"{NS}/") and part != b.s3_cache_sub_path("other", parse_job(
+        cluster.get("FineTuneJob", NS, "j")).spec)
+    assert {"name": "s3-cache", "mountPath": "/mnt/s3-cache", "subPath": part} in container["volumeMounts"]
+    (owner,) = spec["initContainers"]  # that part (the same subPath) made writable for the training uid
+    assert owner["volumeMounts"] == [{"name": "s3-cache", "mountPath": "/mnt/s3-cache", "subPath": part}]
     assert owner["command"] == ["chown", "1000:1000", "/mnt/s3-cache"]
     assert owner["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
     assert spec["securityContext"]["runAsNonRoot"] is True and spec["automountServiceAccountToken"] is False
@@ -101,7 +106,9 @@ def test_once_fetched_the_training_pod_reads_the_cache_read_only_and_the_fetch_p
     pod = cluster.get("Pod", NS, trainer)
     assert pod is not None
     (container,) = pod["spec"]["containers"]
-    assert {"name": "s3-cache", "mountPath": "/mnt/s3-cache", "readOnly": True} in container["volumeMounts"]
+    part = b.s3_cache_sub_path(NS, parse_job(cluster.get("FineTuneJob", NS, "j")).spec)
+    assert {"name": "s3-cache", "mountPath": "/mnt/s3-cache", "readOnly": True, "subPath": part} in (
+        container["volumeMounts"])
     assert {"name": "s3-cache", "hostPath": {"path": CACHE, "type": "DirectoryOrCreate"}} in pod["spec"]["volumes"]
     assert "nvidia.com/gpu" in container["resources"]["limits"]
     env = env_of(container)
