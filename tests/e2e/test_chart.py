@@ -12,6 +12,7 @@ reconcile examples/finetune.yaml.
 
 from __future__ import annotations
 
+import copy
 import json
 import secrets
 import subprocess
@@ -569,6 +570,49 @@ def _the_runtime_account_reports_progress_but_cannot_touch_what_is_billed(cluste
         "asOf") not in (None, (before.get("cost") or {}).get("asOf")), 60, what="the operator's next status.cost")
 
 
+def _the_operators_token_reaches_only_the_children_of_jobs(cluster: Cluster, namespace: str, kubeconfig: Path,
+                                                           child: dict[str, Any]) -> None:
+    """RBAC lets the operator create pods, patch ConfigMaps and bind Roles in any namespace;
+    the chart's policy, enforced by the API server, confines its ServiceAccount's token to
+    the children of FineTuneJobs. Each try is made with that token and refused."""
+    def as_operator(*args: str, body: dict[str, Any] | None = None) -> subprocess.CompletedProcess[str]:
+        return cluster.kubectl("--kubeconfig", str(kubeconfig), *args, check=False,
+                               input=json.dumps(body) if body is not None else None)
+
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "escape"},
+           "spec": {"containers": [{"name": "c", "image": "busybox", "securityContext": {"privileged": True}}],
+                    "volumes": [{"name": "root", "hostPath": {"path": "/"}}]}}
+    refused = as_operator("create", "-n", "kube-system", "-f", "-", body=pod)
+    assert refused.returncode != 0 and "only the children of a FineTuneJob" in refused.stderr, refused.stderr
+    # Dressed as a child of a real job (its labels and owner), it is still unprivileged and
+    # mounts no node directory but the admin's roots.
+    dressed = copy.deepcopy(pod)
+    dressed["metadata"].update(namespace=namespace, labels=child["metadata"]["labels"],
+                               ownerReferences=child["metadata"]["ownerReferences"])
+    refused = as_operator("create", "-n", namespace, "-f", "-", body=dressed)
+    assert refused.returncode != 0 and "a pod of the spillway operator is unprivileged" in refused.stderr, refused.stderr
+    dressed["spec"]["containers"][0].pop("securityContext")
+    dressed["spec"].pop("volumes")
+    dressed["spec"]["serviceAccountName"] = "default"  # an API token of another account
+    refused = as_operator("create", "-n", namespace, "-f", "-", body=dressed)
+    assert refused.returncode != 0 and "runtime ServiceAccount, or with no API token" in refused.stderr, refused.stderr
+    # CoreDNS's ConfigMap (made here: the test cluster runs CoreDNS outside the cluster)
+    cluster.kubectl("create", "configmap", "coredns", "-n", "kube-system", "--from-literal=Corefile=.:53 {}",
+                    check=False)
+    refused = as_operator("patch", "configmap", "coredns", "-n", "kube-system", "--type=merge",
+                          "-p", '{"data":{"Corefile":". { forward . 203.0.113.1 }"}}')
+    assert refused.returncode != 0 and "only the children of a FineTuneJob" in refused.stderr, refused.stderr
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+               "metadata": {"name": "escalate", "namespace": namespace, "labels": child["metadata"]["labels"],
+                            "ownerReferences": child["metadata"]["ownerReferences"]},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
+               "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": namespace}]}
+    refused = as_operator("create", "-f", "-", body=binding)
+    assert refused.returncode != 0 and "forbidden" in refused.stderr.lower(), refused.stderr
+    assert cluster.get("rolebinding", "escalate", namespace) is None
+    assert cluster.get("pod", "escape", "kube-system") is None and cluster.get("pod", "escape", namespace) is None
+
+
 def test_operator_under_the_charts_service_account_runs_the_13b_example(
     cluster: Cluster, namespace: str, make_node: Callable[..., str], volumes: Callable[[], str],
     release: Callable[..., Any], tmp_path: Path,
@@ -666,6 +710,7 @@ def test_operator_under_the_charts_service_account_runs_the_13b_example(
         requests = training_pod["spec"]["containers"][0]["resources"]["requests"]
         assert requests["nvidia.com/gpu"] == "1"
         _the_runtime_account_reports_progress_but_cannot_touch_what_is_billed(cluster, namespace, "llama-13b-sft")
+        _the_operators_token_reaches_only_the_children_of_jobs(cluster, namespace, kubeconfig, training_pod)
         assert parse_bytes(requests["memory"]) >= plan["bytes"]["cpu"]
 
         table = cluster.kubectl("get", "ftj", "-n", namespace).stdout
