@@ -590,6 +590,33 @@ def test_the_node_probe_daemonset_measures_and_annotates_the_real_node(
                     "nvme-capacity-bytes", "nvme-free-bytes"):
             assert float(annotations[f"spillway.dev/{key}"]) > 0, (key, annotations)
         assert int(annotations["spillway.dev/nvme-capacity-bytes"]) == shutil.disk_usage(nvme).total
+        assert (nvme.stat().st_mode & 0o7777, nvme.stat().st_uid) == (0o1777, RUNTIME_UID)  # jobs' subPaths
+        # Its ServiceAccount may patch nodes (RBAC cannot say which): the chart's policy lets a
+        # token of its pod (with the pod's node claim) patch its own Node's spillway.dev/* only.
+        [probe_pod] = pods["items"]
+        token = cluster.kubectl("create", "token", probe_pod["spec"]["serviceAccountName"], "-n", namespace,
+                                "--bound-object-kind=Pod", f"--bound-object-name={probe_pod['metadata']['name']}",
+                                "--duration=10m").stdout.strip()
+
+        config = json.loads(cluster.kubectl("config", "view", "--raw", "--minify", "-o", "json").stdout)
+        config["users"][0]["user"] = {"token": token}
+        probe_config = real.root / f"probe-{release}.kubeconfig"
+        probe_config.write_text(json.dumps(config))
+
+        def as_probe(*args: str) -> subprocess.CompletedProcess[str]:
+            return cluster.kubectl("--kubeconfig", str(probe_config), *args, check=False)
+
+        allowed = as_probe("annotate", "node", node, "--overwrite", "spillway.dev/policy-check=1")
+        assert allowed.returncode == 0, allowed.stderr
+        other = cluster.settings()["NODE2_NAME"]
+        for args, says in (
+            (("annotate", "node", other, "--overwrite", "spillway.dev/policy-check=1"), "only the Node its own pod"),
+            (("label", "node", node, "--overwrite", "team=probe"), "only spillway.dev/* annotations and labels"),
+            (("taint", "node", node, "spillway.dev/evict=now:NoExecute"), "only spillway.dev/* annotations and labels"),
+        ):
+            refused = as_probe(*args)
+            assert refused.returncode != 0 and says in refused.stderr, (args, refused.stderr)
+        assert "team" not in cluster.kubectl_json("get", "node", node)["metadata"].get("labels", {})
     finally:
         cluster.helm("uninstall", release, "-n", namespace, "--wait", timeout=300)
         # Put the node's figures back as the module's fixture wrote them (other tests plan on them).
