@@ -84,9 +84,11 @@ export DS_ACCELERATOR=cpu
 # changed since the last run on this machine (mypy: ~60 s cold, ~2 s warm).
 CACHE=${SPILLWAY_CACHE:-$HOME/.cache/spillway}
 export MYPY_CACHE_DIR=${MYPY_CACHE_DIR:-$CACHE/mypy} RUFF_CACHE_DIR=${RUFF_CACHE_DIR:-$CACHE/ruff}
-# Two workers for two cores; the e2e tests share one cluster on one worker (tests/conftest.py:
-# ClusterOnOneWorker), the other takes the rest, and the first done takes what is left.
-WORKERS=${SPILLWAY_TEST_WORKERS:-2}
+# Three workers on two cores (the cluster tests mostly wait: on two workers the cores were
+# busy about half the time): the real-pod tests on one worker and cluster, the kwok e2e
+# tests on another (tests/conftest.py: ClusterOnOneWorker), the integration tests one at a
+# time on the third and on whichever is done first.
+WORKERS=${SPILLWAY_TEST_WORKERS:-3}
 pytest() { "$PY" -m pytest -p no:cacheprovider "$@"; }  # --durations=25: pyproject.toml
 
 if wants check; then

@@ -37,10 +37,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def tier_of(item: pytest.Item) -> str:
-    folder = item.path.relative_to(TESTS).parts[0]
-    if folder == "e2e" and item.get_closest_marker("realnode"):
+    parts = item.path.relative_to(TESTS).parts
+    if parts[:2] == ("e2e", "realnode") or (parts[0] == "e2e" and item.get_closest_marker("realnode")):
         return "realnode"
-    return folder
+    return parts[0]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -49,13 +49,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 class ClusterOnOneWorker(LoadScopeScheduling):
-    """xdist's scope scheduling with two kinds of unit: all of tests/e2e (one cluster, whose
-    start and images are paid once), and each other test alone. The largest unit goes out
-    first (xdist orders units by size), so the cluster's tests start at once on one worker
-    and that worker takes no other test until they are done."""
+    """xdist's scope scheduling with three kinds of unit: tests/e2e/realnode (real pods on a
+    cluster of their own, whose start and training image are paid once), the rest of
+    tests/e2e (kwok nodes, one cluster), and each other test alone. The largest units go out
+    first (xdist orders units by size), so each cluster's tests start at once on a worker of
+    their own, which takes no other test until they are nearly done; the other workers take
+    the integration tests one at a time. Each worker that holds a unit starts its own
+    cluster (the `cluster` fixture is per session, and a session is per worker): the
+    chart's cluster-wide webhook and policies, installed by a test for its duration, never
+    meet another worker's test."""
+
+    UNITS = ("tests/e2e/realnode/", "tests/e2e/")
 
     def _split_scope(self, nodeid: str) -> str:
-        return "tests/e2e" if nodeid.startswith("tests/e2e/") else nodeid
+        return next((unit for unit in self.UNITS if nodeid.startswith(unit)), nodeid)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> LoadScopeScheduling | None:

@@ -2,7 +2,7 @@
 server on loopback, as a process with the AWS variables a pod gets from its Secret: it fills
 the cache, a second run downloads nothing (one JSON line per URI in its termination
 message says so), the training pod's cache-only lookup then finds every input, and a wrong
-secret fails with a message that names the Secret. On real nodes: tests/e2e/test_real_pods_s3.py."""
+secret fails with a message that names the Secret. On real nodes: tests/e2e/realnode/test_real_pods_s3.py."""
 
 from __future__ import annotations
 

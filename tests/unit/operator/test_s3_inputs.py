@@ -1,7 +1,7 @@
 """s3:// inputs in the cluster: the fetch pod the reconciler starts on each chosen node before
 the training pods (no GPU, the storage Secret's keys, the node's cache), what it does with
 each outcome, and the AWS variables every pod that touches S3 gets. The pods running
-against a real S3 server on real nodes are tests/e2e/test_real_pods_s3.py."""
+against a real S3 server on real nodes are tests/e2e/realnode/test_real_pods_s3.py."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ from spillway_runtime.spec import parse_job
 from spillway_runtime.tiny import build_tiny_model, write_dataset
 from tests.e2e.conftest import Cluster
 from tests.e2e.operator_fixtures import running_operator, wait_status
-from tests.e2e.test_real_pods import EXAMPLE, POD_TIMEOUT_S, RealNode, _kill_trainer
+from tests.e2e.realnode.test_real_pods import EXAMPLE, POD_TIMEOUT_S, RealNode, _kill_trainer
 from tests.integration.storage_fixtures import ACCESS_KEY, SECRET_KEY, stop, weed_command
 
 pytestmark = [pytest.mark.e2e, pytest.mark.realnode]
