@@ -248,6 +248,12 @@ def test_rendered_values_reach_the_processes(helm: Callable[..., Any]) -> None:
     assert terms == [{"matchExpressions": [{"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}]}]
     assert probe["nodeSelector"] == {"pool": "gpu"}
     assert "--quick" in probe["containers"][0]["args"][0]
+    # It sees no GPU a pod may hold, unless the admin asks for GPU measurements.
+    probe_env = {e["name"]: e.get("value") for e in probe["containers"][0]["env"]}
+    assert probe_env["NVIDIA_VISIBLE_DEVICES"] == "void"
+    gpu = {f"{d['kind']}/{d['metadata']['name']}": d for d in render(helm, {"nodeProbe.measureGpu": True})}
+    measuring = gpu["DaemonSet/spillway-node-probe"]["spec"]["template"]["spec"]["containers"][0]
+    assert {e["name"]: e.get("value") for e in measuring["env"]}["NVIDIA_VISIBLE_DEVICES"] == "all"
 
     ha = {f"{d['kind']}/{d['metadata']['name']}": d for d in render(helm, MATRIX["postgresql-ha-api"])}
     api_env = ha["Deployment/spillway-api"]["spec"]["template"]["spec"]["containers"][0]["env"]
