@@ -68,7 +68,8 @@ binaries() {
 }
 if ((needs_servers)); then
   start_build "binaries (control plane, Kueue, weed)" binaries
-  start_build "MLflow server (its own virtual environment)" hack/mlflow build
+  start_build "MLflow server and checkov (their own virtual environments)" \
+    bash -c 'hack/toolenv mlflow build && hack/toolenv checkov build'
 fi
 # The torch + DeepSpeed wheels (downloaded and compiled once) come first: the training
 # image and this machine's environment are both made from them.

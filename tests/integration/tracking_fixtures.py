@@ -1,5 +1,5 @@
 """A real MLflow tracking server for the tests: `mlflow server` on a free loopback port with a
-SQLite backend in a temporary directory, from its own virtual environment (hack/mlflow: the
+SQLite backend in a temporary directory, from its own virtual environment (hack/toolenv mlflow: the
 full mlflow package conflicts with requirements.lock). Import the fixture into a test module
 to use it; the tests talk to it with the runtime's own client (mlflow-skinny)."""
 
@@ -25,13 +25,18 @@ class MlflowServer:
     log: Path
 
 
-def mlflow_command() -> Path:
-    """hack/mlflow's `mlflow`, built first if missing (a hash check when it is there)."""
-    path = Path(subprocess.run([str(ROOT / "hack" / "mlflow"), "path"], check=True, capture_output=True,
-                               text=True).stdout.strip())
+def tool_command(tool: str) -> Path:
+    """`hack/toolenv TOOL`'s command, its environment built first if missing (a hash check
+    when it is there): mlflow, checkov."""
+    toolenv = str(ROOT / "hack" / "toolenv")
+    path = Path(subprocess.run([toolenv, tool, "path"], check=True, capture_output=True, text=True).stdout.strip())
     if not (path.parent.parent / ".complete").is_file():
-        subprocess.run([str(ROOT / "hack" / "mlflow"), "build"], check=True)
+        subprocess.run([toolenv, tool, "build"], check=True)
     return path
+
+
+def mlflow_command() -> Path:
+    return tool_command("mlflow")
 
 
 def _answers(uri: str) -> bool:
