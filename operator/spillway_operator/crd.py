@@ -82,8 +82,8 @@ PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.uri", "priority": 0},
     {"name": "Plan", "type": "string", "jsonPath": ".status.plan.label"},
-    {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
-    {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss"},
+    {"name": "Step", "type": "string", "jsonPath": ".status.progress.stepDisplay"},
+    {"name": "Loss", "type": "string", "jsonPath": ".status.progress.lossDisplay"},
     {"name": "Cost", "type": "string", "jsonPath": ".status.cost.display"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
@@ -249,6 +249,8 @@ def _status_schema() -> dict[str, Any]:
                     "loss": {"type": "number", "nullable": True},
                     "tokensPerSecond": {"type": "number", "nullable": True},
                     "etaSeconds": {"type": "number", "nullable": True},
+                    "stepDisplay": {"type": "string"},
+                    "lossDisplay": {"type": "string"},
                 },
             },
             "checkpoints": {

@@ -91,10 +91,14 @@ class StatusPublisher:
         kind = record.get("event")
         force = False
         if kind == "step":
+            step, loss = int(record.get("step", 0)), _num(record.get("loss"))
             self._progress = {
-                "step": int(record.get("step", 0)),
+                "step": step,
                 "totalSteps": self.total_steps,
-                "loss": _num(record.get("loss")),
+                "loss": loss,
+                # What `kubectl get ftj` prints (full precision stays in `loss` and the events)
+                "stepDisplay": f"{step}/{self.total_steps}",
+                "lossDisplay": "" if loss is None else f"{loss:.4g}",
                 "learningRate": _num(record.get("lr")),
                 "tokensPerSecond": _num(record.get("tokens_per_s")),
                 "etaSeconds": _num(record.get("eta_seconds")),

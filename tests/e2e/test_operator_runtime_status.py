@@ -27,7 +27,7 @@ def test_runtime_publishes_progress_and_checkpoints_beside_operator_fields(clust
         "patch", "ftj", "pub", "-n", namespace, "--subresource=status", "--type=merge", "-p", '{"status":{"phase":"Running"}}'
     )
     sink = k8s_status.StatusPublisher("pub", namespace, 100, k8s_status._server_side_apply("pub", namespace))
-    sink({"event": "step", "step": 7, "loss": 2.5, "lr": 1e-5, "tokens_per_s": 900.0, "time": 1.7e9})
+    sink({"event": "step", "step": 7, "loss": 3.7709308862686157, "lr": 1e-5, "tokens_per_s": 900.0, "time": 1.7e9})
     sink({"event": "checkpoint", "name": "step-00007", "step": 7, "loss": 2.5, "sizeBytes": 10, "sha256": "ab"})
     job = cluster.get("finetunejob", "pub", namespace)
     assert job["status"]["phase"] == "Running"
@@ -36,8 +36,9 @@ def test_runtime_publishes_progress_and_checkpoints_beside_operator_fields(clust
     full = cluster.kubectl_json("get", "ftj", "pub", "-n", namespace, "--show-managed-fields")
     managers = {m["manager"] for m in full["metadata"]["managedFields"]}
     assert "spillway-runtime" in managers
+    assert job["status"]["progress"]["loss"] == 3.7709308862686157  # full precision in status
     printed = cluster.kubectl("get", "ftj", "pub", "-n", namespace).stdout
-    assert "Running" in printed and "2.5" in printed
+    assert "Running" in printed and " 7/100 " in printed and " 3.771 " in printed and "3.7709" not in printed, printed
 
 
 def test_the_mirror_s_progress_and_its_lag_are_in_status(cluster: Any, namespace: str) -> None:
