@@ -17,15 +17,17 @@ AWS_SESSION_TOKEN, AWS_REGION, AWS_ENDPOINT_URL, AWS_ENDPOINT_URL_S3); profiles 
 
 Cache layout, under $SPILLWAY_S3_CACHE (default ~/.cache/spillway/s3):
   <bucket>/<key>                   each object at its key
-  .manifests/<bucket>.json         key -> {etag, size} of every complete file
+  .manifests/<bucket>.json         key -> {etag, size, sha256} of every complete file
 An object is fetched again when its ETag or size differs from the manifest's, or its file
-is gone. A download goes to a temporary name beside its target and is renamed into place
+is gone; a pod reading a cache another process filled (`cached`) checks every file's
+sha256 against the manifest's. A download goes to a temporary name beside its target and is renamed into place
 before the manifest names it, so a killed download never looks complete.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import threading
@@ -162,11 +164,11 @@ def fetch(uri: str, *, root: Path | None = None, store: Any = None, where: Endpo
             manifest.entries.pop(obj.key, None)
         manifest.save()
         if wanted:
-            def record(obj: _Object) -> None:  # each complete file at once: a killed run keeps what it finished
-                manifest.entries[obj.key] = {"etag": obj.etag, "size": obj.size}
+            def record(obj: _Object, sha256: str) -> None:  # each complete file at once: a killed run keeps it
+                manifest.entries[obj.key] = {"etag": obj.etag, "size": obj.size, "sha256": sha256}
                 manifest.save()
 
-            download_objects(store, loc, base, wanted, record, at=where)
+            download_objects(store, loc, base, wanted, record, at=where, digests=True)
     result.downloaded = len(wanted)
     result.bytes_downloaded = sum(o.size for o in wanted)
     result.seconds = time.monotonic() - start
@@ -205,8 +207,21 @@ def cached(uri: str, root: Path) -> Path:
                                                                               int(entries[key].get("size", -1))))]
     if missing:
         raise ObjectStoreError(f"{loc}: {len(missing)} of its {len(keys)} cached files are gone from {base} "
-                               f"(e.g. {missing[0]}); run the job again to fetch them")
+                               f"or were cached without a checksum (e.g. {missing[0]}); run the job again to "
+                               "fetch them")
+    # Each file's content, not just its size: what the training reads is what was downloaded
+    with ThreadPoolExecutor(max_workers=DOWNLOAD_WORKERS) as pool:  # hashlib lets go of the GIL
+        digests = dict(zip(keys, pool.map(lambda key: file_sha256(base / key), keys), strict=True))
+    changed = [key for key in keys if digests[key] != entries[key].get("sha256")]
+    if changed:
+        raise ObjectStoreError(f"{loc}: {len(changed)} of its {len(keys)} cached files differ from what was "
+                               f"downloaded (sha256 of {base / changed[0]}); run the job again to fetch them")
     return cache_path(uri, root)
+
+
+def file_sha256(path: Path) -> str:
+    with path.open("rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def _dir_prefix(key: str) -> str:
@@ -283,7 +298,8 @@ explain = _explain
 
 def _is_cached(entries: dict[str, dict[str, Any]], base: Path, obj: _Object) -> bool:
     entry = entries.get(obj.key)
-    if not entry or entry.get("etag") != obj.etag or entry.get("size") != obj.size:
+    # (an entry without a checksum, from before they were kept, is fetched again once)
+    if not entry or entry.get("etag") != obj.etag or entry.get("size") != obj.size or not entry.get("sha256"):
         return False
     file = base / obj.key
     return file.is_file() and file.stat().st_size == obj.size
@@ -300,18 +316,20 @@ def _drop_vanished(manifest: _Manifest, base: Path, prefix: str, present: set[st
 
 
 def download_objects(store: Any, loc: S3Location, base: Path, wanted: list[_Object],
-                     done: Callable[[_Object], None] = lambda obj: None, *, strip: str = "",
-                     at: Endpoint | None = None) -> None:
+                     done: Callable[[_Object, str], None] = lambda obj, sha256: None, *, strip: str = "",
+                     at: Endpoint | None = None, digests: bool = False) -> None:
     """Every wanted object to `base`/its key (less `strip`), as parts of at most PART_BYTES
     fetched in parallel (a model's one big weights file keeps every worker busy, as
-    boto3's download_file does); `done` is called, one at a time, as each file is in place."""
+    boto3's download_file does); `done` is called, one at a time, as each file is in place,
+    with its sha256 when `digests` (computed by the worker that wrote its last part)."""
     guard = threading.Lock()
     downloads = [_Download(store, loc, base / obj.key.removeprefix(strip), obj, at) for obj in wanted]
 
     def part(job: _Download, span: tuple[int, int] | None) -> None:
         if job.write(span):
+            sha256 = file_sha256(job.target) if digests else ""
             with guard:
-                done(job.obj)
+                done(job.obj, sha256)
 
     try:
         with ThreadPoolExecutor(max_workers=DOWNLOAD_WORKERS) as pool:

@@ -5,6 +5,7 @@ start with exit 2 and a message that names the bucket."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -18,7 +19,7 @@ from typer.testing import CliRunner
 from spillway_api.cli import build_app
 from spillway_runtime import objectstore
 from spillway_runtime.local import prepare_local_run
-from spillway_runtime.objectstore import CACHE_ENV, MANIFESTS, fetch
+from spillway_runtime.objectstore import CACHE_ENV, MANIFESTS, cached, fetch
 
 from .conftest import job_document
 from .storage_fixtures import S3Server, s3_server  # noqa: F401 -- the fixture, used by name
@@ -79,6 +80,9 @@ def test_trains_from_s3_then_reuses_the_cache_and_refetches_a_changed_object(
     assert sorted(p.name for p in (cache / BUCKET / "tiny").iterdir()) == model_files
     manifest = json.loads((cache / MANIFESTS / f"{BUCKET}.json").read_text())
     assert set(manifest) == {f"tiny/{name}" for name in model_files} | {"data/train.jsonl"}
+    # each file's checksum, as downloaded (what a pod reading this cache checks it against)
+    assert manifest["data/train.jsonl"]["sha256"] == hashlib.sha256(tiny_model["data"].read_bytes()).hexdigest()
+    assert cached(uploaded["model"], cache) == cache / BUCKET / "tiny"
 
     # A second run of the same job: planned again from the cache, nothing downloaded.
     again = tmp_path / "again"

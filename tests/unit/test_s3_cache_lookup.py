@@ -5,6 +5,7 @@ one the lookup returns. Filling the cache from a real server is tests/integratio
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -19,7 +20,8 @@ def _cache(root: Path, bucket: str, files: dict[str, bytes]) -> None:
     for key, data in files.items():
         (root / bucket / key).parent.mkdir(parents=True, exist_ok=True)
         (root / bucket / key).write_bytes(data)
-    entries = {key: {"etag": f'"{i}"', "size": len(data)} for i, (key, data) in enumerate(files.items())}
+    entries = {key: {"etag": f'"{i}"', "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+               for i, (key, data) in enumerate(files.items())}
     (root / ".manifests" / f"{bucket}.json").write_text(json.dumps(entries))
 
 
@@ -51,3 +53,22 @@ def test_without_a_cache_s3_is_refused_by_resolve_uri() -> None:
     with pytest.raises(ValueError, match="names no bucket"):
         resolve_uri("s3:///tiny", Path("/"), Path("/cache"))
 
+
+
+def test_a_cached_file_whose_content_changed_at_its_size_is_refused_naming_it(tmp_path: Path) -> None:
+    """What another writer of the node's cache could leave (a file of the right size, not the
+    bytes downloaded): the pod checks every file's sha256 against the manifest's."""
+    _cache(tmp_path, "models", {"tiny/config.json": b"{}", "tiny/model.safetensors": b"x" * 10})
+    assert cached("s3://models/tiny", tmp_path) == tmp_path / "models" / "tiny"
+    (tmp_path / "models" / "tiny" / "model.safetensors").write_bytes(b"y" * 10)  # same size, other bytes
+    with pytest.raises(ObjectStoreError, match=r"1 of its 2 cached files differ from what was downloaded "
+                                               r"\(sha256 of .*model.safetensors\)"):
+        cached("s3://models/tiny", tmp_path)
+    # A manifest entry without a checksum (an older cache) is not trusted either: fetched again
+    entries = json.loads((tmp_path / ".manifests" / "models.json").read_text())
+    for entry in entries.values():
+        entry.pop("sha256")
+    (tmp_path / ".manifests" / "models.json").write_text(json.dumps(entries))
+    (tmp_path / "models" / "tiny" / "model.safetensors").write_bytes(b"x" * 10)
+    with pytest.raises(ObjectStoreError, match=r"2 of its 2 cached files are gone"):
+        cached("s3://models/tiny", tmp_path)
