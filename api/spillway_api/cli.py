@@ -47,10 +47,20 @@ def api(
     if settings.auth == "none" and host != "127.0.0.1":
         err_console.print("SPILLWAY_AUTH=none binds to 127.0.0.1 only")
         host = "127.0.0.1"
+    if (settings.tls_cert_file is None) != (settings.tls_key_file is None):
+        err_console.print("SPILLWAY_TLS_CERT_FILE and SPILLWAY_TLS_KEY_FILE go together: set both or neither")
+        raise typer.Exit(ExitCode.BAD_INPUT)
     app = create_app(settings)
     if settings.auth == "token":
         err_console.print(f"bearer token in {settings.resolved_token_file} (mode 0600)", highlight=False)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    cert, key = settings.tls_cert_file, settings.tls_key_file
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                           ssl_certfile=cert, ssl_keyfile=key))
+    if cert is not None and key is not None:
+        from spillway_api.tls import keep_certificate_current
+
+        keep_certificate_current(server, cert, key, settings.tls_reload_seconds)
+    server.run()
 
 
 def run(

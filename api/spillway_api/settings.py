@@ -37,6 +37,12 @@ class Settings(BaseSettings):
         "NAME --audience spillway`), checked by TokenReview. A token for the API server's own audience is "
         "refused, so the API never receives a credential that would work against the cluster",
     )
+    tls_cert_file: Path | None = Field(
+        None, description="Serve HTTPS with this PEM certificate (chain); with tls_key_file. A changed file is "
+        "loaded for new connections within tls_reload_seconds, no restart (a renewed Secret)",
+    )
+    tls_key_file: Path | None = Field(None, description="The certificate's PEM private key")
+    tls_reload_seconds: float = Field(60.0, gt=0, description="How often the certificate files are checked")
     token_file: Path | None = Field(None, description="Local-mode token; default <data_dir>/api-token, mode 0600")
     launcher: Literal["local", "kubernetes"] = Field(
         "local", description="Where POST /v1/namespaces/{ns}/jobs runs a job: this machine, or the cluster"

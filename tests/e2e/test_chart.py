@@ -292,6 +292,19 @@ def test_rendered_values_reach_the_processes(helm: Callable[..., Any]) -> None:
     assert terms == [{"matchExpressions": [{"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}]}]
     assert probe["nodeSelector"] == {"pool": "gpu"}
     assert "--quick" in probe["containers"][0]["args"][0]
+    # HTTPS for the API from a Secret, and the Certificate that fills it when cert-manager is named
+    secure = {f"{d['kind']}/{d['metadata']['name']}": d for d in render(helm, {
+        "api.tls.secretName": "api-tls", "api.tls.certManager.issuerName": "cluster-ca",
+        "api.tls.certManager.issuerKind": "ClusterIssuer"})}
+    api_pod = secure["Deployment/spillway-api"]["spec"]["template"]["spec"]
+    api_env = {e["name"]: e.get("value") for e in api_pod["containers"][0]["env"]}
+    assert api_env["SPILLWAY_TLS_CERT_FILE"] == "/etc/spillway/tls/tls.crt"
+    assert {"name": "tls", "secret": {"secretName": "api-tls"}} in api_pod["volumes"]
+    assert api_pod["containers"][0]["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    certificate = secure["Certificate/spillway-api"]["spec"]
+    assert certificate["secretName"] == "api-tls" and certificate["issuerRef"]["kind"] == "ClusterIssuer"
+    assert "spillway-api.spillway-system.svc" in certificate["dnsNames"]
+    assert "Certificate/spillway-api" not in by_name  # none without api.tls
     # It sees no GPU a pod may hold, unless the admin asks for GPU measurements.
     probe_env = {e["name"]: e.get("value") for e in probe["containers"][0]["env"]}
     assert probe_env["NVIDIA_VISIBLE_DEVICES"] == "void"
