@@ -355,7 +355,8 @@ def rest(cluster: Cluster, namespace: str, tmp_path: Path) -> Iterator[tuple[Api
                     "--resource=finetunejobs.spillway.dev", "-n", namespace)
     cluster.kubectl("create", "rolebinding", "engineer-ftj", "--role=ftj-edit",
                     f"--serviceaccount={namespace}:engineer", "-n", namespace)
-    token = cluster.kubectl("create", "token", "engineer", "-n", namespace, "--duration=2h").stdout.strip()
+    token = cluster.kubectl("create", "token", "engineer", "-n", namespace, "--duration=2h",
+                            "--audience=spillway").stdout.strip()
     server = ApiServer(cluster.kubeconfig, tmp_path / "api.db", tmp_path / "api.log")
     server.start()
     try:
