@@ -117,7 +117,6 @@ def s3_real(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
     build_tiny_model(inputs / "model")
     write_dataset(inputs / "data" / "arithmetic.jsonl", count=400)
     (root / "nvme").mkdir()
-    (root / "nvme").chmod(0o1777)  # as the chart's node probe leaves its directory
     # What the node probe would have written: the NVMe the plan may spill to (test_real_pods does the same)
     usage = shutil.disk_usage(root)
     annotations = {NVME_PATH_ANNOTATION: str(root / "nvme"), "spillway.dev/nvme-capacity-bytes": str(usage.total),
@@ -140,6 +139,7 @@ def s3_real(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
             if path.is_relative_to(weed):
                 continue
             path.chmod(0o755 if path.is_dir() else 0o644)
+        (root / "nvme").chmod(0o1777)  # as the chart's node probe leaves its directory
         cluster.kubectl("apply", "-f", "-", input=json.dumps({
             "apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": storage_class},
             "provisioner": "kubernetes.io/no-provisioner", "volumeBindingMode": "Immediate"}))
