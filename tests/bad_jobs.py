@@ -79,6 +79,13 @@ CORPUS: list[tuple[str, dict[str, Any], str]] = [
      "spec.offload.nvme.hostPath: a job may not choose a node directory"),
     ("a claim path that climbs out of the claim", with_("model.uri", "pvc://models/../../s3-cache/ns/x/bucket/m"),
      "spec.model.uri: 'pvc://models/../../s3-cache/ns/x/bucket/m' has a '..' segment"),
+    ("tolerating the control plane's taint",
+     with_("resources.tolerations", [{"key": "node-role.kubernetes.io/control-plane", "operator": "Exists"}]),
+     "spec.resources.tolerations[0]: a job may not tolerate node-role.kubernetes.io/control-plane"),
+    ("tolerating every taint", with_("resources.tolerations", [{"operator": "Exists"}]),
+     "spec.resources.tolerations[0]: a job may not tolerate every taint"),
+    ("selecting the control plane", with_("resources.nodeSelector", {"node-role.kubernetes.io/control-plane": ""}),
+     "spec.resources.nodeSelector: 'node-role.kubernetes.io/control-plane' selects the control plane"),
     ("keepBest without held-out data", with_("checkpoint.keepBest", True), "checkpoint.keepBest needs dataset.validation"),
 ]
 

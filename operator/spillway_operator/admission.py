@@ -50,6 +50,7 @@ def spec_problems(spec: FineTuneJobSpec) -> list[str]:
     found = [line for field, uri in _uris(spec) for line in _uri_problems(field, uri)]
     if spec.offload.nvme.host_path:
         found.append(HOST_PATH_REFUSED)
+    found += _control_plane_problems(spec)
     try:
         check_overrides(spec, _world_size(spec))
     except DeepSpeedConfigError as err:
@@ -80,6 +81,26 @@ def _uri_problems(field: str, uri: str) -> list[str]:
             return [f"{field}: {uri!r} names no valid PersistentVolumeClaim: write pvc://CLAIM/PATH, "
                     "CLAIM a claim in the job's namespace (lower-case letters, digits, '-' and '.')"]
     return []
+
+
+# The taints and labels that keep workloads off a cluster's control plane
+CONTROL_PLANE_KEYS = ("node-role.kubernetes.io/control-plane", "node-role.kubernetes.io/master")
+
+
+def _control_plane_problems(spec: FineTuneJobSpec) -> list[str]:
+    """A job's pods stay off the control plane: no toleration of its taints (nor one that
+    tolerates every taint), no nodeSelector for its nodes."""
+    found = []
+    for i, toleration in enumerate(spec.resources.tolerations):
+        if toleration.key in CONTROL_PLANE_KEYS or (not toleration.key and toleration.operator == "Exists"):
+            what = toleration.key or "every taint (an empty key with operator Exists)"
+            found.append(f"spec.resources.tolerations[{i}]: a job may not tolerate {what}: training pods do not run "
+                         "on the control plane; tolerate the taints of your GPU nodes by key")
+    for key in spec.resources.node_selector:
+        if key in CONTROL_PLANE_KEYS:
+            found.append(f"spec.resources.nodeSelector: {key!r} selects the control plane, where training pods do "
+                         "not run; select your GPU nodes' labels")
+    return found
 
 
 def _world_size(spec: FineTuneJobSpec) -> int | None:
