@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ def keep_certificate_current(server: Any, cert: Path, key: Path, every_seconds: 
     def watch() -> None:
         nonlocal served
         while not server.should_exit:
-            threading.Event().wait(every_seconds)
+            time.sleep(every_seconds)
             context = getattr(server.config, "ssl", None)
             try:
                 now = _stamp(cert, key)

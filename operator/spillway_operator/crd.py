@@ -174,8 +174,11 @@ def _structural(schema: dict[str, Any], defs: dict[str, Any], path: tuple[str, .
 
 
 COST_NUMBERS = ("usd", "gpuHours", "settledUSD", "settledGpuHours", "pricePerHourUSD")
-# The plan's fields that price an attempt (attempts.cost_so_far reads them back)
-PLAN_PRICING = ("accelerator", "gpusPerNode", "nodeCount", "pricePerHourUsd")
+
+
+def _open_object(properties: dict[str, Any]) -> dict[str, Any]:
+    """An object kept as written, with these of its fields typed."""
+    return {"type": "object", "x-kubernetes-preserve-unknown-fields": True, "properties": properties}
 
 
 def _status_schema() -> dict[str, Any]:
@@ -220,25 +223,11 @@ def _status_schema() -> dict[str, Any]:
             # What the cost is computed from and what the budget and the ledger read: typed, so
             # that the chart's status policy (templates/status-policy.yaml) can see and keep them
             # the operator's alone (CEL cannot read fields a schema does not declare).
-            "plan": {
-                "type": "object",
-                "x-kubernetes-preserve-unknown-fields": True,
-                "properties": {
-                    "accelerator": {"type": "string"},
-                    "gpusPerNode": {"type": "integer"},
-                    "nodeCount": {"type": "integer"},
-                    "pricePerHourUsd": {"type": "number", "nullable": True},
-                },
-            },
-            "cost": {
-                "type": "object",
-                "x-kubernetes-preserve-unknown-fields": True,
-                "properties": {
-                    **{key: {"type": "number"} for key in COST_NUMBERS},
-                    "asOf": {"type": "string"},
-                    "display": {"type": "string"},
-                },
-            },
+            "plan": _open_object({"accelerator": {"type": "string"}, "gpusPerNode": {"type": "integer"},
+                                  "nodeCount": {"type": "integer"},
+                                  "pricePerHourUsd": {"type": "number", "nullable": True}}),
+            "cost": _open_object({**{key: {"type": "number"} for key in COST_NUMBERS},
+                                  "asOf": {"type": "string"}, "display": {"type": "string"}}),
             "progress": {
                 "description": "Owned by the runtime (field manager spillway-runtime)",
                 "type": "object",
