@@ -242,6 +242,7 @@ def build_runtime_config(job: dict[str, Any], spec: FineTuneJobSpec, plan: Offlo
         run_dir=RUN_DIR,
         checkpoint_dir=CHECKPOINT_DIR,
         nvme_dir=nvme_dir,
+        remove_swap_at_exit=nvme_dir is not None,
         export_dir=f"{CHECKPOINT_DIR}/export",
         events_path=f"{RUN_DIR}/events.jsonl",
         deepspeed=ds,

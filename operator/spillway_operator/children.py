@@ -12,6 +12,7 @@ from typing import Any
 from spillway_operator import builders as b
 from spillway_operator import metrics
 from spillway_operator.cluster import Cluster
+from spillway_operator.netpol import build_network_policy
 from spillway_operator.settings import OperatorSettings
 from spillway_runtime.runconfig import RuntimeConfig
 from spillway_runtime.spec import FineTuneJobSpec
@@ -27,12 +28,15 @@ def create_children(
     settings: OperatorSettings,
 ) -> list[str]:
     """Every child of this attempt, idempotently. The pods come as early as is safe: after
-    their ServiceAccount (admission requires it) and this attempt's ConfigMap (a container
-    must never start on the previous attempt's config); the PVC, Service and Role they need
-    later follow in the same call. Returns the names of the pods this call created."""
+    their ServiceAccount (admission requires it), their NetworkPolicy (no pod of the job is
+    ever open to other pods) and this attempt's ConfigMap (a container must never start on
+    the previous attempt's config); the PVC, Service and Role they need later follow in the
+    same call. Returns the names of the pods this call created."""
     plan = chosen.plan
     name = job["metadata"]["name"]
     cluster.create(b.build_runtime_rbac(job)[0])  # the ServiceAccount
+    if settings.network_policy:
+        cluster.create(build_network_policy(job, settings))
     cluster.apply_configmap(b.build_configmap(job, config, attempt))
     created = []
     for rank in range(plan.nodes):

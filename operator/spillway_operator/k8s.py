@@ -73,6 +73,10 @@ def rbac() -> client.RbacAuthorizationV1Api:
     return client.RbacAuthorizationV1Api(api_client())
 
 
+def networking() -> client.NetworkingV1Api:
+    return client.NetworkingV1Api(api_client())
+
+
 def storage() -> client.StorageV1Api:
     return client.StorageV1Api(api_client())
 
@@ -205,6 +209,7 @@ def _creator(kind: str) -> Callable[..., Any]:
         "Secret": core().create_namespaced_secret,
         "Role": rbac().create_namespaced_role,
         "RoleBinding": rbac().create_namespaced_role_binding,
+        "NetworkPolicy": networking().create_namespaced_network_policy,
     }
     return creators[kind]
 

@@ -141,6 +141,18 @@ class OperatorSettings(BaseSettings):
         "path of its own (the node probe's spillway.dev/nvme-path, a node pool's nvme.path). It must be "
         "mode 1777 (the node probe makes it so); jobs never choose it",
     )
+    network_policy: bool = Field(
+        True,
+        description="Give each job a NetworkPolicy, created before its pods: they accept connections only "
+        "from pods of the same job (rendezvous, gloo/NCCL), and their metrics port only from "
+        "metrics_namespaces",
+    )
+    metrics_namespaces: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Namespaces whose pods may scrape a training pod's metrics port (your Prometheus); "
+        "empty: none",
+    )
     checkpoint_storage_class: str | None = Field(
         None, description="StorageClass of checkpoint PVCs when the job names none (None: cluster default)"
     )

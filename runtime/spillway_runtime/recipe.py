@@ -13,6 +13,7 @@ import functools
 import math
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -555,10 +556,13 @@ class FineTuneRecipe(Checkpointing):
             write.thread.join()  # a failed run's checkpoint in flight: its staging is swept later
         if getattr(self, "ckpt", None) is not None:
             self.ckpt.io.close()
-        self.reporter.close()
         engine = getattr(self, "engine", None)
         if engine is not None and hasattr(engine, "destroy"):
             engine.destroy()
+        if self.cfg.remove_swap_at_exit and self.cfg.nvme_dir:
+            removed = remove_swap_files(Path(self.cfg.nvme_dir), self.rank)
+            self.reporter.event("swap_removed", bytes=removed, path=self.cfg.nvme_dir)
+        self.reporter.close()
         if getattr(self, "dist", None) is not None and self.dist.is_initialized():
             self.dist.destroy_process_group()
 
@@ -604,6 +608,23 @@ def _import_muon_without_compiling() -> None:
             import deepspeed.runtime.zero.muon.original_muon  # noqa: F401
     finally:
         torch.compile = compile_now
+
+
+def remove_swap_files(nvme_dir: Path, rank: int) -> int:
+    """Delete what DeepSpeed's swappers wrote for `rank` (`zero_stage_3/optimizer/rankN`,
+    `zero_stage_3/<dtype>params/rankN`) and the folders left empty; returns the bytes freed.
+    Other ranks of the pod remove their own."""
+    freed = 0
+    stage = nvme_dir / "zero_stage_3"
+    for folder in stage.glob(f"*/rank{rank}"):
+        freed += _dir_bytes(folder)
+        shutil.rmtree(folder, ignore_errors=True)
+        for parent in (folder.parent, stage):
+            try:
+                parent.rmdir()  # only once empty: another rank may still be removing its own
+            except OSError:
+                break
+    return freed
 
 
 def _dir_bytes(path: Path) -> int:

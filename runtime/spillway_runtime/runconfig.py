@@ -40,6 +40,9 @@ class RuntimeConfig(BaseModel):
     run_dir: str
     checkpoint_dir: str
     nvme_dir: str | None = None
+    remove_swap_at_exit: bool = Field(
+        False, description="Remove this rank's swap files under nvme_dir when the process ends: a pod's NVMe "
+        "directory sits on a node other jobs share, and a resume reads checkpoints, never swap files")
     export_dir: str
     events_path: str
     deepspeed: dict[str, object] = Field(default_factory=dict, description="Generated DeepSpeed config")

@@ -180,7 +180,6 @@ def test_the_pod_monitor_scrapes_the_rank_0_trainer_pods_the_operator_builds(hel
 # Every check checkov fails on the rendered chart (defaults), each with why it stays. A new
 # failure, or a justification no longer needed, fails the test.
 CHECKOV_JUSTIFIED = {
-    "CKV2_K8S_6": "no NetworkPolicy in the chart yet (README: not built yet)",
     "CKV_K8S_8": "the node probe measures, annotates and sleeps; a failed probe is logged and retried, "
                  "a liveness restart would only repeat it",
     "CKV_K8S_9": "the node probe serves nothing a Service routes to: readiness means nothing for it",
@@ -673,6 +672,14 @@ def _the_operators_token_reaches_only_the_children_of_jobs(cluster: Cluster, nam
     refused = as_operator("create", "-f", "-", body=binding)
     assert refused.returncode != 0 and "forbidden" in refused.stderr.lower(), refused.stderr
     assert cluster.get("rolebinding", "escalate", namespace) is None
+    # A NetworkPolicy is additive: one that selected every pod of the namespace and let
+    # anything in would open what the namespace's own policies keep shut.
+    opener = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+              "metadata": {"name": "open-all", "namespace": namespace, "labels": child["metadata"]["labels"],
+                           "ownerReferences": child["metadata"]["ownerReferences"]},
+              "spec": {"podSelector": {}, "ingress": [{}], "policyTypes": ["Ingress"]}}
+    refused = as_operator("create", "-f", "-", body=opener)
+    assert refused.returncode != 0 and "selects its own job's pods only" in refused.stderr, refused.stderr
     assert cluster.get("pod", "escape", "kube-system") is None and cluster.get("pod", "escape", namespace) is None
 
 
@@ -767,6 +774,11 @@ def test_operator_under_the_charts_service_account_runs_the_13b_example(
             raise AssertionError(f"pod not Running; events:\n{events}\noperator log:\n"
                                  f"{(tmp_path / 'operator.log').read_text()[-3000:]}") from None
         assert training_pod["spec"]["nodeName"] == gpu
+        # Made by the operator's own token before the pods: the job's pods take connections
+        # from the same job's pods only (no metrics namespace is set in this release).
+        policy = cluster.get("networkpolicy", "llama-13b-sft-ingress", namespace) or {}
+        assert policy["spec"]["podSelector"]["matchLabels"]["spillway.dev/job"] == "llama-13b-sft"
+        assert policy["spec"]["ingress"] == [{"from": [{"podSelector": policy["spec"]["podSelector"]}]}]
         ephemeral = [v["ephemeral"]["volumeClaimTemplate"]["spec"] for v in training_pod["spec"]["volumes"]
                      if "ephemeral" in v]
         assert [e["storageClassName"] for e in ephemeral] == ["spillway-local-nvme"]

@@ -92,3 +92,26 @@ def test_across_filesystems_the_files_are_copied_and_stay_in_the_swap_folder(tmp
         assert files.pending == {}
         swapper._swap_in_parameter(None, "1.tensor.swp", None)
         assert swapper.reads == [str(Path(other) / "swap" / "1.tensor.swp")]
+
+
+def test_at_exit_a_rank_removes_its_own_swap_files_and_the_folders_left_empty(tmp_path: Path) -> None:
+    from spillway_runtime.recipe import remove_swap_files
+
+    nvme = tmp_path / "nvme"
+    for rank in (0, 1):
+        for kind in ("optimizer", "fp16params"):
+            folder = nvme / "zero_stage_3" / kind / f"rank{rank}"
+            folder.mkdir(parents=True)
+            (folder / "state.tensor.swp").write_bytes(b"x" * 8192)
+    checkpoint = tmp_path / "ckpt.swp"
+    checkpoint.write_bytes(b"y" * 4096)
+    os.link(checkpoint, nvme / "zero_stage_3" / "optimizer" / "rank0" / "linked.swp")  # a checkpoint's file
+
+    freed = remove_swap_files(nvme, 0)
+    assert freed >= 2 * 8192
+    left = sorted(str(p.relative_to(nvme)) for p in nvme.rglob("*") if p.is_file())
+    assert left == ["zero_stage_3/fp16params/rank1/state.tensor.swp", "zero_stage_3/optimizer/rank1/state.tensor.swp"]
+    assert checkpoint.read_bytes() == b"y" * 4096  # a checkpoint linked to a swap file keeps its bytes
+    assert remove_swap_files(nvme, 1) >= 2 * 8192
+    assert list(nvme.iterdir()) == []  # nothing of DeepSpeed's layout is left; the mount itself stays
+    assert remove_swap_files(nvme, 0) == 0  # nothing to remove: a rank that never swapped

@@ -90,6 +90,38 @@ def test_a_new_job_is_planned_and_gets_its_children_before_any_runs() -> None:
     assert cluster.names("Pod") == ["j-a0-0"] and reasons(cluster) == ["Planned"]
 
 
+def test_a_jobs_pods_get_their_network_policy_before_they_exist() -> None:
+    """Ingress to a job's pods: any port from the same job's pods, `metrics` from the admin's
+    namespaces only; made before the first pod, so no pod of the job is ever open."""
+    cluster = world()
+    settings = SETTINGS.model_copy(update={"metrics_namespaces": ["monitoring"]})
+    reconcile(NS, "j", settings, cluster)
+    kinds = [kind for kind, _, _ in cluster.objects]
+    assert kinds.index("NetworkPolicy") < kinds.index("Pod")
+    policy = cluster.get("NetworkPolicy", NS, "j-ingress")
+    assert policy is not None and policy["metadata"]["ownerReferences"][0]["name"] == "j"
+    own = {b.LABEL_JOB: "j", b.LABEL_MANAGED_BY: b.MANAGER}
+    pod_labels = cluster.objects[("Pod", NS, "j-a0-0")]["metadata"]["labels"]
+    assert own.items() <= pod_labels.items()
+    assert policy["spec"] == {
+        "podSelector": {"matchLabels": own},
+        "policyTypes": ["Ingress"],
+        "ingress": [
+            {"from": [{"podSelector": {"matchLabels": own}}]},
+            {"ports": [{"port": "metrics", "protocol": "TCP"}],
+             "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]},
+        ],
+    }
+    # Without metrics namespaces nobody else may connect; with the policy off none is made.
+    other = world()
+    reconcile(NS, "j", SETTINGS, other)
+    assert other.objects[("NetworkPolicy", NS, "j-ingress")]["spec"]["ingress"] == \
+        [{"from": [{"podSelector": {"matchLabels": own}}]}]
+    off = world()
+    reconcile(NS, "j", SETTINGS.model_copy(update={"network_policy": False}), off)
+    assert off.names("Pod") == ["j-a0-0"] and off.names("NetworkPolicy") == []
+
+
 def test_scheduled_then_running_then_succeeded() -> None:
     cluster = world()
     step(cluster)
