@@ -21,6 +21,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from spillway_runtime.contract import AttemptPhase, JobPhase
 from spillway_runtime.hardware import NodeHardware
 from spillway_runtime.plan_summary import PlanSummary, plan_summary
 from spillway_runtime.spec import COUNT_SCHEMA, FineTuneJobSpec, Method, Offload, Training
@@ -92,7 +93,7 @@ class JobPublic(WireModel):
     name: str
     uid: str | None
     launcher: Literal["local", "kubernetes"]
-    phase: str
+    phase: JobPhase = Field(description="The contract's phases, and Deleted: deleted from the cluster")
     message: str | None
     spec: dict[str, Any]
     plan: PlanSummary | None = Field(description="The plan in brief: the same shape for local and cluster jobs, "
@@ -129,8 +130,8 @@ class AttemptPublic(WireModel):
     origin: Literal["submit", "rerun", "restart", "cluster"] = Field(
         description="submit: the first run; rerun: `spillway run` of a recorded job; restart: a resume, rollback "
         "or preemption restart on this machine; cluster: an attempt of the operator (status.attempt + 1)")
-    phase: str = Field(description="Its own outcome (or state, while it runs); Stopped: restarted by a rollback "
-                       "or resume")
+    phase: AttemptPhase = Field(description="Its own outcome (or state, while it runs); Stopped: restarted by a "
+                                "rollback or resume")
     reason: str | None
     started_at: datetime
     ended_at: datetime | None

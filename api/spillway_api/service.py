@@ -10,10 +10,12 @@ idempotent: each row carries a source key unique per job.
 from __future__ import annotations
 
 import getpass
+import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
+from pydantic import ValidationError
 from sqlalchemy import delete as delete_rows
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
@@ -33,18 +35,15 @@ from spillway_api.models import (
 )
 from spillway_api.schemas import JobCreate
 from spillway_operator.admission import new_job_problems
-from spillway_runtime.contract import TERMINAL_PHASES, ExitCode, Phase
+from spillway_runtime.contract import RECORD_PHASES, TERMINAL_PHASES, ExitCode, Phase, exit_outcome
 from spillway_runtime.plan_summary import plan_summary
 from spillway_runtime.spec import FineTuneJob
+from spillway_runtime.status import CheckpointRecord, Progress
 
-# An abort (a second Ctrl-C) is restartable like a preemption, from the last good checkpoint
-EXIT_PHASES: dict[int, Phase] = {
-    ExitCode.OK: "Succeeded", ExitCode.FAILED: "Failed", ExitCode.BAD_INPUT: "Failed",
-    ExitCode.PLAN_INFEASIBLE: "Failed", ExitCode.DIVERGED: "Diverged", ExitCode.PREEMPTED: "Preempted",
-    ExitCode.ABORTED: "Preempted",
-}
+log = logging.getLogger(__name__)
+
 # Phases that end an attempt: a later run of the job is a new attempt.
-ATTEMPT_ENDS: frozenset[str] = TERMINAL_PHASES | {"Suspended", "Preempted", "Deleted"}
+ATTEMPT_ENDS: frozenset[str] = TERMINAL_PHASES | {"Suspended", "Preempted", *RECORD_PHASES}
 
 
 @dataclass(frozen=True)
@@ -330,8 +329,8 @@ class JobService:
         kind = event.get("event")
         at = _iso(event.get("time")) or utcnow()
         if kind == "started":
-            job.progress = {**(job.progress or {}), "step": event.get("step", 0),
-                            "totalSteps": event.get("total_steps")}
+            started = Progress(step=event.get("step", 0), total_steps=event.get("total_steps"))
+            job.progress = {**(job.progress or {}), **started.model_dump(exclude_unset=True)}
             self.transition(job, "Running", f"started at step {event.get('step', 0)}", key, at)
         elif kind == "step":
             tiers = event.get("bytes") or {}
@@ -349,12 +348,16 @@ class JobService:
                                            gpu_hours=seconds * gpus / 3600, usd=seconds * price_per_hour / 3600,
                                            source_key=key, attempt=job.attempt or None))
                 self.record_step(job, point.step, point.loss)
-            job.progress = {**(job.progress or {}), "step": point.step, "loss": point.loss,
-                            "tokensPerSecond": point.tokens_per_second, "eta": point.eta_seconds}
+            stepped = Progress(step=point.step, loss=point.loss, tokens_per_second=point.tokens_per_second,
+                               eta_seconds=point.eta_seconds)
+            job.progress = {**(job.progress or {}), **stepped.model_dump(exclude_unset=True)}
         elif kind == "eval":
             self.add_evaluation(job, event.get("step"), event.get("eval_loss"), event.get("tokens"), key, at)
         elif kind == "checkpoint":
-            self.add_checkpoint(job, event)
+            try:
+                self.add_checkpoint(job, CheckpointRecord.model_validate(event))
+            except ValidationError as err:  # a line another version wrote: the rest of the history goes on
+                log.warning("checkpoint event of %s/%s not recorded: %s", job.namespace, job.name, err)
         elif kind == "rollback":
             _insert_once(self.session, Rollback(
                 job_id=job.id, checkpoint=event.get("checkpoint"), reason=str(event.get("reason", "divergence")),
@@ -371,7 +374,7 @@ class JobService:
             self.transition(job, "Succeeded", f"finished at step {event.get('step')}, loss {event.get('loss')}",
                             key, at)
         elif kind == "failed":
-            phase = EXIT_PHASES.get(int(event.get("exit_code") or 1), "Failed")
+            phase = phase_for_exit(int(event.get("exit_code") or ExitCode.FAILED))
             self.set_exit_code(job, event.get("exit_code"))
             self.transition(job, phase, str(event.get("reason", "failed")), key, at)
         elif kind == "exported":
@@ -387,16 +390,17 @@ class JobService:
                                                  tokens=int(tokens) if isinstance(tokens, int) else None,
                                                  at=at or utcnow(), source_key=key[:128],
                                                  attempt=job.attempt or None)):
-            job.progress = {**(job.progress or {}), "evalLoss": value, "evalStep": int(step)}
+            held_out = Progress(eval_loss=value, eval_step=int(step))
+            job.progress = {**(job.progress or {}), **held_out.model_dump(exclude_unset=True)}
 
-    def add_checkpoint(self, job: Job, info: dict[str, Any]) -> None:
-        name = str(info.get("name"))
-        if self.session.scalar(select(Checkpoint.id).where(Checkpoint.job_id == job.id, Checkpoint.name == name)):
+    def add_checkpoint(self, job: Job, record: CheckpointRecord) -> None:
+        """A checkpoint as the runtime reported it (a local run's event, a cluster job's status)."""
+        if self.session.scalar(select(Checkpoint.id).where(Checkpoint.job_id == job.id,
+                                                           Checkpoint.name == record.name)):
             return
         _insert_once(self.session, Checkpoint(
-            job_id=job.id, name=name, step=int(info.get("step") or 0), loss=info.get("loss"),
-            time=_iso(info.get("time")), size_bytes=info.get("sizeBytes") or info.get("size_bytes"),
-            sha256=info.get("sha256"), eval_loss=info.get("evalLoss")))
+            job_id=job.id, name=record.name, step=record.step, loss=record.loss, time=_iso(record.time or None),
+            size_bytes=record.size_bytes or None, sha256=record.sha256 or None, eval_loss=record.eval_loss))
 
     def complete_rollbacks(self, job: Job, at: datetime | None = None) -> None:
         for pending in self.session.scalars(
@@ -410,8 +414,9 @@ class JobService:
         ).first()
 
 
-def phase_for_exit(code: int) -> str:
-    return EXIT_PHASES.get(code, "Failed")
+def phase_for_exit(code: int) -> Phase:
+    """The phase a local run's exit leaves its job in (the contract's policy: nothing retries it here)."""
+    return exit_outcome(code, "local").phase
 
 
 def exit_message(code: int) -> str:

@@ -103,7 +103,7 @@ export function detailPage(main, ns, name) {
       card("Phase", h("span", { class: `phase phase-${job.phase.toLowerCase()}`, id: "job-phase" }, job.phase),
         job.message),
       card("Progress", `${p.step ?? 0}${total ? ` / ${total}` : ""} steps`,
-        job.phase === "Running" && p.eta != null ? `ETA ${duration(p.eta)}` : null),
+        job.phase === "Running" && p.etaSeconds != null ? `ETA ${duration(p.etaSeconds)}` : null),
       card("Loss", num(p.loss), [p.evalLoss != null ? `held-out ${num(p.evalLoss)} at step ${p.evalStep}` : null,
         p.tokensPerSecond != null ? `${num(p.tokensPerSecond, 3)} tokens/s` : null].filter(Boolean).join(" · ") || null),
       card("Plan", h("span", { class: "mono" }, planLabel(plan)),

@@ -85,7 +85,7 @@ function row(job, cost) {
   const total = p.totalSteps || job.spec?.training?.maxSteps;
   const step = p.step ?? 0;
   const pct = total ? Math.min(100, (100 * step) / total) : 0;
-  const eta = job.phase === "Running" && p.eta !== null && p.eta !== undefined ? ` · ETA ${duration(p.eta)}` : "";
+  const eta = job.phase === "Running" && p.etaSeconds !== null && p.etaSeconds !== undefined ? ` · ETA ${duration(p.etaSeconds)}` : "";
   return h("tr", { "data-job": `${job.namespace}/${job.name}`, "data-phase": job.phase },
     h("th", { scope: "row" }, h("a", { href: `#/jobs/${job.namespace}/${job.name}` }, job.name)),
     h("td", {}, job.namespace),

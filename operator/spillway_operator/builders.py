@@ -19,7 +19,14 @@ from typing import Any
 from spillway_operator import node_pools
 from spillway_operator.placement import ShapeChoice
 from spillway_operator.settings import OperatorSettings
-from spillway_runtime.contract import METRICS_PORT_ENV, POD_METRICS_PORT, TERMINAL_PHASES, ExitCode, Phase
+from spillway_runtime.contract import (
+    METRICS_PORT_ENV,
+    POD_METRICS_PORT,
+    TERMINAL_PHASES,
+    ExitCode,
+    Phase,
+    exit_outcome,
+)
 from spillway_runtime.dsconfig import build_deepspeed_config
 from spillway_runtime.hardware import GPU_RESOURCE, NodeHardware
 from spillway_runtime.planner import OffloadPlan
@@ -609,7 +616,8 @@ def _exit_code(pod: dict[str, Any]) -> tuple[int | None, str, str]:
 
 
 def classify_pod(pod: dict[str, Any], node_exists: bool) -> PodOutcome:
-    """What a training pod's state means for the job (exit-code policy lives here)."""
+    """What a training pod's state means for the job; an exit code means what the contract's
+    `exit_outcome` says it means in a cluster."""
     status = pod.get("status") or {}
     phase = status.get("phase", "Pending")
     node = (pod.get("spec") or {}).get("nodeName")
@@ -629,13 +637,16 @@ def classify_pod(pod: dict[str, Any], node_exists: bool) -> PodOutcome:
     if phase == "Failed":
         code, reason, message = _exit_code(pod)
         reason = reason or status.get("reason") or "Error"
+        kind = exit_outcome(code, "cluster").kind if code is not None else OUTCOME_RETRYABLE
+        if kind == OUTCOME_SUCCEEDED:  # exit 0 in a failed pod: another container failed it
+            kind = OUTCOME_RETRYABLE
         if code == ExitCode.PREEMPTED:
-            return PodOutcome(OUTCOME_PREEMPTED, code, "Preempted", "runtime checkpointed and exited 75")
-        if code in (ExitCode.BAD_INPUT,):
-            return PodOutcome(OUTCOME_PERMANENT, code, "BadInput", message or "the runtime rejected its input")
+            return PodOutcome(kind, code, "Preempted", "runtime checkpointed and exited 75")
+        if code == ExitCode.BAD_INPUT:
+            return PodOutcome(kind, code, "BadInput", message or "the runtime rejected its input")
         if code == ExitCode.DIVERGED:
-            return PodOutcome(OUTCOME_PERMANENT, code, "Diverged", message or "loss diverged after all rollbacks")
-        return PodOutcome(OUTCOME_RETRYABLE, code, reason, message)
+            return PodOutcome(kind, code, "Diverged", message or "loss diverged after all rollbacks")
+        return PodOutcome(kind, code, reason, message)
     if phase == "Running":
         return PodOutcome(OUTCOME_RUNNING)
     if node:

@@ -1,11 +1,12 @@
-"""The FineTuneJob CustomResourceDefinition, generated from the runtime's pydantic spec models.
+"""The FineTuneJob CustomResourceDefinition, generated from the runtime's pydantic spec and status models.
 
 Where this sits: imported by the operator's `crds` command and by the test that
 keeps `crds/finetunejobs.spillway.dev.yaml` equal to what this module makes.
 The pydantic models stay the single source; this module only translates JSON
 Schema (draft 2020-12, as pydantic writes it) into the structural OpenAPI v3
 subset that the API server accepts, and adds what JSON Schema cannot say:
-CEL cross-field rules, immutable fields, printer columns, the status subresource.
+CEL cross-field rules, immutable fields, printer columns, the status subresource. The status
+schema comes from `spillway_runtime.status.FineTuneJobStatus` the same way.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import yaml
 
 from spillway_runtime.spec import API_GROUP, API_VERSION, KIND, MAX_LABEL_KEY, POLICY_TIERS, FineTuneJobSpec
+from spillway_runtime.status import FineTuneJobStatus
 
 PLURAL = "finetunejobs"
 SINGULAR = "finetunejob"
@@ -101,16 +103,19 @@ def _resolve(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     return target
 
 
-def _structural(schema: dict[str, Any], defs: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
-    """One pydantic JSON Schema node -> one structural OpenAPI v3 node."""
+def _structural(schema: dict[str, Any], defs: dict[str, Any], path: tuple[str, ...], status: bool = False) -> dict[str, Any]:
+    """One pydantic JSON Schema node -> one structural OpenAPI v3 node. `status`: a node of the
+    status schema, which the operator and the runtime write, never a user: no defaults (the API
+    server would fill in fields nobody wrote), nothing required but what a keyed list's entries
+    require, and the models' open records (extra="allow") kept as written."""
     schema = _resolve(schema, defs)
-    if path in PRESERVE_UNKNOWN_PATHS:
+    if not status and path in PRESERVE_UNKNOWN_PATHS:
         out: dict[str, Any] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
         if "description" in schema:
             out["description"] = schema["description"]
         return out
     nullable = False
-    if path in INT_OR_STRING_PATHS:
+    if not status and path in INT_OR_STRING_PATHS:
         # An integer or a string (13B, 500Gi): the structural form has no union of the two.
         out = {"description": schema["description"]} if "description" in schema else {}
         return {**out, "x-kubernetes-int-or-string": True, "nullable": True}
@@ -118,22 +123,19 @@ def _structural(schema: dict[str, Any], defs: dict[str, Any], path: tuple[str, .
         options = [o for o in schema["anyOf"] if o.get("type") != "null"]
         nullable = len(options) < len(schema["anyOf"])
         if len(options) != 1:
-            raise ValueError(f"spec.{'.'.join(path)}: unions other than X | None have no structural form")
-        merged = {k: v for k, v in schema.items() if k != "anyOf"}
-        merged.update(_resolve(options[0], defs))
-        schema = merged
+            raise ValueError(f"{'.'.join(path)}: unions other than X | None have no structural form")
+        outer = {k: v for k, v in schema.items() if k != "anyOf"}
+        # The field's own words (its description) over its model's docstring
+        schema = {**outer, **_resolve(options[0], defs), **outer} if status else {**outer, **_resolve(options[0], defs)}
 
     out = {}
     if "description" in schema:
         out["description"] = schema["description"]
-    if path in INT_OR_STRING_PATHS:
-        out["x-kubernetes-int-or-string"] = True
-    else:
-        out["type"] = schema["type"]
+    out["type"] = schema["type"]
     if nullable:
         out["nullable"] = True
     for key in ("enum", "minimum", "maximum", "minLength", "maxLength", "pattern", "minItems", "maxItems",
-                "minProperties", "maxProperties"):
+                "minProperties", "maxProperties", *(("format",) if status else ())):
         if key in schema:
             out[key] = schema[key]
     # JSON Schema 2020-12 writes exclusive bounds as numbers; OpenAPI v3.0 as flags.
@@ -143,114 +145,57 @@ def _structural(schema: dict[str, Any], defs: dict[str, Any], path: tuple[str, .
     if "exclusiveMaximum" in schema:
         out["maximum"] = schema["exclusiveMaximum"]
         out["exclusiveMaximum"] = True
-    if "default" in schema and schema["default"] is not None and schema["default"] != {}:
+    if not status and "default" in schema and schema["default"] is not None and schema["default"] != {}:
         out["default"] = schema["default"]
 
     kind = schema.get("type")
     if kind == "object":
-        props = schema.get("properties")
-        if props:
-            out["properties"] = {name: _structural(sub, defs, (*path, name)) for name, sub in props.items()}
-            # Optional sub-objects (pydantic's default_factory) default to {} so that the
-            # API server fills in their own defaults and `kubectl get -o yaml` shows them.
-            for name, sub in out["properties"].items():
-                optional = name not in schema.get("required", [])
-                structured = sub.get("type") == "object" and "properties" in sub
-                if optional and structured and not sub.get("nullable"):
-                    sub.setdefault("default", {})
-            if schema.get("required"):
-                out["required"] = list(schema["required"])
-        else:
-            extra = schema.get("additionalProperties")
-            if isinstance(extra, dict) and extra:
-                out["additionalProperties"] = _structural(extra, defs, (*path, "*"))
-            else:
-                out["x-kubernetes-preserve-unknown-fields"] = True
+        _object(schema, defs, path, status, out)
     elif kind == "array":
-        out["items"] = _structural(schema["items"], defs, (*path, "[]"))
-    if path in VALIDATIONS:
+        out["items"] = _structural(schema["items"], defs, (*path, "[]"), status)
+        if status and schema.get("x-kubernetes-list-type") == "map":
+            out["items"]["required"] = list(_resolve(schema["items"], defs).get("required", []))
+    # What a model says only to Kubernetes (a keyed list, an open record), as it says it.
+    out.update({k: copy.deepcopy(v) for k, v in schema.items() if k.startswith("x-kubernetes-")})
+    if not status and path in VALIDATIONS:
         out["x-kubernetes-validations"] = copy.deepcopy(VALIDATIONS[path])
     return out
 
 
-COST_NUMBERS = ("usd", "gpuHours", "settledUSD", "settledGpuHours", "pricePerHourUSD")
+def _object(schema: dict[str, Any], defs: dict[str, Any], path: tuple[str, ...], status: bool,
+            out: dict[str, Any]) -> None:
+    """An object node's properties (or its map's values) into `out`."""
+    props = schema.get("properties")
+    extra = schema.get("additionalProperties")
+    if not props:
+        if isinstance(extra, dict) and extra:
+            out["additionalProperties"] = _structural(extra, defs, (*path, "*"), status)
+        else:
+            out["x-kubernetes-preserve-unknown-fields"] = True
+        return
+    out["properties"] = {name: _structural(sub, defs, (*path, name), status) for name, sub in props.items()}
+    if status:
+        if extra is True:  # an open record (extra="allow"): what another version wrote is kept
+            out["x-kubernetes-preserve-unknown-fields"] = True
+        return
+    # Optional sub-objects (pydantic's default_factory) default to {} so that the
+    # API server fills in their own defaults and `kubectl get -o yaml` shows them.
+    for name, sub in out["properties"].items():
+        optional = name not in schema.get("required", [])
+        structured = sub.get("type") == "object" and "properties" in sub
+        if optional and structured and not sub.get("nullable"):
+            sub.setdefault("default", {})
+    if schema.get("required"):
+        out["required"] = list(schema["required"])
 
 
-def _open_object(properties: dict[str, Any]) -> dict[str, Any]:
-    """An object kept as written, with these of its fields typed."""
-    return {"type": "object", "x-kubernetes-preserve-unknown-fields": True, "properties": properties}
-
-
-def _status_schema() -> dict[str, Any]:
-    """The operator and the runtime own different parts of status; both are typed where
-    kubectl's printer columns and server-side apply need it, the rest is kept as written."""
-    condition = {
-        "type": "object",
-        "required": ["type", "status"],
-        "properties": {
-            "type": {"type": "string"},
-            "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
-            "reason": {"type": "string"},
-            "message": {"type": "string"},
-            "lastTransitionTime": {"type": "string", "format": "date-time"},
-            "observedGeneration": {"type": "integer"},
-        },
-    }
-    checkpoint = {
-        "type": "object",
-        "required": ["name"],
-        "properties": {
-            "name": {"type": "string"},
-            "step": {"type": "integer"},
-            "loss": {"type": "number", "nullable": True},
-            "time": {"type": "string"},
-            "sizeBytes": {"type": "integer"},
-            "sha256": {"type": "string"},
-        },
-    }
-    return {
-        "type": "object",
-        "x-kubernetes-preserve-unknown-fields": True,
-        "properties": {
-            "phase": {"type": "string"},
-            "observedGeneration": {"type": "integer"},
-            "conditions": {
-                "type": "array",
-                "items": condition,
-                "x-kubernetes-list-type": "map",
-                "x-kubernetes-list-map-keys": ["type"],
-            },
-            # What the cost is computed from and what the budget and the ledger read: typed, so
-            # that the chart's status policy (templates/status-policy.yaml) can see and keep them
-            # the operator's alone (CEL cannot read fields a schema does not declare).
-            "plan": _open_object({"accelerator": {"type": "string"}, "gpusPerNode": {"type": "integer"},
-                                  "nodeCount": {"type": "integer"},
-                                  "pricePerHourUsd": {"type": "number", "nullable": True}}),
-            "cost": _open_object({**{key: {"type": "number"} for key in COST_NUMBERS},
-                                  "asOf": {"type": "string"}, "display": {"type": "string"}}),
-            "progress": {
-                "description": "Owned by the runtime (field manager spillway-runtime)",
-                "type": "object",
-                "x-kubernetes-preserve-unknown-fields": True,
-                "properties": {
-                    "step": {"type": "integer"},
-                    "totalSteps": {"type": "integer"},
-                    "loss": {"type": "number", "nullable": True},
-                    "tokensPerSecond": {"type": "number", "nullable": True},
-                    "etaSeconds": {"type": "number", "nullable": True},
-                    "stepDisplay": {"type": "string"},
-                    "lossDisplay": {"type": "string"},
-                },
-            },
-            "checkpoints": {
-                "description": "Owned by the runtime (field manager spillway-runtime)",
-                "type": "array",
-                "items": checkpoint,
-                "x-kubernetes-list-type": "map",
-                "x-kubernetes-list-map-keys": ["name"],
-            },
-        },
-    }
+def status_schema() -> dict[str, Any]:
+    """The status subresource's schema, from `FineTuneJobStatus`. The operator and the runtime
+    own different parts of it (server-side apply keeps them apart); the chart's status policy
+    (templates/status-policy.yaml) reads status.phase, status.plan and status.cost, which CEL
+    sees only as far as the schema declares them."""
+    raw = FineTuneJobStatus.model_json_schema(by_alias=True, mode="validation")
+    return _structural(raw, raw.get("$defs", {}), (), status=True)
 
 
 def spec_schema() -> dict[str, Any]:
@@ -268,7 +213,7 @@ def build_crd() -> dict[str, Any]:
             "kind": {"type": "string"},
             "metadata": {"type": "object"},
             "spec": spec_schema(),
-            "status": _status_schema(),
+            "status": status_schema(),
         },
     }
     return {

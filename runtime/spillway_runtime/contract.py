@@ -1,5 +1,5 @@
 """What the runtime, the operator, the API and the dashboard agree on, defined once: the exit
-codes of a training run and the phases of a job.
+codes of a training run, what each means for the job (`exit_outcome`) and the phases of a job.
 
 Where this sits: the bottom of every package (pure, no imports of ours). The dashboard's
 copy of the phases (dashboard/src/jobs.js) is checked against this by a unit test.
@@ -7,6 +7,7 @@ copy of the phases (dashboard/src/jobs.js) is checked against this by a unit tes
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Literal, get_args
 
@@ -46,3 +47,56 @@ Phase = Literal[
 PHASES: tuple[str, ...] = get_args(Phase)
 # Phases a job never leaves (but for a rollback, which starts a new attempt).
 TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed", "Diverged", "BudgetExceeded"})
+# Phases only the API's records know, beside the contract's: a row whose FineTuneJob was deleted
+# from the cluster, and (attempts only) an attempt a rollback or a resume replaced while it ran.
+RecordPhase = Literal["Deleted"]
+AttemptEndPhase = Literal["Stopped"]
+JobPhase = Literal[Phase, RecordPhase]
+AttemptPhase = Literal[Phase, RecordPhase, AttemptEndPhase]
+RECORD_PHASES: tuple[str, ...] = get_args(RecordPhase)
+
+
+# What a run's exit means for its job. Only a cluster retries by itself: there `retryable` starts
+# a new attempt counted against spec.backoffLimit, `preempted` one that is not counted; a local
+# run ends in `phase` either way (a user runs it again).
+OutcomeKind = Literal["succeeded", "preempted", "retryable", "permanent"]
+Where = Literal["cluster", "local"]
+
+
+@dataclass(frozen=True)
+class ExitOutcome:
+    kind: OutcomeKind
+    phase: Phase  # the job's phase when this exit ends it (no retry follows)
+
+
+_OUTCOMES: dict[int, ExitOutcome] = {
+    ExitCode.OK: ExitOutcome("succeeded", "Succeeded"),
+    ExitCode.FAILED: ExitOutcome("retryable", "Failed"),
+    ExitCode.BAD_INPUT: ExitOutcome("permanent", "Failed"),
+    ExitCode.PLAN_INFEASIBLE: ExitOutcome("permanent", "Failed"),
+    ExitCode.DIVERGED: ExitOutcome("permanent", "Diverged"),
+    ExitCode.PREEMPTED: ExitOutcome("preempted", "Preempted"),
+    ExitCode.ABORTED: ExitOutcome("preempted", "Preempted"),
+}
+# Where a cluster differs from a local run, and why:
+# - 3, the plan did not fit what the process found on its node: a cluster has other nodes (and
+#   node pools) and the next attempt plans again, so it is retried (counted, so it ends); on one
+#   machine nothing else can be tried.
+# - 130, a second SIGINT before the stop checkpoint: locally that is the user's Ctrl-C, a stop
+#   like 75 that resumes from the last good checkpoint when run again. Nobody the operator
+#   knows of sends SIGINT to a pod (the kubelet, Kueue and the operator stop it with SIGTERM,
+#   which exits 75), so there it is unexplained: counted against backoffLimit, which keeps a
+#   pod that keeps dying this way from restarting forever.
+_CLUSTER_OUTCOMES: dict[int, ExitOutcome] = {
+    ExitCode.PLAN_INFEASIBLE: ExitOutcome("retryable", "Failed"),
+    ExitCode.ABORTED: ExitOutcome("retryable", "Failed"),
+}
+# Any other code (a crash, death by a signal: 128 + N) is an unforeseen failure.
+_UNFORESEEN = ExitOutcome("retryable", "Failed")
+
+
+def exit_outcome(code: int, where: Where) -> ExitOutcome:
+    """What a training run's exit code means for its job, in a cluster or on this machine."""
+    if where == "cluster" and code in _CLUSTER_OUTCOMES:
+        return _CLUSTER_OUTCOMES[code]
+    return _OUTCOMES.get(code, _UNFORESEEN)

@@ -1,8 +1,9 @@
 """Publish training progress and checkpoints into the FineTuneJob's status (in-cluster only).
 
 Where this sits: a Reporter sink of the training process (rank 0). The operator
-owns every other status field; this module owns `status.progress` and
-`status.checkpoints` through server-side apply under the field manager
+owns every other status field; this module owns `status.progress`,
+`status.checkpoints` and `status.mirror` (the `status` models' `Progress`,
+`CheckpointRecord` and `Mirror`) through server-side apply under the field manager
 ``spillway-runtime``, so neither side overwrites the other. The pod's
 environment names the job (SPILLWAY_JOB_NAME / SPILLWAY_JOB_NAMESPACE, set by
 the operator); outside a cluster `sink_from_env()` returns None. The kubernetes
@@ -16,6 +17,8 @@ import os
 import time
 from collections.abc import Callable
 from typing import Any
+
+from spillway_runtime.status import CheckpointRecord, Mirror, Progress
 
 FIELD_MANAGER = "spillway-runtime"
 GROUP, VERSION, PLURAL = "spillway.dev", "v1alpha1", "finetunejobs"
@@ -49,7 +52,7 @@ class StatusPublisher:
             lag = None
             if self._progress and self._mirror.get("step") is not None:
                 lag = max(0, int(self._progress.get("step", 0)) - int(self._mirror["step"]))
-            status["mirror"] = {**self._mirror, "lagSteps": lag}
+            status["mirror"] = {**self._mirror, **Mirror(lag_steps=lag).model_dump(exclude_unset=True)}
         return {
             "apiVersion": f"{GROUP}/{VERSION}",
             "kind": "FineTuneJob",
@@ -77,15 +80,17 @@ class StatusPublisher:
 
     @staticmethod
     def _entry(record: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "name": str(record.get("name")),
-            "step": int(record.get("step", 0)),
-            "loss": _num(record.get("loss")),
-            "time": _iso(record.get("time")),
-            "sizeBytes": int(record.get("sizeBytes") or 0),
-            "sha256": str(record.get("sha256") or ""),
-            **({"evalLoss": _num(record.get("evalLoss"))} if record.get("evalLoss") is not None else {}),
-        }
+        """A checkpoint event (or manifest) as the status lists it."""
+        held_out = {"eval_loss": _num(record.get("evalLoss"))} if record.get("evalLoss") is not None else {}
+        return CheckpointRecord(
+            name=str(record.get("name")),
+            step=int(record.get("step", 0)),
+            loss=_num(record.get("loss")),
+            time=_iso(record.get("time")),
+            size_bytes=int(record.get("sizeBytes") or 0),
+            sha256=str(record.get("sha256") or ""),
+            **held_out,
+        ).model_dump(exclude_unset=True)
 
     def __call__(self, record: dict[str, Any]) -> None:
         kind = record.get("event")
@@ -93,36 +98,41 @@ class StatusPublisher:
         if kind == "step":
             step, loss = int(record.get("step", 0)), _num(record.get("loss"))
             self._progress = {
-                "step": step,
-                "totalSteps": self.total_steps,
-                "loss": loss,
-                # What `kubectl get ftj` prints (full precision stays in `loss` and the events)
-                "stepDisplay": f"{step}/{self.total_steps}",
-                "lossDisplay": "" if loss is None else f"{loss:.4g}",
-                "learningRate": _num(record.get("lr")),
-                "tokensPerSecond": _num(record.get("tokens_per_s")),
-                "etaSeconds": _num(record.get("eta_seconds")),
-                "bytes": record.get("bytes") or {},
-                "updatedAt": _iso(record.get("time")),
+                **Progress(
+                    step=step,
+                    total_steps=self.total_steps,
+                    loss=loss,
+                    # What `kubectl get ftj` prints (full precision stays in `loss` and the events)
+                    step_display=f"{step}/{self.total_steps}",
+                    loss_display="" if loss is None else f"{loss:.4g}",
+                    learning_rate=_num(record.get("lr")),
+                    tokens_per_second=_num(record.get("tokens_per_s")),
+                    eta_seconds=_num(record.get("eta_seconds")),
+                    bytes=record.get("bytes") or {},
+                    updated_at=_iso(record.get("time")),
+                ).model_dump(exclude_unset=True),
                 # the last evaluation's, until the next one
                 **{k: v for k, v in self._progress.items() if k in ("evalLoss", "evalStep")},
             }
         elif kind == "eval":
-            self._progress = {**self._progress, "evalLoss": _num(record.get("eval_loss")),
-                              "evalStep": int(record.get("step", 0))}
+            held_out = Progress(eval_loss=_num(record.get("eval_loss")), eval_step=int(record.get("step", 0)))
+            self._progress = {**self._progress, **held_out.model_dump(exclude_unset=True)}
             force = True
         elif kind == "checkpoint":
             entry = self._entry(record)
             self._checkpoints = [c for c in self._checkpoints if c["name"] != entry["name"]] + [entry]
             force = True
         elif kind in ("mirror", "mirror_restored"):
-            self._mirror = {"uri": str(record.get("uri")), "checkpoint": str(record.get("checkpoint")),
-                            "step": int(record.get("step") or str(record.get("checkpoint", "0")).rpartition("-")[2] or 0),
-                            "bytesPerSecond": _num(record.get("bytes_per_s")), "updatedAt": _iso(record.get("time"))}
+            self._mirror = Mirror(
+                uri=str(record.get("uri")), checkpoint=str(record.get("checkpoint")),
+                step=int(record.get("step") or str(record.get("checkpoint", "0")).rpartition("-")[2] or 0),
+                bytes_per_second=_num(record.get("bytes_per_s")), updated_at=_iso(record.get("time")),
+            ).model_dump(exclude_unset=True)
             force = True
         elif kind in ("mirror_failed", "mirror_behind"):
-            self._mirror = {**self._mirror, "uri": str(record.get("uri")), "lastError": str(record.get("reason")),
-                            "failures": int(record.get("failures") or 0), "updatedAt": _iso(record.get("time"))}
+            failed = Mirror(uri=str(record.get("uri")), last_error=str(record.get("reason")),
+                            failures=int(record.get("failures") or 0), updated_at=_iso(record.get("time")))
+            self._mirror = {**self._mirror, **failed.model_dump(exclude_unset=True)}
             force = True
         elif kind in ("finished", "failed", "preempted", "rollback", "resumed"):
             force = True

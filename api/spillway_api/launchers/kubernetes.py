@@ -25,6 +25,7 @@ from spillway_api.models import CostEntry, Job, ProgressPoint, WatchBookmark, ut
 from spillway_api.service import ATTEMPT_ENDS, JobService, _insert_once, _iso
 from spillway_api.settings import Settings
 from spillway_runtime.spec import API_GROUP, API_VERSION
+from spillway_runtime.status import FineTuneJobStatus, Progress, read_status
 
 log = logging.getLogger(__name__)
 PLURAL = "finetunejobs"
@@ -125,80 +126,76 @@ def record_object(session: Session, obj: dict[str, Any], event_type: str, price_
     if event_type == "DELETED":
         service.transition(job, "Deleted", "deleted from the cluster", f"deleted:{job.uid}")
         return
-    status: dict[str, Any] = obj.get("status") or {}
+    raw: dict[str, Any] = obj.get("status") or {}
+    status = read_status(raw)
     if not stale:
-        _follow_attempts(service, job, job.status or {}, status)
+        _follow_attempts(service, job, read_status(job.status), status)
         job.spec = obj.get("spec") or job.spec
-        job.status = status
-    if status.get("plan"):
-        job.plan = status["plan"]
-    phase = status.get("phase")
-    if phase and phase != job.phase:
-        conditions = status.get("conditions") or []
-        reason = next((c.get("message") or c.get("reason") for c in reversed(conditions) if c.get("message")
-                       or c.get("reason")), None)
-        service.transition(job, str(phase), reason, f"phase:{rv}:{phase}")
-    progress = status.get("progress") or {}
-    if progress.get("step") is not None:
-        job.progress = progress
-        raw_tiers = progress.get("bytes")
-        tiers: dict[str, Any] = raw_tiers if isinstance(raw_tiers, dict) else {}
-        # The same step can come back after a rollback, with the same loss when the resume is
-        # exact; the runtime's updatedAt tells the two apart, and a replayed event keeps it.
-        key = f"progress:{progress['step']}:{progress.get('loss')}"
-        if progress.get("updatedAt"):
-            key += f":{progress['updatedAt']}"
-        new = _insert_once(session, ProgressPoint(
-            job_id=job.id, step=int(progress["step"]), loss=_float(progress.get("loss")),
-            learning_rate=_float(progress.get("learningRate")),
-            tokens_per_second=_float(progress.get("tokensPerSecond")),
-            eta_seconds=_float(progress.get("etaSeconds", progress.get("eta"))),
-            gpu_bytes=_int(tiers.get("gpu")), cpu_bytes=_int(tiers.get("cpu")), nvme_bytes=_int(tiers.get("nvme")),
-            at=_iso(progress.get("updatedAt")) or utcnow(), source_key=key[:128], attempt=job.attempt or None))
-        if new and not stale:  # every status event repeats the last progress: only a new point is a step
-            service.record_step(job, int(progress["step"]), _float(progress.get("loss")))
-    if progress.get("evalStep") is not None:
-        service.add_evaluation(job, _int(progress.get("evalStep")), _float(progress.get("evalLoss")), None,
-                               f"eval:{progress.get('evalStep')}:{progress.get('evalLoss')}")
-    for ckpt in status.get("checkpoints") or []:
-        if ckpt.get("name"):
+        job.status = raw
+    if status.plan is not None:
+        job.plan = status.plan.dump()
+    if status.phase and status.phase != job.phase:
+        reason = next((c.message or c.reason for c in reversed(status.conditions) if c.message or c.reason), None)
+        service.transition(job, status.phase, reason, f"phase:{rv}:{status.phase}")
+    progress = status.progress
+    if progress is not None and progress.step is not None:
+        _record_progress(service, job, progress, raw["progress"], stale)
+    if progress is not None and progress.eval_step is not None:
+        # keyed by the values as written, as every recorded point since the first
+        written = raw["progress"]
+        service.add_evaluation(job, progress.eval_step, progress.eval_loss, None,
+                               f"eval:{written.get('evalStep')}:{written.get('evalLoss')}")
+    for ckpt in status.checkpoints:
+        if ckpt.name:
             service.add_checkpoint(job, ckpt)
     # A rollback is done once the operator has restarted the job from the checkpoint
     # (status.appliedResumeFrom) or someone cleared spec.resumeFrom. Progress alone says nothing:
     # right after the request it still shows the steps the rollback is about to undo.
     resume_from = job.spec.get("resumeFrom")
-    if not stale and (resume_from is None or status.get("appliedResumeFrom") == resume_from):
+    if not stale and (resume_from is None or status.applied_resume_from == resume_from):
         service.complete_rollbacks(job)
-    cost = status.get("cost") or {}
-    if cost.get("usd") is not None or cost.get("gpuHours") is not None:
-        _record_cost(session, job, float(cost.get("usd") or 0.0), float(cost.get("gpuHours") or 0.0), rv,
-                     price_per_gpu_hour)
+    cost = status.cost
+    if cost is not None and (cost.usd is not None or cost.gpu_hours is not None):
+        _record_cost(session, job, cost.usd or 0.0, cost.gpu_hours or 0.0, rv, price_per_gpu_hour)
 
 
-def _follow_attempts(service: JobService, job: Job, before: dict[str, Any], status: dict[str, Any]) -> None:
+def _record_progress(service: JobService, job: Job, progress: Progress, written: dict[str, Any],
+                     stale: bool) -> None:
+    """The runtime's last step as a progress point, once."""
+    job.progress = progress.model_dump(exclude_unset=True)
+    # The same step can come back after a rollback, with the same loss when the resume is
+    # exact; the runtime's updatedAt tells the two apart, and a replayed event keeps it. The
+    # key holds the values as written (the API server may write a loss of 3.0 as 3).
+    key = f"progress:{written['step']}:{written.get('loss')}"
+    if written.get("updatedAt"):
+        key += f":{written['updatedAt']}"
+    step = progress.step or 0
+    new = _insert_once(service.session, ProgressPoint(
+        job_id=job.id, step=step, loss=progress.loss, learning_rate=progress.learning_rate,
+        tokens_per_second=progress.tokens_per_second, eta_seconds=progress.eta_seconds,
+        gpu_bytes=progress.bytes.get("gpu"), cpu_bytes=progress.bytes.get("cpu"), nvme_bytes=progress.bytes.get("nvme"),
+        at=_iso(progress.updated_at) or utcnow(), source_key=key[:128], attempt=job.attempt or None))
+    if new and not stale:  # every status event repeats the last progress: only a new point is a step
+        service.record_step(job, step, progress.loss)
+
+
+def _follow_attempts(service: JobService, job: Job, before: FineTuneJobStatus, status: FineTuneJobStatus) -> None:
     """The operator counts attempts in status.attempt (0 first): a higher count starts the
     next attempt here; the one it replaces ended as the operator's counters say."""
-    if not status.get("phase"):
+    if not status.phase:
         return
-    number = int(status.get("attempt") or 0) + 1
+    number = status.attempt + 1
     if number <= job.attempt:
         return
     ended = None
-    if int(status.get("failures") or 0) > int(before.get("failures") or 0):
+    if status.failures > before.failures:
         ended = "Failed"
-    elif int(status.get("preemptions") or 0) > int(before.get("preemptions") or 0):
+    elif status.preemptions > before.preemptions:
         ended = "Preempted"
     elif job.attempt and job.phase not in ATTEMPT_ENDS:
         ended = "Stopped"  # restarted by a rollback or a resume
     service.begin_attempt(job, "cluster", f"attempt {number - 1} of the operator", number=number,
                           previous_phase=ended)
-
-
-def _float(value: Any) -> float | None:
-    try:
-        return None if value is None else float(value)
-    except (TypeError, ValueError):
-        return None
 
 
 def _older(rv: str, than: str | None) -> bool:
@@ -207,13 +204,6 @@ def _older(rv: str, than: str | None) -> bool:
         return than is not None and int(rv) < int(than)
     except ValueError:
         return False
-
-
-def _int(value: Any) -> int | None:
-    try:
-        return None if value is None else int(value)
-    except (TypeError, ValueError):
-        return None
 
 
 def _record_cost(session: Session, job: Job, usd: float, gpu_hours: float, rv: str, price: float) -> None:
