@@ -47,6 +47,11 @@ export function planPage(main) {
       field("plan-seq", "Sequence length", 2048, { type: "number", min: 1, step: 1 }),
       field("plan-mbs", "Micro-batch size", 1, { type: "number", min: 1, step: 1 })),
     h("p", { id: "params-help", class: "muted" }, "e.g. 7B, 13B or 350M; the planner derives the layer shapes from it."),
+    h("div", { class: "row" },
+      field("plan-namespace", "Namespace (for the cluster's nodes)", new URLSearchParams(location.search).get("namespace") || "",
+        { inputmode: "text", "aria-describedby": "namespace-help" })),
+    h("p", { id: "namespace-help", class: "muted" },
+      "One you may create FineTuneJobs in; empty asks with cluster-wide rights."),
     h("div", { class: "shapes" }, shapeBoxes),
     h("div", { class: "actions" },
       h("button", { type: "submit", id: "plan-compare" }, "Compare node shapes"),
@@ -75,7 +80,10 @@ export function planPage(main) {
     if (!requests.length) { results.replaceChildren(errorBox("Pick at least one node shape.")); return; }
     results.replaceChildren(h("p", { class: "muted" }, "Planning…"));
     try {
-      const answers = await Promise.all(requests.map((r) => api("/v1/plan", { method: "POST", body: r })));
+      // Planning on the cluster's nodes is allowed to whoever may create jobs in the namespace asked about.
+      const ns = cluster ? val("plan-namespace") : "";
+      const url = ns ? `/v1/plan?namespace=${encodeURIComponent(ns)}` : "/v1/plan";
+      const answers = await Promise.all(requests.map((r) => api(url, { method: "POST", body: r })));
       if (largest) {
         results.replaceChildren(largestTable(answers.flatMap((a) => a.largest)));
         return;

@@ -267,6 +267,13 @@ def test_dashboard_jobs_detail_rollback_and_plan(server: dict[str, Any], browser
     assert first["Z3 opt:nvme par:nvme"] > first["Z3 opt:cpu par:cpu"] > 0
     shot(page, "6-largest-model")
 
+    # -- the cluster's nodes, planned as for a namespace the caller may create jobs in: the
+    # API's SubjectAccessReview asks about it (here, local mode, this machine answers)
+    page.fill("#plan-namespace", "team-a")
+    page.click("#plan-cluster")
+    page.wait_for_function("document.querySelectorAll('#plan-table thead th[data-node]').length == 1")
+    assert any(u.endswith("/v1/plan?namespace=team-a") for u in requests), [u for u in requests if "/plan" in u]
+
     # everything came from the API's own origin; no script errors
     assert all(u.startswith(server["url"]) for u in requests), [u for u in requests if not u.startswith(server["url"])]
     assert not problems, problems
