@@ -27,7 +27,7 @@ need_pkgs=()
 # (kube-proxy), socat (the API server's bridge out of the cluster's network namespace), and
 # buildah + mmdebstrap to build its images with no registry (hack/images).
 for pkg in libaio-dev postgresql chromium containerd runc containernetworking-plugins iptables \
-  conntrack socat buildah mmdebstrap; do
+  conntrack ipset socat buildah mmdebstrap; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_pkgs+=("$pkg")
 done
 if [ ${#need_pkgs[@]} -gt 0 ]; then

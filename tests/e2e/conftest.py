@@ -447,6 +447,9 @@ def _env_with_tools(kubeconfig: Path) -> dict[str, str]:
 
 
 def _start_cluster(state_dir: Path) -> None:
+    # With a real NetworkPolicy enforcer (kube-router's firewall, for real node 1's pods):
+    # the policies the chart and the operator make are enforced, not only stored.
+    os.environ.setdefault("SPILLWAY_CLUSTER_NETWORK_POLICY", "1")
     proc = _hack_cluster("up", state_dir, timeout=UP_TIMEOUT_S)
     if proc.returncode != 0:
         _hack_cluster("down", state_dir, timeout=60)

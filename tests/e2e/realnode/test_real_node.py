@@ -22,6 +22,9 @@ from typing import Any
 
 import pytest
 
+from spillway_operator.builders import RENDEZVOUS_PORT
+from spillway_operator.netpol import build_network_policy
+from spillway_operator.settings import OperatorSettings
 from tests.e2e.conftest import HACK_CLUSTER, Cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.realnode]
@@ -150,3 +153,82 @@ def test_down_leaves_no_process_mount_namespace_or_cgroup(cluster: Cluster, shor
     assert node is not None
     ready = [c for c in node["status"]["conditions"] if c["type"] == "Ready"]
     assert ready and ready[0]["status"] == "True"
+
+
+# A rank 0 as the others see it: something listening on the rendezvous port.
+LISTEN = textwrap.dedent(
+    f"""
+    import socket
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("", {RENDEZVOUS_PORT}))
+    s.listen(16)
+    while True:
+        s.accept()[0].close()
+    """
+)
+# A rank dialling rank 0 as torch's store client does: again until a deadline. The enforcer
+# learns a new pod's address from the API server a moment after the pod starts, so the
+# first tries of a pod the policy admits may be refused, as in a real job's start.
+CONNECT = textwrap.dedent(
+    f"""
+    import socket, sys, time
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection((sys.argv[1], {RENDEZVOUS_PORT}), timeout=2)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    """
+)
+
+
+def test_a_jobs_network_policy_lets_only_its_own_pods_reach_its_rendezvous(cluster: Cluster, namespace: str) -> None:
+    """The NetworkPolicy the operator makes for a job (netpol.build_network_policy), under a
+    real enforcer (kube-router's firewall, hack/cluster): a pod of the same job reaches rank
+    0's rendezvous port from either real node, a pod of another job reaches it before the
+    policy exists and not after, from either node."""
+    settings = cluster.settings()
+    assert settings.get("NETWORK_POLICY") == "1", "the cluster runs no NetworkPolicy enforcer"
+    image = cluster.load_images("python")["python"]
+    cluster.load_images("python", node=2)
+    job = {"metadata": {"name": "a", "namespace": namespace, "uid": "0"}}
+    policy = build_network_policy(job, OperatorSettings())
+    del policy["metadata"]["ownerReferences"]  # no FineTuneJob "a" exists: the collector would remove it
+    own = policy["spec"]["podSelector"]["matchLabels"]
+
+    def pod(name: str, labels: dict[str, str], args: list[str], node: int = 1) -> dict[str, Any]:
+        spec: dict[str, Any] = {
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": False,
+            "securityContext": {"runAsNonRoot": True, "runAsUser": 1000},
+            "containers": [{"name": "main", "image": image, "imagePullPolicy": "Never", "command": ["python3", *args],
+                            "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}],
+        }
+        if node == 1:
+            spec = cluster.on_real_node(spec)
+        else:
+            spec["nodeName"] = settings["NODE2_NAME"]
+            spec["tolerations"] = [{"key": settings["NODE2_TAINT"], "operator": "Exists"}]
+        return cluster.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
+                              "spec": spec}, namespace)
+
+    counter = iter(range(100))
+
+    def reaches(labels: dict[str, str], node: int) -> bool:
+        name = f"client-{next(counter)}"
+        pod(name, labels, ["-c", CONNECT, rank0_ip], node)
+        done = cluster.wait_for_pod_phase(namespace, name, ("Succeeded", "Failed"), timeout=120)
+        return bool(done["status"]["phase"] == "Succeeded")
+
+    pod("rank0", {**own, "spillway.dev/rank": "0"}, ["-c", LISTEN])
+    rank0_ip = cluster.wait_for_pod_phase(namespace, "rank0", "Running", timeout=120)["status"]["podIP"]
+    other = {**own, "spillway.dev/job": "b"}
+    assert reaches(other, 1), "another job's pod could not connect with no policy at all: the test proves nothing"
+    cluster.apply(policy, namespace)
+    # The enforcer applies what it watches; a blocked connection is the sign it has.
+    cluster.wait_for(lambda: not reaches(other, 1), 60, interval=1, what="the policy enforced")
+    assert {node: (reaches(own, node), reaches(other, node)) for node in (1, 2)} == {1: (True, False), 2: (True, False)}
