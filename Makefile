@@ -11,7 +11,7 @@ setup:
 	@hack/setup.sh
 
 demo: setup
-	.venv/bin/spillway make-tiny runs/models/tiny-llama --dataset runs/data/arithmetic.jsonl
+	.venv/bin/spillway make-tiny runs/models/demo-llama --hidden-size 256 --layers 8 --dataset runs/data/arithmetic.jsonl
 	.venv/bin/spillway run examples/tiny-local.yaml
 
 lint: setup

@@ -195,3 +195,33 @@ def test_run_refuses_missing_model_and_unwritable_nvme(tmp_path, tiny_model):
     assert result.returncode == 2
     assert "spec.offload.nvme.path" in result.stderr and "not writable" in result.stderr
     assert not Path(tmp_path / "run2" / "checkpoints").exists()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("aio_block", [1 << 20, 8 << 20])  # the probe's two block sizes
+def test_the_demo_swaps_its_optimizer_state_to_nvme(tmp_path, aio_block):
+    """`make demo` as the Makefile has it: the model its make-tiny line builds is large enough
+    that examples/tiny-local.yaml's plan keeps the optimizer state in swap files whatever aio
+    block the probe picks (under DeepSpeed's minimum swap size it would stay in RAM, and the
+    README's "swapped to runs/tiny-local/nvme" would be false)."""
+    import shlex
+
+    from spillway_runtime.hardware import AioSettings, NodeHardware
+    from spillway_runtime.local import plan_for_job
+    from spillway_runtime.spec import FineTuneJob
+
+    repo = Path(__file__).resolve().parents[2]
+    recipe = (repo / "Makefile").read_text().split("\ndemo:", 1)[1].split("\n\n", 1)[0]
+    [make_tiny] = [shlex.split(line)[1:] for line in recipe.splitlines() if "make-tiny" in line]
+    made = spillway(*make_tiny, cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    doc = yaml.safe_load((repo / "examples" / "tiny-local.yaml").read_text())
+    model_dir = (repo / "examples" / doc["spec"]["model"]["uri"]).resolve().relative_to(repo)
+    assert str(model_dir) == make_tiny[1], "the example trains another model than the demo builds"
+    gib = 1 << 30
+    hw = NodeHardware(cpu_cores=2, cpu_memory_bytes=16 * gib, nvme_path=str(tmp_path), nvme_capacity_bytes=100 * gib,
+                      nvme_free_bytes=100 * gib, nvme_read_bytes_per_s=1.5e9, nvme_write_bytes_per_s=2e9,
+                      aio=AioSettings(block_size=aio_block))
+    plan = plan_for_job(FineTuneJob.model_validate(doc), hw, tmp_path / model_dir)
+    assert plan.optimizer == "nvme" and plan.bytes.nvme > 32 << 20, plan.reasons
+    assert not [r for r in plan.reasons if "minimum swap size" in r], plan.reasons
