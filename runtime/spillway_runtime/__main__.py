@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
@@ -23,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, remember)
+    # transformers' and the Hub's tqdm bars ("Writing model shards") would cut through the
+    # run's own progress bar and fill pod logs; the events say what they would.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
     from spillway_runtime.checkpoint import CheckpointError
     from spillway_runtime.data import DatasetError

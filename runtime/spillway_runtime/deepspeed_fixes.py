@@ -16,6 +16,18 @@ _MARK = "_spillway_unique_params"
 def apply(plan: OffloadPlan) -> None:
     if plan.parameters == "nvme":
         swap_each_parameter_in_once()
+    if plan.uses_nvme:
+        quiet_ssd_endurance_warning()
+
+
+def quiet_ssd_endurance_warning() -> None:
+    """DeepSpeed's async-I/O op logs a paragraph about consumer SSDs' write endurance at the
+    first write, in the middle of the progress bar and of every pod's log. The op checks a
+    marker on `deepspeed.utils` first (`deepspeed_aio_op_desc.cpp`); with it set, the
+    runtime says the same once, with this run's figures (a `log` event)."""
+    import deepspeed.utils
+
+    deepspeed.utils._deepspeed_nvme_write_warning_emitted = True
 
 
 def swap_each_parameter_in_once() -> None:

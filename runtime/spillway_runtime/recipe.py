@@ -38,6 +38,7 @@ from spillway_runtime.recipe_checkpoints import Checkpointing, RunFailed
 from spillway_runtime.reporting import Reporter
 from spillway_runtime.runconfig import RuntimeConfig
 from spillway_runtime.tracking import build_listeners
+from spillway_runtime.units import format_bytes
 
 MERGED_DIR = "merged"  # LoRA with export.merge: the merged model, beside the adapter
 # checkpoint.mirror: how long the end of training waits for the last upload (the object
@@ -219,6 +220,10 @@ class FineTuneRecipe(Checkpointing):
         from spillway_runtime import deepspeed_fixes
 
         deepspeed_fixes.apply(self.plan)
+        if self.plan.uses_nvme:
+            self._log(f"up to {format_bytes(self.plan.bytes.nvme)} is written to NVMe swap files every step: "
+                      "sustained offloading wears a consumer SSD's rated write endurance (TBW); datacenter SSDs "
+                      "are made for it")
         ds_config = dict(self.cfg.deepspeed)
         params_per_rank = -(-self.plan.model.params // max(1, self.world_size))
         try:

@@ -33,6 +33,51 @@ def append_event(events_path: Path, kind: str, **fields: Any) -> None:
         fh.write(json.dumps(event_record(kind, **fields), default=str) + "\n")
 
 
+def _loss(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, int | float) else "n/a"
+
+
+def _bytes(value: Any) -> str:
+    return format_bytes(int(value)) if isinstance(value, int | float) else "?"
+
+
+# What a terminal shows of each event, in words (the events file keeps every field, at full
+# precision). A kind mapped to None is not shown there; one missing here is shown compactly.
+_TERMINAL: dict[str, Callable[[dict[str, Any]], str | None]] = {
+    "memory": lambda f: None,
+    "swap_removed": lambda f: None,
+    "started": lambda f: f"training from step {f.get('step', 0)} of {f.get('total_steps')} ({f.get('plan')}, "
+                         f"{f.get('world_size', 1)} process(es))",
+    "log": lambda f: f"[dim]{f.get('message', '')}[/dim]",
+    "warning": lambda f: f"[yellow]warning:[/yellow] {f.get('message', '')}",
+    "lora": lambda f: f"LoRA rank {f.get('rank')}: {f.get('trainable', 0):,} of {f.get('total', 0):,} parameters train",
+    "checkpoint": lambda f: f"checkpoint {f.get('name')} at step {f.get('step')}: {_bytes(f.get('sizeBytes'))}, "
+                            f"loss {_loss(f.get('loss'))}, training paused {f.get('stall_seconds', 0):.2f} s",
+    "checkpoint_failed": lambda f: f"[red]checkpoint at step {f.get('step')} failed:[/red] {f.get('reason')}",
+    "eval": lambda f: f"held-out loss {_loss(f.get('eval_loss'))} at step {f.get('step')}",
+    "resumed": lambda f: f"resumed from {f.get('checkpoint')} (step {f.get('step')})",
+    "rolled_back": lambda f: f"[yellow]rolled back[/yellow] to {f.get('checkpoint')} (step {f.get('step')})",
+    "diverged": lambda f: f"[red]diverged[/red] at step {f.get('step')}: {f.get('reason')}",
+    "preempted": lambda f: f"stopped at step {f.get('step')} with a checkpoint; run again to resume",
+    "exported": lambda f: f"model exported to {f.get('path')} ({_bytes(f.get('bytes'))})",
+    "export_uploaded": lambda f: f"export uploaded to {f.get('uri')} ({_bytes(f.get('bytes'))})",
+    "mirror_restored": lambda f: f"{f.get('checkpoint')} restored from {f.get('uri')} ({_bytes(f.get('bytes'))})",
+    "mirror_behind": lambda f: f"[yellow]mirror {f.get('uri')} is behind:[/yellow] {f.get('reason')}",
+    "resharded": lambda f: f"{f.get('checkpoint')} resharded for this run's processes",
+    "finished": lambda f: f"finished at step {f.get('step')}, loss {_loss(f.get('loss'))}",
+    "failed": lambda f: f"[red]failed:[/red] {f.get('reason')}",
+}
+
+
+def terminal_line(kind: str, fields: dict[str, Any]) -> str | None:
+    """The line a terminal shows for an event, or None for one it does not show."""
+    if kind in _TERMINAL:
+        return _TERMINAL[kind](fields)
+    shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in fields.items()
+             if not isinstance(v, dict | list) and k != "sha256"}
+    return f"{kind} " + " ".join(f"{k}={v}" for k, v in shown.items())
+
+
 class EventListener(Protocol):
     """Something else that follows the run's events (tracking.py). `handle` runs on the
     training thread after each event is written: it must return at once."""
@@ -81,8 +126,8 @@ class Reporter:
         if self.sink is not None:
             self.sink(record)
         if self.interactive:
-            if kind != "step":
-                self._console_print(f"[bold]{kind}[/bold] " + " ".join(f"{k}={v}" for k, v in fields.items()))
+            if kind != "step" and (text := terminal_line(kind, fields)) is not None:
+                self._console_print(text)
         else:
             print(line, flush=True)
         for listener in list(self.listeners):

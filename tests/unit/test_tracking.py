@@ -4,6 +4,7 @@ is one warning in the events file and the events go on; the scalars every tracke
 
 from __future__ import annotations
 
+import json
 import socket
 import urllib.error
 import urllib.request
@@ -125,3 +126,28 @@ def test_params_are_the_spec_flattened_by_dotted_keys_mlflow_accepts():
         "spec.resources.nodeSelector.pool_gpu": "a100", "spec.resources.nodeSelector.nvidia.com/gpu.product": "A100",
         "spec.budget": "{}", "spec.export.merge": "false",
     }
+
+
+def test_a_terminal_shows_events_in_words_and_the_events_file_keeps_every_field(tmp_path: Path, capsys,
+                                                                                 monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps at the terminal's width
+    reporter = Reporter(tmp_path / "events.jsonl", total_steps=60, interactive=True)
+    reporter.event("memory", stage="engine", bytes={"cpu": 840134656})
+    reporter.event("log", message="rank 0/1 on cpu, plan Z3 opt:nvme par:gpu")
+    reporter.event("checkpoint", name="step-00000020", step=20, loss=1.2345678901, sizeBytes=65377448,
+                   sha256="bf09f2b66699bbe0fc580bd1bd828f53ec027ef040bc35dc4ce21c0ac5b8f2ac", stall_seconds=1.5515)
+    reporter.event("eval", step=20, eval_loss=1.1111111, perplexity=3.03)
+    reporter.event("something_new", ratio=0.123456789, nested={"a": 1})
+    reporter.event("finished", step=60, loss=1.100219190120697, rollbacks=0)
+    reporter.close()
+    shown = [line.rstrip() for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert shown == [
+        "rank 0/1 on cpu, plan Z3 opt:nvme par:gpu",
+        "checkpoint step-00000020 at step 20: 62.3 MiB, loss 1.235, training paused 1.55 s",
+        "held-out loss 1.111 at step 20",
+        "something_new ratio=0.1235",
+        "finished at step 60, loss 1.1",
+    ]
+    kept = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert kept[0]["event"] == "memory" and kept[2]["sha256"].startswith("bf09f2b6")
+    assert kept[2]["loss"] == 1.2345678901
