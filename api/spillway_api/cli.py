@@ -14,6 +14,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from spillway_api.client_cli import jobs_app
 from spillway_operator.cli import register as register_operator_commands
 from spillway_runtime.cli import make_tiny, plan, probe
 from spillway_runtime.contract import ExitCode
@@ -136,6 +137,7 @@ def build_app() -> typer.Typer:
     app.command()(run)
     app.command("make-tiny")(make_tiny)
     app.command()(api)
+    app.add_typer(jobs_app)
     register_operator_commands(app)
     return app
 
