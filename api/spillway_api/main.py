@@ -17,7 +17,7 @@ from spillway_api import errors
 from spillway_api.auth import LOOPBACK_HOSTS, KubernetesAuth, NoAuth, TokenAuth, ensure_token_file
 from spillway_api.db import make_engine, make_sessionmaker, migrate
 from spillway_api.deps import reject_unknown_query
-from spillway_api.launchers.local import LocalLauncher
+from spillway_api.launchers.local import LocalLauncher, end_orphaned_runs
 from spillway_api.middleware import BodySizeLimit, Metrics, MetricsMiddleware
 from spillway_api.routes import cost, dashboard, health, jobs, plan
 from spillway_api.settings import Settings, get_settings
@@ -29,6 +29,7 @@ def create_app(settings: Settings | None = None, *, kube_api_client: Any = None)
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         migrate(app.state.engine)
+        end_orphaned_runs(app.state.sessions, settings.local_price_per_hour)
         watch = None
         if app.state.kube is not None and settings.kube_watch:
             from spillway_api.launchers.kubernetes import FineTuneJobWatch

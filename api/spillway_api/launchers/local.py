@@ -12,6 +12,7 @@ when a rollback or resume asks for it. Ownership is the owner's pid in the row.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -235,33 +236,76 @@ class LocalRun:
         return None
 
     def _ingest(self, service: JobService, job: Job, events: Path) -> None:
-        if not events.exists():
-            return
-        with events.open("rb") as fh:
-            if fh.seek(0, os.SEEK_END) < job.events_read:
-                job.events_read = 0  # a new run directory
-            fh.seek(job.events_read)
-            data = fh.read()
-        run_key = zlib.crc32(str(events).encode())
-        offset = job.events_read
-        import json
+        stopped = ingest_events(service, job, events, self.price_per_hour)
+        if stopped is not None:
+            self._stop_checkpointed = stopped
 
-        for line in data.splitlines(keepends=True):
-            if not line.endswith(b"\n"):
-                break  # the runtime is still writing it
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                event = None
-            if isinstance(event, dict):
-                service.record_event(job, event, f"ev:{run_key:x}:{offset}", self.price_per_hour)
-                if event.get("event") in ("started", "resumed", "preempted"):
-                    self._stop_checkpointed = event.get("event") == "preempted"
-                if event.get("event") == "resumed" and job.spec.get("resumeFrom"):
-                    # done: later restarts resume from the newest checkpoint again
-                    job.spec = {k: v for k, v in job.spec.items() if k != "resumeFrom"}
-            offset += len(line)
-        job.events_read = offset
+
+def ingest_events(service: JobService, job: Job, events: Path, price_per_hour: float) -> bool | None:
+    """Copy the lines of a run's events.jsonl that the row has not read into the database.
+    Returns whether the last of them that starts or stops a run says it stopped with a
+    checkpoint (`preempted`), or None when none of them does."""
+    if not events.exists():
+        return None
+    with events.open("rb") as fh:
+        if fh.seek(0, os.SEEK_END) < job.events_read:
+            job.events_read = 0  # a new run directory
+        fh.seek(job.events_read)
+        data = fh.read()
+    run_key = zlib.crc32(str(events).encode())
+    offset = job.events_read
+    stopped: bool | None = None
+    for line in data.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break  # the runtime is still writing it
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            event = None
+        if isinstance(event, dict):
+            service.record_event(job, event, f"ev:{run_key:x}:{offset}", price_per_hour)
+            if event.get("event") in ("started", "resumed", "preempted"):
+                stopped = event.get("event") == "preempted"
+            if event.get("event") == "resumed" and job.spec.get("resumeFrom"):
+                # done: later restarts resume from the newest checkpoint again
+                job.spec = {k: v for k, v in job.spec.items() if k != "resumeFrom"}
+        offset += len(line)
+    job.events_read = offset
+    return stopped
+
+
+def end_orphaned_runs(sessions: sessionmaker[Session], price_per_hour: float = 0.0) -> list[str]:
+    """Jobs recorded as run by a process of this machine that is gone (a SIGKILLed `spillway
+    run`, an API killed with its jobs): what their runs wrote is read in, and the attempt ends
+    as the run did: Preempted when its last word was a stop checkpoint, else Failed, naming
+    the checkpoint that running it again resumes from. Called when `spillway api` and
+    `spillway run` start; returns the jobs it ended, as NAMESPACE/NAME."""
+    ended = []
+    with sessions.begin() as session:
+        orphans = session.scalars(select(Job).where(Job.launcher == "local", Job.owner_pid.is_not(None))).all()
+        for job in orphans:
+            pid = job.owner_pid
+            if pid == os.getpid() or _alive(pid):
+                continue
+            service = JobService(session, {}, "local")
+            stopped = ingest_events(service, job, Path(job.run_dir) / "events.jsonl", price_per_hour) \
+                if job.run_dir else None
+            job.owner_pid = None
+            if job.phase in TERMINAL_PHASES | {"Suspended", "Preempted", "Pending"}:
+                continue  # it had ended (or not started) before its owner went
+            good = service.checkpoints(job)
+            resume = f"running it again resumes from {good[-1].name}" if good else "it has no checkpoint to resume from"
+            if stopped:
+                service.transition(job, "Preempted", f"stopped with a checkpoint; the process that ran it (pid {pid}) "
+                                   f"is gone: {resume}", f"orphan:{pid}:{job.version}")
+            else:
+                service.set_exit_code(job, None)
+                service.transition(job, "Failed", f"the process that ran it (pid {pid}) is gone with no exit status "
+                                   f"(killed?): {resume}", f"orphan:{pid}:{job.version}")
+            ended.append(f"{job.namespace}/{job.name}")
+    for name in ended:
+        log.warning("%s: its process is gone; its attempt is ended", name)
+    return ended
 
 
 class LocalLauncher:
@@ -347,6 +391,7 @@ def record_local_job(settings: Settings, job: FineTuneJob, job_file: Path,
     engine = make_engine(settings.database_url)
     migrate(engine)
     sessions = make_sessionmaker(engine)
+    end_orphaned_runs(sessions, settings.local_price_per_hour)
     with sessions.begin() as session:
         namespace, name = job.metadata.namespace, job.metadata.name
         row = session.scalars(select(Job).where(Job.namespace == namespace, Job.name == name)).one_or_none()

@@ -11,6 +11,7 @@ test_checkpoint_kill_points.py.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -237,3 +238,65 @@ def test_a_killed_spillway_run_leaves_no_training_process_behind(tmp_path, tiny_
     assert not alive, f"training processes outlived spillway run: {alive}"
     [preempted] = run.events("preempted")  # they were asked to stop, not killed: a checkpoint
     assert good_checkpoint(run.run_dir) == checkpoint_name(preempted["step"])
+
+    # Nobody recorded that end: the row still says Running, owned by the dead command. The
+    # next `spillway api` to start (this app's start-up) reads the run's last events and ends
+    # the attempt as the run did, naming where a new run resumes.
+    from fastapi.testclient import TestClient
+
+    from spillway_api.main import create_app
+
+    settings = Settings(database_url=run.env["SPILLWAY_DATABASE_URL"], data_dir=Path(run.env["SPILLWAY_DATA_DIR"]),
+                        auth="none")
+    with make_sessionmaker(make_engine(settings.database_url))() as session:
+        [row] = session.query(Job).all()
+        assert (row.phase, row.owner_pid) == ("Running", run.proc.pid)
+    with TestClient(create_app(settings), base_url="http://127.0.0.1") as api:  # --no-auth: loopback only
+        job = api.get("/v1/namespaces/default/jobs/orphan").json()
+        assert job["phase"] == "Preempted" and f"stopped at step {preempted['step']}" in job["message"], job
+        [attempt] = api.get("/v1/namespaces/default/jobs/orphan/attempts").json()["data"]
+        assert attempt["phase"] == "Preempted" and attempt["endedAt"] and attempt["lastStep"] == preempted["step"]
+
+
+def test_a_run_killed_with_its_trainer_ends_failed_naming_where_it_resumes(tmp_path):
+    """A run whose command and training process both died mid-step (no stop checkpoint): the
+    next start of `spillway run` or `spillway api` ends its attempt Failed, at its last step,
+    naming the dead process and the checkpoint a new run resumes from."""
+    from spillway_api.launchers.local import end_orphaned_runs
+    from spillway_api.service import JobService
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that no longer runs
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    now = time.time()
+    events = [{"event": "started", "step": 0, "total_steps": 10, "time": now},
+              *[{"event": "step", "step": s, "loss": 3.0 - s / 10, "time": now + s} for s in (1, 2, 3)],
+              {"event": "checkpoint", "name": checkpoint_name(2), "step": 2, "loss": 2.8, "time": now + 2,
+               "sizeBytes": 10, "sha256": "0" * 64}]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    engine = make_engine(f"sqlite:///{tmp_path / 'spillway.db'}")
+    migrate(engine)
+    sessions = make_sessionmaker(engine)
+    with sessions.begin() as session:
+        job = Job(namespace="default", name="killed", launcher="local", spec={}, phase="Pending", events_read=0,
+                  run_dir=str(run_dir))
+        session.add(job)
+        session.flush()
+        service = JobService(session, {}, "local")
+        service.begin_attempt(job, "submit", "submit on this machine")
+        service.transition(job, "Running", "training", "run")
+        job.owner_pid = gone.pid
+        alive = Job(namespace="default", name="mine", launcher="local", spec={}, phase="Running", events_read=0,
+                    owner_pid=os.getpid())  # a live owner's job is left alone
+        session.add(alive)
+
+    assert end_orphaned_runs(sessions) == ["default/killed"]
+    with sessions() as session:
+        job = session.query(Job).filter_by(name="killed").one()
+        assert (job.phase, job.owner_pid) == ("Failed", None)
+        assert f"pid {gone.pid}" in job.message and f"resumes from {checkpoint_name(2)}" in job.message
+        attempt = JobService(session, {}, "local").current_attempt(job)
+        assert attempt is not None and (attempt.phase, attempt.last_step) == ("Failed", 3) and attempt.ended_at is not None
+        assert session.query(Job).filter_by(name="mine").one().phase == "Running"
+    assert end_orphaned_runs(sessions) == []  # once
