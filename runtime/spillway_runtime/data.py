@@ -9,6 +9,11 @@ Chat and completion records (`sft`) are documents with a loss mask: packed whole
 apart (each document's positions restart, and no token attends to another document's),
 or one per sequence with `packing: false`. Their mask and document ids are a second
 array beside the tokens, [rows, 2, sequence_length].
+
+Preference records (`dpo`) are pairs: one row per record holding its chosen and its rejected
+sequence, [rows, 2, sequence_length], each padded on the right, with the same second array per
+sequence, [rows, 2 (learn, real), 2 (chosen, rejected), sequence_length]. A micro-batch of them
+is laid out as TRL does: the chosen sequences, then the rejected ones.
 """
 
 from __future__ import annotations
@@ -116,14 +121,21 @@ def read_documents(source: DatasetSource, path: Path, tokenizer: Any, sequence_l
     return read(source, _files(path, source.format), _utf8, tokenizer, sequence_length)
 
 
+def read_pairs(source: DatasetSource, path: Path, tokenizer: Any, sequence_length: int) -> Any:
+    """The preference records of ``path`` as (chosen, rejected) pairs (`dpo.Pairs`)."""
+    from spillway_runtime.dpo import read_pairs as read
+
+    return read(source, _files(path, source.format), _utf8, tokenizer, sequence_length)
+
+
 @dataclass
 class PackedDataset:
     """Token ids packed into rows of `sequence_length`: a 2-D uint32 array, in RAM or mapped
     from the token cache (pages shared by every rank on the node and dropped under pressure).
     With `meta` (chat and completion data): per token, whether its loss is learned and its
-    document's id in the row (0: padding)."""
+    document's id in the row (0: padding). Preference pairs: a third dimension (chosen, rejected)."""
 
-    rows: Any  # numpy [num_rows, sequence_length], uint32
+    rows: Any  # numpy [num_rows, sequence_length] uint32; pairs: [num_rows, 2, sequence_length]
     tokens: int
     meta: Any = None  # numpy [num_rows, 2, sequence_length], uint32: (learn, document)
     index: Any = None  # numpy int64: the rows of `rows` this dataset is (a split), None: all
@@ -181,6 +193,25 @@ class PackedDataset:
                 meta[r, 1, at:end] = d
                 at = end
         return cls(rows=tokens, tokens=int(sum(len(ids) for ids, _ in docs)), meta=meta)
+
+    @classmethod
+    def build_pairs(cls, pairs: list[tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]], pad_id: int,
+                    sequence_length: int) -> PackedDataset:
+        """(chosen, rejected) pairs, each sequence at most `sequence_length`, one pair per row."""
+        import numpy as np
+
+        tokens = np.full((len(pairs), 2, sequence_length), pad_id, dtype=TOKEN_DTYPE)
+        meta = np.zeros((len(pairs), 2, 2, sequence_length), dtype=TOKEN_DTYPE)
+        for r, pair in enumerate(pairs):
+            for side, (ids, learn) in enumerate(pair):
+                tokens[r, side, : len(ids)] = ids
+                meta[r, 0, side, : len(ids)] = learn
+                meta[r, 1, side, : len(ids)] = 1
+        return cls(rows=tokens, tokens=int(meta[:, 1].sum()), meta=meta)
+
+    @property
+    def pairs(self) -> bool:
+        return len(self.rows.shape) == 3
 
     def _permutation(self, seed: int, epoch: int) -> Any:
         import torch
@@ -264,7 +295,10 @@ class PackedDataset:
         inputs = self._inputs(rows)
         counted = max(0, min(micro_batch_size, len(self) - start))
         inputs["labels"] = inputs["labels"].clone()
-        inputs["labels"][counted:] = -100
+        if self.pairs:  # the chosen rows, then the rejected ones
+            inputs["labels"].view(2, micro_batch_size, -1)[:, counted:] = -100
+        else:
+            inputs["labels"][counted:] = -100
         return inputs
 
     def _inputs(self, picked: list[int]) -> dict[str, Any]:
@@ -274,6 +308,8 @@ class PackedDataset:
         if self.meta is None:
             return {"input_ids": ids, "labels": ids}
         meta = torch.stack([torch.from_numpy(self.meta[i].astype("int64")) for i in picked])
+        if self.pairs:
+            return pair_inputs(ids, meta[:, 0], meta[:, 1])
         return document_inputs(ids, meta[:, 0], meta[:, 1])
 
 
@@ -293,6 +329,18 @@ def document_inputs(ids: Any, learn: Any, documents: Any) -> dict[str, Any]:
     same = documents[:, :, None] == documents[:, None, :]
     return {"input_ids": ids, "labels": labels, "position_ids": index - first,
             "attention_mask": (causal & same)[:, None]}
+
+
+def pair_inputs(ids: Any, learn: Any, real: Any) -> dict[str, Any]:
+    """input_ids, labels (-100 but on the answers) and the padding mask of [pairs, 2, seq]
+    arrays, as TRL lays a preference batch out: the chosen sequences, then the rejected ones,
+    cut to the longest of them (padding on the right)."""
+    import torch
+
+    ids, learn, real = (torch.cat([t[:, 0], t[:, 1]]) for t in (ids, learn, real))
+    width = max(1, int(real.sum(dim=1).max()))
+    ids, learn, real = ids[:, :width], learn[:, :width], real[:, :width]
+    return {"input_ids": ids, "labels": ids.masked_fill(learn == 0, -100), "attention_mask": real}
 
 
 def _meta_path(path: Path) -> Path:

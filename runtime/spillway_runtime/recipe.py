@@ -29,6 +29,7 @@ from spillway_runtime.data import (
     PackedDataset,
     dataset_fingerprint,
     read_documents,
+    read_pairs,
     read_texts,
     token_cache_path,
 )
@@ -202,6 +203,8 @@ class FineTuneRecipe(Checkpointing):
 
     def _tokenize(self, dataset_path: Path, sequence_length: int, path: Path) -> str:
         source = self.spec.dataset
+        if source.format == "preference":
+            return self._tokenize_pairs(dataset_path, sequence_length, path)
         if source.format not in ("chat", "completion"):
             texts = read_texts(source, dataset_path)
             PackedDataset.build(texts, self.tokenizer, sequence_length).save(path)
@@ -212,6 +215,13 @@ class FineTuneRecipe(Checkpointing):
         learned = sum(sum(learn) for _, learn in read.docs)
         skipped = f", {read.skipped} bad records skipped (first: {read.first_skipped})" if read.skipped else ""
         return f"{len(read.docs)} {source.format} records tokenized ({learned} tokens learned){skipped}, "
+
+    def _tokenize_pairs(self, dataset_path: Path, sequence_length: int, path: Path) -> str:
+        read = read_pairs(self.spec.dataset, dataset_path, self.tokenizer, sequence_length)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        PackedDataset.build_pairs(read.pairs, int(pad or 0), sequence_length).save(path)
+        skipped = f", {read.skipped} bad records skipped (first: {read.first_skipped})" if read.skipped else ""
+        return f"{len(read.pairs)} preference pairs tokenized{skipped}, "
 
     def _setup_engine(self) -> None:
         import deepspeed
@@ -347,13 +357,39 @@ class FineTuneRecipe(Checkpointing):
     def _micro_loss(self, position: int) -> Any:
         t = self.spec.training
         batch = self.dataset.micro_batch(position, self.rank, self.world_size, t.micro_batch_size, t.seed)
-        loss = self.engine(**{k: v.to(self.engine.device) for k, v in batch.items()}).loss
+        if self.spec.method.objective == "dpo":
+            loss = self._preference_loss(batch)
+        else:
+            loss = self.engine(**{k: v.to(self.engine.device) for k, v in batch.items()}).loss
         faults = self.cfg.faults
         if position in faults.nan_micro_batches:
             loss = loss * float("nan")
         elif position in faults.spike_micro_batches:
             loss = loss * 1000.0
         return loss
+
+    def _preference_loss(self, batch: dict[str, Any]) -> Any:
+        """DPO on a micro-batch of pairs; its statistics are added to the step's (`dpo.STATS`).
+        The reference is the base model: the LoRA adapters switched off, no second copy."""
+        from spillway_runtime.dpo import preference_loss
+
+        method = self.spec.method
+        loss, stats = preference_loss(self.engine, self.engine.module.disable_adapter,
+                                      {k: v.to(self.engine.device) for k, v in batch.items()},
+                                      method.beta, method.dpo_loss)
+        self.preference_stats = stats.cpu() + getattr(self, "preference_stats", 0)
+        return loss
+
+    def _objective_metrics(self) -> dict[str, float]:
+        """The step's DPO metrics as TRL names them (rewards/chosen, ...), over all ranks; none for sft."""
+        if self.spec.method.objective != "dpo":
+            return {}
+        from spillway_runtime.dpo import step_metrics
+
+        stats, self.preference_stats = self.preference_stats, 0
+        if self.world_size > 1:
+            self.dist.all_reduce(stats)
+        return step_metrics(stats)
 
     def train_step(self) -> tuple[float, int, int]:
         """One optimizer step; returns (mean loss across ranks, first, end data position)."""
@@ -364,6 +400,7 @@ class FineTuneRecipe(Checkpointing):
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
         first = self._next_position()
+        self.preference_stats = 0  # a rolled-back step's statistics go with it
         total = 0.0
         for _ in range(t.gradient_accumulation):
             position = self._next_position()
@@ -398,6 +435,7 @@ class FineTuneRecipe(Checkpointing):
                 continue
             self.divergence.record(loss)
             self.step += 1
+            objective_metrics = self._objective_metrics()
             elapsed = time.monotonic() - step_started
             done = self.step - start_step
             rate = (time.monotonic() - started) / max(1, done)
@@ -410,6 +448,7 @@ class FineTuneRecipe(Checkpointing):
                 eta_seconds=round(rate * (t.max_steps - self.step), 1),
                 data_position=self.data_position,
                 bytes=self._tier_bytes(),
+                **objective_metrics,
             )
             self.last_loss = loss
             self.report_mirror()
@@ -432,6 +471,8 @@ class FineTuneRecipe(Checkpointing):
         import torch
 
         assert self.held_out is not None
+        if self.spec.method.objective == "dpo":
+            return self._evaluate_preferences()
         t = self.spec.training
         per_forward = t.micro_batch_size * self.world_size
         batches = -(-len(self.held_out) // per_forward)
@@ -458,6 +499,37 @@ class FineTuneRecipe(Checkpointing):
         self.reporter.event("eval", step=self.step, eval_loss=value,
                             perplexity=float(torch.tensor(value).exp()) if value == value else None,
                             tokens=int(total[1]))
+        return value
+
+    def _evaluate_preferences(self) -> float:
+        """The held-out DPO loss and TRL's metrics (eval_rewards/chosen, ...) over every held-out
+        pair, all ranks; an `eval` event, as `evaluate`. Nothing that training reads is touched."""
+        import torch
+
+        from spillway_runtime.dpo import preference_loss, step_metrics
+
+        assert self.held_out is not None
+        t, method = self.spec.training, self.spec.method
+        batches = -(-len(self.held_out) // (t.micro_batch_size * self.world_size))
+        if t.eval_batches:
+            batches = min(batches, t.eval_batches)
+        stats = torch.zeros(8, dtype=torch.float64)
+        self.engine.eval()
+        try:
+            with torch.no_grad():
+                for index in range(batches):
+                    batch = self.held_out.eval_batch(index, self.rank, self.world_size, t.micro_batch_size)
+                    stats += preference_loss(self.engine, self.engine.module.disable_adapter,
+                                             {k: v.to(self.engine.device) for k, v in batch.items()},
+                                             method.beta, method.dpo_loss)[1].cpu()
+        finally:
+            self.engine.train()
+        if self.world_size > 1:
+            self.dist.all_reduce(stats)
+        value = float(stats[1] / stats[0]) if stats[0] else float("nan")
+        self.last_eval = (self.step, value)
+        self.reporter.event("eval", step=self.step, eval_loss=value, pairs=int(stats[0]),
+                            **step_metrics(stats, prefix="eval_"))
         return value
 
     def _preempt(self) -> int:
