@@ -20,8 +20,12 @@ from spillway_operator import node_pools
 from spillway_operator.placement import ShapeChoice
 from spillway_operator.settings import OperatorSettings
 from spillway_runtime.contract import (
+    ATTEMPT_ENV,
+    JOB_NAME_ENV,
+    JOB_NAMESPACE_ENV,
     METRICS_PORT_ENV,
     POD_METRICS_PORT,
+    STOP_GRACE_SECONDS_ENV,
     TERMINAL_PHASES,
     ExitCode,
     Phase,
@@ -234,8 +238,7 @@ def build_runtime_config(job: dict[str, Any], spec: FineTuneJobSpec, plan: Offlo
         }
     )
     nvme_dir = NVME_DIR if plan.uses_nvme else None
-    world = plan.nodes * max(1, plan.processes_per_node)  # GPUs, or resources.cpuProcesses
-    ds = build_deepspeed_config(plan, wire_spec, nvme_path=nvme_dir, world_size=world)
+    ds = build_deepspeed_config(plan, wire_spec, nvme_path=nvme_dir, world_size=plan.world_size)
     root = Path("/")
     return RuntimeConfig(
         job=ftj,
@@ -416,9 +419,9 @@ def build_pod(
         volumes.append(s3_cache_volume(settings))
 
     env = [
-        {"name": "SPILLWAY_JOB_NAME", "value": name},
-        {"name": "SPILLWAY_JOB_NAMESPACE", "value": job["metadata"]["namespace"]},
-        {"name": "SPILLWAY_ATTEMPT", "value": str(attempt)},
+        {"name": JOB_NAME_ENV, "value": name},
+        {"name": JOB_NAMESPACE_ENV, "value": job["metadata"]["namespace"]},
+        {"name": ATTEMPT_ENV, "value": str(attempt)},
         # Rank 0 serves /metrics here (the chart's PodMonitor scrapes the rank-0 pod's `metrics` port)
         {"name": METRICS_PORT_ENV, "value": str(POD_METRICS_PORT)},
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
@@ -427,7 +430,7 @@ def build_pod(
         # Face, torch, Triton) go to the writable /tmp volume instead of failing.
         {"name": "HOME", "value": "/tmp"},
         # The runtime bounds its last mirror upload after SIGTERM by what is left of this
-        {"name": "SPILLWAY_STOP_GRACE_SECONDS", "value": str(settings.termination_grace_seconds)},
+        {"name": STOP_GRACE_SECONDS_ENV, "value": str(settings.termination_grace_seconds)},
         *storage_env(spec),
     ]
     if plan.accelerator == "cpu":

@@ -27,6 +27,13 @@ class ExitCode(IntEnum):
 # The runtime's own Prometheus endpoint (tracking.py): served on rank 0 when this variable
 # names a port; the operator sets it in every trainer pod and names the container port `metrics`.
 METRICS_PORT_ENV = "SPILLWAY_METRICS_PORT"
+# The rest of a training pod's environment that the operator sets (builders.build_pod) and
+# the runtime reads: which job it reports to (k8s_status), the attempt (tracking), and the
+# seconds it has to checkpoint after SIGTERM (the pod's terminationGracePeriodSeconds).
+JOB_NAME_ENV = "SPILLWAY_JOB_NAME"
+JOB_NAMESPACE_ENV = "SPILLWAY_JOB_NAMESPACE"
+ATTEMPT_ENV = "SPILLWAY_ATTEMPT"
+STOP_GRACE_SECONDS_ENV = "SPILLWAY_STOP_GRACE_SECONDS"
 POD_METRICS_PORT = 9400  # in the exporters' range; the pod has its own network namespace, so no node's exporter collides
 
 # Every phase a job can be in, in the operator (cluster) or the API's local launcher.

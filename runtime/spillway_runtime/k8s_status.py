@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from spillway_runtime.contract import JOB_NAME_ENV, JOB_NAMESPACE_ENV
 from spillway_runtime.status import CheckpointRecord, Mirror, Progress
 
 FIELD_MANAGER = "spillway-runtime"
@@ -199,13 +200,13 @@ def _server_side_apply(name: str, namespace: str, api: Any = None) -> Callable[[
 
 def in_pod() -> bool:
     """Whether this process runs in a pod the operator created (its job is named in the environment)."""
-    return bool(os.environ.get("SPILLWAY_JOB_NAME") and os.environ.get("SPILLWAY_JOB_NAMESPACE"))
+    return bool(os.environ.get(JOB_NAME_ENV) and os.environ.get(JOB_NAMESPACE_ENV))
 
 
 def sink_from_env(total_steps: int) -> StatusPublisher | None:
     """The Reporter sink for a pod the operator created; None anywhere else."""
-    name = os.environ.get("SPILLWAY_JOB_NAME")
-    namespace = os.environ.get("SPILLWAY_JOB_NAMESPACE")
+    name = os.environ.get(JOB_NAME_ENV)
+    namespace = os.environ.get(JOB_NAMESPACE_ENV)
     if not name or not namespace or int(os.environ.get("RANK", "0")) != 0:
         return None
     try:

@@ -185,11 +185,10 @@ def prepare_local_run(
         plan, probe = _plan_here(job, job_path, (nvme_dir, run_dir, checkpoint_dir), model_dir, processes, reprobe)
     else:
         plan = plan_for_job(job, hardware, model_dir, processes)
-    uses_nvme = "nvme" in (plan.optimizer, plan.parameters)
-    if uses_nvme:
+    if plan.uses_nvme:
         _check_writable_dir(nvme_dir, "spec.offload.nvme.path", job_path)
-    ds_config = build_deepspeed_config(plan, spec, nvme_path=str(nvme_dir) if uses_nvme else None,
-                                       world_size=plan.processes_per_node)
+    ds_config = build_deepspeed_config(plan, spec, nvme_path=str(nvme_dir) if plan.uses_nvme else None,
+                                       world_size=plan.world_size)
     validate_deepspeed_config(ds_config)
     config = RuntimeConfig(
         job=job,
@@ -200,7 +199,7 @@ def prepare_local_run(
         validation_path=str(validation_path) if validation_path else None,
         run_dir=str(run_dir),
         checkpoint_dir=str(checkpoint_dir),
-        nvme_dir=str(nvme_dir) if uses_nvme else None,
+        nvme_dir=str(nvme_dir) if plan.uses_nvme else None,
         export_dir=str(run_dir / "final"),
         events_path=str(run_dir / "events.jsonl"),
         deepspeed=ds_config,

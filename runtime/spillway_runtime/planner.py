@@ -36,7 +36,7 @@ from spillway_runtime.estimates import (
 from spillway_runtime.hardware import AioSettings, NodeHardware
 from spillway_runtime.hf_shape import count_decoder
 from spillway_runtime.plan_summary import PlanSummary
-from spillway_runtime.spec import DType, Method, Offload, Tier, Training
+from spillway_runtime.spec import POLICY_TIERS, DType, Method, Offload, Tier, Training
 from spillway_runtime.units import GiB, format_bytes, format_count
 
 # --- Constants, each with its reason -------------------------------------------------
@@ -240,6 +240,11 @@ class OffloadPlan(BaseModel):
         return "nvme" in (self.optimizer, self.parameters)
 
     @property
+    def world_size(self) -> int:
+        """Training processes in all: one per GPU, or resources.cpuProcesses, on each node."""
+        return self.nodes * max(1, self.processes_per_node)
+
+    @property
     def label(self) -> str:
         """Short form for printer columns: 'Z3 opt:nvme par:cpu'."""
         return _label(self.zero_stage, self.optimizer, self.parameters)
@@ -313,11 +318,10 @@ def _allowed(offload: Offload, stage: int, optimizer: Tier, parameters: Tier) ->
     forced = _forced_stage(offload)
     if forced is not None and forced != stage:
         return f"offload.deepspeed sets zero_optimization.stage {forced}"
-    tiers = {optimizer, parameters}
-    if offload.policy == "none" and tiers != {"gpu"}:
-        return "offload.policy is none"
-    if offload.policy == "cpu" and "nvme" in tiers:
-        return "offload.policy is cpu (no NVMe)"
+    allowed = set(POLICY_TIERS[offload.policy]) - {"auto"}  # the spec's one table of what each policy allows
+    if not {optimizer, parameters} <= allowed:
+        where = ", ".join(t for t in ("gpu", "cpu", "nvme") if t in allowed)
+        return f"offload.policy is {offload.policy} (state only in {where})"
     if offload.optimizer != "auto" and offload.optimizer != optimizer:
         return f"offload.optimizer is {offload.optimizer}"
     if offload.parameters != "auto" and offload.parameters != parameters:

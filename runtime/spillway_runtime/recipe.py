@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from spillway_runtime import k8s_status
-from spillway_runtime.contract import ExitCode
+from spillway_runtime.contract import STOP_GRACE_SECONDS_ENV, ExitCode
 from spillway_runtime.data import (
     CACHE_DIR_NAME,
     DatasetError,
@@ -344,7 +344,7 @@ class FineTuneRecipe(Checkpointing):
     def _grace_left(self) -> float:
         """Seconds of the stop's grace left for the mirror, keeping a margin for the exit
         (a pod's terminationGracePeriodSeconds, in SPILLWAY_STOP_GRACE_SECONDS)."""
-        grace = float(os.environ.get("SPILLWAY_STOP_GRACE_SECONDS", STOP_GRACE_SECONDS))
+        grace = float(os.environ.get(STOP_GRACE_SECONDS_ENV, STOP_GRACE_SECONDS))
         since = time.monotonic() - getattr(self, "stop_signalled_at", time.monotonic())
         return max(0.0, grace - since - STOP_MARGIN_SECONDS)
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from spillway_runtime.contract import METRICS_PORT_ENV
+from spillway_runtime.contract import ATTEMPT_ENV, METRICS_PORT_ENV
 from spillway_runtime.reporting import EventListener
 from spillway_runtime.runconfig import RuntimeConfig
 from spillway_runtime.spec import MlflowTracking
@@ -108,7 +108,7 @@ class MlflowRun:
     def of(cls, config: RuntimeConfig) -> MlflowRun:
         job = config.job
         assert job.spec.tracking.mlflow is not None
-        attempt = os.environ.get("SPILLWAY_ATTEMPT")  # set in the operator's pods
+        attempt = os.environ.get(ATTEMPT_ENV)  # set in the operator's pods
         tags = {"spillway.job": job.metadata.name, "spillway.namespace": job.metadata.namespace,
                 "spillway.plan": config.plan.label}
         if attempt:

@@ -255,3 +255,19 @@ def test_a_plan_label_reads_back_as_stage_and_tiers():
     with pytest.raises(ValueError, match="not a plan label"):
         parse_label("ZeRO-3 on nvme")
 
+
+
+def test_each_policy_excludes_exactly_the_placements_its_tiers_do_not_allow() -> None:
+    """The planner reads the spec's one table (POLICY_TIERS), so a policy changed there is
+    planned as it validates."""
+    from spillway_runtime.planner import _allowed
+    from spillway_runtime.spec import POLICY_TIERS, Offload
+
+    for policy, tiers in POLICY_TIERS.items():
+        offload = Offload(policy=policy)
+        for optimizer in ("gpu", "cpu", "nvme"):
+            for parameters in ("gpu", "cpu", "nvme"):
+                why = _allowed(offload, 3, optimizer, parameters)
+                assert (why is None) == ({optimizer, parameters} <= set(tiers)), (policy, optimizer, parameters, why)
+                if why is not None:
+                    assert why.startswith(f"offload.policy is {policy} (state only in ")
