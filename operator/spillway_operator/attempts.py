@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import Any, NoReturn
 
 from spillway_operator import builders as b
+from spillway_operator import job_cost
 from spillway_operator.cluster import Cluster
 from spillway_operator.settings import OperatorSettings
 from spillway_operator.status import StatusChange
@@ -64,7 +65,7 @@ def plan_of(status: dict[str, Any]) -> PlanSummary | None:
 def cost_so_far(change: StatusChange, live_seconds: float) -> dict[str, Any]:
     old = change.old.get("cost") or {}
     plan = plan_of(change.status) or plan_of(change.old)
-    return b.cost_status(
+    return job_cost.cost_status(
         change.now,
         float(old.get("settledUSD", 0.0)),
         float(old.get("settledGpuHours", 0.0)),
@@ -76,7 +77,7 @@ def cost_so_far(change: StatusChange, live_seconds: float) -> dict[str, Any]:
 
 def settle(change: StatusChange, pods: list[dict[str, Any]]) -> None:
     """Fold this attempt's pod time into the settled cost (same patch as the attempt change)."""
-    live = sum(b.pod_run_seconds(p, change.now) for p in pods)
+    live = sum(job_cost.pod_run_seconds(p, change.now) for p in pods)
     cost = cost_so_far(change, live)
     cost["settledUSD"] = cost["usd"]
     cost["settledGpuHours"] = cost["gpuHours"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from spillway_operator import builders as b
-from spillway_operator import metrics
+from spillway_operator import metrics, pod_specs
 from spillway_operator.cluster import Cluster
 from spillway_operator.netpol import build_network_policy
 from spillway_operator.settings import OperatorSettings
@@ -40,7 +40,7 @@ def create_children(
     cluster.apply_configmap(b.build_configmap(job, config, attempt))
     created = []
     for rank in range(plan.nodes):
-        if cluster.create(b.build_pod(job, spec, chosen, attempt, rank, settings)) is not None:
+        if cluster.create(pod_specs.build_pod(job, spec, chosen, attempt, rank, settings)) is not None:
             created.append(b.pod_name(name, attempt, rank))
             metrics.PODS_CREATED.inc()
     _create_later_children(cluster, job, spec, plan, settings)
@@ -82,7 +82,7 @@ def missing_inputs(
         if not cluster.pvc_exists(namespace, claim):
             missing.append(f"PersistentVolumeClaim {claim!r} (from a pvc:// URI) does not exist in {namespace}")
     classes = []
-    if plan.uses_nvme and (nvme_class := b.nvme_storage_class(spec, settings)):
+    if plan.uses_nvme and (nvme_class := pod_specs.nvme_storage_class(spec, settings)):
         where = "offload.nvme.storageClassName" if spec.offload.nvme.storage_class_name else \
             "the operator's nvme.storageClassName"
         classes.append((where, nvme_class))

@@ -24,7 +24,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn
 
-from spillway_operator import admission, children, metrics, model_source, node_pools, queueing, s3_inputs
+from spillway_operator import admission, children, job_cost, metrics, model_source, node_pools, pod_outcomes, queueing, s3_inputs
 from spillway_operator import builders as b
 from spillway_operator.attempts import (
     PermanentFailure,
@@ -257,12 +257,13 @@ def _follow_attempt(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict
     else:
         _children_done.discard((namespace, name, attempt))
     if current:
-        outcomes = [b.container_never_starts(p, change.now, settings.image_pull_grace_seconds)
-                    or b.classify_pod(p, cluster.node_exists(p["spec"]["nodeName"]) if p["spec"].get("nodeName") else True)
+        outcomes = [pod_outcomes.container_never_starts(p, change.now, settings.image_pull_grace_seconds)
+                    or pod_outcomes.classify_pod(
+                        p, cluster.node_exists(p["spec"]["nodeName"]) if p["spec"].get("nodeName") else True)
                     for p in current]
         if len(current) < ranks:
-            outcomes.append(b.PodOutcome(b.OUTCOME_PENDING))
-        worst = b.worst_outcome(outcomes)
+            outcomes.append(pod_outcomes.PodOutcome(pod_outcomes.OUTCOME_PENDING))
+        worst = pod_outcomes.worst_outcome(outcomes)
         ended = _attempt_ended(change, spec, current, worst, settings)
         if ended is not None:
             return ended
@@ -270,7 +271,7 @@ def _follow_attempt(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict
             ended = evicted_by_kueue(change, current, settings)
             if ended is not None:
                 return ended
-        live = sum(b.pod_run_seconds(p, change.now) for p in current)
+        live = sum(job_cost.pod_run_seconds(p, change.now) for p in current)
         return _attempt_live(change, spec, current, worst, live, ranks, settings)
     stopping = [p for p in pods if attempt_of(p) != attempt and may_still_write(cluster, p)]
     if stopping:
@@ -340,7 +341,7 @@ def _finished(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[str, 
     return Result()
 
 
-def _attempt_ended(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[str, Any]], worst: b.PodOutcome,
+def _attempt_ended(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[str, Any]], worst: pod_outcomes.PodOutcome,
                    settings: OperatorSettings) -> Result | None:
     """The attempt's pods exited or lost their node: finish the job, or count the failure
     or preemption and move to the next attempt. None while the attempt lives."""
@@ -349,18 +350,18 @@ def _attempt_ended(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[
     # The pod's own last words (its termination message: the runtime's error, or the end of
     # its log), so that `kubectl describe ftj` says why without a trip to the pod's logs.
     said = f": {_tail_of(worst.message)}" if worst.message else ""
-    if worst.kind == b.OUTCOME_SUCCEEDED:
+    if worst.kind == pod_outcomes.OUTCOME_SUCCEEDED:
         finish(change, b.PHASE_SUCCEEDED, "Completed", "training finished", pods)
         change.commit()
         return _finished(change, spec, [])
-    if worst.kind == b.OUTCOME_PERMANENT:
+    if worst.kind == pod_outcomes.OUTCOME_PERMANENT:
         message = f"{worst.reason}{code}: {worst.message}".strip(": ")
         if worst.exit_code == ExitCode.DIVERGED:
             change.cond("Diverged", True, "Diverged", message)
         finish(change, b.PHASE_FAILED, worst.reason, message, pods)
         change.commit()
         return _finished(change, spec, pods)
-    if worst.kind == b.OUTCOME_RETRYABLE:
+    if worst.kind == pod_outcomes.OUTCOME_RETRYABLE:
         failures = int(old.get("failures", 0)) + 1
         if failures > spec.backoff_limit:
             message = f"attempt failed{code} ({worst.reason}); backoffLimit {spec.backoff_limit} reached{said}"
@@ -368,7 +369,7 @@ def _attempt_ended(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[
             finish(change, b.PHASE_FAILED, "BackoffLimitExceeded", message, pods)
             change.commit()
             return _finished(change, spec, pods)
-        delay = b.backoff_seconds(failures, settings)
+        delay = pod_outcomes.backoff_seconds(failures, settings)
         message = (
             f"attempt {old.get('attempt', 0)} failed{code} ({worst.reason}); retry {failures} of "
             f"{spec.backoff_limit} in {delay:.0f} s from the latest checkpoint{said}"
@@ -377,7 +378,7 @@ def _attempt_ended(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[
         change.cond(b.PHASE_RUNNING, False, "BackingOff", message)
         change.phase(b.PHASE_PENDING, "BackingOff", message, warning=True)
         return commit_attempt_end(change, pods, settings, counted="failures", grace=None, retry_after=delay)
-    if worst.kind == b.OUTCOME_PREEMPTED:
+    if worst.kind == pod_outcomes.OUTCOME_PREEMPTED:
         message = f"{worst.reason}{code}: {worst.message}; recreating from the latest checkpoint (not counted)"
         change.event("Warning", "Preempted", message)
         change.cond(b.PHASE_RUNNING, False, worst.reason, message)
@@ -387,7 +388,7 @@ def _attempt_ended(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[
     return None
 
 
-def _attempt_live(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[str, Any]], worst: b.PodOutcome,
+def _attempt_live(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[str, Any]], worst: pod_outcomes.PodOutcome,
                   live: float, ranks: int, settings: OperatorSettings) -> Result:
     """The attempt lives: its cost so far (and the budget), and Running, Scheduled or
     waiting for the scheduler (re-planned when the scheduler keeps refusing it)."""
@@ -408,17 +409,17 @@ def _attempt_live(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[s
         change.commit()
         return _finished(change, spec, pods)
 
-    if worst.kind in (b.OUTCOME_RUNNING, b.OUTCOME_SCHEDULED) and node_pools.pool_of(pods[0]):
+    if worst.kind in (pod_outcomes.OUTCOME_RUNNING, pod_outcomes.OUTCOME_SCHEDULED) and node_pools.pool_of(pods[0]):
         replanned = check_arrived_node(change, spec, pods, settings)
         if replanned is not None:
             return replanned
-    if worst.kind == b.OUTCOME_RUNNING:
+    if worst.kind == pod_outcomes.OUTCOME_RUNNING:
         nodes = sorted({p["spec"].get("nodeName", "") for p in pods})
         message = f"{len(pods)} pod(s) running on {', '.join(nodes)}"
         change.cond(b.PHASE_SCHEDULED, True, "Scheduled", f"bound to {', '.join(nodes)}")
         change.cond(b.PHASE_RUNNING, True, "Running", message)
         change.phase(b.PHASE_RUNNING, "Running", message)
-    elif worst.kind == b.OUTCOME_SCHEDULED:
+    elif worst.kind == pod_outcomes.OUTCOME_SCHEDULED:
         nodes = sorted({p["spec"].get("nodeName", "") for p in pods if p["spec"].get("nodeName")})
         message = f"bound to {', '.join(nodes)}; waiting for the containers"
         change.cond(b.PHASE_SCHEDULED, True, "Scheduled", message)

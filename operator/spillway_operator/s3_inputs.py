@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spillway_operator import builders as b
+from spillway_operator import pod_outcomes, pod_specs
 from spillway_operator.model_source import pending_reason
 from spillway_operator.settings import OperatorSettings
 from spillway_operator.status import StatusChange
@@ -65,8 +66,8 @@ def build_fetch_pod(job: dict[str, Any], spec: FineTuneJobSpec, node: str, attem
         command += ["--region", storage.region]
     if storage.secret_ref is not None:
         command += ["--secret", storage.secret_ref.name]
-    mounts = [{"name": b.S3_CACHE_VOLUME, "mountPath": str(S3_CACHE_MOUNT),
-               "subPath": b.s3_cache_sub_path(job["metadata"]["namespace"], spec)},
+    mounts = [{"name": pod_specs.S3_CACHE_VOLUME, "mountPath": str(S3_CACHE_MOUNT),
+               "subPath": pod_specs.s3_cache_sub_path(job["metadata"]["namespace"], spec)},
               {"name": "tmp", "mountPath": "/tmp"}]
     hardened = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
     uid = settings.run_as_user
@@ -94,14 +95,14 @@ def build_fetch_pod(job: dict[str, Any], spec: FineTuneJobSpec, node: str, attem
             "name": "fetch",
             "image": settings.runtime_image,
             "command": [*command, *uris(spec)],
-            "env": [{"name": "HOME", "value": "/tmp"}, *b.storage_env(spec)],
+            "env": [{"name": "HOME", "value": "/tmp"}, *pod_specs.storage_env(spec)],
             # Parallel ranged GETs of 8 MiB chunks: a few hundred MB of buffers at most
             "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
             "volumeMounts": mounts,
             "terminationMessagePolicy": "FallbackToLogsOnError",
             "securityContext": hardened,
         }],
-        "volumes": [b.s3_cache_volume(settings), {"name": "tmp", "emptyDir": {}}],
+        "volumes": [pod_specs.s3_cache_volume(settings), {"name": "tmp", "emptyDir": {}}],
     }
     if spec.resources.node_selector:
         pod_spec["nodeSelector"] = dict(spec.resources.node_selector)
@@ -137,7 +138,7 @@ def _summary(message: str) -> str:
 
 def _failure(pod: dict[str, Any], change: StatusChange, settings: OperatorSettings) -> str | None:
     """Why a fetch pod will never succeed, or None while it may."""
-    stuck = b.container_never_starts(pod, change.now, settings.image_pull_grace_seconds)
+    stuck = pod_outcomes.container_never_starts(pod, change.now, settings.image_pull_grace_seconds)
     if stuck is not None:
         return stuck.message
     status = pod.get("status") or {}

@@ -15,7 +15,7 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from spillway_operator import builders as b
-from spillway_operator import node_pools, queueing
+from spillway_operator import node_pools, pod_specs, queueing
 from spillway_operator.attempts import (
     Result,
     checkpoints_block_size,
@@ -62,7 +62,7 @@ def queue_gate(change: StatusChange, spec: FineTuneJobSpec, queue: str, chosen: 
     plan = chosen.plan
     meta = change.job["metadata"]
     cluster = change.cluster
-    pod = b.build_pod(change.job, spec, chosen, int(change.old.get("attempt", 0)), 0, settings)
+    pod = pod_specs.build_pod(change.job, spec, chosen, int(change.old.get("attempt", 0)), 0, settings)
     nvme = b.nvme_volume_bytes(spec, plan, settings) if plan.uses_nvme else 0
     writing = any(may_still_write(cluster, p) for p in cluster.job_pods(meta["namespace"], meta["name"]))
     try:

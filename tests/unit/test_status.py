@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from spillway_api.service import phase_for_exit
-from spillway_operator.builders import classify_pod
 from spillway_operator.crd import build_crd
+from spillway_operator.pod_outcomes import classify_pod
 from spillway_runtime.contract import ExitCode, exit_outcome
 from spillway_runtime.k8s_status import StatusPublisher
 from spillway_runtime.status import CheckpointRecord, FineTuneJobStatus, Progress, read_status

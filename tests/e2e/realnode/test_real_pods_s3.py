@@ -31,7 +31,8 @@ import pytest
 import yaml
 
 from spillway_operator import s3_inputs
-from spillway_operator.builders import pod_name, s3_cache_sub_path
+from spillway_operator.builders import pod_name
+from spillway_operator.pod_specs import s3_cache_sub_path
 from spillway_runtime.hardware import NVME_PATH_ANNOTATION
 from spillway_runtime.spec import parse_job
 from spillway_runtime.tiny import build_tiny_model, write_dataset

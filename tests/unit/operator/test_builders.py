@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from spillway_operator import builders as b
+from spillway_operator import job_cost, pod_outcomes, pod_specs
 from spillway_operator.placement import choose_placement, plan_status
 from spillway_operator.settings import OperatorSettings
 from spillway_runtime.hardware import NVME_PATH_ANNOTATION, AioSettings, hardware_from_node
@@ -112,7 +113,7 @@ def test_pod_has_gpu_limits_memory_affinity_and_volumes() -> None:
     placement = choose_placement(s, [node("gpu-24g", "n1"), node("gpu-24g", "n2")], {}, SETTINGS)
     choice = placement.chosen
     assert choice is not None and choice.plan is not None
-    pod = b.build_pod(JOB, s, choice, attempt=2, rank=0, settings=SETTINGS)
+    pod = pod_specs.build_pod(JOB, s, choice, attempt=2, rank=0, settings=SETTINGS)
     assert pod["metadata"]["name"] == "j-a2-0"
     assert pod["metadata"]["ownerReferences"][0]["uid"] == "u-1"
     container = pod["spec"]["containers"][0]
@@ -143,7 +144,7 @@ def test_pod_has_gpu_limits_memory_affinity_and_volumes() -> None:
     port = int(next(e["value"] for e in container["env"] if e["name"] == "SPILLWAY_METRICS_PORT"))
     assert {"name": "metrics", "containerPort": port, "protocol": "TCP"} in container["ports"]
     # Deterministic: the same inputs build the same pod (restart safety rests on it).
-    assert b.build_pod(JOB, s, choice, attempt=2, rank=0, settings=SETTINGS) == pod
+    assert pod_specs.build_pod(JOB, s, choice, attempt=2, rank=0, settings=SETTINGS) == pod
 
 
 def test_each_job_mounts_only_its_own_directory_under_the_nodes_nvme_root_with_no_root_step() -> None:
@@ -151,7 +152,7 @@ def test_each_job_mounts_only_its_own_directory_under_the_nodes_nvme_root_with_n
     hardware = node("gpu-48g-nvme", "n1")
     choice = choose_placement(s, [hardware], {}, SETTINGS).chosen
     assert choice is not None and choice.plan is not None and choice.plan.bytes.nvme > 0
-    pod = b.build_pod(JOB, s, choice, attempt=0, rank=0, settings=SETTINGS)
+    pod = pod_specs.build_pod(JOB, s, choice, attempt=0, rank=0, settings=SETTINGS)
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     root = hardware_from_node(hardware).nvme_path
     assert root and volumes["nvme"]["hostPath"] == {"path": root, "type": "DirectoryOrCreate"}
@@ -164,7 +165,7 @@ def test_each_job_mounts_only_its_own_directory_under_the_nodes_nvme_root_with_n
     bare["metadata"]["annotations"].pop(NVME_PATH_ANNOTATION)
     choice = choose_placement(s, [bare], {}, SETTINGS).chosen
     assert choice is not None and choice.plan is not None and choice.plan.uses_nvme
-    pod = b.build_pod(JOB, s, choice, attempt=0, rank=0, settings=SETTINGS)
+    pod = pod_specs.build_pod(JOB, s, choice, attempt=0, rank=0, settings=SETTINGS)
     assert {v["name"]: v for v in pod["spec"]["volumes"]}["nvme"]["hostPath"]["path"] == SETTINGS.nvme_host_root
 
 
@@ -177,7 +178,7 @@ def test_a_storage_class_nvme_volume_is_an_ephemeral_claim_with_no_host_path(whe
     s = spec(resources={"gpusPerNode": 1}, offload={"policy": "nvme", "optimizer": "nvme", "nvme": nvme})
     choice = choose_placement(s, [node("gpu-48g-nvme", "n1")], {}, settings).chosen
     assert choice is not None
-    pod = b.build_pod(JOB, s, choice, attempt=0, rank=0, settings=settings)
+    pod = pod_specs.build_pod(JOB, s, choice, attempt=0, rank=0, settings=settings)
     assert "initContainers" not in pod["spec"]
     assert not [v for v in pod["spec"]["volumes"] if "hostPath" in v]
     (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "nvme"]
@@ -194,7 +195,7 @@ def test_nvme_asked_for_gets_a_volume_even_when_everything_stays_in_ram() -> Non
     choice = choose_placement(s, [node("gpu-48g-nvme", "n1")], {}, SETTINGS).chosen
     assert choice is not None and choice.plan is not None
     assert choice.plan.optimizer == "nvme" and choice.plan.bytes.nvme == 0
-    pod = b.build_pod(JOB, s, choice, attempt=0, rank=0, settings=SETTINGS)
+    pod = pod_specs.build_pod(JOB, s, choice, attempt=0, rank=0, settings=SETTINGS)
     assert "nvme" in {v["name"] for v in pod["spec"]["volumes"]}
     assert b.NVME_DIR in {m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
     ds = b.build_runtime_config(JOB, s, choice.plan, None).deepspeed
@@ -227,7 +228,7 @@ def test_cpu_processes_run_under_the_supervisor_with_their_share_of_threads() ->
     choice = choose_placement(s, [node("cpu-only", "c1")], {}, SETTINGS).chosen
     assert choice is not None and choice.plan is not None
     assert (choice.plan.accelerator, choice.plan.processes_per_node) == ("cpu", 2)
-    pod = b.build_pod(JOB, s, choice, attempt=0, rank=0, settings=SETTINGS)
+    pod = pod_specs.build_pod(JOB, s, choice, attempt=0, rank=0, settings=SETTINGS)
     container = pod["spec"]["containers"][0]
     assert container["command"][:4] == ["python", "-m", "spillway_runtime.supervisor", "--processes=2"]
     threads = int(next(e["value"] for e in container["env"] if e["name"] == "OMP_NUM_THREADS"))
@@ -271,28 +272,28 @@ def _pod(phase: str, code: int | None = None, reason: str = "") -> dict[str, Any
 @pytest.mark.parametrize(
     ("pod", "node_exists", "kind"),
     [
-        (_pod("Succeeded", 0), True, b.OUTCOME_SUCCEEDED),
-        (_pod("Failed", 1), True, b.OUTCOME_RETRYABLE),
-        (_pod("Failed", 137, "OOMKilled"), True, b.OUTCOME_RETRYABLE),
-        (_pod("Failed", 75), True, b.OUTCOME_PREEMPTED),
-        (_pod("Failed", 2), True, b.OUTCOME_PERMANENT),
-        (_pod("Failed", 4), True, b.OUTCOME_PERMANENT),
-        (_pod("Running"), False, b.OUTCOME_PREEMPTED),
-        (_pod("Running"), True, b.OUTCOME_RUNNING),
+        (_pod("Succeeded", 0), True, pod_outcomes.OUTCOME_SUCCEEDED),
+        (_pod("Failed", 1), True, pod_outcomes.OUTCOME_RETRYABLE),
+        (_pod("Failed", 137, "OOMKilled"), True, pod_outcomes.OUTCOME_RETRYABLE),
+        (_pod("Failed", 75), True, pod_outcomes.OUTCOME_PREEMPTED),
+        (_pod("Failed", 2), True, pod_outcomes.OUTCOME_PERMANENT),
+        (_pod("Failed", 4), True, pod_outcomes.OUTCOME_PERMANENT),
+        (_pod("Running"), False, pod_outcomes.OUTCOME_PREEMPTED),
+        (_pod("Running"), True, pod_outcomes.OUTCOME_RUNNING),
     ],
 )
 def test_exit_code_policy(pod: dict[str, Any], node_exists: bool, kind: str) -> None:
-    assert b.classify_pod(pod, node_exists).kind == kind
+    assert pod_outcomes.classify_pod(pod, node_exists).kind == kind
 
 
 def test_evicted_pod_is_preempted() -> None:
     pod = _pod("Failed")
     pod["status"]["reason"] = "Evicted"
-    assert b.classify_pod(pod, True).kind == b.OUTCOME_PREEMPTED
+    assert pod_outcomes.classify_pod(pod, True).kind == pod_outcomes.OUTCOME_PREEMPTED
 
 
 def test_backoff_doubles_and_caps() -> None:
-    assert [b.backoff_seconds(n, SETTINGS) for n in range(5)] == [0, 10, 20, 40, 60]
+    assert [pod_outcomes.backoff_seconds(n, SETTINGS) for n in range(5)] == [0, 10, 20, 40, 60]
 
 
 def test_condition_transition_time_moves_only_on_flip() -> None:
@@ -307,9 +308,9 @@ def test_condition_transition_time_moves_only_on_flip() -> None:
 def test_cost_accrues_from_pod_time() -> None:
     now = datetime(2026, 1, 1, 1, tzinfo=UTC)
     pod = {"status": {"startTime": "2026-01-01T00:00:00Z"}}
-    seconds = b.pod_run_seconds(pod, now)
+    seconds = job_cost.pod_run_seconds(pod, now)
     assert seconds == 3600
-    cost = b.cost_status(now, 1.0, 0.5, seconds, 8.0, 4)
+    cost = job_cost.cost_status(now, 1.0, 0.5, seconds, 8.0, 4)
     assert cost["usd"] == 9.0 and cost["gpuHours"] == 4.5 and cost["display"] == "$9.00"
     assert cost["asOf"] == "2026-01-01T01:00:00Z"
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from spillway_operator import builders as b
-from spillway_operator import s3_inputs
+from spillway_operator import pod_specs, s3_inputs
 from spillway_operator.reconciler import PermanentFailure, reconcile
 from spillway_operator.settings import OperatorSettings
 from spillway_runtime.runconfig import RuntimeConfig
@@ -75,8 +75,8 @@ def test_the_fetch_pod_is_pinned_to_the_chosen_node_holds_no_gpu_and_reads_the_s
     assert env["AWS_ENDPOINT_URL"] == "http://10.200.0.1:8333"
     assert {"name": "s3-cache", "hostPath": {"path": CACHE, "type": "DirectoryOrCreate"}} in spec["volumes"]
     # Only this namespace's part of the cache, for this endpoint: never another tenant's entries
-    part = b.s3_cache_sub_path(NS, parse_job(cluster.get("FineTuneJob", NS, "j")).spec)
-    assert part.startswith(f"{NS}/") and part != b.s3_cache_sub_path("other", parse_job(
+    part = pod_specs.s3_cache_sub_path(NS, parse_job(cluster.get("FineTuneJob", NS, "j")).spec)
+    assert part.startswith(f"{NS}/") and part != pod_specs.s3_cache_sub_path("other", parse_job(
         cluster.get("FineTuneJob", NS, "j")).spec)
     assert {"name": "s3-cache", "mountPath": "/mnt/s3-cache", "subPath": part} in container["volumeMounts"]
     (owner,) = spec["initContainers"]  # that part (the same subPath) made writable for the training uid
@@ -106,7 +106,7 @@ def test_once_fetched_the_training_pod_reads_the_cache_read_only_and_the_fetch_p
     pod = cluster.get("Pod", NS, trainer)
     assert pod is not None
     (container,) = pod["spec"]["containers"]
-    part = b.s3_cache_sub_path(NS, parse_job(cluster.get("FineTuneJob", NS, "j")).spec)
+    part = pod_specs.s3_cache_sub_path(NS, parse_job(cluster.get("FineTuneJob", NS, "j")).spec)
     assert {"name": "s3-cache", "mountPath": "/mnt/s3-cache", "readOnly": True, "subPath": part} in (
         container["volumeMounts"])
     assert {"name": "s3-cache", "hostPath": {"path": CACHE, "type": "DirectoryOrCreate"}} in pod["spec"]["volumes"]
