@@ -9,7 +9,7 @@ hostPath, `OperatorSettings.s3_cache_host_path`), with the credentials of
 `spec.storage.secretRef` and no GPU: a download of many GB never holds a GPU idle, and a
 wrong key or a missing bucket fails the job before any GPU pod is even created. The
 cache's ETag manifest makes a second job on the same objects and node download nothing.
-The training pods then mount the cache read-only (`builders.build_pod`) and read each URI
+The training pods then mount the cache read-only (`pod_specs.build_pod`) and read each URI
 at its place there (`runconfig.resolve_uri`). `status.inputsFetched` records the attempt
 and nodes done, so a restarted operator does not fetch again; fetch pods are deleted
 once read, and a fetch pod left by a restart is followed (its name is deterministic) or,

@@ -27,7 +27,7 @@ class ExitCode(IntEnum):
 # The runtime's own Prometheus endpoint (tracking.py): served on rank 0 when this variable
 # names a port; the operator sets it in every trainer pod and names the container port `metrics`.
 METRICS_PORT_ENV = "SPILLWAY_METRICS_PORT"
-# The rest of a training pod's environment that the operator sets (builders.build_pod) and
+# The rest of a training pod's environment that the operator sets (pod_specs.build_pod) and
 # the runtime reads: which job it reports to (k8s_status), the attempt (tracking), and the
 # seconds it has to checkpoint after SIGTERM (the pod's terminationGracePeriodSeconds).
 JOB_NAME_ENV = "SPILLWAY_JOB_NAME"
