@@ -17,6 +17,7 @@ from spillway_operator import model_source
 from spillway_operator.reconciler import PermanentFailure, reconcile
 from spillway_operator.settings import OperatorSettings
 from spillway_runtime import model_config
+from spillway_runtime.hardware import GPU_RESOURCE
 
 from .fake_cluster import FakeCluster
 from .test_reconciler import NS, reasons, status, world
@@ -58,7 +59,7 @@ def test_the_reader_pod_mounts_the_claim_read_only_on_the_jobs_nodes_and_holds_n
     assert container["command"] == ["python", "-m", "spillway_runtime.model_config", "/mnt/pvc/models/qwen/7b"]
     assert container["volumeMounts"] == [{"name": "input-models", "mountPath": "/mnt/pvc/models", "readOnly": True}]
     assert spec["volumes"][0]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
-    assert b.GPU_RESOURCE not in json.dumps(container["resources"])
+    assert GPU_RESOURCE not in json.dumps(container["resources"])
     assert spec["nodeSelector"] == {"pool": "gpu"} and spec["tolerations"][0]["key"] == "nvidia.com/gpu"
     assert spec["automountServiceAccountToken"] is False and spec["activeDeadlineSeconds"] == 600
     assert pod["metadata"]["ownerReferences"][0]["uid"] == "uid-j"
