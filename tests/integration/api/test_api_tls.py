@@ -20,7 +20,7 @@ import pytest
 from spillway_operator.certs import ServingCert, make_cert
 from tests.polling import wait_for
 
-from .test_dashboard import free_port
+from .servers import free_port
 
 NAMES = ["localhost", "spillway-api.spillway-system.svc"]
 
