@@ -87,8 +87,8 @@ EOF
 	log "chart: helm install spillway charts/spillway (operator, API, node probe on the real node)"
 	local toleration="[{\"key\":\"$NODE_LABEL\",\"operator\":\"Exists\",\"effect\":\"NoSchedule\"}]"
 	helm upgrade --install spillway "$ROOT/charts/spillway" --namespace default --wait --timeout 10m \
-		--set image.repository="${operator%:*}" --set image.tag="${operator##*:}" --set image.pullPolicy=Never \
-		--set runtimeImage.repository="${runtime%:*}" --set runtimeImage.tag="${runtime##*:}" \
+		--set image.repository="${operator%:*}" --set-string image.tag="${operator##*:}" --set image.pullPolicy=Never \
+		--set runtimeImage.repository="${runtime%:*}" --set-string runtimeImage.tag="${runtime##*:}" \
 		--set runtimeImage.pullPolicy=Never \
 		--set database.sqlite.existingClaim=spillway-db \
 		--set-json "operator.tolerations=$toleration" --set-json "api.tolerations=$toleration" \

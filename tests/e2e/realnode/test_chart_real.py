@@ -162,7 +162,7 @@ def test_the_chart_runs_in_containers_and_its_operator_makes_pods_on_the_real_no
     cluster.helm(
         "install", release, str(REPO_ROOT / "charts" / "spillway"), "-n", namespace,
         "--set", f"image.repository={operator_image.rsplit(':', 1)[0]}",
-        "--set", f"image.tag={operator_image.rsplit(':', 1)[1]}",
+        "--set-string", f"image.tag={operator_image.rsplit(':', 1)[1]}",
         "--set", "image.pullPolicy=Never",
         "--set", f"database.sqlite.storageClassName={storage_class}",
         "--set-json", f"operator.tolerations={toleration}",

@@ -571,7 +571,7 @@ def test_the_node_probe_daemonset_measures_and_annotates_the_real_node(
     cluster.helm(
         "install", release, str(REPO_ROOT / "charts" / "spillway"), "-n", namespace, "--skip-crds",
         "--set", "operator.enabled=false", "--set", "api.enabled=false",
-        "--set", f"runtimeImage.repository={repository}", "--set", f"runtimeImage.tag={tag}",
+        "--set", f"runtimeImage.repository={repository}", "--set-string", f"runtimeImage.tag={tag}",
         "--set", "runtimeImage.pullPolicy=Never",
         "--set", f"nodeProbe.gpuNodeLabel={real.label}", "--set", f"nodeProbe.nvmeHostPath={nvme}",
         "--set", "nodeProbe.aioSeconds=5", "--set-json", f"nodeProbe.tolerations={toleration}",
