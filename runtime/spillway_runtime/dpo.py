@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spillway_runtime.sft import ROLES, RecordError, json_records
+from spillway_runtime.sft import RecordError, checked_messages, json_records
 from spillway_runtime.spec import DatasetSource
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -127,13 +127,7 @@ def _conversation(record: dict[str, Any], tokenizer: Any) -> tuple[list[int], li
 def _messages(value: Any, name: str) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         raise RecordError(f"field {name!r} is not a non-empty list of messages (nor text, with a text prompt)")
-    for i, message in enumerate(value):
-        if not isinstance(message, dict) or message.get("role") not in ROLES:
-            role = message.get("role") if isinstance(message, dict) else None
-            raise RecordError(f"{name}[{i}].role is {role!r}; use one of {', '.join(ROLES)}")
-        if not isinstance(message.get("content"), str):
-            raise RecordError(f"{name}[{i}].content is {type(message.get('content')).__name__}, not text")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+    return checked_messages(value, name)
 
 
 def _common_prefix(ids: list[int], other: list[int]) -> int:

@@ -127,15 +127,21 @@ def _messages(source: DatasetSource, record: Any) -> list[dict[str, str]]:
     messages = record[source.messages_field]
     if not isinstance(messages, list) or not messages:
         raise RecordError(f"field {source.messages_field!r} is not a non-empty list of messages")
+    checked = checked_messages(messages, source.messages_field)
+    if not any(m["role"] == "assistant" for m in checked):
+        raise RecordError(f"{source.messages_field} has no assistant message: nothing to learn")
+    return checked
+
+
+def checked_messages(messages: list[Any], name: str) -> list[dict[str, str]]:
+    """Each message a known role and text content (RecordError naming `name[i]` otherwise),
+    as plain role/content dicts."""
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             role = message.get("role") if isinstance(message, dict) else None
-            raise RecordError(f"{source.messages_field}[{i}].role is {role!r}; use one of {', '.join(ROLES)}")
+            raise RecordError(f"{name}[{i}].role is {role!r}; use one of {', '.join(ROLES)}")
         if not isinstance(message.get("content"), str):
-            raise RecordError(f"{source.messages_field}[{i}].content is "
-                              f"{type(message.get('content')).__name__}, not text")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise RecordError(f"{source.messages_field} has no assistant message: nothing to learn")
+            raise RecordError(f"{name}[{i}].content is {type(message.get('content')).__name__}, not text")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 

@@ -5,7 +5,6 @@ tests/integration/test_dpo.py (importing it takes seconds)."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,8 @@ import torch
 from spillway_runtime.data import DatasetError, PackedDataset, read_pairs
 from spillway_runtime.dpo import dpo_loss, preference_loss, sequence_logps, step_metrics
 from spillway_runtime.spec import DatasetSource, SpecError, parse_job
-from spillway_runtime.tiny import build_tiny_model
+
+from .conftest import write_jsonl
 
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}<|end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
@@ -54,23 +54,6 @@ def test_combinations_that_cannot_train_are_refused_by_field(method: dict[str, A
         parse_job(job(method, dataset))
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", hidden_size=32, layers=2, heads=2)
-
-
-@pytest.fixture()
-def tokenizer(model_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-def _write(path: Path, records: list[Any]) -> Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
-    return path
-
-
 def _source(**extra: Any) -> DatasetSource:
     return DatasetSource(uri="x", format="preference", chatTemplate=TEMPLATE, **extra)
 
@@ -80,13 +63,13 @@ def _learned(tokenizer: Any, ids: list[int], learn: list[int]) -> str:
 
 
 def test_both_answers_follow_the_same_prompt_and_only_they_are_learned(tokenizer: Any, tmp_path: Path) -> None:
-    [(chosen, rejected)] = read_pairs(_source(), _write(tmp_path / "d.jsonl", [PLAIN]), tokenizer, 64).pairs
+    [(chosen, rejected)] = read_pairs(_source(), write_jsonl(tmp_path / "d.jsonl", [PLAIN]), tokenizer, 64).pairs
     prompt = tokenizer(PLAIN["prompt"])["input_ids"]
     for (ids, learn), answer in ((chosen, " 5."), (rejected, " 6.")):
         assert _learned(tokenizer, ids, learn) == answer + "</s>"  # an EOS learned, as TRL adds it
         assert ids[: len(prompt)] == prompt and not any(learn[: len(prompt)])
 
-    [(chosen, rejected)] = read_pairs(_source(), _write(tmp_path / "c.jsonl", [CHAT]), tokenizer, 64).pairs
+    [(chosen, rejected)] = read_pairs(_source(), write_jsonl(tmp_path / "c.jsonl", [CHAT]), tokenizer, 64).pairs
     assert _learned(tokenizer, *chosen) == "5.<|end|>\n"
     assert _learned(tokenizer, *rejected) == "6.<|end|>\n"
     assert tokenizer.decode(chosen[0][: chosen[1].index(1)]) == "<|user|>\nWhat is 2 plus 3?<|end|>\n<|assistant|>\n"
@@ -94,7 +77,7 @@ def test_both_answers_follow_the_same_prompt_and_only_they_are_learned(tokenizer
 
 def test_a_long_record_keeps_its_start_and_loses_the_answer_s_end(tokenizer: Any, tmp_path: Path) -> None:
     long = {**PLAIN, "chosen": " five, " * 40}
-    [(chosen, rejected)] = read_pairs(_source(), _write(tmp_path / "d.jsonl", [long]), tokenizer, 32).pairs
+    [(chosen, rejected)] = read_pairs(_source(), write_jsonl(tmp_path / "d.jsonl", [long]), tokenizer, 32).pairs
     assert len(chosen[0]) == 32 and chosen[1][-1] == 1  # cut inside the answer
     assert chosen[0] == tokenizer(long["prompt"] + long["chosen"])["input_ids"][:32]
     assert len(rejected[0]) < 32  # the short one is whole
@@ -112,7 +95,7 @@ def test_a_long_record_keeps_its_start_and_loses_the_answer_s_end(tokenizer: Any
     ({**PLAIN, "prompt": "seven " * 40}, "the prompt alone is .* tokens, training.sequenceLength 32"),
 ], ids=["json", "missing", "not-text", "empty", "prompt-type", "role", "no-assistant", "mixed", "long-prompt"])
 def test_a_malformed_record_is_named_by_file_and_line(tokenizer: Any, tmp_path: Path, record: Any, says: str) -> None:
-    path = _write(tmp_path / "d.jsonl", [PLAIN, "", record])
+    path = write_jsonl(tmp_path / "d.jsonl", [PLAIN, "", record])
     with pytest.raises(DatasetError, match=f"^{path}:3: {says}.*onBadRecord: skip"):
         read_pairs(_source(), path, tokenizer, 32)
     read = read_pairs(_source(onBadRecord="skip"), path, tokenizer, 32)
@@ -121,13 +104,13 @@ def test_a_malformed_record_is_named_by_file_and_line(tokenizer: Any, tmp_path: 
 
 def test_chat_records_need_a_template(tokenizer: Any, tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match=r"no chat template; give one in dataset\.chatTemplate"):
-        read_pairs(DatasetSource(uri="x", format="preference"), _write(tmp_path / "d.jsonl", [CHAT]), tokenizer, 32)
+        read_pairs(DatasetSource(uri="x", format="preference"), write_jsonl(tmp_path / "d.jsonl", [CHAT]), tokenizer, 32)
 
 
 def test_a_batch_is_the_chosen_sequences_then_the_rejected_ones(tokenizer: Any, tmp_path: Path) -> None:
     records = [PLAIN, {**PLAIN, "prompt": "Question: what is one plus one? Answer:", "chosen": " 2"},
                {**PLAIN, "rejected": " nine, surely."}]
-    pairs = read_pairs(_source(), _write(tmp_path / "d.jsonl", records), tokenizer, 40).pairs
+    pairs = read_pairs(_source(), write_jsonl(tmp_path / "d.jsonl", records), tokenizer, 40).pairs
     data = PackedDataset.build_pairs(pairs, tokenizer.pad_token_id, 40)
     data.save(tmp_path / "tokens-x.npy")
     data = PackedDataset.load(tmp_path / "tokens-x.npy")
@@ -174,7 +157,7 @@ def test_fresh_adapters_are_the_reference_and_only_they_learn(model_dir: Path, t
     from transformers import AutoModelForCausalLM
 
     records = [PLAIN, {"prompt": "Question: what is one times four? Answer:", "chosen": " 4.", "rejected": " 7."}]
-    pairs = read_pairs(_source(), _write(tmp_path / "d.jsonl", records), tokenizer, 40).pairs
+    pairs = read_pairs(_source(), write_jsonl(tmp_path / "d.jsonl", records), tokenizer, 40).pairs
     batch = PackedDataset.build_pairs(pairs, tokenizer.pad_token_id, 40).eval_batch(0, 0, 1, 2)
     torch.manual_seed(0)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),

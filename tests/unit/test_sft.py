@@ -5,7 +5,6 @@ tiny Llama on the CPU."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,8 @@ from spillway_runtime.data import (
     token_cache_path,
 )
 from spillway_runtime.spec import DatasetSource
-from spillway_runtime.tiny import build_tiny_model
+
+from .conftest import write_jsonl
 
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}<|end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
@@ -30,23 +30,6 @@ CHAT = {"messages": [{"role": "system", "content": "You add numbers."},
                      {"role": "assistant", "content": "2 plus 3 is 5."},
                      {"role": "user", "content": "And 4 plus 4?"},
                      {"role": "assistant", "content": "8."}]}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", hidden_size=32, layers=2, heads=2)
-
-
-@pytest.fixture()
-def tokenizer(model_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-def _write(path: Path, records: list[Any]) -> Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
-    return path
 
 
 def _chat(**extra: Any) -> DatasetSource:
@@ -68,14 +51,14 @@ def _learned(tokenizer: Any, ids: list[int], learn: list[int]) -> list[str]:
 
 
 def test_chat_learns_the_assistants_turns_only(tokenizer: Any, tmp_path: Path) -> None:
-    data = _write(tmp_path / "chat.jsonl", [CHAT])
+    data = write_jsonl(tmp_path / "chat.jsonl", [CHAT])
     [(ids, learn)] = read_documents(_chat(), data, tokenizer, 512).docs
     assert tokenizer.decode(ids) == tokenizer.apply_chat_template(CHAT["messages"], tokenize=False)
     assert _learned(tokenizer, ids, learn) == ["2 plus 3 is 5.<|end|>\n", "8.<|end|>\n"]
 
 
 def test_completion_learns_the_completion_and_its_end(tokenizer: Any, tmp_path: Path) -> None:
-    data = _write(tmp_path / "pairs.jsonl", [{"question": "Capital of France?", "answer": " Paris"}])
+    data = write_jsonl(tmp_path / "pairs.jsonl", [{"question": "Capital of France?", "answer": " Paris"}])
     source = DatasetSource(uri="x", format="completion", promptField="question", completionField="answer")
     [(ids, learn)] = read_documents(source, data, tokenizer, 512).docs
     assert _learned(tokenizer, ids, learn) == [" Paris</s>"]
@@ -101,7 +84,7 @@ BAD = [
 def test_a_malformed_record_is_named_by_file_and_line(tokenizer: Any, tmp_path: Path, record: Any, fmt: str,
                                                        message: str) -> None:
     good = CHAT if fmt == "chat" else {"prompt": "p", "completion": " c"}
-    data = _write(tmp_path / "d.jsonl", [good, record, good])
+    data = write_jsonl(tmp_path / "d.jsonl", [good, record, good])
     source = _chat() if fmt == "chat" else DatasetSource(uri="x", format=fmt)
     with pytest.raises(DatasetError) as err:
         read_documents(source, data, tokenizer, 256)
@@ -114,7 +97,7 @@ def test_a_malformed_record_is_named_by_file_and_line(tokenizer: Any, tmp_path: 
 
 def test_a_tokenizer_without_a_template_and_a_template_that_rewrites_turns_are_refused(
         tokenizer: Any, tmp_path: Path) -> None:
-    data = _write(tmp_path / "chat.jsonl", [CHAT])
+    data = write_jsonl(tmp_path / "chat.jsonl", [CHAT])
     with pytest.raises(DatasetError, match=r"no chat template; give one in dataset\.chatTemplate"):
         read_documents(DatasetSource(uri="x", format="chat"), data, tokenizer, 512)
     rewrites = "{% for m in messages %}{{ m.content }} ({{ loop.length }} turns)\n{% endfor %}"
@@ -146,7 +129,7 @@ def test_a_packed_batchs_loss_is_the_documents_loss_one_by_one(model_dir: Path, 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     records = [{"prompt": f"{a} plus {b} is", "completion": f" {a + b}"} for a, b in [(2, 3), (10, 7), (40, 4)]]
     records.append({"messages": []})  # skipped: a bad record changes nothing for the others
-    data = _write(tmp_path / "pairs.jsonl", records)
+    data = write_jsonl(tmp_path / "pairs.jsonl", records)
     read = read_documents(DatasetSource(uri="x", format="completion", onBadRecord="skip"), data, tokenizer, 64)
     packed = PackedDataset.build_documents(read.docs, tokenizer.pad_token_id, 64, packing=True)
     assert len(packed) == 1  # all three in one row
@@ -168,7 +151,7 @@ def test_a_packed_batchs_loss_is_the_documents_loss_one_by_one(model_dir: Path, 
 
 
 def test_the_cache_keeps_masks_and_follows_the_settings(model_dir: Path, tokenizer: Any, tmp_path: Path) -> None:
-    data = _write(tmp_path / "chat.jsonl", [CHAT] * 3)
+    data = write_jsonl(tmp_path / "chat.jsonl", [CHAT] * 3)
     source = _chat()
     read = read_documents(source, data, tokenizer, 128)
     packed = PackedDataset.build_documents(read.docs, tokenizer.pad_token_id, 128, packing=True)
