@@ -63,6 +63,14 @@ VALIDATIONS: dict[tuple[str, ...], list[dict[str, str]]] = {
             "fieldPath": ".policy",
         }
         for policy, tiers in POLICY_TIERS.items() if tiers != POLICY_TIERS["auto"]
+    ] + [
+        {
+            "rule": "!has(self.cpuResidentFraction) || ((!has(self.optimizer) || self.optimizer in ['auto', 'nvme']) "
+            "&& (!has(self.policy) || self.policy in ['auto', 'nvme']))",
+            "message": "offload.cpuResidentFraction is the share of an NVMe optimizer kept in RAM: it needs "
+            "optimizer auto or nvme and policy auto or nvme",
+            "fieldPath": ".cpuResidentFraction",
+        }
     ],
     ("resources",): [
         {

@@ -11,6 +11,8 @@ from typing import Any
 from spillway_runtime.planner import OffloadPlan
 
 _MARK = "_spillway_unique_params"
+_RESIDENT_MARK = "_spillway_resident_sub_groups"
+_resident_fraction = 0.0  # read by the patched ZeRO-3 optimizer as it is built (`keep_first_sub_groups_in_ram`)
 
 
 def apply(plan: OffloadPlan) -> None:
@@ -18,6 +20,46 @@ def apply(plan: OffloadPlan) -> None:
         swap_each_parameter_in_once()
     if plan.uses_nvme:
         quiet_ssd_endurance_warning()
+    if plan.optimizer == "nvme" and plan.swap.cpu_resident_fraction > 0:
+        keep_first_sub_groups_in_ram(plan.swap.cpu_resident_fraction)
+    else:
+        global _resident_fraction
+        _resident_fraction = 0.0
+
+
+def resident_sub_groups(fraction: float, sub_groups: int) -> int:
+    """How many of a rank's optimizer sub-groups a share keeps in RAM (the planner's arithmetic)."""
+    return int(fraction * sub_groups + 1e-9)
+
+
+def keep_first_sub_groups_in_ram(fraction: float) -> None:
+    """Tiered optimizer state (the plan's `swap.cpu_resident_fraction`): ZeRO-3 swaps every
+    optimizer sub-group above its minimum size to NVMe; with this, the first
+    floor(share x sub-groups) of each rank stay in CPU RAM and never touch the disk, and the
+    rest swap as before. DeepSpeed asks one method whether a sub-group is swapped, everywhere
+    (building the fp32 partitions, the step, gradients, checkpoint save and load):
+    `DeepSpeedZeroOptimizer_Stage3._swappable_optimizer_subgroup`; a sub-group it answers no
+    for is handled as one too small to swap is, in pageable RAM. The count is fixed the first
+    time an optimizer asks, from its number of sub-groups (each rank its own)."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    global _resident_fraction
+    _resident_fraction = fraction
+    original = DeepSpeedZeroOptimizer_Stage3._swappable_optimizer_subgroup
+    if getattr(original, _RESIDENT_MARK, False):
+        return
+
+    def swappable(self: Any, sub_group_id: int) -> bool:
+        if not original(self, sub_group_id):
+            return False
+        keep = self.__dict__.get(_RESIDENT_MARK)
+        if keep is None:
+            keep = resident_sub_groups(_resident_fraction, len(self.fp16_partitioned_groups_flat))
+            setattr(self, _RESIDENT_MARK, keep)
+        return bool(sub_group_id >= keep)
+
+    setattr(swappable, _RESIDENT_MARK, True)
+    DeepSpeedZeroOptimizer_Stage3._swappable_optimizer_subgroup = swappable
 
 
 def quiet_ssd_endurance_warning() -> None:

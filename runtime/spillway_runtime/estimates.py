@@ -47,6 +47,7 @@ class StepTime(BaseModel):
     nvme: float = Field(description="parameter_nvme + optimizer_nvme")
     parameter_nvme: float = 0.0
     optimizer_nvme: float = 0.0
+    nvme_bytes: int = Field(0, description="Read and written per step and node, parameters and optimizer")
     cpu_optimizer: float = Field(description="The optimizer step: on the CPU, or fused Adam on the GPU")
     pipelined: bool = Field(False, description="Optimizer NVMe I/O overlaps the optimizer step")
     total: float
@@ -206,12 +207,16 @@ def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSetting
     read_bps = hw.nvme_read_bytes_per_s or DEFAULT_NVME_READ_BPS
     write_bps = hw.nvme_write_bytes_per_s or DEFAULT_NVME_WRITE_BPS
     param_nvme = 0.0
+    nvme_bytes = 0.0
     if parameters == "nvme":
         param_nvme = (2 * 2 * p / nodes * micro_steps) / read_bps + (2 * t / nodes) / write_bps
+        nvme_bytes += 2 * 2 * p / nodes * micro_steps + 2 * t / nodes
     opt_nvme = 0.0
     if optimizer == "nvme":
-        half = OPTIMIZER_SWAP_BYTES_PER_PARAM * t / nodes
+        # the sub-groups kept in RAM (`swap.cpu_resident_fraction`) are never read or written
+        half = OPTIMIZER_SWAP_BYTES_PER_PARAM * t / nodes * (1 - swap.cpu_resident_fraction)
         opt_nvme = half / read_bps + half / write_bps
+        nvme_bytes += 2 * half
     cpu_adam = hw.cpu_adam_params_per_s or DEFAULT_CPU_ADAM_PARAMS_PER_S
     # fused Adam on a GPU streams ~16 B/param three times at HBM speed (~2 TB/s)
     on_hbm = optimizer == "gpu" and placement.on_gpu
@@ -224,6 +229,7 @@ def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSetting
         nvme=param_nvme + opt_nvme,
         parameter_nvme=param_nvme,
         optimizer_nvme=opt_nvme,
+        nvme_bytes=int(nvme_bytes),
         cpu_optimizer=optimizer_step,
         pipelined=swap.pipeline,
         total=forward_backward + optimizer_phase,

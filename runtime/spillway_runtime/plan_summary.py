@@ -57,6 +57,9 @@ class PlanSummary(SummaryModel):
     optimizer: Tier
     parameters: Tier
     activation_checkpointing: bool
+    optimizer_cpu_resident_fraction: float = Field(
+        0.0, description="With the optimizer on NVMe: the share of its sub-groups kept in CPU RAM, never swapped")
+    nvme_bytes_per_step: int = Field(0, description="Predicted NVMe reads and writes per optimizer step, per node")
     bytes: TierFigures = Field(description="Planned bytes in each tier")
     capacity: TierFigures = Field(description="What each tier holds on the node")
     predicted_step_seconds: float

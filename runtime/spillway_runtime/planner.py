@@ -16,6 +16,7 @@ chooses between placements with them.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -190,6 +191,9 @@ class SwapSettings(BaseModel):
     param_buffer_count: int = PARAM_SWAP_BUFFER_COUNT
     param_buffer_size: int = PARAM_SWAP_BUFFER_SIZE
     pin_memory: bool = True
+    cpu_resident_fraction: float = Field(
+        0.0, description="With the optimizer on NVMe: the share of each rank's optimizer sub-groups kept in CPU "
+        "RAM and never swapped (the first ones); the runtime keeps floor(share x sub-groups)")
 
 
 # What one checkpoint holds per parameter: the fp32 masters and both Adam moments, once each
@@ -259,6 +263,8 @@ class OffloadPlan(BaseModel):
             "gpus_per_node": self.gpus_per_node, "processes_per_node": self.processes_per_node,
             "zero_stage": self.zero_stage, "optimizer": self.optimizer, "parameters": self.parameters,
             "activation_checkpointing": self.activation_checkpointing,
+            "optimizer_cpu_resident_fraction": self.swap.cpu_resident_fraction,
+            "nvme_bytes_per_step": self.step.nvme_bytes,
             "bytes": self.bytes.model_dump(exclude={"cpu_pageable"}),
             "capacity": self.capacity.model_dump(exclude={"cpu_pageable"}),
             "predicted_step_seconds": self.predicted_step_seconds,
@@ -329,16 +335,34 @@ def _allowed(offload: Offload, stage: int, optimizer: Tier, parameters: Tier) ->
     return None
 
 
-def _choose_swap(shape: ModelShape, optimizer: Tier, parameters: Tier, ranks: int, cpu_spare: int) -> SwapSettings:
+def _cpu_resident(offload: Offload) -> float | None:
+    """The share of an NVMe optimizer kept in RAM: the job's; all on NVMe when the job put the
+    optimizer there itself; else (None) what the RAM holds."""
+    if offload.cpu_resident_fraction is not None:
+        return offload.cpu_resident_fraction
+    return 0.0 if offload.optimizer == "nvme" else None
+
+
+def _sub_group_override(offload: Offload) -> int | None:
+    zero = offload.deepspeed.get("zero_optimization")
+    value = zero.get("sub_group_size") if isinstance(zero, dict) else None  # a misshapen one is refused later
+    return int(value) if isinstance(value, int | float) and value >= 1 else None
+
+
+def _choose_swap(shape: ModelShape, optimizer: Tier, parameters: Tier, ranks: int, cpu_spare: int,
+                 sub_group_size: int | None = None) -> SwapSettings:
     """Size sub-groups and swap buffers to the RAM that is left.
 
     The optimizer swapper pins buffer_count x sub_group x 4 B per rank; DeepSpeed's default
     sub-group of 1e9 elements pins 16 GB per rank and exhausts host RAM (#3000), so the
     sub-group is lowered until the buffers take at most half of the spare RAM, and the
-    read/write pipeline is switched on only when its double buffers also fit.
+    read/write pipeline is switched on only when its double buffers also fit. A job's own
+    `sub_group_size` (offload.deepspeed) is what DeepSpeed will use: it is taken as it is.
     """
     partition = max(1, shape.params // ranks)
     sub_group = min(DEFAULT_SUB_GROUP_SIZE, max(MIN_SUB_GROUP_SIZE, partition))
+    if sub_group_size is not None:
+        sub_group = sub_group_size
     param_size = max(PARAM_SWAP_BUFFER_SIZE, shape.largest_param_numel)
     if optimizer != "nvme":
         return SwapSettings(sub_group_size=sub_group, param_buffer_size=param_size)
@@ -349,7 +373,8 @@ def _choose_swap(shape: ModelShape, optimizer: Tier, parameters: Tier, ranks: in
         fits = budget // ((buffers + 1) * 4)
         if fits >= min(sub_group, 100_000_000) or buffers == OPTIMIZER_SWAP_BUFFERS:
             pipeline = buffers == OPTIMIZER_SWAP_BUFFERS_PIPELINED
-            sub_group = max(MIN_SUB_GROUP_SIZE, min(sub_group, fits))
+            if sub_group_size is None:
+                sub_group = max(MIN_SUB_GROUP_SIZE, min(sub_group, fits))
             break
     return SwapSettings(
         sub_group_size=int(sub_group),
@@ -387,6 +412,10 @@ class PlacementInputs:
     ranks_per_node: int  # training processes: one per GPU, or the CPU processes
     nodes: int = 1
     price_per_hour: float | None = None
+    # With the optimizer on NVMe, the share of its sub-groups kept in RAM: a number (the job's,
+    # or 0 when the job asked for NVMe), or None: the largest share the RAM holds.
+    cpu_resident: float | None = 0.0
+    sub_group_size: int | None = None  # the job's own (offload.deepspeed), which DeepSpeed uses
 
     @property
     def on_gpu(self) -> bool:
@@ -410,6 +439,7 @@ class _Sizing:
     checkpointing: bool
     activations: int
     reasons: list[str]
+    resident: int = 0  # optimizer state per node kept in RAM where the placement swaps the rest
 
     def cpu_spare(self, placement: PlacementInputs) -> int:
         """CPU RAM left for the swap buffers (on a CPU accelerator the "device" is RAM too)."""
@@ -421,9 +451,11 @@ def _evaluate(placement: PlacementInputs) -> OffloadPlan:
     """Size and time one placement: memory -> swap minimum -> pinning -> shortfall."""
     sizing = _size_memory(placement)
     swap = _choose_swap(placement.shape, placement.optimizer, placement.parameters, placement.ranks,
-                        sizing.cpu_spare(placement))
+                        sizing.cpu_spare(placement), placement.sub_group_size)
     aio = placement.hw.aio or AioSettings()
-    _keep_unswappable_in_ram(placement, sizing, swap, aio)
+    swapped_per_param = _keep_unswappable_in_ram(placement, sizing, swap, aio)
+    if swapped_per_param:
+        _keep_share_in_ram(placement, sizing, swap, swapped_per_param)
     pinned = _pin(placement, sizing, swap)
     tier_bytes = _tier_bytes(placement, sizing, pinned)
     shortfalls, nvme_need = _shortfalls(placement, sizing, tier_bytes)
@@ -506,10 +538,12 @@ def _size_memory(placement: PlacementInputs) -> _Sizing:
 
 
 def _keep_unswappable_in_ram(placement: PlacementInputs, sizing: _Sizing, swap: SwapSettings,
-                             aio: AioSettings) -> None:
+                             aio: AioSettings) -> int:
     """DeepSpeed swaps a tensor only when it holds at least max(1 MiB, aio block) bytes: what is
-    smaller stays in CPU RAM, so its bytes move from the NVMe figure back to the CPU one."""
+    smaller stays in CPU RAM, so its bytes move from the NVMe figure back to the CPU one.
+    Returns the optimizer's bytes per trainable parameter on NVMe (0: nothing of it swapped)."""
     shape, ranks, nodes = placement.shape, placement.ranks, placement.nodes
+    swapped = OPTIMIZER_SWAP_BYTES_PER_PARAM if placement.optimizer == "nvme" else 0
     min_swap = max(MIN_AIO_BYTES, aio.block_size)
     per_node_params = shape.params // nodes
     per_node_trainable = shape.trainable // nodes
@@ -522,15 +556,68 @@ def _keep_unswappable_in_ram(placement: PlacementInputs, sizing: _Sizing, swap: 
                 f"optimizer sub-groups of {format_bytes(swap_unit)} are below DeepSpeed's minimum swap size "
                 f"({format_bytes(min_swap)}): the state stays in CPU RAM"
             )
+            swapped = 0
         elif shape.largest_param_numel // ranks * 4 < min_swap:
             # every gradient fragment is too small to swap: fp32 grads stay in RAM
             moved = (OPTIMIZER_SWAP_BYTES_PER_PARAM - OPTIMIZER_SWAP_BYTES_PER_PARAM_NO_GRADS) * per_node_trainable
             sizing.nvme -= moved
             sizing.cpu_state += moved
+            swapped = OPTIMIZER_SWAP_BYTES_PER_PARAM_NO_GRADS
+        _, groups, remainder = _sub_groups(placement, swap)
+        if swapped and groups > 1 and remainder * 4 < min_swap:
+            # the last sub-group, what is left of the partition, is too small to swap
+            sizing.nvme -= swapped * remainder * placement.ranks_per_node
+            sizing.cpu_state += (swapped - 2) * remainder * placement.ranks_per_node
     if placement.parameters == "nvme" and shape.largest_param_numel // ranks * 2 < min_swap:
         sizing.nvme -= 2 * per_node_params
         sizing.cpu_state += 2 * per_node_params
         sizing.reasons.append("parameter partitions are below DeepSpeed's minimum swap size: they stay in CPU RAM")
+    return swapped
+
+
+def _keep_share_in_ram(placement: PlacementInputs, sizing: _Sizing, swap: SwapSettings, per_param: int) -> None:
+    """Tiered optimizer state: the first K of each rank's n sub-groups stay in CPU RAM and never
+    touch the disk, the rest swap as before. K is the job's share of n, or (share not given)
+    the most sub-groups that the RAM left beside everything else holds. Their state moves from
+    the NVMe figure to the CPU one, as for a sub-group too small to swap (DeepSpeed 0.19.8
+    keeps such sub-groups in pageable memory: nothing more is pinned)."""
+    group, groups, remainder = _sub_groups(placement, swap)
+    # the sub-groups that swap at all: a last one too small to swap is in RAM already
+    swappable = groups - 1 if groups > 1 and remainder * 4 < max(MIN_AIO_BYTES, (placement.hw.aio or AioSettings())
+                                                                   .block_size) else groups
+    ram_per_group = (per_param - 2) * group * placement.ranks_per_node
+    share = placement.cpu_resident
+    if share is not None:
+        keep = int(share * groups + 1e-9)
+    else:
+        pinned = _pin(placement, dataclasses.replace(sizing, reasons=[]), swap.model_copy())
+        room = sizing.cpu_usable - _tier_bytes(placement, sizing, pinned).cpu
+        keep = max(0, min(swappable, room // max(1, ram_per_group)))
+    if keep == 0:
+        swap.cpu_resident_fraction = share or 0.0
+        return
+    resident_params = min(keep, swappable) * group * placement.ranks_per_node
+    sizing.nvme -= per_param * resident_params
+    sizing.cpu_state += (per_param - 2) * resident_params
+    sizing.resident = (per_param - 2) * resident_params
+    # the job's share as it is (the runtime keeps floor(share x its sub-groups), which a pod's
+    # memlock-fitted sub-groups can make more than planned here); the planner's as a fraction
+    swap.cpu_resident_fraction = share if share is not None else keep / groups
+    on_nvme = max(0, swappable - keep)
+    sizing.reasons.append(
+        f"optimizer: {keep} of {groups} sub-groups per process kept in CPU RAM "
+        f"({format_bytes(sizing.resident)} per node), {on_nvme} on NVMe"
+        + ("" if on_nvme else ": nothing of it is swapped")
+    )
+
+
+def _sub_groups(placement: PlacementInputs, swap: SwapSettings) -> tuple[int, int, int]:
+    """(elements per sub-group, sub-groups, elements in the last) of one rank's optimizer
+    partition, as DeepSpeed cuts it (to whole parameters; here to elements)."""
+    partition = max(1, -(-placement.shape.trainable // placement.ranks))
+    group = min(swap.sub_group_size, partition)
+    groups = -(-partition // group)
+    return group, groups, partition - (groups - 1) * group
 
 
 def _pin(placement: PlacementInputs, sizing: _Sizing, swap: SwapSettings) -> tuple[int, int]:
@@ -632,7 +719,8 @@ def plan_tiers(
         plan = _evaluate(PlacementInputs(
             shape=shape, hw=hw, training=training, dtype=dtype, stage=stage, optimizer=optimizer,
             parameters=parameters, gpus_per_node=gpus, ranks_per_node=ranks_per_node, nodes=nodes,
-            price_per_hour=price_per_hour,
+            price_per_hour=price_per_hour, cpu_resident=_cpu_resident(offload),
+            sub_group_size=_sub_group_override(offload),
         ))
         candidates.append(plan)
     if not candidates:
@@ -676,7 +764,8 @@ def _explain(plan: OffloadPlan) -> Iterable[str]:
     if plan.bytes.nvme:
         yield (
             f"NVMe: {format_bytes(plan.bytes.nvme)} of swap files, sub-group "
-            f"{plan.swap.sub_group_size:,} elements, pipelined I/O {'on' if plan.swap.pipeline else 'off'}"
+            f"{plan.swap.sub_group_size:,} elements, pipelined I/O {'on' if plan.swap.pipeline else 'off'}; "
+            f"{format_bytes(plan.step.nvme_bytes)} read and written per step"
         )
     yield plan.step.formula()
     yield plan.step.compute_rate()

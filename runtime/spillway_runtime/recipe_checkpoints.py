@@ -264,7 +264,7 @@ class Checkpointing:
         meta = {"loss": loss, "worldSize": self.world_size, "plan": self.plan.label,
                 "dataPosition": self.data_position, "config": self.spec.model_dump(mode="json"),
                 # what a resume elsewhere must plan with (local.py, from a mirrored checkpoint)
-                "aioBlockSize": self.plan.aio.block_size}
+                "aioBlockSize": self.plan.aio.block_size, "cpuResidentFraction": self._shape().resident}
         evaluated = getattr(self, "last_eval", None)
         if evaluated is not None and evaluated[0] == self.step:
             meta["evalLoss"] = evaluated[1]
@@ -324,11 +324,11 @@ class Checkpointing:
 
     def _load(self, info: CheckpointInfo) -> None:
         written = self._written_shape(info)
-        # With the optimizer moved to or from NVMe alone, its state is in swap files on one side
-        # and in the ZeRO file on the other: the load below would take the checkpoint for
-        # damaged and fall back, where the universal checkpoint carries it across.
-        if written is not None and (written.layout != self._shape().layout
-                                    or (written.optimizer == "nvme") != (self._shape().optimizer == "nvme")):
+        # With the optimizer moved to or from NVMe alone, or another share of it kept in RAM, a
+        # sub-group's state is in swap files on one side and in the ZeRO file on the other: the
+        # load below would take the checkpoint for damaged and fall back, where the universal
+        # checkpoint carries it across.
+        if written is not None and (written.layout != self._shape().layout or written.swapped != self._shape().swapped):
             self._load_resharded(info, written)
             return
         self.ckpt.expected = self.store.deferred(info.path)
@@ -391,7 +391,8 @@ class Checkpointing:
     # --- resume across shapes ------------------------------------------------------------
 
     def _shape(self) -> Shape:
-        return Shape(self.world_size, self.plan.zero_stage, self.plan.optimizer, self.plan.parameters)
+        resident = self.plan.swap.cpu_resident_fraction if self.plan.optimizer == "nvme" else 0.0
+        return Shape(self.world_size, self.plan.zero_stage, self.plan.optimizer, self.plan.parameters, resident)
 
     def _written_shape(self, info: CheckpointInfo) -> Shape | None:
         """The shape that wrote a checkpoint, from its manifest (None: an older manifest)."""
@@ -399,20 +400,23 @@ class Checkpointing:
 
         manifest = self.store.read_manifest(info.path) or {}
         world, label = manifest.get("worldSize"), manifest.get("plan")
-        if not isinstance(world, int) or not isinstance(label, str):
+        resident = manifest.get("cpuResidentFraction", 0.0)
+        if not isinstance(world, int) or not isinstance(label, str) or not isinstance(resident, int | float):
             return None
         try:
             stage, optimizer, parameters = parse_label(label)
         except ValueError:
             return None
-        return Shape(world, stage, optimizer, parameters)
+        return Shape(world, stage, optimizer, parameters, float(resident))
 
     def _load_resharded(self, info: CheckpointInfo, written: Shape) -> None:
         """Resume from a checkpoint of another number of processes or ZeRO stage, or whose
         optimizer moved to or from NVMe: rank 0 converts it into DeepSpeed's universal form
         (`universal.write_universal`), every rank loads that (its swapped optimizer state
         through `universal.filling_swapped_state`), and our own state comes from rank 0's state
-        file, its data positions rescaled to the new number of processes."""
+        file, its data positions rescaled to the new number of processes. With the same number
+        of processes and ZeRO stage (only where the optimizer state lives changed), each rank takes
+        its own state file, random generators included: the run goes on as if uninterrupted."""
         import numpy as np
 
         self._refuse_reshard(info, written)
@@ -423,20 +427,24 @@ class Checkpointing:
             self._barrier()  # every rank has read the converted files before rank 0 removes them
             if self.rank == 0:
                 shutil.rmtree(scratch, ignore_errors=True)
-        state = unpickle.load(info.path / f"rank0-{STATE_FILE}")
+        same_layout = written.layout == self._shape().layout
+        state = unpickle.load(info.path / f"rank{self.rank if same_layout else 0}-{STATE_FILE}")
         replay_adam_kernel(self.engine, max((s for s in state.get("optimizer_steps", []) if s is not None),
                                             default=state["step"]))
         self.engine.micro_steps = self.engine.global_steps * self.engine.gradient_accumulation_steps()
         self._restore_progress(state, (written.world_size, self.world_size))
-        # Each rank's generators cannot be mapped onto another number of ranks: seeded from the
-        # step instead, the same way on every attempt that makes this change.
-        seed = self.spec.training.seed + self.step + self.rank
-        random.seed(seed)
-        np.random.seed(seed)
-        self.torch.manual_seed(seed)
+        if same_layout:
+            self._restore_rng(state["rng"])
+        else:
+            # Each rank's generators cannot be mapped onto another number of ranks: seeded from
+            # the step instead, the same way on every attempt that makes this change.
+            seed = self.spec.training.seed + self.step + self.rank
+            random.seed(seed)
+            np.random.seed(seed)
+            self.torch.manual_seed(seed)
         if self.rank == 0:
-            self._log(f"checkpoint {info.name} resharded from {written.describe()} to {self._shape().describe()}; "
-                      "random generators reseeded from the step")
+            self._log(f"checkpoint {info.name} resharded from {written.describe()} to {self._shape().describe()}"
+                      + ("" if same_layout else "; random generators reseeded from the step"))
         self.reporter.event("resharded", checkpoint=info.name, step=self.step,
                             **{"from": written.public(), "to": self._shape().public()})
 
@@ -520,19 +528,28 @@ class Shape:
     zero_stage: int
     optimizer: str
     parameters: str
+    resident: float = 0.0  # with the optimizer on NVMe, the share of its sub-groups kept in RAM
 
     @property
     def layout(self) -> tuple[int, int]:
         """What the files' partitioning depends on; where state was offloaded to does not change it."""
         return self.world_size, self.zero_stage
 
+    @property
+    def swapped(self) -> tuple[bool, float]:
+        """Which sub-groups' state is in swap files rather than in the ZeRO files."""
+        return self.optimizer == "nvme", self.resident
+
     def describe(self) -> str:
-        return (f"{self.world_size} process(es), ZeRO-{self.zero_stage}, optimizer on {self.optimizer}, "
+        optimizer = self.optimizer
+        if self.optimizer == "nvme" and self.resident:
+            optimizer = f"nvme with {self.resident:.0%} of its sub-groups in RAM"
+        return (f"{self.world_size} process(es), ZeRO-{self.zero_stage}, optimizer on {optimizer}, "
                 f"parameters on {self.parameters}")
 
     def public(self) -> dict[str, Any]:
         return {"worldSize": self.world_size, "stage": self.zero_stage,
-                "optimizer": self.optimizer, "parameters": self.parameters}
+                "optimizer": self.optimizer, "parameters": self.parameters, "cpuResidentFraction": self.resident}
 
 
 def _rescaled(position: int, scale: tuple[int, int], what: str) -> int:

@@ -341,6 +341,12 @@ class Offload(SpecModel):
     )
     optimizer: TierChoice = Field("auto", description="Where Adam moments and fp32 master weights live")
     parameters: TierChoice = Field("auto", description="Where the (partitioned) model parameters live")
+    cpu_resident_fraction: float | None = Field(
+        None, ge=0, le=1,
+        description="With the optimizer on NVMe: the share of its sub-groups (fp32 masters and Adam moments) "
+        "kept in CPU RAM, never swapped; the rest on NVMe. Omitted: when the planner chose NVMe "
+        "(optimizer auto), the largest share the node's RAM holds; when optimizer is nvme, 0 (all on NVMe)",
+    )
     nvme: NvmeVolume = Field(default_factory=lambda: NvmeVolume())
     deepspeed: dict[str, Any] = Field(
         default_factory=dict, description="Raw DeepSpeed config overrides, merged last and validated"
@@ -355,6 +361,16 @@ class Offload(SpecModel):
                     f"{field}: {choice!r} contradicts policy {self.policy!r}; "
                     f"with that policy {field} may be one of {sorted(POLICY_TIERS[self.policy])}"
                 )
+        if self.cpu_resident_fraction is not None and self.optimizer not in ("auto", "nvme"):
+            raise ValueError(
+                f"cpuResidentFraction is the share of an NVMe optimizer kept in RAM; with optimizer "
+                f"{self.optimizer!r} it means nothing: remove it or set optimizer to nvme"
+            )
+        if self.cpu_resident_fraction is not None and "nvme" not in POLICY_TIERS[self.policy]:
+            raise ValueError(
+                f"cpuResidentFraction applies to an optimizer on NVMe, which policy {self.policy!r} excludes: "
+                "remove it or set policy to nvme or auto"
+            )
         if self.optimizer == "gpu" and self.parameters in ("cpu", "nvme"):
             raise ValueError(
                 "parameters offloaded while the optimizer stays on GPU is not a useful placement: "

@@ -95,7 +95,9 @@ def _fill_from_swap_files(state: dict[str, Any], optim_path: Path, load: Callabl
     if found is None:
         raise UniversalError(f"{optim_path}: no rank in the name of a ZeRO file")
     rank = int(found.group(1))
-    model_states = load(str(optim_path.with_name(optim_path.name.replace("optim_states", "model_states"))))
+    # bf16 training names its optimizer files bf16_zero_pp_rank_..., its model files not
+    model_name = optim_path.name.removeprefix("bf16_").replace("optim_states", "model_states")
+    model_states = load(str(optim_path.with_name(model_name)))
     count = inner["partition_count"]
     processes = count if isinstance(count, int) else count[0]
     numels = [sum(-(-math.prod(shape) // processes) for shape in group.values())

@@ -41,14 +41,74 @@ def test_13b_on_one_24gb_gpu_fits_with_state_in_cpu_ram():
 
 
 def test_13b_with_only_64gb_ram_spills_the_optimizer_to_nvme():
-    plan = plan_tiers(P13, rtx4090(64), TRAIN)
+    plan = plan_tiers(P13, rtx4090(64), TRAIN, Offload(optimizer="nvme"))
     assert plan.feasible
     assert plan.optimizer == "nvme"
     # fp32 master weights, both Adam moments and the fp32 gradient: 16 B/param in swap files
     assert plan.bytes.nvme == 16 * 13_000_000_000
+    assert plan.swap.cpu_resident_fraction == 0  # the job put the optimizer on NVMe itself: all of it
     assert any("NVMe" in r for r in plan.reasons)
-    rejected = {r.placement: r.why for r in plan.rejected}
+    rejected = {r.placement: r.why for r in plan_tiers(P13, rtx4090(64), TRAIN).rejected}
     assert "CPU RAM is short" in rejected["Z3 opt:cpu par:cpu"]
+
+
+def sub_groups(plan) -> tuple[int, int]:
+    """(elements per sub-group, sub-groups) of a one-process plan's optimizer partition."""
+    group = min(plan.swap.sub_group_size, plan.model.params)
+    return group, -(-plan.model.params // group)
+
+
+@pytest.mark.parametrize("ram_gib", [64, 160])
+def test_the_planner_fills_the_ram_left_with_optimizer_sub_groups_and_swaps_the_rest(ram_gib):
+    """Chosen by the planner (optimizer auto), an NVMe optimizer keeps as many of its sub-groups
+    in RAM as the RAM left beside everything else holds: each moves 16 B/param off NVMe and
+    14 B/param into RAM, and the step's optimizer NVMe time falls with the share on disk."""
+    tiered = plan_tiers(P13, rtx4090(ram_gib), TRAIN)
+    assert tiered.feasible and tiered.optimizer == "nvme"
+    whole = plan_tiers(P13, rtx4090(ram_gib), TRAIN, Offload(parameters=tiered.parameters, cpuResidentFraction=0))
+    group, groups = sub_groups(tiered)
+    keep = round(tiered.swap.cpu_resident_fraction * groups)
+    assert 0 < keep < groups
+    assert whole.bytes.nvme - tiered.bytes.nvme == 16 * keep * group
+    assert tiered.bytes.cpu - whole.bytes.cpu == 14 * keep * group
+    assert tiered.headroom.cpu < 14 * group  # one more sub-group would not fit
+    assert tiered.step.optimizer_nvme == pytest.approx(whole.step.optimizer_nvme * (1 - keep / groups))
+    assert tiered.predicted_step_seconds < whole.predicted_step_seconds
+    assert f"{keep} of {groups} sub-groups per process kept in CPU RAM" in " ".join(tiered.reasons)
+    summary = tiered.summary()
+    assert summary.optimizer_cpu_resident_fraction == tiered.swap.cpu_resident_fraction
+    # read and written once per step: the resident share's 2 x 16 B/param less than the whole's
+    assert whole.summary().nvme_bytes_per_step - summary.nvme_bytes_per_step == pytest.approx(
+        2 * 16 * 13_000_000_000 * keep / groups, rel=1e-6)
+
+
+def test_more_ram_is_a_faster_nvme_step_before_ram_holds_the_whole_optimizer():
+    """Before tiers, 64 and 160 GiB of RAM planned the same all-NVMe step (the issue: 357 s)
+    until RAM held all of the optimizer state."""
+    small, large = plan_tiers(P13, rtx4090(64), TRAIN), plan_tiers(P13, rtx4090(160), TRAIN)
+    assert large.optimizer == small.optimizer == "nvme"
+    assert large.swap.cpu_resident_fraction > 0.3 > small.swap.cpu_resident_fraction
+    assert large.predicted_step_seconds < 0.85 * small.predicted_step_seconds
+
+
+def test_a_pinned_share_is_kept_and_an_impossible_one_is_short_of_ram():
+    half = plan_tiers(P13, rtx4090(256), TRAIN, Offload(optimizer="nvme", cpuResidentFraction=0.5))
+    group, groups = sub_groups(half)
+    assert half.swap.cpu_resident_fraction == 0.5
+    whole = plan_tiers(P13, rtx4090(256), TRAIN, Offload(optimizer="nvme"))
+    assert whole.bytes.nvme - half.bytes.nvme == 16 * (groups // 2) * group
+    too_much = plan_tiers(P13, rtx4090(64), TRAIN, Offload(optimizer="nvme", parameters="cpu", cpuResidentFraction=1))
+    assert not too_much.feasible and {s.tier for s in too_much.shortfalls} == {"cpu"}
+
+
+@pytest.mark.parametrize(("offload", "named"), [
+    ({"optimizer": "cpu", "cpuResidentFraction": 0.5}, "remove it or set optimizer to nvme"),
+    ({"policy": "cpu", "cpuResidentFraction": 0.5}, "policy 'cpu' excludes"),
+    ({"optimizer": "nvme", "cpuResidentFraction": 1.5}, "less than or equal to 1"),
+])
+def test_a_share_in_ram_without_an_nvme_optimizer_is_refused_naming_the_field(offload, named):
+    with pytest.raises(ValueError, match=named):
+        Offload.model_validate(offload)
 
 
 def test_nothing_fits_names_the_short_tier_and_gib():

@@ -20,7 +20,8 @@ from spillway_runtime.universal import UniversalError, _write_native
 def attempt(shape: Shape, lora: bool = False) -> Checkpointing:
     recipe = Checkpointing()
     recipe.world_size = shape.world_size
-    recipe.plan = SimpleNamespace(zero_stage=shape.zero_stage, optimizer=shape.optimizer, parameters=shape.parameters)
+    recipe.plan = SimpleNamespace(zero_stage=shape.zero_stage, optimizer=shape.optimizer, parameters=shape.parameters,
+                                  swap=SimpleNamespace(cpu_resident_fraction=shape.resident))
     recipe.spec = SimpleNamespace(method=SimpleNamespace(lora=lora))
     return recipe
 
@@ -35,6 +36,20 @@ CHECKPOINT: Any = SimpleNamespace(name="step-00000004")
 ])
 def test_optimizer_on_nvme_takes_the_universal_path(written, planned):
     attempt(planned)._refuse_reshard(CHECKPOINT, written)  # no RunFailed
+
+
+@pytest.mark.parametrize(("written", "planned", "converted"), [
+    (Shape(1, 3, "nvme", "cpu", 0.5), Shape(1, 3, "nvme", "cpu", 0.25), True),  # another share in RAM
+    (Shape(1, 3, "nvme", "cpu", 0.5), Shape(1, 3, "nvme", "cpu"), True),  # all on NVMe now
+    (Shape(1, 3, "nvme", "cpu", 0.5), Shape(1, 3, "cpu", "cpu"), True),  # all in RAM
+    (Shape(1, 3, "nvme", "cpu", 0.5), Shape(1, 3, "nvme", "cpu", 0.5), False),  # unchanged: a plain load
+    (Shape(1, 3, "cpu", "cpu"), Shape(1, 3, "cpu", "gpu"), False),  # parameters moved alone: same files
+])
+def test_a_change_of_the_optimizers_share_in_ram_is_a_conversion(written, planned, converted):
+    """A tiered checkpoint keeps its resident sub-groups' state in the ZeRO files and the rest in
+    swap files: resumed with another share, what the load expects in swap files is elsewhere."""
+    assert (written.swapped != planned.swapped or written.layout != planned.layout) is converted
+    assert attempt(planned)._shape() == planned
 
 
 @pytest.mark.parametrize(("written", "planned", "lora", "named"), [

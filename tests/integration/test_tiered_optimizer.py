@@ -1,0 +1,112 @@
+"""Tiered optimizer state: with the optimizer on NVMe, a share of its sub-groups kept in CPU RAM
+(`offload.cpuResidentFraction`) and the rest swapped, for real in DeepSpeed.
+
+The small model's 752,768 optimizer elements cut at 270,000 make three sub-groups: two swapped
+ones of 278,016 and 279,040 elements and a remainder of 195,712 under DeepSpeed's 1 MiB minimum
+swap size, which stays in memory whatever the share. A share of 0.5 keeps floor(0.5 x 3) = 1
+sub-group in RAM, the first. Shown here:
+- the swap files: only the second sub-group's, and the NVMe bytes of each step half of the
+  all-NVMe run's, each within 10% of what the plan predicts;
+- losses bit-identical to the all-NVMe run's (the same CPU Adam on the same numbers);
+- SIGKILLed after a checkpoint and restarted, bit-identical to the uninterrupted run;
+- its checkpoint resumed with the whole optimizer on NVMe and with it in CPU RAM (the resident
+  sub-group's state is in the ZeRO files, the swapped one's in swap files: a conversion),
+  bit-identical too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spillway_runtime.checkpoint import checkpoint_name
+
+from .conftest import Run, run_job
+from .test_exact_resume import EVERY, MAX_STEPS, SLOW, assert_identical_after, copy_checkpoint
+
+SUB_GROUP = 270_000
+SHARE = 0.5
+
+
+def tiered_job(make_job, nvme: Path, name: str, share: float | None = SHARE, optimizer: str = "nvme") -> Path:
+    offload: dict[str, Any] = {"optimizer": optimizer, "parameters": "gpu", "nvme": {"path": str(nvme)},
+                               "deepspeed": {"zero_optimization": {"stage": 3, "sub_group_size": SUB_GROUP}}}
+    if share is not None:
+        offload["cpuResidentFraction"] = share
+    return make_job(name, training={"maxSteps": MAX_STEPS}, offload=offload, checkpoint={"everySteps": EVERY, "keep": 10})
+
+
+def nvme_bytes(run: Run) -> int:
+    """The swap files' bytes during the run (the runtime's `bytes.nvme` of each step)."""
+    return max(e["bytes"].get("nvme", 0) for e in run.of("step"))
+
+
+def swap_files(run: Run, step: int) -> set[str]:
+    folder = run.run_dir / "checkpoints" / checkpoint_name(step) / "ds" / "offloaded_tensors"
+    return {p.name for p in folder.rglob("*.tensor.swp")}
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, tuple[Run, Path]]:
+    return {}
+
+
+def tiered_reference(references, make_job, tmp_path_factory) -> tuple[Run, Path]:
+    """The uninterrupted tiered run, shared by this module's tests, and its NVMe directory (part
+    of the DeepSpeed config that its checkpoints hold), which the runs compared with it use."""
+    if "tiered" not in references:
+        root = tmp_path_factory.mktemp("tiered")
+        run = run_job(tiered_job(make_job, root / "nvme", "reference"), root / "run")
+        assert run.returncode == 0, run.log[-3000:]
+        references["tiered"] = (run, root / "nvme")
+    return references["tiered"]
+
+
+@pytest.mark.integration
+def test_a_share_of_the_optimizer_in_ram_swaps_the_rest_and_resumes_bit_identically(
+        tmp_path, make_job, tmp_path_factory, references):
+    tiered, nvme = tiered_reference(references, make_job, tmp_path_factory)
+    plan = tiered.config.plan
+    assert plan.label == "Z3 opt:nvme par:gpu" and plan.swap.cpu_resident_fraction == SHARE
+    assert any("1 of 3 sub-groups per process kept in CPU RAM" in r for r in plan.reasons), plan.reasons
+    # the first sub-group (parameters 0-13) never reached the disk; the second did
+    assert swap_files(tiered, MAX_STEPS) == {f"{kind}14_28.tensor.swp" for kind in ("", "exp_avg-", "exp_avg_sq-")}
+    assert nvme_bytes(tiered) == pytest.approx(plan.bytes.nvme, rel=0.10)
+
+    # the whole optimizer on NVMe: twice the swap, the same losses to the bit
+    whole = run_job(tiered_job(make_job, nvme, "whole", share=0.0), tmp_path / "whole")
+    assert whole.returncode == 0, whole.log[-3000:]
+    assert nvme_bytes(whole) == pytest.approx(whole.config.plan.bytes.nvme, rel=0.10)
+    ratio = nvme_bytes(tiered) / nvme_bytes(whole)
+    print(f"NVMe bytes: tiered {nvme_bytes(tiered)}, whole {nvme_bytes(whole)}, ratio {ratio:.3f}; "
+          f"planned {plan.bytes.nvme / whole.config.plan.bytes.nvme:.3f}")
+    assert ratio == pytest.approx(plan.bytes.nvme / whole.config.plan.bytes.nvme, rel=0.10)
+    assert whole.losses() == tiered.losses()
+
+    # SIGKILLed in the step after a checkpoint, restarted with the same share
+    job = tiered_job(make_job, nvme, "job")
+    killed = run_job(job, tmp_path / "run", faults=SLOW, signal_at_step=EVERY + 1)
+    assert killed.returncode == -9, killed.log[-3000:]
+    resumed = run_job(job, tmp_path / "run")
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    assert resumed.of("resumed")[-1]["step"] == EVERY and not resumed.of("resharded")
+    assert_identical_after(resumed, tiered, EVERY + 1)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("share", "optimizer"), [(0.0, "nvme"), (None, "cpu")], ids=["all_on_nvme", "all_in_ram"])
+def test_a_tiered_checkpoint_resumes_bit_identically_with_another_share(
+        tmp_path, make_job, tmp_path_factory, references, share, optimizer):
+    tiered, nvme = tiered_reference(references, make_job, tmp_path_factory)
+    copy_checkpoint(tiered.run_dir, tmp_path / "run", checkpoint_name(EVERY))
+    moved = run_job(tiered_job(make_job, nvme, "moved", share=share, optimizer=optimizer), tmp_path / "run")
+    assert moved.returncode == 0, moved.log[-3000:]
+    assert moved.config.plan.label == f"Z3 opt:{optimizer} par:gpu"
+    [resharded] = moved.of("resharded")
+    assert resharded["from"]["cpuResidentFraction"] == SHARE
+    assert (resharded["to"]["optimizer"], resharded["to"]["cpuResidentFraction"]) == (optimizer, 0.0)
+    # the same processes and stage: each rank's own generators, so nothing drifts
+    expected, got = tiered.losses(), moved.losses()
+    assert {s: got[s] for s in range(EVERY + 1, MAX_STEPS + 1)} == {s: expected[s] for s in range(EVERY + 1, MAX_STEPS + 1)}
