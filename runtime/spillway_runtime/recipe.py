@@ -229,6 +229,7 @@ class FineTuneRecipe(Checkpointing):
 
         from spillway_runtime import deepspeed_fixes
 
+        self.keep_checkpoints_share()
         deepspeed_fixes.apply(self.plan)
         if self.plan.uses_nvme:
             self._log(f"up to {format_bytes(self.plan.bytes.nvme)} is written to NVMe swap files every step: "

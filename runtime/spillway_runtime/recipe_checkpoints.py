@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import random
 import shutil
 import time
@@ -122,6 +123,34 @@ class Checkpointing:
             if resume_from is not None:
                 self.reporter.event("rolled_back", checkpoint=info.name, step=self.step, abandoned=abandoned)
             self.reporter.event("resumed", checkpoint=info.name, step=self.step)
+
+    def keep_checkpoints_share(self) -> None:
+        """Before the engine is built: when the planner chose the share of an NVMe optimizer kept
+        in RAM (the job did not pin `offload.cpuResidentFraction`), a restart keeps the share its
+        checkpoint was written with, not the one that this attempt's free RAM gave: the share
+        moves with free RAM from run to run, and another one costs a conversion at every
+        restart, or (parameters on NVMe) cannot be converted at all. A larger share than planned
+        is kept only where it cannot be converted (it is what the job ran with before); else
+        the load converts it to the planned one."""
+        from spillway_runtime.checkpoint import LATEST, MANIFEST
+
+        if self.plan.optimizer != "nvme" or self.spec.offload.cpu_resident_fraction is not None:
+            return
+        root = Path(self.cfg.checkpoint_dir)
+        try:
+            name = self.spec.resume_from or (root / LATEST).read_text().strip()
+            manifest = json.loads((root / name / MANIFEST).read_text())
+        except (OSError, ValueError):
+            return  # nothing to resume from here (or a mirror's, restored later: converted then)
+        written = manifest.get("cpuResidentFraction") if isinstance(manifest, dict) else None
+        if (not isinstance(written, int | float) or written == self.plan.swap.cpu_resident_fraction
+                or manifest.get("plan") != self.plan.label or manifest.get("worldSize") != self.world_size):
+            return
+        if written > self.plan.swap.cpu_resident_fraction and self.plan.parameters != "nvme":
+            return  # more than this attempt's RAM holds: converted to the planned share on load
+        self._log(f"optimizer: {written:.0%} of its sub-groups kept in RAM as checkpoint {name} was written, "
+                  f"not the {self.plan.swap.cpu_resident_fraction:.0%} planned")
+        self.plan.swap.cpu_resident_fraction = float(written)
 
     def _pinned(self) -> set[str]:
         """What pruning the volume must spare: a pending rollback's target and what the
@@ -463,7 +492,7 @@ class Checkpointing:
                 f"checkpoint {info.name} was written by {written.describe()} and this attempt runs "
                 f"{self._shape().describe()}; resuming across that change with {unsupported} is not supported "
                 "yet: resume with the same number of processes and placement (offload.deepspeed.zero_optimization"
-                ".stage, offload.optimizer, offload.parameters)",
+                ".stage, offload.optimizer, offload.parameters, offload.cpuResidentFraction)",
                 ExitCode.BAD_INPUT,
             )
 

@@ -17,12 +17,17 @@ from spillway_runtime.recipe_checkpoints import Checkpointing, RunFailed, Shape
 from spillway_runtime.universal import UniversalError, _write_native
 
 
-def attempt(shape: Shape, lora: bool = False) -> Checkpointing:
+def attempt(shape: Shape, lora: bool = False, pinned_share: float | None = None,
+            checkpoint_dir: Path | None = None) -> Checkpointing:
     recipe = Checkpointing()
     recipe.world_size = shape.world_size
     recipe.plan = SimpleNamespace(zero_stage=shape.zero_stage, optimizer=shape.optimizer, parameters=shape.parameters,
-                                  swap=SimpleNamespace(cpu_resident_fraction=shape.resident))
-    recipe.spec = SimpleNamespace(method=SimpleNamespace(lora=lora))
+                                  swap=SimpleNamespace(cpu_resident_fraction=shape.resident),
+                                  label=f"Z{shape.zero_stage} opt:{shape.optimizer} par:{shape.parameters}")
+    recipe.spec = SimpleNamespace(method=SimpleNamespace(lora=lora), resume_from=None,
+                                  offload=SimpleNamespace(cpu_resident_fraction=pinned_share))
+    recipe.cfg = SimpleNamespace(checkpoint_dir=str(checkpoint_dir))
+    recipe._log = lambda message: None
     return recipe
 
 
@@ -62,6 +67,27 @@ def test_refused_with_bad_input_naming_what_to_change(written, planned, lora, na
         attempt(planned, lora)._refuse_reshard(CHECKPOINT, written)
     assert refused.value.exit_code == ExitCode.BAD_INPUT
     assert named in str(refused.value) and "offload.parameters" in str(refused.value)
+
+
+@pytest.mark.parametrize(("written", "planned", "pinned", "kept"), [
+    (0.5, 0.25, None, 0.5),  # parameters on NVMe cannot convert: the checkpoint's share, as it ran before
+    (0.25, 0.5, None, 0.25),  # less than planned: fits, and no conversion
+    (0.5, 0.25, 0.25, 0.25),  # the job's own share: converted on load
+])
+def test_a_restart_keeps_the_share_its_checkpoint_was_written_with_unless_the_job_pinned_one(
+        tmp_path, written, planned, pinned, kept):
+    """The planner's share moves with the free RAM of each attempt; a resume under another one
+    converts the checkpoint (or, parameters on NVMe, is refused)."""
+    (tmp_path / "step-00000004").mkdir()
+    (tmp_path / "latest").write_text("step-00000004")
+    (tmp_path / "step-00000004" / "manifest.json").write_text(
+        f'{{"plan": "Z3 opt:nvme par:nvme", "worldSize": 1, "cpuResidentFraction": {written}}}')
+    recipe = attempt(Shape(1, 3, "nvme", "nvme", planned), pinned_share=pinned, checkpoint_dir=tmp_path)
+    recipe.keep_checkpoints_share()
+    assert recipe.plan.swap.cpu_resident_fraction == kept
+    onto_cpu = attempt(Shape(1, 3, "nvme", "cpu", 0.25), checkpoint_dir=tmp_path)
+    onto_cpu.keep_checkpoints_share()  # another placement: the load converts
+    assert onto_cpu.plan.swap.cpu_resident_fraction == 0.25
 
 
 def zero3_rank_files(tag: Path, rank: int, flats: list[torch.Tensor], shapes: list[dict[str, tuple[int, ...]]],
