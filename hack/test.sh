@@ -90,6 +90,12 @@ export MYPY_CACHE_DIR=${MYPY_CACHE_DIR:-$CACHE/mypy} RUFF_CACHE_DIR=${RUFF_CACHE
 # tests on another (tests/conftest.py: ClusterOnOneWorker), the integration tests one at a
 # time on the third and on whichever is done first.
 WORKERS=${SPILLWAY_TEST_WORKERS:-3}
+# One OpenMP thread per training process (torch's intra-op pool, DeepSpeed's CPU Adam): the
+# runtime would take cores / processes each, and with three workers' runs on two cores their
+# spinning threads crowd each other out. Three 30-step runs at once took 48 s with the
+# default and 23 s with one thread (measured side by side); every run of a test still
+# uses the same count, so bit-identical comparisons compare like with like.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 pytest() { "$PY" -m pytest -p no:cacheprovider "$@"; }  # --durations=25: pyproject.toml
 
 if wants check; then
