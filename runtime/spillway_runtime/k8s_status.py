@@ -111,12 +111,14 @@ class StatusPublisher:
                     eta_seconds=_num(record.get("eta_seconds")),
                     bytes=record.get("bytes") or {},
                     updated_at=_iso(record.get("time")),
+                    **_preference(record, "", self._progress),
                 ).model_dump(exclude_unset=True),
                 # the last evaluation's, until the next one
                 **{k: v for k, v in self._progress.items() if k in ("evalLoss", "evalStep")},
             }
         elif kind == "eval":
-            held_out = Progress(eval_loss=_num(record.get("eval_loss")), eval_step=int(record.get("step", 0)))
+            held_out = Progress(eval_loss=_num(record.get("eval_loss")), eval_step=int(record.get("step", 0)),
+                                **_preference(record, "eval_", self._progress))
             self._progress = {**self._progress, **held_out.model_dump(exclude_unset=True)}
             force = True
         elif kind == "checkpoint":
@@ -147,6 +149,18 @@ class StatusPublisher:
             self._patch(self.body())
         except Exception as err:  # progress is best effort; training must go on without the API
             log.warning("status publish failed: %s", err)
+
+
+def _preference(record: dict[str, Any], prefix: str, progress: dict[str, Any]) -> dict[str, Any]:
+    """A DPO step's (prefix "") or evaluation's ("eval_") rewards and log-probabilities, kept
+    beside the other kind's last ones; nothing for a run without them."""
+    from spillway_runtime.tracking import PREFERENCE_METRICS
+
+    found = {f"{prefix}{n}": v for n in PREFERENCE_METRICS if (v := _num(record.get(f"{prefix}{n}"))) is not None}
+    if not found:
+        return {}
+    kept = {k: v for k, v in (progress.get("preference") or {}).items() if k.startswith("eval_") == (prefix == "")}
+    return {"preference": {**kept, **found}}
 
 
 def _num(value: Any) -> float | None:

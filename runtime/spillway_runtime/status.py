@@ -96,6 +96,9 @@ class Progress(OpenRecord):
     updated_at: str | None = Field(None, description="When the step ended (RFC 3339)")
     eval_loss: float | None = Field(None, description="The last held-out loss, until the next evaluation")
     eval_step: int | None = None
+    preference: dict[str, float] = Field(
+        default_factory=dict, description="Preference tuning (DPO): the last step's rewards and log-probabilities "
+        "under TRL's names (rewards/margins, rewards/accuracies, ...), and the last evaluation's (eval_...)")
 
 
 class Mirror(OpenRecord):

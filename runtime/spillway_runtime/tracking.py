@@ -46,23 +46,30 @@ MLFLOW_QUEUE_EVENTS = 10_000  # events with metrics held for the server; more ar
 MLFLOW_BATCH_METRICS = 1000  # MLflow's limit per log_batch request
 MLFLOW_BATCH_PARAMS = 100  # likewise for params
 MLFLOW_PARAM_CHARS = 6000  # MLflow's limit on a param's value
+# What a DPO step and evaluation report beside the loss, as TRL names them (dpo.STATS)
+PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                      "logps/chosen", "logps/rejected")
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
     """The numbers an event carries, by the names every tracker shows them under (at the
     record's `step`): loss, learning rate, tokens/s and bytes per tier from a step, eval loss
-    from an evaluation, the seconds a checkpoint took."""
+    from an evaluation, the seconds a checkpoint took; with preference tuning (DPO) the
+    rewards and log-probabilities under TRL's names, `eval_`-prefixed for held-out pairs."""
     kind = record.get("event")
     out: dict[str, float] = {}
     if kind == "step":
         for name, key in (("loss", "loss"), ("learning_rate", "lr"), ("tokens_per_s", "tokens_per_s"),
-                          ("step_seconds", "step_seconds")):
+                          ("step_seconds", "step_seconds"), *((n, n) for n in PREFERENCE_METRICS)):
             if isinstance(record.get(key), int | float):
                 out[name] = float(record[key])
         for tier, count in (record.get("bytes") or {}).items():
             out[f"bytes/{tier}"] = float(count)
     elif kind == "eval" and isinstance(record.get("eval_loss"), int | float):
         out["eval_loss"] = float(record["eval_loss"])
+        for name in PREFERENCE_METRICS:
+            if isinstance(record.get(f"eval_{name}"), int | float):
+                out[f"eval_{name}"] = float(record[f"eval_{name}"])
     elif kind == "checkpoint":
         for name in ("stall_seconds", "background_seconds"):
             if isinstance(record.get(name), int | float):
@@ -308,6 +315,10 @@ class PrometheusListener:
         "learning_rate": ("spillway_learning_rate", "Learning rate of the last step"),
         "tokens_per_s": ("spillway_tokens_per_second", "Tokens per second of the last step"),
         "step_seconds": ("spillway_step_seconds", "Seconds the last step took"),
+        "rewards/margins": ("spillway_dpo_reward_margin", "DPO: mean chosen minus rejected reward of the last step"),
+        "rewards/accuracies": ("spillway_dpo_reward_accuracy",
+                               "DPO: share of the last step's pairs whose chosen reward is the higher"),
+        "eval_rewards/margins": ("spillway_dpo_eval_reward_margin", "DPO: reward margin on held-out pairs"),
         "checkpoint/stall_seconds": ("spillway_checkpoint_stall_seconds",
                                      "Seconds training waited for the last checkpoint"),
         "checkpoint/background_seconds": ("spillway_checkpoint_background_seconds",

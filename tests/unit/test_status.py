@@ -75,6 +75,21 @@ def test_the_runtime_publishes_the_models_shapes() -> None:
     assert [(c.name, c.size_bytes) for c in status.checkpoints] == [("c-2", 9)]
 
 
+def test_a_dpo_runs_rewards_reach_the_progress_beside_the_last_evaluations() -> None:
+    sent: list[dict[str, Any]] = []
+    publisher = StatusPublisher("j", "ns", 10, sent.append)
+    rewards = {"rewards/margins": 0.5, "rewards/accuracies": 0.75, "rewards/chosen": 0.25, "logps/chosen": -9.0}
+    publisher({"event": "step", "step": 2, "loss": 0.6, "time": 0, **rewards})
+    publisher({"event": "eval", "step": 2, "eval_loss": 0.65, "eval_rewards/margins": 0.4, "time": 0})
+    publisher({"event": "step", "step": 3, "loss": 0.55, "time": 0, **rewards, "rewards/margins": 0.7})
+    assert FineTuneJobStatus.model_validate(sent[-1]["status"]).progress.preference["eval_rewards/margins"] == 0.4
+    progress = Progress.model_validate(publisher._progress)  # steps are sent at most every few seconds
+    assert progress.step == 3
+    assert progress.preference == {**rewards, "rewards/margins": 0.7, "eval_rewards/margins": 0.4}
+    publisher({"event": "step", "step": 4, "loss": 0.5, "time": 0})  # not a DPO step: nothing made up
+    assert "preference" not in Progress.model_validate(publisher._progress).model_dump(exclude_unset=True)
+
+
 def test_a_status_from_another_version_is_read() -> None:
     status = read_status({"phase": "Running", "attempt": 2, "someNewField": {"a": 1}, "failures": "many",
                           "cost": {"usd": 1.5, "settledUSD": 1.0, "newCostKey": 3},

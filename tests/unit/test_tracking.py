@@ -45,6 +45,10 @@ def test_scalars_of_a_step_an_evaluation_and_a_checkpoint():
     assert scalars({"event": "checkpoint", "step": 3, "stall_seconds": 0.25, "background_seconds": 1.5}) == {
         "checkpoint/stall_seconds": 0.25, "checkpoint/background_seconds": 1.5}
     assert scalars({"event": "log", "message": "hello"}) == {}
+    dpo = {"event": "step", "step": 3, "loss": 0.6, "rewards/margins": 0.5, "rewards/accuracies": 0.75, "pairs": 4}
+    assert scalars(dpo) == {"loss": 0.6, "rewards/margins": 0.5, "rewards/accuracies": 0.75}
+    assert scalars({"event": "eval", "step": 3, "eval_loss": 0.7, "eval_rewards/margins": 0.25, "pairs": 8}) == {
+        "eval_loss": 0.7, "eval_rewards/margins": 0.25}
 
 
 def test_metrics_endpoint_serves_the_last_events_numbers_until_the_reporter_closes(tmp_path, capsys):
@@ -56,7 +60,12 @@ def test_metrics_endpoint_serves_the_last_events_numbers_until_the_reporter_clos
     reporter.step(1, loss=3.0, lr=1e-3, tokens_per_s=500.0, step_seconds=0.2, bytes={"cpu": 1000, "nvme": 64})
     reporter.step(2, loss=2.75, lr=9e-4, tokens_per_s=520.0, step_seconds=0.19, bytes={"cpu": 1001, "nvme": 128})
     reporter.event("checkpoint", step=2, stall_seconds=0.125, background_seconds=0.5)
-    reporter.event("eval", step=2, eval_loss=2.9)
+    reporter.event("eval", step=2, eval_loss=2.9, **{"eval_rewards/margins": 0.25})
+    seen = _metrics(port)
+    assert "spillway_dpo_reward_margin" not in seen and seen["spillway_dpo_eval_reward_margin"] == 0.25
+    reporter.step(3, loss=0.6, **{"rewards/margins": 0.5, "rewards/accuracies": 0.75})
+    assert _metrics(port)["spillway_dpo_reward_margin"] == 0.5 and _metrics(port)["spillway_dpo_reward_accuracy"] == 0.75
+    reporter.step(2, loss=2.75, lr=9e-4, tokens_per_s=520.0, step_seconds=0.19, bytes={"cpu": 1001, "nvme": 128})
     seen = _metrics(port)
     assert seen["spillway_step"] == 2 and seen["spillway_loss"] == 2.75
     assert seen["spillway_learning_rate"] == 9e-4 and seen["spillway_tokens_per_second"] == 520.0
