@@ -1,6 +1,6 @@
 """The `spillway` command, assembled from the commands each package defines beside its code.
 
-The runtime contributes `probe`, `plan` and `make-tiny`; this package adds `api`
+The runtime contributes `probe`, `plan`, `make-tiny` and `export`; this package adds `api`
 and `run`, which goes through the API's local launcher so the job is recorded in
 the database and shows up in `spillway api` like any other.
 """
@@ -16,7 +16,7 @@ from rich.console import Console
 
 from spillway_api.client_cli import jobs_app
 from spillway_operator.cli import register as register_operator_commands
-from spillway_runtime.cli import make_tiny, plan, probe
+from spillway_runtime.cli import register as register_runtime_commands
 from spillway_runtime.contract import ExitCode
 
 err_console = Console(stderr=True, soft_wrap=True)  # a path in an error is never cut across lines
@@ -132,10 +132,8 @@ def build_app() -> typer.Typer:
         add_completion=False,
         pretty_exceptions_enable=False,
     )
-    app.command()(probe)
-    app.command()(plan)
+    register_runtime_commands(app)  # probe, plan, make-tiny, export
     app.command()(run)
-    app.command("make-tiny")(make_tiny)
     app.command()(api)
     app.add_typer(jobs_app)
     register_operator_commands(app)

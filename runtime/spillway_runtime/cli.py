@@ -1,4 +1,4 @@
-"""The runtime's commands for the `spillway` CLI: probe, plan, make-tiny (`spillway run` is the
+"""The runtime's commands for the `spillway` CLI: probe, plan, make-tiny, export (`spillway run` is the
 API package's: it records the job for `spillway api`).
 
 `spillway_api.cli` assembles the full command from this and the other packages.
@@ -290,10 +290,28 @@ def make_tiny(
         Console().print(f"chat dataset written to {chat_dataset}")
 
 
+def export(
+    checkpoint: Annotated[Path, typer.Argument(help="A checkpoint's folder (checkpoints/step-...), or a run's "
+                                                    "checkpoints folder or run folder: its newest checkpoint")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the model (safetensors) and tokenizer")],
+    model: Annotated[Path | None, typer.Option(help="The base model the job trained (default: its model.uri)")] = None,
+) -> None:
+    """Export any checkpoint's model as a Hugging Face directory, without a GPU or a training run."""
+    from spillway_runtime.export import ExportError, export_checkpoint
+
+    try:
+        written = export_checkpoint(checkpoint, out, model)
+    except ExportError as err:
+        raise _fail(str(err)) from None
+    Console().print(f"{written['checkpoint']} (step {written['step']}): {written['parameters']} parameters, "
+                    f"{format_bytes(written['bytes'])} written to {out}", highlight=False)
+
+
 def register(app: typer.Typer) -> None:
     app.command()(probe)
     app.command()(plan)
     app.command("make-tiny")(make_tiny)
+    app.command()(export)
 
 
 def main() -> None:  # `python -m spillway_runtime.cli` without the other packages

@@ -4,7 +4,9 @@ TRL's DPOTrainer (the test extra pins it) and ours get the same tiny model, the 
 adapters (moved off their zero start, so that the policy and the reference differ) and the same
 records: the tokens, each pair's log-probabilities, rewards and loss agree to 1e-4. Then the
 runtime trains DPO with LoRA under ZeRO-3 with the optimizer state and the parameters offloaded
-to the CPU: the first step's loss is ln 2 (the policy is the reference) and it falls.
+to the CPU: the first step's loss is ln 2 (the policy is the reference) and it falls, and a run
+SIGKILLed after a checkpoint and restarted reports the same losses, rewards and log-probabilities
+to the bit.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from spillway_runtime.data import PackedDataset, read_pairs
 from spillway_runtime.dpo import preference_loss, step_metrics
+from spillway_runtime.runconfig import FaultInjection
 from spillway_runtime.spec import DatasetSource
 
 from .conftest import run_job
@@ -176,3 +179,18 @@ def test_dpo_with_lora_trains_under_zero_3_offload(tmp_path: Path, tiny_model: d
     [evaluation] = run.of("eval")
     assert evaluation["pairs"] == 8 and evaluation["eval_rewards/margins"] > 0 and evaluation["eval_loss"] < math.log(2)
     assert any("240 preference pairs tokenized" in e.get("message", "") for e in run.of("log"))
+
+    # SIGKILLed in the step after the step-5 checkpoint and restarted: every reported quantity of
+    # steps 6-10 to the bit (the adapters, both optimizer moments, the data position in pairs)
+    killed = run_job(job, tmp_path / "killed", faults=FaultInjection(step_sleep_seconds=0.4), signal_at_step=6)
+    assert killed.returncode == -9, killed.log[-3000:]
+    resumed = run_job(job, tmp_path / "killed")
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    assert resumed.of("resumed")[-1]["step"] == 5
+    quantities = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+                  "logps/chosen", "logps/rejected")
+    again = {e["step"]: e for e in resumed.of("step")}  # the events file holds the killed run's too: the last
+    assert sorted(again) == list(range(1, 11))
+    resumed_steps = range(6, 11)
+    assert {s: [again[s][q] for q in quantities] for s in resumed_steps} == {
+        s: [steps[s][q] for q in quantities] for s in resumed_steps}

@@ -227,8 +227,8 @@ def restart_with_rollback_state(source: Path, target: Path, rollback: dict) -> N
 
 @pytest.mark.integration
 def test_two_processes_suspend_and_resume_is_bit_identical(tmp_path, make_job):
-    """Two ranks, each partition cut into a swapped sub-group and an in-memory remainder
-    (as a pod's memlock-fitted buffers cut it). The remainder holds small parameters that
+    """Two ranks, each checkpointing its own shard, each partition cut into a swapped sub-group
+    and an in-memory remainder (as a pod's memlock-fitted buffers cut it). The remainder holds small parameters that
     ZeRO-3 keeps gathered whole on every rank: with two ranks they must be gathered again
     from the restored partitions, or the first step after the resume runs with them as
     the model was built (losses off by 1e-3 from there on)."""
@@ -239,6 +239,12 @@ def test_two_processes_suspend_and_resume_is_bit_identical(tmp_path, make_job):
     reference = run_job(job("reference"), tmp_path / "reference", processes=2)
     assert reference.returncode == 0, reference.log[-3000:]
     assert sorted(reference.losses()) == list(range(1, MAX_STEPS + 1))
+    # each rank checkpoints its own shard: its state file, ZeRO file and swap files
+    checkpoint = reference.run_dir / "checkpoints" / checkpoint_name(EVERY)
+    for rank in (0, 1):
+        assert (checkpoint / f"rank{rank}-{STATE_FILE}").is_file()
+        assert list((checkpoint / "ds" / "offloaded_tensors" / f"rank{rank:02d}").glob("exp_avg-*.tensor.swp"))
+        assert list((checkpoint / "ds").glob(f"*zero_pp_rank_{rank}_*optim_states.pt"))
     suspended = run_job(job("job"), tmp_path / "run", processes=2, faults=SLOW, signal_at_step=EVERY + 1,
                         sig=signal.SIGTERM)
     assert suspended.returncode == ExitCode.PREEMPTED, suspended.log[-3000:]

@@ -84,6 +84,52 @@ def test_a_share_of_the_optimizer_in_ram_swaps_the_rest_and_resumes_bit_identica
 
 
 @pytest.mark.integration
+def test_spillway_export_writes_any_checkpoints_model_the_last_one_as_the_run_exported_it(
+        tmp_path, make_job, tmp_path_factory, references):
+    """`spillway export` reads a checkpoint as a resume does (swap files included, each against
+    its checksum) and writes its model: the last checkpoint's is the run's own export to the bit."""
+    import subprocess
+    import sys
+
+    import torch
+    from safetensors.torch import load_file
+
+    tiered, _ = tiered_reference(references, make_job, tmp_path_factory)
+    checkpoints = tiered.run_dir / "checkpoints"
+
+    def export(what: Path, out: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "spillway_api.cli", "export", str(what), "--out", str(out)],
+                              capture_output=True, text=True, timeout=300)
+
+    last = export(tiered.run_dir, tmp_path / "last")  # a run's folder: its newest checkpoint
+    assert last.returncode == 0, last.stderr[-3000:]
+    assert f"{checkpoint_name(MAX_STEPS)} (step {MAX_STEPS})" in last.stdout
+    final = load_file(tiered.run_dir / "final" / "model.safetensors")
+    exported = load_file(tmp_path / "last" / "model.safetensors")
+    assert set(exported) == set(final)
+    for name, tensor in final.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name].view(-1).view(torch.uint8),
+                                                                    tensor.view(-1).view(torch.uint8)), name
+    assert (tmp_path / "last" / "tokenizer.json").is_file()
+
+    earlier = export(checkpoints / checkpoint_name(EVERY), tmp_path / "earlier")
+    assert earlier.returncode == 0, earlier.stderr[-3000:]
+    at_five = load_file(tmp_path / "earlier" / "model.safetensors")
+    assert set(at_five) == set(final) and any(not torch.equal(at_five[n], final[n]) for n in final)
+
+    # a swap file damaged on disk: refused naming it, nothing half written
+    copy = tmp_path / "damaged"
+    copy_checkpoint(tiered.run_dir, copy, checkpoint_name(EVERY))
+    [swap] = [p for p in (copy / "checkpoints" / checkpoint_name(EVERY)).rglob("exp_avg-*.tensor.swp")]
+    data = bytearray(swap.read_bytes())
+    data[100] ^= 0xFF
+    swap.write_bytes(bytes(data))
+    damaged = export(copy, tmp_path / "from-damaged")
+    assert damaged.returncode == 2 and swap.name in damaged.stderr, damaged.stderr[-3000:]
+    assert not (tmp_path / "from-damaged" / "model.safetensors").exists()
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize(("share", "optimizer"), [(0.0, "nvme"), (None, "cpu")], ids=["all_on_nvme", "all_in_ram"])
 def test_a_tiered_checkpoint_resumes_bit_identically_with_another_share(
         tmp_path, make_job, tmp_path_factory, references, share, optimizer):

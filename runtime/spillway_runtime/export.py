@@ -1,0 +1,120 @@
+"""`spillway export`: any checkpoint of a run as a Hugging Face model directory (safetensors).
+
+A run exports its model at its end (`recipe.export`); this takes the model of any kept
+checkpoint (`step-400`, the one before a divergence, one restored from a mirror) without a
+GPU, DeepSpeed engine or training process. The checkpoint is read as its resume reads it:
+every file against its manifest's checksum, the optimizer's swap files included. It is
+converted into DeepSpeed's universal form (`universal.write_universal`: one folder per
+parameter with its whole fp32 master, whatever the number of processes, ZeRO stage or
+placement that wrote it), and the masters, cast to the job's dtype, are loaded into the base
+model's architecture and saved with its tokenizer, as the end of a run saves them.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from spillway_runtime import unpickle
+from spillway_runtime.checkpoint import LATEST, CheckpointStore
+from spillway_runtime.ckpt_io import CheckpointIOError
+from spillway_runtime.spec import FineTuneJobSpec
+
+
+class ExportError(RuntimeError):
+    """The checkpoint cannot be exported; the message says why and what to give instead."""
+
+
+def checkpoint_dir(path: Path) -> Path:
+    """A checkpoint's folder: `path` itself, or the newest of a run's `checkpoints` folder (or of
+    a run folder holding one)."""
+    for folder in (path, path / "checkpoints"):
+        if (folder / LATEST).is_file():
+            return folder / (folder / LATEST).read_text().strip()
+    return path
+
+
+def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None) -> dict[str, Any]:
+    """Write `checkpoint`'s model to `out` (safetensors, config, tokenizer); `model_dir` is the
+    base model the job trained (default: the job's model.uri, when it is a local directory).
+    Returns what was written: step, parameters, bytes."""
+    import os
+
+    # DeepSpeed's converter and transformers' loading and writing draw tqdm bars: one line says it
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from spillway_runtime.ds_checkpoint import SpillwayCheckpointEngine, direct_io
+    from spillway_runtime.dsconfig import memlock_limit
+    from spillway_runtime.hardware import AioSettings
+    from spillway_runtime.recipe_checkpoints import DS_TAG
+    from spillway_runtime.universal import UniversalError, write_universal
+
+    checkpoint = checkpoint_dir(checkpoint)
+    store = CheckpointStore(checkpoint.parent, keep=1, log=lambda message: None)
+    manifest = store.read_manifest(checkpoint)
+    if manifest is None:
+        raise ExportError(f"{checkpoint} is not a Spillway checkpoint (no manifest.json): give a checkpoint's "
+                          "folder (checkpoints/step-...), a run's checkpoints folder, or a run folder")
+    spec = FineTuneJobSpec.model_validate(manifest.get("config") or {})
+    if spec.method.lora:
+        raise ExportError(f"checkpoint {checkpoint.name} holds LoRA adapters only (method.lora); exporting them from a "
+                          "checkpoint is not supported yet: the run exports the adapter (and the merged model) at its end")
+    problem = store.verify(checkpoint, deep=False)
+    if problem is not None:
+        raise ExportError(f"checkpoint {checkpoint.name} is damaged: {problem}")
+    base = model_dir or Path(spec.model.uri.removeprefix("file://"))
+    if not (base / "config.json").is_file():
+        raise ExportError(f"the base model {str(base)!r} (the job's model.uri) is not a local model directory here: "
+                          "give it with --model")
+
+    engine = SpillwayCheckpointEngine(direct_io(AioSettings(), memlock_limit(), checkpoint))
+    engine.expected = store.deferred(checkpoint)
+
+    def read_swap(path: Path) -> Any:
+        data = torch.empty(path.stat().st_size, dtype=torch.uint8)
+        want = engine.expected.get(path.resolve())
+        if engine.io.read_into(path, [data]) != want and want is not None:
+            raise CheckpointIOError(f"{path} does not match its checksum")
+        return data
+
+    out.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".spillway-export-", dir=out))
+    try:
+        try:
+            universal = write_universal(checkpoint, DS_TAG, scratch, engine.load, read_swap)
+        except (CheckpointIOError, UniversalError) as err:
+            raise ExportError(f"checkpoint {checkpoint.name} could not be read: {err}") from None
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[spec.model.dtype]
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+        current = model.state_dict()
+        masters = {folder.name: unpickle.load(folder / "fp32.pt")["param"]
+                   for folder in (universal / "zero").iterdir() if (folder / "fp32.pt").is_file()}
+        unknown = sorted(set(masters) - set(current))
+        if unknown:
+            raise ExportError(f"checkpoint {checkpoint.name} holds parameters the model at {base} has not "
+                              f"({', '.join(unknown[:3])}...): give the job's base model with --model")
+        missing = model.load_state_dict({n: t.to(current[n].dtype) for n, t in masters.items()}, strict=False).missing_keys
+        tied = set(getattr(model, "_tied_weights_keys", None) or [])
+        untrained = [name for name in missing if name not in tied and not _tied(model, name)]
+        if untrained:
+            raise ExportError(f"checkpoint {checkpoint.name} lacks {', '.join(untrained[:3])} of the model at {base}: "
+                              "give the job's base model with --model")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(Path(spec.model.tokenizer_uri.removeprefix("file://"))
+                                  if spec.model.tokenizer_uri else base).save_pretrained(out)
+    return {"checkpoint": checkpoint.name, "step": manifest.get("step"), "parameters": len(masters),
+            "bytes": sum(p.stat().st_size for p in out.rglob("*") if p.is_file())}
+
+
+def _tied(model: Any, name: str) -> bool:
+    """A parameter that is another's (an output embedding tied to the input one)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    target = params.get(name)
+    return target is not None and any(p is target for n, p in model.named_parameters() if n != name)
