@@ -120,7 +120,13 @@ def run(
         err_console.print(f"[red]error:[/red] {error}", highlight=False)
         raise typer.Exit(ExitCode.PLAN_INFEASIBLE if isinstance(error, PlanningError) else ExitCode.BAD_INPUT)
     if code == 0 and local.config is not None:
-        Console().print(f"[green]done[/green]: model exported to {local.config.export_dir}")
+        from spillway_runtime.reporting import read_events, where_state_lived
+
+        config = local.config
+        events = read_events(Path(config.events_path))
+        for line in where_state_lived(config.plan, events, config.nvme_dir if config.plan.uses_nvme else None):
+            Console().print(line, highlight=False)
+        Console().print(f"[green]done[/green]: model exported to {config.export_dir}")
     raise typer.Exit(code)
 
 

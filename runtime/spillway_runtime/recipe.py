@@ -462,7 +462,7 @@ class FineTuneRecipe(Checkpointing):
         self.export()
         self.finish_mirror(float(os.environ.get("SPILLWAY_MIRROR_WAIT_SECONDS", MIRROR_WAIT_SECONDS)))
         self.reporter.event("finished", step=self.step, loss=getattr(self, "last_loss", None),
-                            rollbacks=self.rollbacks)
+                            rollbacks=self.rollbacks, disk=_disk_bytes())
         return ExitCode.OK
 
     def evaluate(self) -> float:
@@ -686,6 +686,18 @@ def _import_muon_without_compiling() -> None:
             import deepspeed.runtime.zero.muon.original_muon  # noqa: F401
     finally:
         torch.compile = compile_now
+
+
+def _disk_bytes() -> dict[str, int]:
+    """What this process read from and wrote to block devices (its swap I/O, checkpoints and
+    data: DeepSpeed's async I/O runs in it); empty where the platform does not say."""
+    import psutil
+
+    try:
+        io = psutil.Process().io_counters()
+    except (AttributeError, psutil.AccessDenied):
+        return {}
+    return {"read": int(io.read_bytes), "written": int(io.write_bytes)}
 
 
 def remove_swap_files(nvme_dir: Path, rank: int) -> int:

@@ -196,3 +196,29 @@ def read_events(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue  # a line cut by a kill mid-write
     return out
+
+
+def where_state_lived(plan: Any, events: list[dict[str, Any]], nvme_dir: str | None = None) -> list[str]:
+    """The end of a run in a few lines: where the optimizer state and the parameters lived, the
+    most each tier held (the step events' bytes) and what the training process read and wrote
+    on disk (its `finished` event). `plan` is the run's OffloadPlan."""
+    steps = [e for e in events if e.get("event") == "step"]
+    peak = {tier: max((int((e.get("bytes") or {}).get(tier, 0)) for e in steps), default=0)
+            for tier in ("gpu", "cpu", "nvme")}
+    places = {"gpu": "on the GPU" if plan.accelerator == "cuda" else "with the model (CPU accelerator)",
+              "cpu": "in CPU RAM", "nvme": f"in NVMe swap files{f' under {nvme_dir}' if nvme_dir else ''}"}
+    optimizer = places[plan.optimizer]
+    if plan.optimizer == "nvme" and plan.swap.cpu_resident_fraction:
+        optimizer += f", {plan.swap.cpu_resident_fraction:.0%} of its sub-groups kept in CPU RAM"
+    lines = [f"optimizer state (fp32 masters, Adam moments): {optimizer}",
+             f"parameters (16-bit): {places[plan.parameters]}"]
+    held = [f"{label} {format_bytes(peak[tier])}" for tier, label in (("gpu", "GPU"), ("cpu", "CPU RAM"),
+                                                                        ("nvme", "NVMe swap files")) if peak[tier]]
+    if held:
+        lines.append("most held: " + ", ".join(held))
+    finished: dict[str, Any] = next((e for e in reversed(events) if e.get("event") == "finished"), {})
+    disk = finished.get("disk") or {}
+    if disk:
+        lines.append(f"disk: the training process read {_bytes(disk.get('read'))} and wrote "
+                     f"{_bytes(disk.get('written'))} (swap files, checkpoints, data)")
+    return lines

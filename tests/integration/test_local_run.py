@@ -37,6 +37,12 @@ def test_spillway_run_trains_with_optimizer_on_nvme_and_exports(tmp_path, tiny_m
     result = spillway("run", str(job), "--run-dir", str(tmp_path / "run"), env={"COLUMNS": "200"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Z3 opt:nvme" in result.stdout
+    # the end says where the state lived and what went to disk
+    assert f"optimizer state (fp32 masters, Adam moments): in NVMe swap files under {tmp_path / 'nvme'}" in result.stdout
+    assert "most held:" in result.stdout and "NVMe swap files" in result.stdout.split("most held:")[1]
+    finished = json.loads([line for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()
+                           if '"finished"' in line][-1])
+    assert finished["disk"]["written"] > 0 and "disk: the training process read" in result.stdout
 
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     steps = [e for e in events if e["event"] == "step"]
