@@ -194,7 +194,7 @@ class JobService:
             raise ApiError(422, "namespace_mismatch",
                            f"metadata.namespace {body.metadata.namespace!r} differs from the path's {namespace!r}",
                            errors=[f"metadata.namespace: must be {namespace!r} or omitted"])
-        problems = new_job_problems(body.spec)
+        problems = new_job_problems(body.spec, cluster=(launcher or self.default_launcher) != "local")
         if problems:
             # What the cluster's admission webhook and the operator refuse, refused here first:
             # a local job would fail the same way before training.

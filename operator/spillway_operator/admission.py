@@ -4,7 +4,8 @@ Where this sits: under the webhook server (`webhook`), beside the reconciler; pu
 and on update the job as it was, in; one line per problem out, each naming the field).
 The same checks `spillway run` makes before it trains, as far as they can be made before
 a plan exists and without reading the volumes: the spec model (with its policy rules), URI
-schemes and claim names, the DeepSpeed overrides that no plan could accept, and a
+schemes and claim names (in a cluster pvc:// and s3:// only: a local path or file:// would
+read the pod's own filesystem), the DeepSpeed overrides that no plan could accept, and a
 `resumeFrom` that names no checkpoint of the job. What needs the plan or the volumes is
 found by the operator and ends the job Failed with its reason (never an endless retry).
 """
@@ -32,22 +33,25 @@ HOST_PATH_REFUSED = (
 
 
 def problems(job: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
-    """Every reason to refuse ``job`` (``old``: the stored job, on an update); [] admits it."""
+    """Every reason to refuse ``job`` (``old``: the stored job, on an update); [] admits it.
+    A FineTuneJob object always runs in the cluster, so its URIs are checked as a cluster's."""
     try:
         spec = parse_job(job).spec
     except SpecError as err:
         return err.problems
-    return spec_problems(spec) + _resume_problems(spec, old)
+    return spec_problems(spec, cluster=True) + _resume_problems(spec, old)
 
 
-def new_job_problems(spec: FineTuneJobSpec) -> list[str]:
-    """`problems` of a job about to be created whose spec model is already parsed (the REST API)."""
-    return spec_problems(spec) + _resume_problems(spec, None)
+def new_job_problems(spec: FineTuneJobSpec, *, cluster: bool) -> list[str]:
+    """`problems` of a job about to be created whose spec model is already parsed (the REST API).
+    ``cluster``: its pods run in a cluster (False: `spillway run` on the user's machine)."""
+    return spec_problems(spec, cluster=cluster) + _resume_problems(spec, None)
 
 
-def spec_problems(spec: FineTuneJobSpec) -> list[str]:
-    """The checks past the spec model's own: URIs and the DeepSpeed overrides."""
-    found = [line for field, uri in _uris(spec) for line in _uri_problems(field, uri)]
+def spec_problems(spec: FineTuneJobSpec, *, cluster: bool) -> list[str]:
+    """The checks past the spec model's own: URIs and the DeepSpeed overrides. ``cluster``:
+    the job's pods run in a cluster, where only pvc:// and s3:// name inputs."""
+    found = [line for field, uri in _uris(spec) for line in _uri_problems(field, uri, cluster=cluster)]
     if spec.offload.nvme.host_path:
         found.append(HOST_PATH_REFUSED)
     found += _control_plane_problems(spec)
@@ -67,7 +71,15 @@ def _uris(spec: FineTuneJobSpec) -> list[tuple[str, str]]:
     return uris
 
 
-def _uri_problems(field: str, uri: str) -> list[str]:
+# What a cluster job's URI is written as instead of a path on the pod's own filesystem
+CLUSTER_URI_HINT = "in a cluster write pvc://CLAIM/PATH (a claim in the job's namespace) or s3://BUCKET/KEY"
+
+
+def _uri_problems(field: str, uri: str, *, cluster: bool) -> list[str]:
+    if cluster:
+        found = _cluster_uri_problems(field, uri)
+        if found:
+            return found
     try:
         resolve_uri(uri, Path("/"), S3_CACHE_MOUNT)  # s3:// is fetched onto the node first (s3_inputs)
     except ValueError as err:
@@ -80,6 +92,22 @@ def _uri_problems(field: str, uri: str) -> list[str]:
         if not _CLAIM.fullmatch(claim):
             return [f"{field}: {uri!r} names no valid PersistentVolumeClaim: write pvc://CLAIM/PATH, "
                     "CLAIM a claim in the job's namespace (lower-case letters, digits, '-' and '.')"]
+    return []
+
+
+def _cluster_uri_problems(field: str, uri: str) -> list[str]:
+    """A cluster job names its inputs by volume: a file:// URI or an absolute path would read
+    whatever the pod has at that path (the image's files, or under a hostPath the operator
+    mounts, the node's S3 cache or NVMe root, other jobs' entries), and a relative path has no
+    job file to be relative to."""
+    if uri.startswith("file://") or ("://" not in uri and uri.startswith(("/", "~"))):
+        return [f"{field}: {uri!r} reads the pod's own filesystem: {CLUSTER_URI_HINT}"]
+    if "://" not in uri:
+        return [f"{field}: {uri!r} is a relative path, which means nothing in a pod (there is no job file "
+                f"to be relative to): {CLUSTER_URI_HINT}"]
+    scheme = uri.split("://", 1)[0]
+    if scheme not in ("pvc", "s3"):
+        return [f"{field}: unsupported URI scheme {scheme!r} in {uri!r}: {CLUSTER_URI_HINT}"]
     return []
 
 

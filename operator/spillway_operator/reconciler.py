@@ -168,7 +168,7 @@ def _reconcile_once(cluster: Cluster, namespace: str, name: str, settings: Opera
     # Fetch pods are done once their attempt's training pods exist (or the job is over)
     for fetcher in s3_inputs.leftovers(owned, attempt, bool(current) or phase in b.FINISHED_PHASES):
         cluster.delete_pod(namespace, fetcher, grace_seconds=0)
-    if unstarted and not current and (problems := admission.spec_problems(spec)):
+    if unstarted and not current and (problems := admission.spec_problems(spec, cluster=True)):
         # What the admission webhook refuses, found here for a job it did not see (created
         # while no webhook was registered): Failed with the reason before any pod, never retried.
         _invalid(change, problems)

@@ -83,7 +83,8 @@ def _size_or_none(value: Any) -> Any:
 
 class ModelSource(SpecModel):
     uri: str = Field(
-        description="Hugging Face model directory: a local path, file://PATH, or pvc://CLAIM/PATH in a cluster",
+        description="Hugging Face model directory: s3://BUCKET/PREFIX; in a cluster pvc://CLAIM/PATH; with "
+        "`spillway run` also a local path or file://PATH",
         min_length=1, max_length=MAX_URI,
     )
     dtype: DType = Field("bf16", description="Training precision of the weights and activations")
@@ -127,7 +128,8 @@ DatasetFormat = Literal["auto", "jsonl", "text", "chat", "completion", "preferen
 class Validation(SpecModel):
     uri: str | None = Field(
         None, min_length=1, max_length=MAX_URI,
-        description="A held-out file or directory in the dataset's format (local path, file:// or pvc://)",
+        description="A held-out file or directory in the dataset's format (s3://, pvc:// in a cluster; a local "
+        "path or file:// with `spillway run`)",
     )
     fraction: float | None = Field(
         None, gt=0, le=0.5,

@@ -14,7 +14,11 @@ Fixtures:
                             node and pod helpers, wait_for.
     kubeconfig     session  str: path of an admin kubeconfig.
     kube_api       session  kubernetes.client.ApiClient for that kubeconfig.
-    namespace      function str: a fresh namespace, deleted after the test.
+    namespace      function str: a fresh namespace, deleted after the test, with
+                            the Pod Security level the test asks for
+                            (@pytest.mark.pod_security("privileged"); restricted
+                            by default) and a bound read-only claim `inputs`
+                            that job_manifest's pvc:// URIs name.
     host_dir       function Path: a directory under /tmp a container's uid can
                             reach, for hostPath volumes on the real node.
     make_node      function make_node(profile, name=None, nvme_volume=False)
@@ -50,6 +54,7 @@ from typing import Any, TypeVar, cast
 import pytest
 import yaml
 
+from tests.e2e.operator_fixtures import INPUTS_CLAIM
 from tests.polling import wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -71,6 +76,9 @@ LOCAL_NVME_STORAGE_CLASS = REPO_ROOT / "hack" / "kwok" / "local-nvme.yaml"
 # Label on the local PersistentVolumes a test made for a node, for cleanup.
 KWOK_NODE_LABEL = "spillway.dev/e2e-node"
 NODE_PROFILES = tuple(sorted(p.stem for p in NODE_PROFILES_DIR.glob("*.yaml")))
+# The namespace label the API server's Pod Security admission enforces, and its levels.
+POD_SECURITY_LABEL = "pod-security.kubernetes.io/enforce"
+POD_SECURITY_LEVELS = ("restricted", "baseline", "privileged")
 
 T = TypeVar("T")
 _BUILD_FAILURE = pytest.StashKey[str]()
@@ -81,6 +89,13 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "e2e: needs a real Kubernetes control plane (hack/cluster); "
         "slow the first time, when it builds the binaries",
+    )
+    config.addinivalue_line(
+        "markers",
+        "pod_security(level): the Pod Security level (restricted, baseline, privileged) that the "
+        "`namespace` fixture enforces on the test's namespace; restricted when not given. A test "
+        "whose pods mount a hostPath (NVMe on the node's root, the node's S3 cache, the chart's "
+        "node probe) asks for privileged",
     )
 
 
@@ -561,22 +576,91 @@ def _namespace_name(nodeid: str) -> str:
     return f"e2e-{test[:40].rstrip('-')}-{secrets.token_hex(3)}"
 
 
+def _pod_security_level(item: pytest.Item) -> str | None:
+    """The level a test's namespace enforces: its `pod_security` marker's, else restricted.
+    None for a real-node test (its own tier), whose namespace stays as it was written for."""
+    marker = item.get_closest_marker("pod_security")
+    if marker is None:
+        return None if item.get_closest_marker("realnode") else "restricted"
+    [level] = marker.args
+    if level not in POD_SECURITY_LEVELS:
+        raise ValueError(f"pod_security({level!r}): the levels are {', '.join(POD_SECURITY_LEVELS)}")
+    return str(level)
+
+
+def _inputs_claim(namespace: str) -> dict[str, Any]:
+    """The claim `inputs` of ``namespace``, naming its volume (_inputs_volume)."""
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": INPUTS_CLAIM, "namespace": namespace},
+            "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": _inputs_volume_name(namespace),
+                     "resources": {"requests": {"storage": "1Ti"}}}}
+
+
+def _inputs_volume_name(namespace: str) -> str:
+    return f"{namespace}-{INPUTS_CLAIM}"
+
+
+def _inputs_volume(namespace: str, claim_uid: str) -> dict[str, Any]:
+    """The claim's PersistentVolume, bound to it by uid. Nothing is read from it: kwok runs
+    no container."""
+    name = _inputs_volume_name(namespace)
+    return {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": name},
+            "spec": {"capacity": {"storage": "1Ti"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "",
+                     "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": f"/tmp/{name}"},
+                     "claimRef": {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "namespace": namespace,
+                                  "name": INPUTS_CLAIM, "uid": claim_uid}}}
+
+
 @pytest.fixture
 def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
-    """A fresh namespace, with its default service account, deleted afterwards."""
+    """A fresh namespace, with its default service account, deleted afterwards. It enforces
+    the test's Pod Security level (see _pod_security_level) and, but for a real-node test,
+    holds the claim `inputs` (INPUTS_CLAIM), bound, that job_manifest's pvc:// URIs name: a
+    cluster job reads its inputs from a claim of its namespace, never from the pod's own
+    filesystem.
+
+    The claim is bound by hand, as kube-scheduler places no pod whose claim is unbound:
+    kube-controller-manager's own binding of a claim to the volume it names races the
+    controller's volume worker, and the loser's conflict waits for the resync, 15 s later
+    (one claim in three here). So the volume names the claim by uid (the controller then
+    marks it Bound alone), and once it is Bound, the claim gets the annotation that the
+    controller would write, after which the controller only sets the claim's phase."""
     name = _namespace_name(request.node.nodeid)
-    cluster.kubectl("create", "namespace", name)
-    cluster.kubectl("label", "namespace", name, "spillway.dev/e2e=true")
+    labels = {"spillway.dev/e2e": "true"}
+    level = _pod_security_level(request.node)
+    if level:
+        labels[POD_SECURITY_LABEL] = level
+    objects: list[dict[str, Any]] = [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}}]
+    real_node = request.node.get_closest_marker("realnode") is not None
+    if not real_node:
+        objects.append(_inputs_claim(name))
+    # Few requests: a namespace is made for every test, and each kubectl costs ~0.15 s.
+    made = cluster.kubectl("create", "-f", "-", "-o", "jsonpath={.kind}={.metadata.uid}{'\\n'}",
+                           input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}))
+    uids = dict(line.split("=", 1) for line in made.stdout.split())
     # Pods are rejected until the serviceaccount controller has made `default`.
-    cluster.wait_for(
-        lambda: cluster.get("serviceaccount", "default", name),
-        timeout=30,
-        what=f"service account {name}/default",
-    )
+    waited = {"ServiceAccount": ""}
     try:
+        if not real_node:
+            cluster.kubectl("create", "-f", "-", input=json.dumps(_inputs_volume(name, uids["PersistentVolumeClaim"])))
+            waited["PersistentVolume"] = "Bound"
+
+        def phases() -> bool:
+            got = cluster.kubectl("get", "-n", name, "serviceaccount/default", f"pv/{_inputs_volume_name(name)}",
+                                  "--ignore-not-found", "-o", "json").stdout
+            found = json.loads(got) if got.strip() else {"items": []}
+            items = found["items"] if found.get("kind") == "List" else [found]
+            return {item["kind"]: item.get("status", {}).get("phase", "") for item in items} == waited
+
+        cluster.wait_for(phases, timeout=30, interval=0.1, what=f"{name}'s service account and {waited}")
+        if not real_node:
+            cluster.kubectl("annotate", "pvc", INPUTS_CLAIM, "-n", name, "pv.kubernetes.io/bind-completed=yes")
         yield name
     finally:
         cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
+        if not real_node:
+            cluster.kubectl("delete", "pv", _inputs_volume_name(name), "--wait=false", "--ignore-not-found",
+                            check=False)
 
 
 @pytest.fixture

@@ -20,6 +20,12 @@ ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "finetunejobs.spillway.dev.yaml"
 CHECKPOINT_CLASS = "spillway-e2e-checkpoints"
 OPERATOR_NAMESPACE = "spillway-system"
+# The read-only claim the `namespace` fixture (conftest.py) makes and binds in every kwok
+# test's namespace: job_manifest's inputs are on it, as a cluster job's must be on a claim
+# (pvc://) or in a bucket (s3://), never a path of the pod's own filesystem.
+INPUTS_CLAIM = "inputs"
+MODEL_URI = f"pvc://{INPUTS_CLAIM}/models/llama"
+DATASET_URI = f"pvc://{INPUTS_CLAIM}/data/train.jsonl"
 # A node label a test gives its own nodes, so that other tests' nodes never match its nodeSelector.
 POOL = "spillway.dev/e2e-pool"
 
@@ -126,9 +132,11 @@ def add_checkpoint_volume(cluster: Any, access_mode: str = "ReadWriteOnce") -> s
 
 
 def job_manifest(name: str, node: str | None = None, **spec: Any) -> dict[str, Any]:
+    """A 7B FineTuneJob reading its inputs from the claim `inputs` of the test's namespace
+    (pinned to ``node`` when given); ``spec`` replaces whole top-level fields."""
     body: dict[str, Any] = {
-        "model": {"uri": "file:///models/llama", "parameterCount": "7B"},
-        "dataset": {"uri": "file:///data/train.jsonl"},
+        "model": {"uri": MODEL_URI, "parameterCount": "7B"},
+        "dataset": {"uri": DATASET_URI},
         "checkpoint": {"storageClassName": CHECKPOINT_CLASS},
         "resources": {"gpusPerNode": 1},
     }

@@ -157,7 +157,8 @@ def world(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wo
     try:
         for ns in (team_a, team_b, system):
             cluster.kubectl("create", "namespace", ns)
-            cluster.kubectl("label", "namespace", ns, "spillway.dev/e2e=true")
+            cluster.kubectl("label", "namespace", ns, "spillway.dev/e2e=true",
+                            "pod-security.kubernetes.io/enforce=restricted")
         manifests: list[dict[str, Any]] = [
             {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "spillway-api", "namespace": system}},
             {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",

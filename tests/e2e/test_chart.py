@@ -495,6 +495,8 @@ def owned_objects(cluster: Cluster, namespace: str) -> set[str]:
     return set(names)
 
 
+# The chart's node probe mounts the node's NVMe root (a hostPath) to measure it.
+@pytest.mark.pod_security("privileged")
 def test_install_rbac_upgrade_and_uninstall(
     cluster: Cluster, namespace: str, make_node: Callable[..., str], volumes: Callable[[], str],
     release: Callable[..., Any],
@@ -683,6 +685,9 @@ def _the_operators_token_reaches_only_the_children_of_jobs(cluster: Cluster, nam
     assert cluster.get("pod", "escape", "kube-system") is None and cluster.get("pod", "escape", namespace) is None
 
 
+# The example's s3:// model: its fetch pod writes into the node's S3 cache (a hostPath). And the
+# chart's own policy, not Pod Security, must be what refuses the operator's token a privileged pod.
+@pytest.mark.pod_security("privileged")
 def test_operator_under_the_charts_service_account_runs_the_13b_example(
     cluster: Cluster, namespace: str, make_node: Callable[..., str], volumes: Callable[[], str],
     release: Callable[..., Any], tmp_path: Path,

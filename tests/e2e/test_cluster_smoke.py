@@ -45,7 +45,10 @@ def pod_manifest(
         resources["limits"] = {"nvidia.com/gpu": str(gpus)}
     spec: dict[str, Any] = {
         "restartPolicy": "Never",
-        "containers": [{"name": "main", "image": IMAGE, "resources": resources}],
+        # What Pod Security `restricted` (the namespace fixture's default) asks of a pod
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [{"name": "main", "image": IMAGE, "resources": resources,
+                        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}],
     }
     if scratch:
         # Node-local NVMe scratch the way the operator asks for it: a generic
@@ -326,6 +329,8 @@ def test_service_account_tokens_authenticate_and_rbac_authorizes(cluster: Cluste
     assert cluster.kubectl_json("create", "-f", "-", input=json.dumps(sar))["status"]["allowed"] is False
 
 
+# The fixture chart's Deployment sets no securityContext: `baseline` admits its pod, `restricted` would not.
+@pytest.mark.pod_security("baseline")
 def test_helm_templates_and_installs_a_chart(cluster: Cluster, namespace: str, make_node: Any) -> None:
     make_node("cpu-only")
     chart = str(FIXTURES_DIR / "charts" / "smoke")

@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 
-from tests.bad_jobs import CORPUS, WEBHOOK_ONLY
+from tests.bad_jobs import CORPUS, WEBHOOK_ONLY, with_
 from tests.e2e.operator_fixtures import (
+    INPUTS_CLAIM,
+    MODEL_URI,
     OPERATOR_NAMESPACE,
     OperatorProcess,
     active_pods,
@@ -26,6 +28,20 @@ from tests.e2e.operator_fixtures import (
 )
 
 pytestmark = pytest.mark.e2e
+
+# A hostile tenant's inputs outside any claim: paths of the pod's own filesystem (the image's
+# files, or what a hostPath put there: the node's S3 cache holds other namespaces' downloads).
+# The operator refuses them before any pod (no webhook here), naming the field and what to
+# write instead. (what, job, a part of the message)
+POD_FILESYSTEM_CORPUS: list[tuple[str, dict[str, Any], str]] = [
+    ("a model among the node's Kubernetes credentials", with_("model.uri", "file:///etc/kubernetes/pki"),
+     "spec.model.uri: 'file:///etc/kubernetes/pki' reads the pod's own filesystem: in a cluster write "
+     "pvc://CLAIM/PATH"),
+    ("a dataset at an absolute path", with_("dataset.uri", "/mnt/s3-cache/other-team/train.jsonl"),
+     "spec.dataset.uri: '/mnt/s3-cache/other-team/train.jsonl' reads the pod's own filesystem"),
+    ("held-out data at a relative path", with_("dataset.validation", {"uri": "../data/val.jsonl"}),
+     "spec.dataset.validation.uri: '../data/val.jsonl' is a relative path, which means nothing in a pod"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +62,8 @@ def test_api_server_rejects_invalid_job_naming_the_field(cluster: Any, namespace
     proc = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(forever), check=False)
     assert proc.returncode != 0 and "spec.ttlSecondsAfterFinished" in proc.stderr  # it overflowed the reconciler
     cluster.apply(job_manifest("ok", node="nowhere"), namespace)
-    proc = cluster.kubectl(
-        "patch", "ftj", "ok", "-n", namespace, "--type=merge", "-p", '{"spec":{"model":{"uri":"file:///other"}}}', check=False
-    )
+    other_model = json.dumps({"spec": {"model": {"uri": f"pvc://{INPUTS_CLAIM}/other"}}})
+    proc = cluster.kubectl("patch", "ftj", "ok", "-n", namespace, "--type=merge", "-p", other_model, check=False)
     assert proc.returncode != 0 and "model.uri is immutable" in proc.stderr
 
 
@@ -126,7 +141,7 @@ def test_job_that_fits_nowhere_fails_with_the_short_tier(
     cluster: Any, namespace: str, operator: Any, make_node: Callable[..., str]
 ) -> None:
     node = make_node("gpu-24g")
-    cluster.apply(job_manifest("huge", node=node, model={"uri": "file:///m", "parameterCount": "400B"}), namespace)
+    cluster.apply(job_manifest("huge", node=node, model={"uri": MODEL_URI, "parameterCount": "400B"}), namespace)
     job = wait_status(cluster, namespace, "huge", lambda s: s.get("phase") == "Failed", 30)
     planned = next(c for c in job["status"]["conditions"] if c["type"] == "Planned")
     assert planned["status"] == "False" and planned["reason"] == "NoFit"
@@ -153,18 +168,19 @@ def test_deepspeed_settings_that_contradict_the_job_fail_it_by_name_without_pods
 def test_no_malformed_job_of_the_corpus_sits_in_planned(cluster: Any, namespace: str, operator: Any) -> None:
     """Each job of the malformed corpus is either refused by `kubectl apply` (the CRD's schema
     and rules) naming the field, or ends Failed (InvalidSpec, with the field in its message)
-    within 30 s, before any pod; none is left Pending or Planned."""
-    accepted: dict[str, str] = {}
-    for i, (what, job, expected) in enumerate(CORPUS):
-        if what in WEBHOOK_ONLY:
-            continue
+    within 30 s, before any pod; none is left Pending or Planned. A hostile tenant's inputs
+    on the pod's own filesystem (POD_FILESYSTEM_CORPUS) end Failed saying what to write."""
+    accepted: dict[str, str] = {}  # job -> what its Failed condition says
+    corpus = [(what, job, expected, False) for what, job, expected in CORPUS if what not in WEBHOOK_ONLY]
+    corpus += [(what, job, expected, True) for what, job, expected in POD_FILESYSTEM_CORPUS]
+    for i, (what, job, expected, whole) in enumerate(corpus):
         field = re.split(r"[: ]", expected, maxsplit=1)[0]
         job = {**copy.deepcopy(job), "metadata": {"name": f"bad-{i}"}}
         proc = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(job), check=False)
         if proc.returncode != 0:
             assert field in proc.stderr, (what, proc.stderr)
         else:
-            accepted[f"bad-{i}"] = field
+            accepted[f"bad-{i}"] = expected if whole else field
     assert accepted, "the API server refused every job: the operator's half is untested"
 
     def failed_all() -> dict[str, dict[str, Any]] | None:
@@ -173,12 +189,13 @@ def test_no_malformed_job_of_the_corpus_sits_in_planned(cluster: Any, namespace:
         return jobs if done else None
 
     jobs = cluster.wait_for(failed_all, 30, interval=1, what=f"{sorted(accepted)} Failed")
-    for name, field in accepted.items():
+    for name, says in accepted.items():
         failed = next(c for c in jobs[name]["status"]["conditions"] if c["type"] == "Failed")
-        assert failed["reason"] == "InvalidSpec" and field in failed["message"], (name, failed)
+        assert failed["reason"] == "InvalidSpec" and says in failed["message"], (name, failed)
         assert pods_of(cluster, namespace, name) == []
 
 
+@pytest.mark.pod_security("restricted")
 def test_a_restricted_namespace_runs_nvme_on_a_storage_class_volume_and_names_why_not_on_the_nodes_root(
     cluster: Any, namespace: str, operator: Any, make_node: Callable[..., str]
 ) -> None:
@@ -186,7 +203,6 @@ def test_a_restricted_namespace_runs_nvme_on_a_storage_class_volume_and_names_wh
     whose NVMe tier is its directory under the node's NVMe root (a hostPath) gets no pod: its
     condition says the namespace refuses it and names storageClassName. The same job with a
     StorageClass volume (a generic ephemeral claim, fsGroup, nothing of the node) runs."""
-    cluster.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
     node = make_node("gpu-48g-nvme")
     nvme = {"policy": "nvme", "optimizer": "nvme"}
     add_checkpoint_volume(cluster)

@@ -130,6 +130,10 @@ def _with_the_webhook_down_a_bad_job_is_admitted_and_failed_by_the_operator(
     assert cluster.kubectl_json("get", "pods", "-n", namespace, "-l", "spillway.dev/job=unchecked")["items"] == []
 
 
+TINY_CONFIG = {"model_type": "llama", "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+               "num_key_value_heads": 4, "intermediate_size": 344, "vocab_size": 512}
+
+
 def test_the_chart_runs_in_containers_and_its_operator_makes_pods_on_the_real_node(
     cluster: Cluster, namespace: str, host_dir: Path
 ) -> None:
@@ -156,6 +160,18 @@ def test_the_chart_runs_in_containers_and_its_operator_makes_pods_on_the_real_no
         "spec": {"capacity": {"storage": "1Ti"}, "accessModes": ["ReadWriteOnce"],
                  "persistentVolumeReclaimPolicy": "Delete", "storageClassName": storage_class,
                  "hostPath": {"path": str(checkpoints), "type": "Directory"}}}))
+    # The job's inputs: a claim in its namespace (in a cluster a job names no path of the pod's own)
+    inputs = host_dir / "inputs"
+    inputs.mkdir()
+    cluster.kubectl("create", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{storage_class}-inputs"},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
+                 "persistentVolumeReclaimPolicy": "Delete", "storageClassName": storage_class,
+                 "claimRef": {"namespace": namespace, "name": "tiny-inputs"},
+                 "hostPath": {"path": str(inputs), "type": "Directory"}}}))
+    cluster.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "tiny-inputs"},
+                   "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": storage_class,
+                            "resources": {"requests": {"storage": "1Gi"}}}}, namespace)
     toleration = json.dumps([{"key": label, "operator": "Exists", "effect": "NoSchedule"}])
     operator_image = images["operator"]
     release = f"r{secrets.token_hex(3)}"
@@ -207,8 +223,9 @@ def test_the_chart_runs_in_containers_and_its_operator_makes_pods_on_the_real_no
         cluster.apply({
             "apiVersion": "spillway.dev/v1alpha1", "kind": "FineTuneJob", "metadata": {"name": "tiny"},
             "spec": {
-                "model": {"uri": "file:///models/tiny", "parameterCount": "2M"},
-                "dataset": {"uri": "file:///data/train.jsonl"},
+                # its shape inline: planned at once, without a pod that reads config.json first
+                "model": {"uri": "pvc://tiny-inputs/models/tiny", "config": TINY_CONFIG},
+                "dataset": {"uri": "pvc://tiny-inputs/data/train.jsonl"},
                 "offload": {"policy": "cpu"},
                 "checkpoint": {"storageClassName": storage_class},
                 "resources": {"gpusPerNode": 0, "nodeSelector": {label: "true"},
@@ -230,7 +247,8 @@ def test_the_chart_runs_in_containers_and_its_operator_makes_pods_on_the_real_no
         _with_the_webhook_down_a_bad_job_is_admitted_and_failed_by_the_operator(cluster, namespace, release)
     finally:
         cluster.helm("uninstall", release, "-n", namespace, "--wait", timeout=300)
-        cluster.kubectl("delete", "pv", storage_class, f"{storage_class}-ckpt", "--wait=false", check=False)
+        cluster.kubectl("delete", "pv", storage_class, f"{storage_class}-ckpt", f"{storage_class}-inputs",
+                        "--wait=false", check=False)
     # The operator's certificate Secret goes with the chart's webhook configuration, its owner.
     cluster.wait_for(lambda: cluster.get("secret", f"{release}-spillway-webhook-tls", namespace) is None, 60,
                      interval=1, what="the webhook's Secret garbage-collected")

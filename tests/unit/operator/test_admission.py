@@ -1,5 +1,7 @@
 """The admission checks: every malformed job of the corpus is refused with a message that
-names the field to change; the checked-in examples and a rollback to a kept checkpoint pass."""
+names the field to change; the checked-in examples and a rollback to a kept checkpoint pass.
+In a cluster (the webhook, the operator, the API's kubernetes launcher) inputs are pvc:// or
+s3:// only; `spillway run` on the user's machine (cluster=False) reads local paths too."""
 
 from __future__ import annotations
 
@@ -10,10 +12,20 @@ from typing import Any
 import pytest
 import yaml
 
-from spillway_operator.admission import problems
+from spillway_operator.admission import new_job_problems, problems, spec_problems
+from spillway_runtime.spec import parse_job
 from tests.bad_jobs import CORPUS, ROOT, example, with_
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+# The examples `spillway run` runs on the user's machine: their inputs are local paths.
+LOCAL_EXAMPLES = {"chat-local.yaml", "chat-lora.yaml", "dpo-lora-local.yaml", "tiny-local.yaml"}
+
+
+def _job(path: Path) -> dict[str, Any]:
+    [job] = [d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") == "FineTuneJob"]
+    return dict(job)
+
+
 def test_the_corpus_is_large_enough() -> None:
     assert len(CORPUS) >= 20
 
@@ -27,9 +39,71 @@ def test_a_malformed_job_is_refused_naming_the_field(job: dict[str, Any], expect
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_the_examples_are_admitted(path: Path) -> None:
-    [job] = [d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") == "FineTuneJob"]
-    assert problems(job) == []
+def test_the_examples_are_admitted_where_they_run(path: Path) -> None:
+    job = _job(path)
+    spec = parse_job(job).spec
+    assert new_job_problems(spec, cluster=False) == []
+    if path.name in LOCAL_EXAMPLES:
+        # In a cluster their local paths are refused, each naming its field.
+        found = problems(job)
+        assert found and all("reads the pod's own filesystem" in line or "is a relative path" in line
+                             for line in found), found
+        assert {line.split(":", 1)[0] for line in found} >= {"spec.model.uri", "spec.dataset.uri"}
+    else:
+        assert problems(job) == [] == new_job_problems(spec, cluster=True)
+
+
+HINT = "in a cluster write pvc://CLAIM/PATH (a claim in the job's namespace) or s3://BUCKET/KEY"
+# (field, its dotted path for with_, a URI of the pod's own filesystem, the whole refusal)
+POD_FILESYSTEM = [
+    ("spec.model.uri", "model.uri", "file:///models/llama",
+     f"spec.model.uri: 'file:///models/llama' reads the pod's own filesystem: {HINT}"),
+    ("spec.model.uri", "model.uri", "file:///etc/kubernetes/admin.conf",
+     f"spec.model.uri: 'file:///etc/kubernetes/admin.conf' reads the pod's own filesystem: {HINT}"),
+    ("spec.model.tokenizerUri", "model.tokenizerUri", "/mnt/s3-cache/other-team/tok",
+     f"spec.model.tokenizerUri: '/mnt/s3-cache/other-team/tok' reads the pod's own filesystem: {HINT}"),
+    ("spec.dataset.uri", "dataset.uri", "/data/train.jsonl",
+     f"spec.dataset.uri: '/data/train.jsonl' reads the pod's own filesystem: {HINT}"),
+    ("spec.dataset.uri", "dataset.uri", "~/train.jsonl",
+     f"spec.dataset.uri: '~/train.jsonl' reads the pod's own filesystem: {HINT}"),
+    ("spec.dataset.uri", "dataset.uri", "data/train.jsonl",
+     f"spec.dataset.uri: 'data/train.jsonl' is a relative path, which means nothing in a pod (there is no job "
+     f"file to be relative to): {HINT}"),
+    ("spec.dataset.validation.uri", "dataset.validation", "../val.jsonl",
+     f"spec.dataset.validation.uri: '../val.jsonl' is a relative path, which means nothing in a pod (there is no "
+     f"job file to be relative to): {HINT}"),
+]
+
+
+def _with_uri(path: str, uri: str) -> dict[str, Any]:
+    return with_(path, {"uri": uri} if path == "dataset.validation" else uri)
+
+
+@pytest.mark.parametrize(("field", "path", "uri", "refusal"), POD_FILESYSTEM,
+                         ids=[f"{field}={uri}" for field, _, uri, _ in POD_FILESYSTEM])
+def test_a_cluster_refuses_a_path_of_the_pods_own_filesystem_naming_the_field(
+        field: str, path: str, uri: str, refusal: str) -> None:
+    job = _with_uri(path, uri)
+    spec = parse_job(job).spec
+    assert problems(job) == [refusal]  # the webhook's: a FineTuneJob object runs in the cluster
+    assert spec_problems(spec, cluster=True) == [refusal]  # the operator's, before the first pod
+    assert new_job_problems(spec, cluster=True) == [refusal]  # the API's, for the kubernetes launcher
+    # `spillway run` on the user's machine reads local files: the same job is fine there.
+    assert new_job_problems(spec, cluster=False) == [] == spec_problems(spec, cluster=False)
+
+
+def test_a_cluster_names_claims_and_buckets_instead_of_other_schemes() -> None:
+    job = with_("model.uri", "gs://bucket/llama")
+    assert problems(job) == [f"spec.model.uri: unsupported URI scheme 'gs' in 'gs://bucket/llama': {HINT}"]
+    # Locally the runtime's own refusal, which offers local paths
+    [line] = new_job_problems(parse_job(job).spec, cluster=False)
+    assert line.startswith("spec.model.uri: unsupported URI scheme 'gs'") and "file://" in line
+
+
+def test_every_refused_field_is_reported_at_once() -> None:
+    job = with_("model.uri", "file:///m")
+    job["spec"]["dataset"]["uri"] = "train.jsonl"
+    assert [line.split(":", 1)[0] for line in problems(job)] == ["spec.model.uri", "spec.dataset.uri"]
 
 
 def _stored(checkpoints: list[str], resume_from: str | None = None) -> dict[str, Any]:

@@ -38,10 +38,29 @@ def test_a_malformed_job_is_denied_naming_the_field(job: dict[str, Any], expecte
     assert expected in message, message
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: Path(p).name)
-def test_the_examples_are_allowed(path: Path) -> None:
+def _example(path: Path) -> dict[str, Any]:
     [job] = [d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") == "FineTuneJob"]
-    assert _review(job) == {"uid": "0a1b", "allowed": True}
+    return job
+
+
+def _runs_in_a_cluster(path: Path) -> bool:
+    """An example for `kubectl apply` (its inputs on claims or in S3), not for `spillway run`."""
+    return _example(path)["spec"]["model"]["uri"].startswith(("pvc://", "s3://"))
+
+
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", [p for p in EXAMPLES if _runs_in_a_cluster(p)], ids=lambda p: Path(p).name)
+def test_the_cluster_examples_are_allowed(path: Path) -> None:
+    assert _review(_example(path)) == {"uid": "0a1b", "allowed": True}
+
+
+@pytest.mark.parametrize("path", [p for p in EXAMPLES if not _runs_in_a_cluster(p)], ids=lambda p: Path(p).name)
+def test_a_local_example_is_refused_naming_its_paths(path: Path) -> None:
+    response = _review(_example(path))
+    assert response["allowed"] is False
+    assert "spec.model.uri" in response["status"]["message"] and "pvc://CLAIM/PATH" in response["status"]["message"]
 
 
 def test_an_update_that_leaves_the_spec_alone_is_allowed_even_for_a_job_admitted_before_the_webhook() -> None:
