@@ -87,7 +87,18 @@ CORPUS: list[tuple[str, dict[str, Any], str]] = [
     ("selecting the control plane", with_("resources.nodeSelector", {"node-role.kubernetes.io/control-plane": ""}),
      "spec.resources.nodeSelector: 'node-role.kubernetes.io/control-plane' selects the control plane"),
     ("keepBest without held-out data", with_("checkpoint.keepBest", True), "checkpoint.keepBest needs dataset.validation"),
+    # A hostile tenant's inputs on the pod's own filesystem: in a cluster only pvc:// and s3://
+    ("a model among the node's Kubernetes credentials", with_("model.uri", "file:///etc/kubernetes/pki"),
+     "spec.model.uri: 'file:///etc/kubernetes/pki' reads the pod's own filesystem: in a cluster write "
+     "pvc://CLAIM/PATH"),
+    ("a dataset at an absolute path", with_("dataset.uri", "/mnt/s3-cache/other-team/train.jsonl"),
+     "spec.dataset.uri: '/mnt/s3-cache/other-team/train.jsonl' reads the pod's own filesystem"),
+    ("held-out data at a relative path", with_("dataset.validation", {"uri": "../data/val.jsonl"}),
+     "spec.dataset.validation.uri: '../data/val.jsonl' is a relative path, which means nothing in a pod"),
 ]
+# Refused with the whole message by the operator too (the others: with the field named)
+POD_FILESYSTEM = {"a model among the node's Kubernetes credentials", "a dataset at an absolute path",
+                  "held-out data at a relative path"}
 
 # Refused only with the stored job at hand (the webhook); the operator handles the field
 # itself (spec.resumeFrom: a Rollback condition) when no webhook saw the job.

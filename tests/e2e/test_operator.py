@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.bad_jobs import CORPUS, WEBHOOK_ONLY, with_
+from tests.bad_jobs import CORPUS, POD_FILESYSTEM, WEBHOOK_ONLY
 from tests.e2e.operator_fixtures import (
     INPUTS_CLAIM,
     MODEL_URI,
@@ -28,21 +28,6 @@ from tests.e2e.operator_fixtures import (
 )
 
 pytestmark = pytest.mark.e2e
-
-# A hostile tenant's inputs outside any claim: paths of the pod's own filesystem (the image's
-# files, or what a hostPath put there: the node's S3 cache holds other namespaces' downloads).
-# The operator refuses them before any pod (no webhook here), naming the field and what to
-# write instead. (what, job, a part of the message)
-POD_FILESYSTEM_CORPUS: list[tuple[str, dict[str, Any], str]] = [
-    ("a model among the node's Kubernetes credentials", with_("model.uri", "file:///etc/kubernetes/pki"),
-     "spec.model.uri: 'file:///etc/kubernetes/pki' reads the pod's own filesystem: in a cluster write "
-     "pvc://CLAIM/PATH"),
-    ("a dataset at an absolute path", with_("dataset.uri", "/mnt/s3-cache/other-team/train.jsonl"),
-     "spec.dataset.uri: '/mnt/s3-cache/other-team/train.jsonl' reads the pod's own filesystem"),
-    ("held-out data at a relative path", with_("dataset.validation", {"uri": "../data/val.jsonl"}),
-     "spec.dataset.validation.uri: '../data/val.jsonl' is a relative path, which means nothing in a pod"),
-]
-
 
 @pytest.fixture(scope="module")
 def operator(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
@@ -169,10 +154,9 @@ def test_no_malformed_job_of_the_corpus_sits_in_planned(cluster: Any, namespace:
     """Each job of the malformed corpus is either refused by `kubectl apply` (the CRD's schema
     and rules) naming the field, or ends Failed (InvalidSpec, with the field in its message)
     within 30 s, before any pod; none is left Pending or Planned. A hostile tenant's inputs
-    on the pod's own filesystem (POD_FILESYSTEM_CORPUS) end Failed saying what to write."""
+    on the pod's own filesystem (bad_jobs.POD_FILESYSTEM) end Failed saying what to write."""
     accepted: dict[str, str] = {}  # job -> what its Failed condition says
-    corpus = [(what, job, expected, False) for what, job, expected in CORPUS if what not in WEBHOOK_ONLY]
-    corpus += [(what, job, expected, True) for what, job, expected in POD_FILESYSTEM_CORPUS]
+    corpus = [(what, job, expected, what in POD_FILESYSTEM) for what, job, expected in CORPUS if what not in WEBHOOK_ONLY]
     for i, (what, job, expected, whole) in enumerate(corpus):
         field = re.split(r"[: ]", expected, maxsplit=1)[0]
         job = {**copy.deepcopy(job), "metadata": {"name": f"bad-{i}"}}

@@ -130,6 +130,19 @@ def _with_the_webhook_down_a_bad_job_is_admitted_and_failed_by_the_operator(
     assert cluster.kubectl_json("get", "pods", "-n", namespace, "-l", "spillway.dev/job=unchecked")["items"] == []
 
 
+def _host_volume(cluster: Cluster, name: str, path: Path, storage_class: str, size: str, access: str,
+                 claim: dict[str, str] | None = None) -> None:
+    """A PersistentVolume on a directory of the real node, as a provisioner would make it (for
+    ``claim`` only, when given)."""
+    spec: dict[str, Any] = {"capacity": {"storage": size}, "accessModes": [access],
+                            "persistentVolumeReclaimPolicy": "Delete", "storageClassName": storage_class,
+                            "hostPath": {"path": str(path), "type": "Directory"}}
+    if claim:
+        spec["claimRef"] = claim
+    cluster.kubectl("create", "-f", "-", input=json.dumps(
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": name}, "spec": spec}))
+
+
 TINY_CONFIG = {"model_type": "llama", "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
                "num_key_value_heads": 4, "intermediate_size": 344, "vocab_size": 512}
 
@@ -148,27 +161,15 @@ def test_the_chart_runs_in_containers_and_its_operator_makes_pods_on_the_real_no
     cluster.kubectl("apply", "-f", "-", input=json.dumps({
         "apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": storage_class},
         "provisioner": "kubernetes.io/no-provisioner", "volumeBindingMode": "Immediate"}))
-    cluster.kubectl("create", "-f", "-", input=json.dumps({
-        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": storage_class},
-        "spec": {"capacity": {"storage": "10Gi"}, "accessModes": ["ReadWriteOnce"],
-                 "persistentVolumeReclaimPolicy": "Delete", "storageClassName": storage_class,
-                 "hostPath": {"path": str(db), "type": "Directory"}}}))
+    _host_volume(cluster, storage_class, db, storage_class, "10Gi", "ReadWriteOnce")
     checkpoints = host_dir / "checkpoints"
     checkpoints.mkdir()
-    cluster.kubectl("create", "-f", "-", input=json.dumps({
-        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{storage_class}-ckpt"},
-        "spec": {"capacity": {"storage": "1Ti"}, "accessModes": ["ReadWriteOnce"],
-                 "persistentVolumeReclaimPolicy": "Delete", "storageClassName": storage_class,
-                 "hostPath": {"path": str(checkpoints), "type": "Directory"}}}))
+    _host_volume(cluster, f"{storage_class}-ckpt", checkpoints, storage_class, "1Ti", "ReadWriteOnce")
     # The job's inputs: a claim in its namespace (in a cluster a job names no path of the pod's own)
     inputs = host_dir / "inputs"
     inputs.mkdir()
-    cluster.kubectl("create", "-f", "-", input=json.dumps({
-        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{storage_class}-inputs"},
-        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
-                 "persistentVolumeReclaimPolicy": "Delete", "storageClassName": storage_class,
-                 "claimRef": {"namespace": namespace, "name": "tiny-inputs"},
-                 "hostPath": {"path": str(inputs), "type": "Directory"}}}))
+    _host_volume(cluster, f"{storage_class}-inputs", inputs, storage_class, "1Gi", "ReadOnlyMany",
+                 claim={"namespace": namespace, "name": "tiny-inputs"})
     cluster.apply({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "tiny-inputs"},
                    "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": storage_class,
                             "resources": {"requests": {"storage": "1Gi"}}}}, namespace)
