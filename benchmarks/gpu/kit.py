@@ -4,17 +4,23 @@ Run by benchmarks/gpu/run.sh there (after the carried wheels are installed and D
 CPUAdam and async-I/O ops are built), or with --dry-run here (a CPU accelerator, tiny
 models, every stage still run: tests/integration/test_gpu_kit.py). Stages:
 
+  d. first: SIGKILL and resume through the runtime (`python -m spillway_runtime`, as `spillway run`
+     launches it) with the optimizer on NVMe: the resumed losses equal the uninterrupted run's
+     (saved after each of its three launches);
   a. the largest Llama-shaped model (random init, bf16) that trains GPU-resident (ZeRO-2,
      optimizer and parameters on the GPU) under a 24 GiB memory cap: a small search;
   b. a ~3x larger model under the same cap with ZeRO-3 and the optimizer on the CPU
      (DeepSpeedCPUAdam), then the optimizer on NVMe with the parameters on the CPU;
   c. beside every measurement, the planner's prediction for the same shape on this machine
-     (plan_tiers on probe_basic's NodeHardware): bytes per tier and step time as ratios;
-  d. SIGKILL and resume through the runtime (`python -m spillway_runtime`, as `spillway run`
-     launches it) with the optimizer on NVMe: the resumed losses equal the uninterrupted run's.
+     (plan_tiers on probe_basic's NodeHardware): bytes per tier and step time as ratios.
+
+A stage that needs a DeepSpeed op that did not build (run.sh's ops.json) is skipped with the
+build's error. The NVMe model is sized from the planner's own swap bytes, and stage b's from the
+host memory (--host-memory-gib: a Firecracker VM's MemTotal starts far below what it has).
 
 Every measurement is its own process (`--measure`): an out-of-memory trial leaves nothing
-behind, and the memory cap applies to it alone. Results are rewritten to $OUT/gpu_kit.json
+behind, and the memory cap applies to it alone (less what the CUDA context and libraries hold
+outside PyTorch's allocator, measured in the child). Results are rewritten to $OUT/gpu_kit.json
 and $OUT/gpu_kit.md after every stage, so a call cut short keeps what it measured. The
 DeepSpeed config is the runtime's own (dsconfig.build_deepspeed_config of the plan), except
 that a GPU-resident optimizer is torch's fused AdamW rather than DeepSpeed's FusedAdam, whose
@@ -24,9 +30,11 @@ CUDA build would cost a minute of the call.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -77,7 +85,8 @@ class Settings:
     min_layers: int  # stage b's shapes: no shallower than this
     vocab: int
     nvme_swap_bytes: int  # the NVMe variant's swap files are kept under this (disk and time)
-    resume_reserve: float = 0.0  # seconds stage b leaves for stage d
+    ops: dict[str, Any] = field(default_factory=dict)  # run.sh's ops.json: each op's build
+    host_memory_bytes: int | None = None  # what the planner is told the host has, if more than probed
     started: float = field(default_factory=time.monotonic)
 
     def left(self) -> float:
@@ -88,12 +97,24 @@ class Settings:
         out = Path(args.out or os.environ.get("OUT") or "gpu_kit_out")
         out.mkdir(parents=True, exist_ok=True)
         work = Path(args.work or tempfile.mkdtemp(prefix="gpu-kit-"))
+        ops = json.loads(Path(args.ops).read_text()) if args.ops and Path(args.ops).is_file() else {}
+        host = int(args.host_memory_gib * GiB) if args.host_memory_gib else None
         if args.dry_run:
             return cls(True, out, work, args.budget_seconds, None, 2, 32, 1, [(64, 2), (128, 2)], [64, 128], 2, 512,
-                       args.nvme_swap_gib * GiB)
+                       int(args.nvme_swap_gib * GiB), ops, host)
         return cls(False, out, work, args.budget_seconds, CAP_BYTES, 4, 1024, 3,
                    [(1536, 24), (2048, 20), (2048, 28), (2560, 24)], [2048, 2560, 3072, 4096], 8, VOCAB,
-                   args.nvme_swap_gib * GiB, resume_reserve=100.0)
+                   int(args.nvme_swap_gib * GiB), ops, host)
+
+    def missing_op(self, optimizer: str) -> str | None:
+        """Why a placement with the optimizer on `optimizer` cannot run: an op run.sh failed to build
+        (none when ops.json is absent: the dry run, or the ops were built elsewhere)."""
+        needs = {"cpu": ["cpu_adam"], "nvme": ["cpu_adam", "async_io"]}.get(optimizer, [])
+        for name in needs:
+            built = self.ops.get(name)
+            if built is not None and not built.get("ok"):
+                return f"DeepSpeed's {name} op did not build: {str(built.get('error', ''))[-400:]}"
+        return None
 
 
 # ----------------------------------------------------------------------------- planning (c)
@@ -104,6 +125,9 @@ def node_hardware(settings: Settings) -> Any:
     hw = probe_basic(settings.work / "nvme")
     if settings.cap_bytes and hw.gpu_count:
         hw = hw.model_copy(update={"gpu_memory_bytes": min(hw.gpu_memory_bytes, settings.cap_bytes)})
+    if settings.host_memory_bytes and settings.host_memory_bytes > hw.cpu_memory_bytes:
+        hw = hw.model_copy(update={"cpu_memory_bytes": settings.host_memory_bytes,
+                                   "cpu_memory_available_bytes": settings.host_memory_bytes})
     return hw
 
 
@@ -151,30 +175,69 @@ def measure(settings: Settings, hw: Any, config: dict[str, Any], placement: tupl
     from spillway_runtime.dsconfig import build_deepspeed_config
 
     plan, spec = plan_for(settings, hw, config, placement)
+    row: dict[str, Any] = {"placement": plan.label, "predicted": prediction(plan)}
+    missing = settings.missing_op(placement[1])
+    if missing:
+        return {**row, "skipped": missing}
     nvme = settings.work / f"swap-{time.monotonic_ns()}"
     ds_config = build_deepspeed_config(plan, spec, nvme_path=str(nvme) if plan.uses_nvme else None)
     job = {"config": config, "ds_config": ds_config, "cap_bytes": settings.cap_bytes, "seq": settings.seq,
            "micro_batch": settings.micro_batch, "timed_steps": settings.timed_steps, "nvme": str(nvme),
            "checkpointing": plan.activation_checkpointing}
-    row: dict[str, Any] = {"placement": plan.label, "predicted": prediction(plan)}
     started = time.monotonic()
     try:
-        child = subprocess.run([sys.executable, __file__, "--measure", json.dumps(job)], capture_output=True,
-                               text=True, timeout=max(1.0, timeout), check=False)
-        lines = [line for line in child.stdout.splitlines() if line.startswith(RESULT_TAG)]
+        rc, output = run_child([sys.executable, __file__, "--measure", json.dumps(job)], timeout,
+                               log=settings.work / f"measure-{time.monotonic_ns()}.log")
+        lines = [line for line in output.splitlines() if line.startswith(RESULT_TAG)]
         if lines:
             row["measured"] = json.loads(lines[-1][len(RESULT_TAG):])
+        elif rc is None:
+            row["error"] = f"timed out after {timeout:.0f} s"
         else:
-            tail = (child.stdout + child.stderr)[-1500:]
+            tail = output[-1500:]
             row["error"] = "out of memory" if "OutOfMemory" in tail or "out of memory" in tail else tail
-    except subprocess.TimeoutExpired:
-        row["error"] = f"timed out after {timeout:.0f} s"
     finally:
-        subprocess.run(["rm", "-rf", str(nvme)], check=False)
+        shutil.rmtree(nvme, ignore_errors=True)
     row["wall_seconds"] = round(time.monotonic() - started, 1)
     if "measured" in row:
         row["ratio"] = ratios(row["measured"], row["predicted"])
     return row
+
+
+CHILDREN: set[int] = set()  # process groups of live children: ended by the SIGTERM handler
+
+
+def run_child(command: list[str], timeout: float, log: Path, env: dict[str, str] | None = None,
+              until: Any = None) -> tuple[int | None, str]:
+    """A child in its own session (its process group ends with it), its output in `log`, bounded
+    by `timeout`: its exit status (None when it was killed for time) and output. `until()`,
+    polled, kills it early once it returns true; the status is then the kill's."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as sink:
+        child = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    CHILDREN.add(child.pid)
+    deadline = time.monotonic() + max(1.0, timeout)
+    timed_out = False
+    try:
+        while child.poll() is None:
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            if until is not None and until():
+                _kill(child.pid)
+                until = None
+            time.sleep(0.05)
+    finally:
+        if child.poll() is None:
+            _kill(child.pid)
+        rc = child.wait()
+        CHILDREN.discard(child.pid)
+    return (None if timed_out else rc), log.read_text(errors="replace")
+
+
+def _kill(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def _free_port() -> int:
@@ -217,11 +280,16 @@ def run_measurement(job: dict[str, Any]) -> dict[str, Any]:
 
     cuda = get_accelerator().device_name() == "cuda"
     device = get_accelerator().device_name(0)
-    if cuda and job["cap_bytes"]:
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, job["cap_bytes"] / total))
+    outside = None
     ds_config = job["ds_config"]
     deepspeed.init_distributed(verbose=False)
+    if cuda and job["cap_bytes"]:
+        # the cap bounds PyTorch's allocator only: what the CUDA context, NCCL and the libraries
+        # already hold outside it is taken off first (cuBLAS's workspace comes later: a few MiB)
+        torch.ones(1, device=device) @ torch.ones(1, 1, device=device)
+        free, total = torch.cuda.mem_get_info()
+        outside = total - free - torch.cuda.memory_reserved()
+        torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, (job["cap_bytes"] - outside) / total)))
     model = _build_model(job, ds_config, device)
     optimizer = None
     if "offload_optimizer" not in ds_config["zero_optimization"]:
@@ -249,7 +317,8 @@ def run_measurement(job: dict[str, Any]) -> dict[str, Any]:
     return {"step_seconds": round(step, 4), "tokens_per_second": round(tokens / step, 1),
             "first_step_seconds": round(times[0], 3), "losses": losses,
             "peak_gpu_bytes": int(torch.cuda.max_memory_allocated()) if cuda else None,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "swap_bytes": swap}
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "swap_bytes": swap,
+            "outside_allocator_bytes": outside}
 
 
 # ----------------------------------------------------------------------------- stages
@@ -280,6 +349,27 @@ def stage_gpu_resident(settings: Settings, hw: Any, report: Report) -> dict[str,
     return best
 
 
+HOST_SHARE = 0.6  # stage b's planned host state stays under this share of the host's memory
+
+
+def sized(settings: Settings, hw: Any, params: int, placement: tuple[int, str, str]) -> tuple[dict[str, Any], str]:
+    """A shape of about `params` parameters whose plan keeps its swap files under the NVMe limit
+    and its host state under HOST_SHARE of the host memory (the planner's own bytes, not a
+    bytes-per-parameter guess): the shape and, when it was shrunk, why."""
+    limits = {"nvme": settings.nvme_swap_bytes, "cpu": int(HOST_SHARE * hw.cpu_memory_bytes)}
+    why = ""
+    for _ in range(4):
+        config = config_for_params(params, settings.widths, settings.vocab, settings.seq, settings.min_layers)
+        planned = plan_for(settings, hw, config, placement)[0].bytes.model_dump()
+        over = max(planned[tier] / limit for tier, limit in limits.items())
+        if over <= 1.0:
+            break
+        tier = max(limits, key=lambda t: planned[t] / limits[t])
+        why = f"{params:,} parameters planned {planned[tier] / GiB:.1f} GiB of {tier}, over {limits[tier] / GiB:.1f} GiB"
+        params = int(params / over * 0.95)
+    return config, why
+
+
 def stage_offloaded(settings: Settings, hw: Any, report: Report, resident: dict[str, Any] | None) -> None:
     """(b) ~3x the GPU-resident model: optimizer on the CPU; then optimizer on NVMe, parameters on
     the CPU, with the swap files kept under the NVMe limit (disk and time on the machine)."""
@@ -287,18 +377,17 @@ def stage_offloaded(settings: Settings, hw: Any, report: Report, resident: dict[
     base = resident["predicted"]["params"] if resident else 12 * layers * hidden**2 + 2 * settings.vocab * hidden
     target = 3 * base
     rows: dict[str, Any] = {"target_params": target}
-    for key, placement, params in (("optimizer_cpu", (3, "cpu", "gpu"), target),
-                                   ("optimizer_nvme_parameters_cpu", (3, "nvme", "cpu"),
-                                    min(target, settings.nvme_swap_bytes // 12))):
-        left = settings.left() - settings.resume_reserve
+    for key, placement in (("optimizer_cpu", (3, "cpu", "gpu")), ("optimizer_nvme_parameters_cpu", (3, "nvme", "cpu"))):
+        left = settings.left()
         if left < 60:
-            rows[key] = {"skipped": f"budget: {left:.0f} s left before stage d's share"}
+            rows[key] = {"skipped": f"budget: {left:.0f} s left"}
+            report.add("b_offloaded", rows)
             continue
-        config = config_for_params(params, settings.widths, settings.vocab, settings.seq, settings.min_layers)
+        config, capped = sized(settings, hw, target, placement)
         row = measure(settings, hw, config, placement, min(200.0, left - 20))
         row["config"] = config
-        if params < target:
-            row["capped"] = f"{params:,} parameters: swap files kept under {settings.nvme_swap_bytes / GiB:.0f} GiB"
+        if capped:
+            row["capped"] = capped
         rows[key] = row
         report.add("b_offloaded", rows)
 
@@ -315,10 +404,15 @@ def stage_planner(report: Report) -> None:
     report.add("c_planner", {"rows": rows} if rows else {"skipped": "no measurement to compare"})
 
 
+LAUNCH_SECONDS = 150.0  # one launch of stage d at most (a tiny model: ~20-40 s expected)
+
+
 def stage_resume(settings: Settings, hw: Any, report: Report) -> None:
-    """(d) The runtime, SIGKILLed after its second checkpoint, resumes to the same losses."""
-    if settings.left() < 90:
-        report.add("d_resume", {"skipped": f"budget: {settings.left():.0f} s left"})
+    """(d) The runtime, SIGKILLed after its second checkpoint, resumes to the same losses. Run
+    first; its report is rewritten after each launch; a failed reference ends it."""
+    optimizer = next((o for o in ("nvme", "cpu") if not settings.missing_op(o)), None)
+    if optimizer is None:
+        report.add("d_resume", {"skipped": settings.missing_op("cpu")})
         return
     from spillway_runtime.reporting import read_events
     from spillway_runtime.tiny import build_tiny_model, write_dataset
@@ -332,30 +426,40 @@ def stage_resume(settings: Settings, hw: Any, report: Report) -> None:
         "spec": {"model": {"uri": str(model), "dtype": "bf16"}, "dataset": {"uri": str(data)},
                  "training": {"maxSteps": 10, "microBatchSize": 2, "gradientAccumulation": 2, "sequenceLength": 32,
                               "learningRate": 3e-3, "warmupSteps": 2},
-                 "offload": {"optimizer": "nvme", "parameters": "gpu", "nvme": {"path": str(root / "nvme")},
+                 "offload": {"optimizer": optimizer, "parameters": "gpu", "nvme": {"path": str(root / "nvme")},
                              "deepspeed": {"zero_optimization": {"stage": 3}}},
                  "checkpoint": {"everySteps": 5, "keep": 5}}}))
     started = time.monotonic()
-    reference, reference_log = launch(job, root / "reference", hw, kill_at=None)
-    killed, _ = launch(job, root / "resumed", hw, kill_at=6)
-    resumed, resumed_log = launch(job, root / "resumed", hw, kill_at=None)
+    result: dict[str, Any] = {"placement": f"Z3 opt:{optimizer} par:gpu", "returncodes": []}
+    if optimizer != "nvme":
+        result["fallback"] = settings.missing_op("nvme")
+    for name, kill_at in (("reference", None), ("killed", 6), ("resumed", None)):
+        run = root / ("reference" if name == "reference" else "resumed")
+        rc, log = launch(job, run, hw, kill_at, timeout=min(LAUNCH_SECONDS, settings.left() - 20))
+        result["returncodes"].append(rc)
+        result["seconds"] = round(time.monotonic() - started, 1)
+        if rc != (-signal.SIGKILL if kill_at else 0):
+            result[f"{name}_log_tail"] = log[-2000:]
+        report.add("d_resume", result)
+        if name == "reference" and rc != 0:
+            result["skipped"] = "the uninterrupted run failed: no resume to compare"
+            report.add("d_resume", result)
+            return
     losses = {name: {e["step"]: e["loss"] for e in read_events(run / "events.jsonl") if e["event"] == "step"}
-              for name, run in (("reference", root / "reference"), ("resumed", root / "resumed"))}
-    compared = sorted(s for s in losses["resumed"] if s > 5)
-    worst = max((abs(losses["resumed"][s] - losses["reference"][s]) / max(abs(losses["reference"][s]), 1e-12)
-                 for s in compared if s in losses["reference"]), default=None)
+              for name, run in (("reference", root / "reference"), ("resumed", root / "resumed"))
+              if (run / "events.jsonl").exists()}
+    resumed = losses.get("resumed", {})
+    compared = sorted(s for s in resumed if s > 5)
+    worst = max((abs(resumed[s] - losses["reference"][s]) / max(abs(losses["reference"][s]), 1e-12)
+                 for s in compared if s in losses.get("reference", {})), default=None)
     report.add("d_resume", {
-        "placement": "Z3 opt:nvme par:gpu", "returncodes": [reference, killed, resumed],
-        "killed_by_sigkill": killed == -signal.SIGKILL, "compared_steps": compared,
-        "max_relative_difference": worst, "equal": worst is not None and worst <= 1e-4 and len(compared) >= 5,
-        "seconds": round(time.monotonic() - started, 1),
-        **{f"{name}_log_tail": log.read_text()[-2000:] for name, rc, log in
-           (("reference", reference, reference_log), ("resumed", resumed, resumed_log)) if rc != 0}})
+        **result, "killed_by_sigkill": result["returncodes"][1] == -signal.SIGKILL, "compared_steps": compared,
+        "max_relative_difference": worst, "equal": worst is not None and worst <= 1e-4 and len(compared) >= 5})
 
 
-def launch(job: Path, run_dir: Path, hw: Any, kill_at: int | None) -> tuple[int, Path]:
-    """One runtime process, as `spillway run` starts it; SIGKILLed once the events show `kill_at`.
-    Its exit status and log."""
+def launch(job: Path, run_dir: Path, hw: Any, kill_at: int | None, timeout: float) -> tuple[int | None, str]:
+    """One runtime process, as `spillway run` starts it, with cuBLAS's deterministic workspace;
+    SIGKILLed once the events show `kill_at`. Its exit status (None when out of time) and log."""
     from spillway_runtime.local import prepare_local_run, runtime_command, runtime_env
     from spillway_runtime.runconfig import FaultInjection
 
@@ -363,25 +467,19 @@ def launch(job: Path, run_dir: Path, hw: Any, kill_at: int | None) -> tuple[int,
     config = prepare_local_run(job, run_dir=run_dir, hardware=hw, faults=faults)
     events = run_dir / "events.jsonl"
     offset = events.stat().st_size if events.exists() else 0
-    log_path = run_dir / f"runtime-{time.monotonic_ns()}.log"
-    with log_path.open("w") as log:
-        child = subprocess.Popen(runtime_command(run_dir / "runtime.json", 1), env=runtime_env(config),
-                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 240
-        while child.poll() is None and time.monotonic() < deadline:
-            if kill_at is not None and events.exists():
-                with events.open("rb") as fh:
-                    fh.seek(offset)
-                    text = fh.read().decode(errors="replace")
-                steps = [json.loads(line)["step"] for line in text.splitlines()
-                         if '"event": "step"' in line and line.endswith("}")]
-                if max(steps, default=0) >= kill_at:
-                    os.killpg(child.pid, signal.SIGKILL)
-                    kill_at = None
-            time.sleep(0.05)
-        if child.poll() is None:
-            os.killpg(child.pid, signal.SIGKILL)
-        return child.wait(), log_path
+
+    def reached() -> bool:
+        if kill_at is None or not events.exists():
+            return False
+        with events.open("rb") as fh:
+            fh.seek(offset)
+            text = fh.read().decode(errors="replace")
+        steps = [json.loads(line)["step"] for line in text.splitlines() if '"event": "step"' in line and line.endswith("}")]
+        return max(steps, default=0) >= kill_at
+
+    env = {**runtime_env(config), "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    return run_child(runtime_command(run_dir / "runtime.json", 1), timeout,
+                     log=run_dir / f"runtime-{time.monotonic_ns()}.log", env=env, until=reached)
 
 
 # ----------------------------------------------------------------------------- report
@@ -400,8 +498,10 @@ class Report:
         document = {"dry_run": self.settings.dry_run, "budget_seconds": self.settings.budget_seconds,
                     "elapsed_seconds": round(time.monotonic() - self.settings.started, 1),
                     "cap_bytes": self.settings.cap_bytes, "hardware": self.hardware, "stages": self.stages}
-        (self.settings.out / "gpu_kit.json").write_text(json.dumps(document, indent=2, default=str))
-        (self.settings.out / "gpu_kit.md").write_text(self.markdown())
+        for name, text in (("gpu_kit.json", json.dumps(document, indent=2, default=str)), ("gpu_kit.md", self.markdown())):
+            tmp = self.settings.out / f".{name}.tmp"
+            tmp.write_text(text)
+            os.replace(tmp, self.settings.out / name)  # a call cut short never leaves half a report
 
     def rows(self) -> list[tuple[str, dict[str, Any]]]:
         a = self.stages.get("a_gpu_resident", {})
@@ -415,7 +515,8 @@ class Report:
         for stage, r in self.rows():
             m = r.get("measured")
             if not m:
-                lines.append(f"| {stage} | {r['placement']} | {r['predicted']['params']:,} | {r.get('error', '')[:60]!r} "
+                why = r.get("error") or r.get("skipped") or ""
+                lines.append(f"| {stage} | {r['placement']} | {r['predicted']['params']:,} | {why[:60]!r} "
                              "| | | | | |")
                 continue
             ratio = r["ratio"]
@@ -436,23 +537,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-seconds", type=float, default=420.0, help="stages that no longer fit are skipped")
     parser.add_argument("--out", help="results folder (default: $OUT)")
     parser.add_argument("--work", help="scratch folder for swap files and runs (default: a new temporary one)")
-    parser.add_argument("--nvme-swap-gib", type=int, default=12, help="stage b's NVMe variant stays under this")
+    parser.add_argument("--nvme-swap-gib", type=float, default=4, help="stage b's NVMe variant's planned swap stays under this")
+    parser.add_argument("--ops", help="run.sh's ops.json: stages needing an op that did not build are skipped")
+    parser.add_argument("--host-memory-gib", type=float, help="the host's memory, when more than MemTotal says now")
     parser.add_argument("--measure", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.measure:
         print(RESULT_TAG + json.dumps(run_measurement(json.loads(args.measure))), flush=True)
-        return 0
+        os._exit(0)  # no teardown of NCCL groups and pinned buffers: the process is done
     if args.dry_run:
         os.environ["DS_ACCELERATOR"] = "cpu"
     os.environ.setdefault("SPILLWAY_PROBE_SWEEP", "0")
     settings = Settings.make(args)
     hw = node_hardware(settings)
     report = Report(settings, hw.model_dump())
+
+    def terminated(signum: int, _frame: Any) -> None:  # timeout's SIGTERM: end the children, keep the report
+        for pgid in list(CHILDREN):
+            _kill(pgid)
+        report.stages["terminated"] = {"signal": signum, "elapsed_seconds": round(time.monotonic() - settings.started, 1)}
+        report.write()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminated)
     report.write()
+    stage_resume(settings, hw, report)
     resident = stage_gpu_resident(settings, hw, report)
     stage_offloaded(settings, hw, report, resident)
     stage_planner(report)
-    stage_resume(settings, hw, report)
     report.write()
     print(report.markdown())
     return 0

@@ -43,10 +43,12 @@ else
   specs=()
   for name in "${PINNED[@]}"; do specs+=("$(pin "$name")"); done
 
-  # pure Python: DeepSpeed's sdist builds with no ops (DS_BUILD_OPS=0), they are JIT-built there
+  # pure Python: DeepSpeed's sdist builds with no ops (DS_BUILD_OPS=0), they are JIT-built there.
+  # --no-cache-dir: pip's wheel cache holds this machine's cp311 build with its ops compiled in
+  # (hack/setup.sh), which pip on the GPU machine's Python 3.12 refuses.
   deepspeed_spec=${specs[0]}
-  DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$CARRY/wheels" "$deepspeed_spec" \
-    || DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps -w "$CARRY/wheels" "$deepspeed_spec"
+  DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-cache-dir --no-deps --no-build-isolation -w "$CARRY/wheels" "$deepspeed_spec" \
+    || DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-cache-dir --no-deps -w "$CARRY/wheels" "$deepspeed_spec"
   "$PY" -m pip download -q --only-binary=:all: --no-deps --python-version 3.12 --implementation cp --abi cp312 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
     -d "$CARRY/wheels" "${specs[@]:1}"
@@ -68,6 +70,13 @@ else
 fi
 
 ls -1 "$CARRY/wheels" "$CARRY/libaio/lib"
+# every wheel must install on CPython 3.12 x86_64: pure (py3-none-any) or tagged cp312
+for wheel in "$CARRY"/wheels/*.whl; do
+  case $(basename "$wheel") in
+    *-py3-none-any.whl | *-cp312-cp312-*x86_64*.whl) ;;
+    *) echo "prepare.sh: $(basename "$wheel") will not install on CPython 3.12 x86_64" >&2; exit 1 ;;
+  esac
+done
 size=$(du -sb "$CARRY" | cut -f1)
 echo "carry: $CARRY $((size / 1024)) KiB ($size bytes)"
 if (( size >= LIMIT )); then
