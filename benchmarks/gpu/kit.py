@@ -49,6 +49,7 @@ GiB = 1 << 30
 CAP_BYTES = 24 * GiB  # a consumer card's memory: what the kit asks the planner and DeepSpeed to fit under
 VOCAB = 32000
 RESULT_TAG = "KIT_RESULT "
+STAGES = frozenset({"resume", "resident", "cpu", "nvme"})  # d, a, b's optimizer on the CPU and on NVMe
 # Llama widths and their MLP sizes (Llama-2 / TinyLlama ratios, ~8/3 h rounded to 256)
 INTERMEDIATE = {64: 176, 128: 352, 1024: 2816, 1536: 4096, 2048: 5632, 2560: 6912, 3072: 8192, 4096: 11008}
 
@@ -86,6 +87,7 @@ class Settings:
     vocab: int
     nvme_swap_bytes: int  # the NVMe variant's swap files are kept under this (disk and time)
     ops: dict[str, Any] = field(default_factory=dict)  # run.sh's ops.json: each op's build
+    only: frozenset[str] = STAGES  # --only: the measurements to make
     host_memory_bytes: int | None = None  # what the planner is told the host has, if more than probed
     started: float = field(default_factory=time.monotonic)
 
@@ -99,12 +101,15 @@ class Settings:
         work = Path(args.work or tempfile.mkdtemp(prefix="gpu-kit-"))
         ops = json.loads(Path(args.ops).read_text()) if args.ops and Path(args.ops).is_file() else {}
         host = int(args.host_memory_gib * GiB) if args.host_memory_gib else None
+        only = frozenset(args.only.split(",")) if args.only else STAGES
+        if only - STAGES:
+            raise SystemExit(f"--only: {', '.join(sorted(only - STAGES))} is not one of {', '.join(sorted(STAGES))}")
         if args.dry_run:
             return cls(True, out, work, args.budget_seconds, None, 2, 32, 1, [(64, 2), (128, 2)], [64, 128], 2, 512,
-                       int(args.nvme_swap_gib * GiB), ops, host)
+                       int(args.nvme_swap_gib * GiB), ops, only, host)
         return cls(False, out, work, args.budget_seconds, CAP_BYTES, 4, 1024, 3,
-                   [(1536, 24), (2048, 20), (2048, 28), (2560, 24)], [2048, 2560, 3072, 4096], 8, VOCAB,
-                   int(args.nvme_swap_gib * GiB), ops, host)
+                   [(1536, 24), (2048, 20), (2048, 28), (2560, 24)], [1024, 1536, 2048, 2560, 3072, 4096], 8, VOCAB,
+                   int(args.nvme_swap_gib * GiB), ops, only, host)
 
     def missing_op(self, optimizer: str) -> str | None:
         """Why a placement with the optimizer on `optimizer` cannot run: an op run.sh failed to build
@@ -357,17 +362,19 @@ def sized(settings: Settings, hw: Any, params: int, placement: tuple[int, str, s
     and its host state under HOST_SHARE of the host memory (the planner's own bytes, not a
     bytes-per-parameter guess): the shape and, when it was shrunk, why."""
     limits = {"nvme": settings.nvme_swap_bytes, "cpu": int(HOST_SHARE * hw.cpu_memory_bytes)}
-    why = ""
+    why = []
     for _ in range(4):
         config = config_for_params(params, settings.widths, settings.vocab, settings.seq, settings.min_layers)
-        planned = plan_for(settings, hw, config, placement)[0].bytes.model_dump()
+        plan = plan_for(settings, hw, config, placement)[0]
+        planned = plan.bytes.model_dump()
         over = max(planned[tier] / limit for tier, limit in limits.items())
         if over <= 1.0:
             break
         tier = max(limits, key=lambda t: planned[t] / limits[t])
-        why = f"{params:,} parameters planned {planned[tier] / GiB:.1f} GiB of {tier}, over {limits[tier] / GiB:.1f} GiB"
+        why.append(f"{plan.model.params:,} parameters planned {planned[tier] / GiB:.1f} GiB of {tier}, "
+                   f"over {limits[tier] / GiB:.1f} GiB")
         params = int(params / over * 0.95)
-    return config, why
+    return config, "; ".join(why)
 
 
 def stage_offloaded(settings: Settings, hw: Any, report: Report, resident: dict[str, Any] | None) -> None:
@@ -378,6 +385,8 @@ def stage_offloaded(settings: Settings, hw: Any, report: Report, resident: dict[
     target = 3 * base
     rows: dict[str, Any] = {"target_params": target}
     for key, placement in (("optimizer_cpu", (3, "cpu", "gpu")), ("optimizer_nvme_parameters_cpu", (3, "nvme", "cpu"))):
+        if placement[1] not in settings.only:
+            continue
         left = settings.left()
         if left < 60:
             rows[key] = {"skipped": f"budget: {left:.0f} s left"}
@@ -540,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nvme-swap-gib", type=float, default=4, help="stage b's NVMe variant's planned swap stays under this")
     parser.add_argument("--ops", help="run.sh's ops.json: stages needing an op that did not build are skipped")
     parser.add_argument("--host-memory-gib", type=float, help="the host's memory, when more than MemTotal says now")
+    parser.add_argument("--only", help=f"a comma list of {', '.join(sorted(STAGES))} (default: all); stage b "
+                        "without the resident search takes 3x its smallest size")
     parser.add_argument("--measure", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.measure:
@@ -561,8 +572,9 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, terminated)
     report.write()
-    stage_resume(settings, hw, report)
-    resident = stage_gpu_resident(settings, hw, report)
+    if "resume" in settings.only:
+        stage_resume(settings, hw, report)
+    resident = stage_gpu_resident(settings, hw, report) if "resident" in settings.only else None
     stage_offloaded(settings, hw, report, resident)
     stage_planner(report)
     report.write()

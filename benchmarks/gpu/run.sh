@@ -72,7 +72,11 @@ AIO=$CARRY/libaio
 export CFLAGS="-I$AIO/include" LDFLAGS="-L$AIO/lib" CPATH=$AIO/include${CPATH:+:$CPATH}
 export LIBRARY_PATH=$AIO/lib$LINK_DIRS${LIBRARY_PATH:+:$LIBRARY_PATH}
 export LD_LIBRARY_PATH=$AIO/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+# The image's own TORCH_CUDA_ARCH_LIST names architectures with a suffix (9.0a), which
+# DeepSpeed 0.19.8's JIT build cannot parse (int('0a'): async_io failed to build on the first
+# H200 run): the H200's plain 9.0, unless KIT_CUDA_ARCH says otherwise.
+IMAGE_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-}
+export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${KIT_CUDA_ARCH:-9.0}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/gpu-kit-torch-extensions}
 
 # ---------------------------------------------------------------- preflight, first seconds
@@ -81,7 +85,7 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/gpu-kit-torch-extension
   echo "python: $("$PY" -c 'import sys; print(sys.version.split()[0], sys.executable)')"
   echo "nvidia-smi: $(nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader 2>&1 | head -2)"
   echo "nvcc: ${NVCC:-none} $( [[ -n $NVCC ]] && "$NVCC" --version | tail -1)"
-  echo "CUDA_HOME: $CUDA_HOME"
+  echo "CUDA_HOME: $CUDA_HOME; TORCH_CUDA_ARCH_LIST: $TORCH_CUDA_ARCH_LIST (the image's: ${IMAGE_ARCH_LIST:-unset})"
   echo "libcuda (ldconfig): $(ldconfig -p 2>/dev/null | grep -E 'libcuda\.so|libcudart\.so' | tr -s ' \t' ' ' | tr '\n' ';')"
   echo "libcuda.so files: $(ls "$CUDA_HOME"/lib64/stubs/libcuda.so "$CUDA_HOME"/targets/x86_64-linux/lib/stubs/libcuda.so /usr/local/nvidia/lib64/libcuda.so* 2>/dev/null | tr '\n' ' ')"
   echo "libcudart.so files: $(ls "$CUDA_HOME"/lib64/libcudart.so* "$CUDA_HOME"/targets/x86_64-linux/lib/libcudart.so* 2>/dev/null | tr '\n' ' ')"

@@ -153,20 +153,26 @@ class DirectIO:
 
     def __init__(self, *, chunk: int = CHUNK, block_size: int = 1 << 20, queue_depth: int = 32,
                  parallelism: int = 1, threads: int = 2, direct: bool = True):
-        self.direct = direct
-        self.align = 4096 if direct else 1
-        self.chunk = max(self.align, chunk // self.align * self.align)
         self.settings = (block_size, queue_depth, parallelism)
+        self.aio: Any = None
+        self.fallback = ""  # why the I/O goes through the page cache although direct was asked
+        if direct:
+            from deepspeed.ops.op_builder import AsyncIOBuilder
+
+            try:
+                self.aio = AsyncIOBuilder().load(verbose=False)
+            except Exception as error:  # a node whose async-I/O op does not build still checkpoints
+                self.fallback = f"DeepSpeed's async_io op did not load ({type(error).__name__}: {error})"
+        self.direct = self.aio is not None
+        self.align = 4096 if self.direct else 1
+        self.chunk = max(self.align, chunk // self.align * self.align)
         self.writers = self._channels()
         self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="spillway-ckpt-hash")
 
     def _channels(self, count: int = 2) -> list[Any]:
         if not self.direct:
             return [_PlainChannel(self.chunk) for _ in range(count)]
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-
-        aio = AsyncIOBuilder().load()
-        return [_AioChannel(aio, self.chunk, *self.settings) for _ in range(count)]
+        return [_AioChannel(self.aio, self.chunk, *self.settings) for _ in range(count)]
 
     def close(self) -> None:
         for channel in self.writers:

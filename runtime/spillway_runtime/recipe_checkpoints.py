@@ -89,6 +89,8 @@ class Checkpointing:
         self.mirror: CheckpointMirror | None = None
         self.swap_files = SwapFiles.of(self.engine)  # the optimizer's, on NVMe
         io = direct_io(self.plan.aio, memlock_limit(), Path(self.cfg.checkpoint_dir))
+        if io.fallback and self.rank == 0:
+            self._log(f"checkpoints are written through the page cache: {io.fallback}")
         self.ckpt = SpillwayCheckpointEngine(io, functools.partial(strip_swapped_subgroups, self.engine))
         self.engine.checkpoint_engine = self.ckpt
         self.store = CheckpointStore(

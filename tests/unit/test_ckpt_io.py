@@ -204,3 +204,25 @@ def test_deepspeeds_files_round_trip_through_the_checkpoint_engine_now_or_in_the
     engine.expected = {written.path.resolve(): "0" * 64}
     with pytest.raises(CheckpointIOError, match=r"later\.pt\.tensors does not match its checksum"):
         engine.load(str(tmp_path / "later.pt"))
+
+
+def test_a_node_whose_async_io_op_does_not_load_still_writes_checkpoints(monkeypatch, tmp_path):
+    """Seen on the GPU kit's first H200 run: the image's TORCH_CUDA_ARCH_LIST ("...9.0a") broke
+    DeepSpeed's JIT build of async_io, and every checkpoint of an optimizer-on-CPU run died with
+    it. The build's failure is the one thing faked here (this machine's op loads)."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    def broken(self, verbose=True):
+        raise ValueError("invalid literal for int() with base 10: '0a'")
+
+    monkeypatch.setattr(AsyncIOBuilder, "load", broken)
+    io = DirectIO(chunk=CHUNK, direct=True)
+    try:
+        assert not io.direct and "async_io op did not load (ValueError: invalid literal" in io.fallback
+        data = torch.randint(0, 256, (CHUNK * 2 + 7,), dtype=torch.uint8)
+        written = io.write_tensors(tmp_path / "t", [data])
+        assert (tmp_path / "t").read_bytes() == data.numpy().tobytes()
+        back = torch.empty_like(data)
+        assert io.read_into(tmp_path / "t", [back]) == written.digest and torch.equal(back, data)
+    finally:
+        io.close()
