@@ -37,7 +37,7 @@ stage() {  # stage NAME SECONDS COMMAND...: timed, bounded by its share and by w
   return $rc
 }
 
-[[ -d $CARRY/wheels ]] || { echo "no $CARRY: run benchmarks/gpu/prepare.sh here first and carry it"; exit 2; }
+[[ ${KIT_INSTALL:-1} == 0 || -d $CARRY/wheels ]] || { echo "no $CARRY: run benchmarks/gpu/prepare.sh here first and carry it"; exit 2; }
 
 # ---------------------------------------------------------------- where it runs
 # The swap files need a real disk: tmpfs would put the "NVMe" in RAM and refuses O_DIRECT,
@@ -101,10 +101,14 @@ WORK=${WORK:-/tmp/gpu-kit-work}
 
 # Our pinned pure-Python wheels on top of the image's site-packages (no venv needed: the
 # image's python holds torch; --no-deps keeps its numpy, psutil, rich... as they are).
+# KIT_INSTALL=0 uses the interpreter's own packages (the CPU dry run in the test suite).
 SITE=/tmp/gpu-kit-site
-stage install 90 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target "$SITE" "$CARRY"/wheels/*.whl || exit 1
-export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if [[ ${KIT_INSTALL:-1} != 0 ]]; then
+  stage install 90 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" "$CARRY"/wheels/*.whl || exit 1
+  export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1
 
 stage imports 60 "$PY" -c "import torch, transformers, deepspeed, pydantic, spillway_runtime.local; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.version.cuda, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__, 'pydantic', pydantic.__version__)" \
   | tee -a "$OUT/preflight.txt" || { echo "the imports failed: nothing else can run"; exit 1; }

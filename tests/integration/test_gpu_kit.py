@@ -27,13 +27,23 @@ def measured(row: dict) -> dict:
 
 @pytest.mark.integration
 def test_dry_run_writes_every_stage(tmp_path):
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OUT": str(tmp_path / "out")}
-    child = subprocess.run([sys.executable, str(KIT / "kit.py"), "--dry-run", "--work", str(tmp_path / "work")],
-                           env=env, capture_output=True, text=True, timeout=240, check=False)
+    """run.sh as the device call runs it, less the install (this interpreter has the packages):
+    the preflight, each op's build in ops.json, then every stage of kit.py on the CPU."""
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "KIT_INSTALL": "0", "RUN_SECONDS": "300",
+           "KIT_WORK": str(tmp_path / "work")}
+    child = subprocess.run(["bash", str(KIT / "run.sh"), "--dry-run"], env=env, capture_output=True, text=True,
+                           timeout=330, check=False)
     assert child.returncode == 0, (child.stdout + child.stderr)[-3000:]
-    report = json.loads((tmp_path / "out" / "gpu_kit.json").read_text())
+    preflight = (out / "preflight.txt").read_text()
+    assert f"work: {tmp_path / 'work'}" in preflight and "o_direct yes" in preflight, preflight
+    ops = json.loads((out / "ops.json").read_text())
+    assert ops["cpu_adam"]["ok"] and ops["async_io"]["ok"], ops
+    assert [json.loads(line)["stage"] for line in (out / "stages.jsonl").read_text().splitlines()] == [
+        "imports", "build_ops", "kit"]
+    report = json.loads((out / "gpu_kit.json").read_text())
     stages = report["stages"]
-    assert report["dry_run"] is True and report["hardware"]["cpu_memory_bytes"] > 0
+    assert report["dry_run"] is True and report["hardware"]["cpu_memory_bytes"] >= 120 << 30  # --host-memory-gib
 
     resident = stages["a_gpu_resident"]
     measured(resident["largest"])
@@ -52,8 +62,27 @@ def test_dry_run_writes_every_stage(tmp_path):
     assert resume["killed_by_sigkill"] and resume["returncodes"][0] == resume["returncodes"][2] == 0, resume
     assert resume["equal"] and resume["max_relative_difference"] <= 1e-4, resume
 
-    table = (tmp_path / "out" / "gpu_kit.md").read_text()
+    table = (out / "gpu_kit.md").read_text()
     assert "| a | Z2 opt:gpu par:gpu |" in table and "SIGKILL and resume" in table
+
+
+def test_a_stage_that_needs_an_op_that_did_not_build_says_so(tmp_path):
+    """ops.json's failures reach the stages: no NVMe row without async_io, none on the CPU
+    without CPUAdam, and the resume stage falls back to the optimizer on the CPU."""
+    sys.path.insert(0, str(KIT))
+    try:
+        import kit
+    finally:
+        sys.path.remove(str(KIT))
+    ops = tmp_path / "ops.json"
+    ops.write_text(json.dumps({"cpu_adam": {"ok": True}, "async_io": {"ok": False, "error": "ValueError: '0a'"}}))
+    args = kit.argparse.Namespace(out=str(tmp_path / "out"), work=str(tmp_path / "work"), ops=str(ops),
+                                  host_memory_gib=None, only=None, dry_run=True, budget_seconds=60, nvme_swap_gib=4)
+    settings = kit.Settings.make(args)
+    assert settings.missing_op("gpu") is None and settings.missing_op("cpu") is None
+    assert settings.missing_op("nvme") == "DeepSpeed's async_io op did not build: ValueError: '0a'"
+    ops.write_text(json.dumps({"cpu_adam": {"ok": False, "error": "no compiler"}}))
+    assert "cpu_adam op did not build: no compiler" in kit.Settings.make(args).missing_op("nvme")
 
 
 def test_carry_fits_the_device_tool():
