@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
     from spillway_runtime.checkpoint import CheckpointError
-    from spillway_runtime.data import DatasetError
+    from spillway_runtime.dataset_files import DatasetError
     from spillway_runtime.k8s_status import in_pod
     from spillway_runtime.recipe import FineTuneRecipe
     from spillway_runtime.recipe_checkpoints import RunFailed

@@ -1,6 +1,6 @@
 """Dataset loading, tokenization and packing, with a position that a checkpoint can hold.
 
-Texts are read from a .jsonl or .txt file (or a directory of them), tokenized once,
+Texts are read from .jsonl, .parquet, .arrow or .txt files (`dataset_files`), tokenized once,
 joined with EOS and cut into fixed-length sequences, kept as uint32 in a cache file
 beside the checkpoints that every rank maps and every restart reuses. Batches are a pure function of
 (seed, micro-batch index, rank), so resuming needs only the index: no iterator state.
@@ -26,60 +26,37 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spillway_runtime.dataset_files import (
+    TEXT_SUFFIXES,
+    DatasetError,
+    RecordError,
+    dataset_files,
+    decode_utf8,
+    records,
+)
 from spillway_runtime.spec import DatasetSource
 
 
-class DatasetError(ValueError):
-    pass
-
-
-def _files(root: Path, fmt: str) -> list[Path]:
-    if root.is_file():
-        return [root]
-    if root.is_dir():
-        suffixes = {"text": {".txt"}, "auto": {".jsonl", ".txt"}}.get(fmt, {".jsonl"})
-        found = sorted(p for p in root.rglob("*") if p.suffix in suffixes and p.is_file())
-        if found:
-            return found
-        raise DatasetError(f"dataset.uri {root}: directory holds no {' or '.join(sorted(suffixes))} files")
-    raise DatasetError(f"dataset.uri {root}: no such file or directory")
-
-
-def _utf8(file: Path, data: bytes, lineno: int | None = None) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        where = f"{file}:{lineno}" if lineno is not None else str(file)
-        raise DatasetError(
-            f"{where}: not UTF-8 (byte 0x{data[err.start]:02x} at offset {err.start}); "
-            "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
-        ) from None
-
-
 def read_texts(source: DatasetSource, path: Path) -> list[str]:
+    """The texts of a text dataset: a .txt file's paragraphs (split at blank lines), each
+    record's `dataset.textField` of JSON lines, Parquet and Arrow files."""
     texts: list[str] = []
-    for file in _files(path, source.format):
-        fmt = source.format if source.format != "auto" else ("jsonl" if file.suffix == ".jsonl" else "text")
-        if fmt == "text":
-            texts.extend(chunk for chunk in _utf8(file, file.read_bytes()).split("\n\n") if chunk.strip())
+    files = dataset_files(path, source.format)
+    for file in files:
+        if source.format == "text" or (source.format == "auto" and file.suffix in TEXT_SUFFIXES):
+            texts.extend(chunk for chunk in decode_utf8(file, file.read_bytes()).split("\n\n") if chunk.strip())
             continue
-        with file.open("rb") as fh:
-            for lineno, raw in enumerate(fh, 1):
-                line = _utf8(file, raw, lineno)
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise DatasetError(f"{file}:{lineno}: not valid JSON ({err.msg}); each line must be one object") from None
-                if not isinstance(record, dict) or source.text_field not in record:
-                    raise DatasetError(
-                        f"{file}:{lineno}: no field {source.text_field!r}; set dataset.textField to the field holding the text"
-                    )
-                value = record[source.text_field]
-                if not isinstance(value, str):
-                    raise DatasetError(f"{file}:{lineno}: field {source.text_field!r} is {type(value).__name__}, not text")
-                texts.append(value)
+        for where, record in records([file]):
+            if isinstance(record, RecordError):
+                raise DatasetError(f"{where}: {record}")
+            if not isinstance(record, dict) or source.text_field not in record:
+                raise DatasetError(
+                    f"{where}: no field {source.text_field!r}; set dataset.textField to the field holding the text"
+                )
+            value = record[source.text_field]
+            if not isinstance(value, str):
+                raise DatasetError(f"{where}: field {source.text_field!r} is {type(value).__name__}, not text")
+            texts.append(value)
     if not texts:
         raise DatasetError(f"dataset.uri {path}: no text found")
     return texts
@@ -105,7 +82,7 @@ def dataset_fingerprint(source: DatasetSource, path: Path, tokenizer_dir: Path, 
     h = hashlib.sha256()
     settings = source.model_dump(mode="json", exclude={"uri"})
     h.update(json.dumps([settings, sequence_length, TOKEN_DTYPE, DOCUMENTS_VERSION], sort_keys=True).encode())
-    for file in _files(path, source.format):
+    for file in dataset_files(path, source.format):
         st = file.stat()
         h.update(f"{file.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     if tokenizer_dir.is_dir():
@@ -118,14 +95,14 @@ def read_documents(source: DatasetSource, path: Path, tokenizer: Any, sequence_l
     """The chat or completion records of ``path`` as documents (`sft.Documents`)."""
     from spillway_runtime.sft import read_documents as read
 
-    return read(source, _files(path, source.format), _utf8, tokenizer, sequence_length)
+    return read(source, dataset_files(path, source.format), tokenizer, sequence_length)
 
 
 def read_pairs(source: DatasetSource, path: Path, tokenizer: Any, sequence_length: int) -> Any:
     """The preference records of ``path`` as (chosen, rejected) pairs (`dpo.Pairs`)."""
     from spillway_runtime.dpo import read_pairs as read
 
-    return read(source, _files(path, source.format), _utf8, tokenizer, sequence_length)
+    return read(source, dataset_files(path, source.format), tokenizer, sequence_length)
 
 
 @dataclass

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spillway_runtime.sft import RecordError, checked_messages, json_records
+from spillway_runtime.dataset_files import DatasetError, RecordError, records
+from spillway_runtime.sft import checked_messages
 from spillway_runtime.spec import DatasetSource
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -47,14 +48,12 @@ class Pairs:
     first_skipped: str | None = None
 
 
-def read_pairs(source: DatasetSource, files: list[Path], decode: Any, tokenizer: Any, sequence_length: int) -> Pairs:
+def read_pairs(source: DatasetSource, files: list[Path], tokenizer: Any, sequence_length: int) -> Pairs:
     """Every preference record of the files as a (chosen, rejected) pair, or the first bad one's error."""
-    from spillway_runtime.data import DatasetError
-
     if source.chat_template:
         tokenizer.chat_template = source.chat_template
     out = Pairs()
-    for where, record in json_records(files, decode):
+    for where, record in records(files):
         try:
             if isinstance(record, RecordError):
                 raise record

@@ -25,7 +25,6 @@ from spillway_runtime import k8s_status
 from spillway_runtime.contract import STOP_GRACE_SECONDS_ENV, ExitCode
 from spillway_runtime.data import (
     CACHE_DIR_NAME,
-    DatasetError,
     PackedDataset,
     dataset_fingerprint,
     read_documents,
@@ -33,6 +32,7 @@ from spillway_runtime.data import (
     read_texts,
     token_cache_path,
 )
+from spillway_runtime.dataset_files import DatasetError
 from spillway_runtime.dsconfig import DeepSpeedConfigError, fit_swap_buffers_to_memlock, memlock_limit
 from spillway_runtime.processes import free_port
 from spillway_runtime.recipe_checkpoints import Checkpointing, RunFailed

@@ -15,19 +15,14 @@ conversation as a growth of its prefixes is refused by name.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spillway_runtime.dataset_files import DatasetError, RecordError, records
 from spillway_runtime.spec import DatasetSource
 
 ROLES = ("system", "user", "assistant", "tool")
-
-
-class RecordError(ValueError):
-    """One record that cannot be used; its message names the field."""
 
 
 @dataclass
@@ -37,32 +32,14 @@ class Documents:
     first_skipped: str | None = None
 
 
-def json_records(files: list[Path], decode: Any) -> Iterator[tuple[str, Any]]:
-    """(file:line, the parsed JSON) of every non-blank line; `decode` checks UTF-8."""
-    for file in files:
-        with file.open("rb") as fh:
-            for lineno, raw in enumerate(fh, 1):
-                line = decode(file, raw, lineno)
-                if not line.strip():
-                    continue
-                where = f"{file}:{lineno}"
-                try:
-                    yield where, json.loads(line)
-                except json.JSONDecodeError as err:
-                    yield where, RecordError(f"not valid JSON ({err.msg}); each line must be one object")
-
-
-def read_documents(source: DatasetSource, files: list[Path], decode: Any, tokenizer: Any,
-                   sequence_length: int) -> Documents:
+def read_documents(source: DatasetSource, files: list[Path], tokenizer: Any, sequence_length: int) -> Documents:
     """Every record of the chat or completion files as a document, or the first bad one's error."""
-    from spillway_runtime.data import DatasetError
-
     if source.format == "chat" and source.chat_template:
         tokenizer.chat_template = source.chat_template
     if source.format == "chat" and not getattr(tokenizer, "chat_template", None):
         raise DatasetError("dataset.format chat: the tokenizer has no chat template; give one in dataset.chatTemplate")
     out = Documents()
-    for where, record in json_records(files, decode):
+    for where, record in records(files):
         try:
             if isinstance(record, RecordError):
                 raise record

@@ -145,15 +145,17 @@ class Validation(SpecModel):
 
 
 class DatasetSource(SpecModel):
-    uri: str = Field(description="A .jsonl or .txt file, or a directory of them", min_length=1, max_length=MAX_URI)
+    uri: str = Field(
+        description="A .jsonl, .parquet, .arrow or .txt file, a folder of them, or a folder that Hugging Face "
+        "datasets saved (save_to_disk; a DatasetDict's train split)", min_length=1, max_length=MAX_URI)
     format: DatasetFormat = Field(
         "auto",
-        description="auto picks jsonl or text by file extension; chat: JSON lines with OpenAI-style `messages`, "
+        description="auto: text for .txt files, jsonl for the others; chat: JSON lines with OpenAI-style `messages`, "
         "the loss on assistant turns only; completion: JSON lines with a prompt and a completion, the loss on "
         "the completion only; preference: JSON lines with `prompt`, `chosen` and `rejected` (text, or chat messages "
         "rendered with the chat template), for method.objective dpo",
     )
-    text_field: str = Field("text", description="Field of each JSON line that holds the text", min_length=1,
+    text_field: str = Field("text", description="Field of each record (JSON line, Parquet or Arrow row) holding the text", min_length=1,
                             max_length=MAX_FIELD)
     messages_field: str = Field("messages", min_length=1, max_length=MAX_FIELD,
                                 description="chat: field holding the conversation")

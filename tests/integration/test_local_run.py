@@ -76,13 +76,17 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>\
 
 @pytest.mark.integration
 def test_spillway_run_fine_tunes_on_chat_data_learning_the_answers_only(tmp_path, tiny_model):
-    """Chat records through `spillway run`: packed whole and apart, the loss on the
-    assistant's turns only; a bad record is skipped and counted when asked to."""
+    """Chat records through `spillway run`, from a Parquet file as data tools write them (JSON
+    lines: the chat examples below): packed whole and apart, the loss on the assistant's turns
+    only; a bad row is skipped and counted when asked to."""
+    import pyarrow as pa
+    import pyarrow.parquet
+
     records = [{"messages": [{"role": "user", "content": f"what is {a} plus {b}?"},
                              {"role": "assistant", "content": f"{a + b}"}]}
                for a in range(12) for b in range(12)]
-    data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"messages": "oops"}\n')
+    data = tmp_path / "chat.parquet"
+    pyarrow.parquet.write_table(pa.Table.from_pylist([*records, {"messages": None}]), data, row_group_size=50)
     doc = job_document("chat", tiny_model["model"], data,
                        training={"maxSteps": 30, "learningRate": 3e-3, "microBatchSize": 4, "sequenceLength": 64},
                        offload={"policy": "cpu"}, checkpoint={"everySteps": 15, "keep": 1})
@@ -92,7 +96,7 @@ def test_spillway_run_fine_tunes_on_chat_data_learning_the_answers_only(tmp_path
     result = spillway("run", str(job), "--run-dir", str(tmp_path / "run"), env={"COLUMNS": "200"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     log = result.stdout + result.stderr
-    assert "144 chat records tokenized" in log and "1 bad records skipped" in log and "chat.jsonl:145" in log
+    assert "144 chat records tokenized" in log and "1 bad records skipped" in log and "chat.parquet: row 145" in log
     steps = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     losses = [e["loss"] for e in steps if e["event"] == "step"]
     assert len(losses) == 30 and losses[-1] < 0.6 * losses[0], losses
