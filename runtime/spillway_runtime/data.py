@@ -224,6 +224,25 @@ class PackedDataset:
         packed = flat[: rows * sequence_length].reshape(rows, sequence_length)
         return cls(rows=packed, tokens=rows * sequence_length)
 
+    @classmethod
+    def build_text_documents(cls, texts: list[str], tokenizer: Any, sequence_length: int) -> PackedDataset:
+        """Texts kept apart (`dataset.textPacking: apart`): each text and its EOS is a document,
+        one longer than a row is cut into row-long pieces (each its own document), and whole
+        documents are packed into rows in order, the rest of a row padding: the same rows and
+        4-D mask as chat records, every token learned but each document's first."""
+        eos = tokenizer.eos_token_id
+        tail = [] if eos is None else [eos]
+        docs: list[tuple[list[int], list[int]]] = []
+        for start in range(0, len(texts), TOKENIZE_BATCH):
+            for ids in tokenizer(texts[start : start + TOKENIZE_BATCH], add_special_tokens=False)["input_ids"]:
+                ids = [*ids, *tail]
+                pieces = (ids[at : at + sequence_length] for at in range(0, len(ids), sequence_length))
+                docs.extend((piece, [1] * len(piece)) for piece in pieces if len(piece) > 1)
+        if not docs:
+            raise DatasetError("the dataset has no text of two tokens or more; add data")
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        return cls.build_documents(docs, int(pad or 0), sequence_length, packing=True)
+
     def save(self, path: Path) -> None:
         """Write the rows as .npy atomically (aside, fsynced, renamed); older caches in the
         same directory go (one dataset per job: an edited dataset replaces its tokens)."""

@@ -207,7 +207,8 @@ class FineTuneRecipe(Checkpointing):
             return self._tokenize_pairs(dataset_path, sequence_length, path)
         if source.format not in ("chat", "completion"):
             texts = read_texts(source, dataset_path)
-            PackedDataset.build(texts, self.tokenizer, sequence_length).save(path)
+            build = PackedDataset.build_text_documents if source.text_packing == "apart" else PackedDataset.build
+            build(texts, self.tokenizer, sequence_length).save(path)
             return f"{len(texts)} texts tokenized, "
         read = read_documents(source, dataset_path, self.tokenizer, sequence_length)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id

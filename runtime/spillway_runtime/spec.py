@@ -155,7 +155,8 @@ class DatasetSource(SpecModel):
         "the completion only; preference: JSON lines with `prompt`, `chosen` and `rejected` (text, or chat messages "
         "rendered with the chat template), for method.objective dpo",
     )
-    text_field: str = Field("text", description="Field of each record (JSON line, Parquet or Arrow row) holding the text", min_length=1,
+    text_field: str = Field("text", description="Field of each record (JSON line, Parquet or Arrow row) holding the text",
+                            min_length=1,
                             max_length=MAX_FIELD)
     messages_field: str = Field("messages", min_length=1, max_length=MAX_FIELD,
                                 description="chat: field holding the conversation")
@@ -172,6 +173,13 @@ class DatasetSource(SpecModel):
         description="chat and completion: pack whole conversations into each sequence, kept apart (positions "
         "restart, no token attends across); false: one per sequence, padded. text and jsonl always pack",
     )
+    text_packing: Literal["joined", "apart"] = Field(
+        "joined",
+        description="text and jsonl: joined packs every text and its EOS back to back into sequences (attention "
+        "and positions run across texts); apart packs whole texts kept apart as chat records are (positions "
+        "restart, no token attends to another text; a text longer than a sequence is cut into pieces), at the "
+        "cost of the padding at the end of each sequence",
+    )
     on_bad_record: Literal["fail", "skip"] = Field(
         "fail",
         description="chat and completion: a malformed record ends the run naming file:line (fail), or is "
@@ -183,6 +191,9 @@ class DatasetSource(SpecModel):
 
     @model_validator(mode="after")
     def _fields_of_its_format(self) -> DatasetSource:
+        if self.text_packing != "joined" and self.format not in ("auto", "text", "jsonl"):
+            raise ValueError(f"textPacking applies to formats text, jsonl and auto, not {self.format!r}: "
+                             f"{self.format} records are always kept apart; remove textPacking")
         if self.chat_template is not None and self.format not in ("chat", "preference"):
             raise ValueError(f"chatTemplate applies to formats chat and preference only, not {self.format!r}; "
                              "remove it or set format: chat")

@@ -32,11 +32,13 @@ def test_spillway_run_trains_with_optimizer_on_nvme_and_exports(tmp_path, tiny_m
                        training={"maxSteps": 30, "learningRate": 3e-3, "microBatchSize": 4},
                        offload={"policy": "nvme", "optimizer": "nvme", "nvme": {"path": str(tmp_path / "nvme")}},
                        checkpoint={"everySteps": 10, "keep": 2})
+    doc["spec"]["dataset"]["textPacking"] = "apart"  # each text its own document: the 4-D mask path
     job = tmp_path / "demo.yaml"
     job.write_text(yaml.safe_dump(doc))
     result = spillway("run", str(job), "--run-dir", str(tmp_path / "run"), env={"COLUMNS": "200"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Z3 opt:nvme" in result.stdout
+    assert len(list((tmp_path / "run" / "checkpoints" / ".tokens").glob("tokens-*.meta.npy"))) == 1
     # the end says where the state lived and what went to disk
     assert f"optimizer state (fp32 masters, Adam moments): in NVMe swap files under {tmp_path / 'nvme'}" in result.stdout
     assert "most held:" in result.stdout and "NVMe swap files" in result.stdout.split("most held:")[1]

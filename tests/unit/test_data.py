@@ -38,6 +38,55 @@ def test_packing_is_every_text_then_eos_cut_into_rows(tokenizer: Any) -> None:
     assert packed.rows.reshape(-1).tolist() == reference[: rows * 64]
 
 
+def test_texts_kept_apart_are_whole_documents_and_a_long_one_is_cut(tokenizer: Any) -> None:
+    """dataset.textPacking: apart: each text and its EOS a document, packed whole in order,
+    one longer than a row cut into row-long pieces; nothing is learned across a boundary."""
+    texts = ["one two three", "four five", "six seven eight nine ten eleven twelve thirteen fourteen fifteen"]
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
+    length = max(len(ids[0]) + len(ids[1]), 4)
+    assert len(ids[2]) > length  # the third is cut
+    packed = PackedDataset.build_text_documents(texts, tokenizer, length)
+    pieces = [ids[2][at:at + length] for at in range(0, len(ids[2]), length)]
+    pieces = [p for p in pieces if len(p) > 1]
+    assert len(packed) == 1 + len(pieces) and packed.tokens == len(ids[0]) + len(ids[1]) + sum(map(len, pieces))
+    assert packed.rows[0].tolist() == ids[0] + ids[1]
+    assert packed.meta[0, 1].tolist() == [1] * len(ids[0]) + [2] * len(ids[1])
+    assert packed.meta[0, 0].tolist() == [0] + [1] * (len(ids[0]) - 1) + [0] + [1] * (len(ids[1]) - 1)
+    assert [packed.rows[1 + i, :len(p)].tolist() for i, p in enumerate(pieces)] == pieces
+
+
+def test_a_batch_of_texts_kept_apart_has_the_texts_loss_one_by_one(model_dir: Path, tokenizer: Any) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    texts = ["the cat sat on the mat", "two plus two is four", "a b c d e"]
+    packed = PackedDataset.build_text_documents(texts, tokenizer, 64)
+    assert len(packed) == 1
+    batch = packed.micro_batch(0, rank=0, world_size=1, micro_batch_size=1, seed=0)
+    with torch.no_grad():
+        together = model(**batch).loss.item()
+        sums, counts = 0.0, 0
+        for text in texts:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            one = model(input_ids=torch.tensor([ids]), labels=torch.tensor([ids]))
+            sums += one.loss.item() * (len(ids) - 1)
+            counts += len(ids) - 1
+        joined = PackedDataset.build(texts * 4, tokenizer, 64).micro_batch(0, 0, 1, 1, seed=0)
+        leaky = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss.item()
+    assert together == pytest.approx(sums / counts, rel=1e-5)  # each text alone, as if unpacked
+    assert abs(leaky - together) > 1e-3 and "attention_mask" not in joined  # joined: one causal run
+
+
+def test_text_packing_is_a_text_setting_and_keys_the_cache(model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"textPacking applies to formats text, jsonl and auto, not 'chat'"):
+        DatasetSource(uri="x", format="chat", textPacking="apart")
+    data = write_dataset(tmp_path / "d.jsonl", count=20)
+    joined = dataset_fingerprint(DatasetSource(uri="x", format="jsonl"), data, model_dir, 32)
+    assert dataset_fingerprint(DatasetSource(uri="x", format="jsonl", textPacking="apart"), data, model_dir, 32) != joined
+
+
 def test_too_little_text_names_the_setting_to_change(tokenizer: Any) -> None:
     with pytest.raises(ValueError, match=r"lower training\.sequenceLength"):
         PackedDataset.build(["two words"], tokenizer, 4096)
