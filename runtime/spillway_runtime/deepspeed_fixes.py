@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from spillway_runtime.estimates import resident_sub_groups
 from spillway_runtime.planner import OffloadPlan
 
 _MARK = "_spillway_unique_params"
@@ -25,11 +26,6 @@ def apply(plan: OffloadPlan) -> None:
     else:
         global _resident_fraction
         _resident_fraction = 0.0
-
-
-def resident_sub_groups(fraction: float, sub_groups: int) -> int:
-    """How many of a rank's optimizer sub-groups a share keeps in RAM (the planner's arithmetic)."""
-    return int(fraction * sub_groups + 1e-9)
 
 
 def keep_first_sub_groups_in_ram(fraction: float) -> None:

@@ -167,6 +167,20 @@ class SpillwayCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         return jobs
 
 
+def read_swap_file(engine: SpillwayCheckpointEngine, path: Path) -> Any:
+    """A checkpoint's optimizer swap file, whole (a uint8 tensor), read with `engine`'s I/O
+    and checked as it is read against the checksum `engine.expected` holds for it, if any.
+    The universal conversion's `read_swap` (`functools.partial(read_swap_file, engine)`)."""
+    import torch
+
+    data = torch.empty(path.stat().st_size, dtype=torch.uint8)
+    digest = engine.io.read_into(path, [data])
+    want = engine.expected.get(path.resolve())
+    if want is not None and digest != want:
+        raise CheckpointIOError(f"{path} does not match its checksum")
+    return data
+
+
 class BackgroundWrite:
     """The queued files of one checkpoint, written in a thread; `wait` returns what was written."""
 

@@ -1,14 +1,15 @@
 """The planner's arithmetic: bytes of model states, swap files and activations, and
 seconds per step, for one placement on one node.
 
-Where this sits: `planner` scores placements with these; `largest` and the tests call
-them directly. Pure arithmetic: no torch, no I/O.
+Where this sits: `tier_sizing` sizes placements and `planner` times them with these;
+`largest`, the runtime's ZeRO-3 mend (`resident_sub_groups`) and the tests call them
+directly. They read `placement_inputs`' records and import nothing of the planner's.
+Pure arithmetic: no torch, no I/O.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field
 
@@ -19,10 +20,8 @@ from spillway_runtime.hardware import (
     DEFAULT_NVME_WRITE_BPS,
     matmul_rate_at,
 )
+from spillway_runtime.placement_inputs import ModelShape, PlacementInputs, SwapSettings
 from spillway_runtime.spec import DType, Tier, Training
-
-if TYPE_CHECKING:
-    from spillway_runtime.planner import ModelShape, PlacementInputs, SwapSettings
 
 # Share of peak FLOPs a fine-tune reaches on one GPU (dense decoder, bf16, good kernels).
 MODEL_FLOPS_UTILISATION = 0.35
@@ -120,6 +119,13 @@ def nvme_state_bytes(optimizer: Tier, parameters: Tier, params: int, nodes: int,
     if parameters == "nvme":
         per_node += 2 * params // nodes
     return per_node
+
+
+def resident_sub_groups(share: float, sub_groups: int) -> int:
+    """How many of a rank's optimizer sub-groups a share of them keeps in CPU RAM:
+    floor(share x sub-groups), the planner's count and the runtime's alike (the 1e-9 keeps
+    a product such as 0.29 x 100 = 28.999999999999996 from flooring one short)."""
+    return int(share * sub_groups + 1e-9)
 
 
 def lora_parameters(shape: ModelShape, rank: int, target_modules: list[str] | str) -> tuple[int, list[str]]:

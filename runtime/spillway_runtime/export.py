@@ -12,6 +12,7 @@ model's architecture and saved with its tokenizer, as the end of a run saves the
 
 from __future__ import annotations
 
+import functools
 import shutil
 import tempfile
 from pathlib import Path
@@ -48,7 +49,7 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from spillway_runtime.ds_checkpoint import SpillwayCheckpointEngine, direct_io
+    from spillway_runtime.ds_checkpoint import SpillwayCheckpointEngine, direct_io, read_swap_file
     from spillway_runtime.dsconfig import memlock_limit
     from spillway_runtime.hardware import AioSettings
     from spillway_runtime.recipe_checkpoints import DS_TAG
@@ -75,18 +76,12 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
     engine = SpillwayCheckpointEngine(direct_io(AioSettings(), memlock_limit(), checkpoint))
     engine.expected = store.deferred(checkpoint)
 
-    def read_swap(path: Path) -> Any:
-        data = torch.empty(path.stat().st_size, dtype=torch.uint8)
-        want = engine.expected.get(path.resolve())
-        if engine.io.read_into(path, [data]) != want and want is not None:
-            raise CheckpointIOError(f"{path} does not match its checksum")
-        return data
-
     out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".spillway-export-", dir=out))
     try:
         try:
-            universal = write_universal(checkpoint, DS_TAG, scratch, engine.load, read_swap)
+            universal = write_universal(checkpoint, DS_TAG, scratch, engine.load,
+                                        functools.partial(read_swap_file, engine))
         except (CheckpointIOError, UniversalError) as err:
             raise ExportError(f"checkpoint {checkpoint.name} could not be read: {err}") from None
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[spec.model.dtype]
@@ -99,8 +94,8 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
             raise ExportError(f"checkpoint {checkpoint.name} holds parameters the model at {base} has not "
                               f"({', '.join(unknown[:3])}...): give the job's base model with --model")
         missing = model.load_state_dict({n: t.to(current[n].dtype) for n, t in masters.items()}, strict=False).missing_keys
-        tied = set(getattr(model, "_tied_weights_keys", None) or [])
-        untrained = [name for name in missing if name not in tied and not _tied(model, name)]
+        tied = set(getattr(model, "_tied_weights_keys", None) or []) | _tied_names(model)
+        untrained = [name for name in missing if name not in tied]
         if untrained:
             raise ExportError(f"checkpoint {checkpoint.name} lacks {', '.join(untrained[:3])} of the model at {base}: "
                               "give the job's base model with --model")
@@ -113,8 +108,12 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
             "bytes": sum(p.stat().st_size for p in out.rglob("*") if p.is_file())}
 
 
-def _tied(model: Any, name: str) -> bool:
-    """A parameter that is another's (an output embedding tied to the input one)."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    target = params.get(name)
-    return target is not None and any(p is target for n, p in model.named_parameters() if n != name)
+def _tied_names(model: Any) -> set[str]:
+    """The names of parameters that are another's (an output embedding tied to the input one):
+    of a parameter reached under several names, every name but the first."""
+    first: dict[int, str] = {}  # id of a parameter -> the name it is reached under first
+    aliases: set[str] = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(param), name) != name:
+            aliases.add(name)
+    return aliases

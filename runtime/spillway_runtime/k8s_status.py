@@ -20,6 +20,7 @@ from typing import Any
 
 from spillway_runtime.contract import JOB_NAME_ENV, JOB_NAMESPACE_ENV
 from spillway_runtime.status import CheckpointRecord, Mirror, Progress
+from spillway_runtime.tracking import PREFERENCE_METRICS
 
 FIELD_MANAGER = "spillway-runtime"
 GROUP, VERSION, PLURAL = "spillway.dev", "v1alpha1", "finetunejobs"
@@ -154,8 +155,6 @@ class StatusPublisher:
 def _preference(record: dict[str, Any], prefix: str, progress: dict[str, Any]) -> dict[str, Any]:
     """A DPO step's (prefix "") or evaluation's ("eval_") rewards and log-probabilities, kept
     beside the other kind's last ones; nothing for a run without them."""
-    from spillway_runtime.tracking import PREFERENCE_METRICS
-
     found = {f"{prefix}{n}": v for n in PREFERENCE_METRICS if (v := _num(record.get(f"{prefix}{n}"))) is not None}
     if not found:
         return {}

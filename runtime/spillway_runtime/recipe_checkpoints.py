@@ -500,6 +500,7 @@ class Checkpointing:
 
     def _load_universal(self, info: CheckpointInfo, scratch: Path) -> None:
         from spillway_runtime.ckpt_io import CheckpointIOError
+        from spillway_runtime.ds_checkpoint import read_swap_file
         from spillway_runtime.universal import UniversalError, write_universal
 
         damaged: str | None = None
@@ -507,7 +508,8 @@ class Checkpointing:
         if self.rank == 0:
             self.ckpt.expected = self.store.deferred(info.path)
             try:
-                write_universal(info.path, DS_TAG, scratch, self.ckpt.load, self._read_swap_file)
+                write_universal(info.path, DS_TAG, scratch, self.ckpt.load,
+                                functools.partial(read_swap_file, self.ckpt))
             except CheckpointIOError as err:  # on every rank below: `_load_good` tries the previous checkpoint
                 damaged = str(err)
             except (UniversalError, OSError, RuntimeError, KeyError, IndexError, TypeError, ValueError,
@@ -538,16 +540,6 @@ class Checkpointing:
             config.load_universal_checkpoint = False
         if load_path is None:
             raise RunFailed(f"DeepSpeed could not load checkpoint {info.name} converted in {scratch}")
-
-    def _read_swap_file(self, path: Path) -> Any:
-        """A checkpoint's optimizer swap file, whole (a uint8 tensor), checked against its checksum as it is read."""
-        from spillway_runtime.ckpt_io import CheckpointIOError
-
-        data = self.torch.empty(path.stat().st_size, dtype=self.torch.uint8)
-        want = self.ckpt.expected.get(path.resolve())
-        if self.ckpt.io.read_into(path, [data]) != want and want is not None:
-            raise CheckpointIOError(f"{path} does not match its checksum")
-        return data
 
 
 @dataclasses.dataclass(frozen=True)
