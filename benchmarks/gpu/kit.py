@@ -49,6 +49,8 @@ GiB = 1 << 30
 CAP_BYTES = 24 * GiB  # a consumer card's memory: what the kit asks the planner and DeepSpeed to fit under
 VOCAB = 32000
 RESULT_TAG = "KIT_RESULT "
+# (ZeRO stage, optimizer tier, parameter tier[, the optimizer's share kept in CPU RAM])
+Placement = tuple[int, str, str] | tuple[int, str, str, float]
 STAGES = frozenset({"resume", "resident", "cpu", "nvme"})  # d, a, b's optimizer on the CPU and on NVMe
 # Llama widths and their MLP sizes (Llama-2 / TinyLlama ratios, ~8/3 h rounded to 256)
 INTERMEDIATE = {64: 176, 128: 352, 1024: 2816, 1536: 4096, 2048: 5632, 2560: 6912, 3072: 8192, 4096: 11008}
@@ -87,6 +89,7 @@ class Settings:
     vocab: int
     nvme_swap_bytes: int  # the NVMe variant's swap files are kept under this (disk and time)
     ops: dict[str, Any] = field(default_factory=dict)  # run.sh's ops.json: each op's build
+    nvme_shares: tuple[float, ...] = ()  # stage b's NVMe model again with these shares kept in RAM
     only: frozenset[str] = STAGES  # --only: the measurements to make
     host_memory_bytes: int | None = None  # what the planner is told the host has, if more than probed
     started: float = field(default_factory=time.monotonic)
@@ -102,14 +105,15 @@ class Settings:
         ops = json.loads(Path(args.ops).read_text()) if args.ops and Path(args.ops).is_file() else {}
         host = int(args.host_memory_gib * GiB) if args.host_memory_gib else None
         only = frozenset(args.only.split(",")) if args.only else STAGES
+        shares = tuple(float(v) for v in args.nvme_shares.split(",")) if args.nvme_shares else ()
         if only - STAGES:
             raise SystemExit(f"--only: {', '.join(sorted(only - STAGES))} is not one of {', '.join(sorted(STAGES))}")
         if args.dry_run:
             return cls(True, out, work, args.budget_seconds, None, 2, 32, 1, [(64, 2), (128, 2)], [64, 128], 2, 512,
-                       int(args.nvme_swap_gib * GiB), ops, only, host)
+                       int(args.nvme_swap_gib * GiB), ops, shares, only, host)
         return cls(False, out, work, args.budget_seconds, CAP_BYTES, 4, 1024, 3,
                    [(1536, 24), (2048, 20), (2048, 28), (2560, 24)], [1024, 1536, 2048, 2560, 3072, 4096], 8, VOCAB,
-                   int(args.nvme_swap_gib * GiB), ops, only, host)
+                   int(args.nvme_swap_gib * GiB), ops, shares, only, host)
 
     def missing_op(self, optimizer: str) -> str | None:
         """Why a placement with the optimizer on `optimizer` cannot run: an op run.sh failed to build
@@ -136,17 +140,20 @@ def node_hardware(settings: Settings) -> Any:
     return hw
 
 
-def plan_for(settings: Settings, hw: Any, config: dict[str, Any], placement: tuple[int, str, str]) -> tuple[Any, Any]:
+def plan_for(settings: Settings, hw: Any, config: dict[str, Any], placement: Placement) -> tuple[Any, Any]:
     """The planner's plan of `config` forced to `placement`, and the job spec it was made for."""
     from spillway_runtime.planner import ModelShape, plan_tiers
     from spillway_runtime.spec import FineTuneJobSpec
 
-    stage, optimizer, parameters = placement
+    stage, optimizer, parameters, *share = placement
+    offload: dict[str, Any] = {"optimizer": optimizer, "parameters": parameters,
+                               "deepspeed": {"zero_optimization": {"stage": stage}}}
+    if share:
+        offload["cpuResidentFraction"] = share[0]
     spec = FineTuneJobSpec.model_validate({
         "model": {"uri": "random-init", "dtype": "bf16"}, "dataset": {"uri": "random-tokens"},
         "training": {"microBatchSize": settings.micro_batch, "sequenceLength": settings.seq, "maxSteps": 10},
-        "offload": {"optimizer": optimizer, "parameters": parameters,
-                    "deepspeed": {"zero_optimization": {"stage": stage}}},
+        "offload": offload,
     })
     shape = ModelShape.from_hf_config(config, name=f"llama-h{config['hidden_size']}-l{config['num_hidden_layers']}")
     plan = plan_tiers(shape, hw, spec.training, spec.offload, dtype="bf16")
@@ -174,7 +181,7 @@ def ratios(measured: dict[str, Any], predicted: dict[str, Any]) -> dict[str, flo
 
 # ----------------------------------------------------------------------------- one measurement
 
-def measure(settings: Settings, hw: Any, config: dict[str, Any], placement: tuple[int, str, str],
+def measure(settings: Settings, hw: Any, config: dict[str, Any], placement: Placement,
             timeout: float) -> dict[str, Any]:
     """Train `config` at `placement` in a child process; its numbers beside the plan's."""
     from spillway_runtime.dsconfig import build_deepspeed_config
@@ -357,7 +364,7 @@ def stage_gpu_resident(settings: Settings, hw: Any, report: Report) -> dict[str,
 HOST_SHARE = 0.6  # stage b's planned host state stays under this share of the host's memory
 
 
-def sized(settings: Settings, hw: Any, params: int, placement: tuple[int, str, str]) -> tuple[dict[str, Any], str]:
+def sized(settings: Settings, hw: Any, params: int, placement: Placement) -> tuple[dict[str, Any], str]:
     """A shape of about `params` parameters whose plan keeps its swap files under the NVMe limit
     and its host state under HOST_SHARE of the host memory (the planner's own bytes, not a
     bytes-per-parameter guess): the shape and, when it was shrunk, why."""
@@ -398,6 +405,22 @@ def stage_offloaded(settings: Settings, hw: Any, report: Report, resident: dict[
         if capped:
             row["capped"] = capped
         rows[key] = row
+        report.add("b_offloaded", rows)
+        if placement[1] == "nvme":
+            stage_shares(settings, hw, report, rows, config)
+
+
+def stage_shares(settings: Settings, hw: Any, report: Report, rows: dict[str, Any], config: dict[str, Any]) -> None:
+    """(b) The NVMe model again with a share of its optimizer sub-groups kept in CPU RAM
+    (offload.cpuResidentFraction): the same shape, so the rows compare."""
+    for share in settings.nvme_shares:
+        key = f"optimizer_nvme_share_{share:g}"
+        left = settings.left()
+        if left < 60:
+            rows[key] = {"skipped": f"budget: {left:.0f} s left"}
+        else:
+            row = measure(settings, hw, config, (3, "nvme", "cpu", share), min(200.0, left - 20))
+            rows[key] = {**row, "placement": f"{row['placement']} ram {share:g}", "config": config}
         report.add("b_offloaded", rows)
 
 
@@ -549,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nvme-swap-gib", type=float, default=4, help="stage b's NVMe variant's planned swap stays under this")
     parser.add_argument("--ops", help="run.sh's ops.json: stages needing an op that did not build are skipped")
     parser.add_argument("--host-memory-gib", type=float, help="the host's memory, when more than MemTotal says now")
+    parser.add_argument("--nvme-shares", help="stage b's NVMe model again with these shares of its optimizer "
+                        "kept in CPU RAM (offload.cpuResidentFraction), e.g. 0.5")
     parser.add_argument("--only", help=f"a comma list of {', '.join(sorted(STAGES))} (default: all); stage b "
                         "without the resident search takes 3x its smallest size")
     parser.add_argument("--measure", help=argparse.SUPPRESS)

@@ -128,6 +128,15 @@ def resident_sub_groups(share: float, sub_groups: int) -> int:
     return int(share * sub_groups + 1e-9)
 
 
+def resident_share(share: float, partition: int, sub_group_size: int) -> float:
+    """The part of a rank's optimizer partition (elements) that `share` keeps in CPU RAM once
+    it is cut into whole sub-groups: floor(share x n) of n, so 0.5 of one sub-group keeps
+    nothing (the last sub-group may be short)."""
+    size = max(1, min(sub_group_size, partition))
+    kept = resident_sub_groups(share, -(-partition // size)) * size
+    return min(partition, kept) / max(1, partition)
+
+
 def lora_parameters(shape: ModelShape, rank: int, target_modules: list[str] | str) -> tuple[int, list[str]]:
     """(LoRA parameters, target names the model has no linear layer of): each adapted layer
     of in x out features gains rank * (in + out) parameters, as PEFT builds them."""
@@ -219,8 +228,9 @@ def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSetting
         nvme_bytes += 2 * 2 * p / nodes * micro_steps + 2 * t / nodes
     opt_nvme = 0.0
     if optimizer == "nvme":
-        # the sub-groups kept in RAM (`swap.cpu_resident_fraction`) are never read or written
-        half = OPTIMIZER_SWAP_BYTES_PER_PARAM * t / nodes * (1 - swap.cpu_resident_fraction)
+        # the sub-groups kept in RAM (`swap.cpu_resident_fraction` of them, whole) are never read or written
+        kept = resident_share(swap.cpu_resident_fraction, -(-t // ranks), swap.sub_group_size)
+        half = OPTIMIZER_SWAP_BYTES_PER_PARAM * t / nodes * (1 - kept)
         opt_nvme = half / read_bps + half / write_bps
         nvme_bytes += 2 * half
     cpu_adam = hw.cpu_adam_params_per_s or DEFAULT_CPU_ADAM_PARAMS_PER_S

@@ -64,6 +64,7 @@ MIN_AIO_BYTES = 1 << 20
 # DeepSpeed's default tile of the CPU optimizer step, in elements.
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 MIN_SUB_GROUP_SIZE = 10_000_000
+TIERED_SUB_GROUPS = 8  # the fewest sub-groups per rank a RAM-resident share is cut into, above the minimum
 # Pinning more than this share of RAM risks memlock limits and starves the page cache.
 MAX_PINNED_FRACTION = 0.5
 
@@ -116,8 +117,9 @@ def size_placement(placement: PlacementInputs) -> SizedPlacement:
     """Size one placement: memory -> swap settings -> swap minimum -> RAM-resident share of the
     optimizer -> pinning -> shortfall."""
     sizing = _size_memory(placement)
+    tiered = placement.cpu_resident is None or placement.cpu_resident > 0
     swap = _choose_swap(placement.shape, placement.optimizer, placement.parameters, placement.ranks,
-                        sizing.cpu_spare(placement), placement.sub_group_size)
+                        sizing.cpu_spare(placement), placement.sub_group_size, tiered)
     aio = placement.hw.aio or AioSettings()
     min_swap = max(MIN_AIO_BYTES, aio.block_size)
     groups = _sub_groups(placement, swap, min_swap)
@@ -206,7 +208,7 @@ def _size_memory(placement: PlacementInputs) -> Sizing:
 
 
 def _choose_swap(shape: ModelShape, optimizer: Tier, parameters: Tier, ranks: int, cpu_spare: int,
-                 sub_group_size: int | None = None) -> SwapSettings:
+                 sub_group_size: int | None = None, tiered: bool = False) -> SwapSettings:
     """Size sub-groups and swap buffers to the RAM that is left.
 
     The optimizer swapper pins buffer_count x sub_group x 4 B per rank; DeepSpeed's default
@@ -214,9 +216,14 @@ def _choose_swap(shape: ModelShape, optimizer: Tier, parameters: Tier, ranks: in
     sub-group is lowered until the buffers take at most half of the spare RAM, and the
     read/write pipeline is switched on only when its double buffers also fit. A job's own
     `sub_group_size` (offload.deepspeed) is what DeepSpeed will use: it is taken as it is.
+    `tiered` (a share of the optimizer may stay in RAM): at least TIERED_SUB_GROUPS sub-groups
+    per rank where MIN_SUB_GROUP_SIZE allows, so that a share is kept in whole sub-groups (0.5
+    of one sub-group would keep nothing).
     """
     partition = max(1, shape.params // ranks)
     sub_group = min(DEFAULT_SUB_GROUP_SIZE, max(MIN_SUB_GROUP_SIZE, partition))
+    if tiered and optimizer == "nvme":
+        sub_group = min(sub_group, max(MIN_SUB_GROUP_SIZE, -(-partition // TIERED_SUB_GROUPS)))
     if sub_group_size is not None:
         sub_group = sub_group_size
     param_size = max(PARAM_SWAP_BUFFER_SIZE, shape.largest_param_numel)

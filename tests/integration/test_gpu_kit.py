@@ -32,8 +32,8 @@ def test_dry_run_writes_every_stage(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "KIT_INSTALL": "0", "RUN_SECONDS": "300",
            "KIT_WORK": str(tmp_path / "work")}
-    child = subprocess.run(["bash", str(KIT / "run.sh"), "--dry-run"], env=env, capture_output=True, text=True,
-                           timeout=330, check=False)
+    child = subprocess.run(["bash", str(KIT / "run.sh"), "--dry-run", "--nvme-shares", "0.5"], env=env,
+                           capture_output=True, text=True, timeout=330, check=False)
     assert child.returncode == 0, (child.stdout + child.stderr)[-3000:]
     preflight = (out / "preflight.txt").read_text()
     assert f"work: {tmp_path / 'work'}" in preflight and "o_direct yes" in preflight, preflight
@@ -54,9 +54,14 @@ def test_dry_run_writes_every_stage(tmp_path):
     nvme = measured(offloaded["optimizer_nvme_parameters_cpu"])
     assert offloaded["optimizer_cpu"]["predicted"]["params"] > resident["largest"]["predicted"]["params"]
     assert cpu["swap_bytes"] == 0 and nvme["swap_bytes"] > 0  # the optimizer state really went to disk
+    shared = offloaded["optimizer_nvme_share_0.5"]
+    measured(shared)
+    assert shared["placement"] == "Z3 opt:nvme par:cpu ram 0.5"
+    assert shared["config"] == offloaded["optimizer_nvme_parameters_cpu"]["config"]  # the same shape, to compare
 
     planner = stages["c_planner"]["rows"]
-    assert {r["placement"] for r in planner} == {"Z2 opt:gpu par:gpu", "Z3 opt:cpu par:gpu", "Z3 opt:nvme par:cpu"}
+    assert {r["placement"] for r in planner} == {"Z2 opt:gpu par:gpu", "Z3 opt:cpu par:gpu", "Z3 opt:nvme par:cpu",
+                                                 "Z3 opt:nvme par:cpu ram 0.5"}
 
     resume = stages["d_resume"]
     assert resume["killed_by_sigkill"] and resume["returncodes"][0] == resume["returncodes"][2] == 0, resume
@@ -77,7 +82,8 @@ def test_a_stage_that_needs_an_op_that_did_not_build_says_so(tmp_path):
     ops = tmp_path / "ops.json"
     ops.write_text(json.dumps({"cpu_adam": {"ok": True}, "async_io": {"ok": False, "error": "ValueError: '0a'"}}))
     args = kit.argparse.Namespace(out=str(tmp_path / "out"), work=str(tmp_path / "work"), ops=str(ops),
-                                  host_memory_gib=None, only=None, dry_run=True, budget_seconds=60, nvme_swap_gib=4)
+                                  host_memory_gib=None, only=None, nvme_shares=None, dry_run=True, budget_seconds=60,
+                                  nvme_swap_gib=4)
     settings = kit.Settings.make(args)
     assert settings.missing_op("gpu") is None and settings.missing_op("cpu") is None
     assert settings.missing_op("nvme") == "DeepSpeed's async_io op did not build: ValueError: '0a'"

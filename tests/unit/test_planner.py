@@ -72,14 +72,15 @@ def test_the_planner_fills_the_ram_left_with_optimizer_sub_groups_and_swaps_the_
     assert whole.bytes.nvme - tiered.bytes.nvme == 16 * keep * group
     assert tiered.bytes.cpu - whole.bytes.cpu == 14 * keep * group
     assert tiered.headroom.cpu < 14 * group  # one more sub-group would not fit
-    assert tiered.step.optimizer_nvme == pytest.approx(whole.step.optimizer_nvme * (1 - keep / groups))
+    # whole sub-groups: the share kept is keep x group of the partition (the last sub-group is short)
+    assert tiered.step.optimizer_nvme == pytest.approx(whole.step.optimizer_nvme * (1 - keep * group / tiered.model.params))
     assert tiered.predicted_step_seconds < whole.predicted_step_seconds
     assert f"{keep} of {groups} sub-groups per process kept in CPU RAM" in " ".join(tiered.reasons)
     summary = tiered.summary()
     assert summary.optimizer_cpu_resident_fraction == tiered.swap.cpu_resident_fraction
     # read and written once per step: the resident share's 2 x 16 B/param less than the whole's
     assert whole.summary().nvme_bytes_per_step - summary.nvme_bytes_per_step == pytest.approx(
-        2 * 16 * 13_000_000_000 * keep / groups, rel=1e-6)
+        2 * 16 * keep * group, rel=1e-6)
 
 
 def test_more_ram_is_a_faster_nvme_step_before_ram_holds_the_whole_optimizer():
@@ -99,6 +100,27 @@ def test_a_pinned_share_is_kept_and_an_impossible_one_is_short_of_ram():
     assert whole.bytes.nvme - half.bytes.nvme == 16 * (groups // 2) * group
     too_much = plan_tiers(P13, rtx4090(64), TRAIN, Offload(optimizer="nvme", parameters="cpu", cpuResidentFraction=1))
     assert not too_much.feasible and {s.tier for s in too_much.shortfalls} == {"cpu"}
+
+
+def test_a_share_is_kept_in_whole_sub_groups_cut_fine_enough_to_hold_it():
+    """The GPU kit's NVMe model (258M parameters, one 258M-element sub-group by default): a job's
+    half in RAM cuts the partition into at least 8 sub-groups and keeps 4, and the prediction
+    follows the sub-groups kept, not the share asked: one sub-group set by the job keeps nothing."""
+    model = ModelShape.from_param_count(258_000_000)
+    h200 = rtx4090(128).model_copy(update={"gpu_memory_bytes": 24 * GiB, "gpu_product": "NVIDIA H200"})
+    train = Training(sequence_length=1024, micro_batch_size=4, max_steps=10)
+    whole = plan_tiers(model, h200, train, Offload(optimizer="nvme", parameters="cpu"))
+    half = plan_tiers(model, h200, train, Offload(optimizer="nvme", parameters="cpu", cpuResidentFraction=0.5))
+    group, groups = sub_groups(half)
+    assert sub_groups(whole)[1] == 1 and groups >= 8 and groups * group >= model.params > (groups - 1) * group
+    assert whole.bytes.nvme - half.bytes.nvme == 16 * (groups // 2) * group
+    assert half.step.optimizer_nvme == pytest.approx(
+        whole.step.optimizer_nvme * (1 - groups // 2 * group / model.params))
+    assert f"{groups // 2} of {groups} sub-groups per process kept in CPU RAM" in " ".join(half.reasons)
+    one = plan_tiers(model, h200, train, Offload(optimizer="nvme", parameters="cpu", cpuResidentFraction=0.5,
+                                                 deepspeed={"zero_optimization": {"sub_group_size": 1_000_000_000}}))
+    assert sub_groups(one)[1] == 1 and one.bytes.nvme == whole.bytes.nvme
+    assert one.step.optimizer_nvme == pytest.approx(whole.step.optimizer_nvme)  # half of one sub-group is none
 
 
 @pytest.mark.parametrize(("offload", "named"), [
