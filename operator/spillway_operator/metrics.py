@@ -18,6 +18,11 @@ RECONCILE_SECONDS = Histogram(
 )
 RECONCILE_ERRORS = Counter("spillway_reconcile_errors_total", "Reconciles that raised", ["kind"])
 PLANNING_FAILURES = Counter("spillway_planning_failures_total", "Jobs that fit on no node shape")
+ILLEGAL_PHASE_TRANSITIONS = Counter(
+    "spillway_illegal_phase_transitions_total",
+    "Phase changes the phase machine does not allow, applied anyway (an operator bug)",
+    ["source", "target"],
+)
 API_REQUESTS = Counter("spillway_api_requests_total", "Requests to the Kubernetes API server, by client call", ["call"])
 API_ERRORS = Counter("spillway_api_errors_total", "Kubernetes API errors by HTTP status", ["code"])
 QUEUE_DEPTH = Gauge("spillway_workqueue_depth", "Job keys waiting for a reconcile worker")

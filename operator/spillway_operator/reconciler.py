@@ -146,7 +146,7 @@ def _reconcile_once(cluster: Cluster, namespace: str, name: str, settings: Opera
         return Result()
     if job["metadata"].get("deletionTimestamp"):
         return Result()
-    change = StatusChange(job, datetime.now(UTC), cluster)
+    change = StatusChange(job, datetime.now(UTC), cluster, strict=settings.strict_phases)
     try:
         spec = parse_job(job, f"{namespace}/{name}").spec
     except SpecError as err:
@@ -304,7 +304,7 @@ def _start_new_attempt(
             if b.condition(change.conditions, type_):
                 change.cond(type_, False, "RollingBack", message)
         if change.old.get("phase") in b.FINISHED_PHASES:
-            change.status["phase"] = b.PHASE_PENDING
+            change.enter(b.PHASE_PENDING)
             change.status["finishedAt"] = None
             change.status["failures"] = 0
     return commit_attempt_end(change, pods, settings, counted=None, grace=None)

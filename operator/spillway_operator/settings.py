@@ -108,6 +108,12 @@ class OperatorSettings(BaseSettings):
         "spec.queueName (or the label kueue.x-k8s.io/queue-name) gets a Workload and starts only once Kueue "
         "admits it; off: such a job fails at once, saying so (the chart's kueue.enabled)",
     )
+    strict_phases: bool = Field(
+        False,
+        description="A phase change the phase machine (spillway_operator.phases) does not allow raises instead "
+        "of being logged, counted, posted as a Warning Event and applied: on in the tests, which must fail at "
+        "the decision; off in production, where raising would retry the same decision forever",
+    )
     backoff_base_seconds: float = Field(
         10.0, description="First retry delay after a failed attempt; doubles per failure (as Kubernetes Jobs)"
     )

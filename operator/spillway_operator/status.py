@@ -2,6 +2,7 @@
 
 Where this sits: used by `reconciler` for every status write; writes through the
 `Cluster` it was made with (the patch, the Events) and records the job's phase metric.
+Every phase it writes is checked against the phase machine (`phases`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from datetime import datetime
 from typing import Any
 
 from spillway_operator import builders as b
-from spillway_operator import k8s, metrics
+from spillway_operator import k8s, metrics, phases
 from spillway_operator.cluster import Cluster
 
 log = logging.getLogger("spillway.operator")
@@ -32,6 +33,7 @@ class StatusChange:
     conditions: list[dict[str, Any]] = field(default_factory=list)
     events: list[tuple[str, str, str]] = field(default_factory=list)
     conditional: bool = False
+    strict: bool = False  # an illegal phase change raises (settings.strict_phases)
 
     def __post_init__(self) -> None:
         self._generation = int(self.job["metadata"].get("generation", 1))
@@ -51,8 +53,28 @@ class StatusChange:
     def cond(self, type_: str, status: bool, reason: str, message: str) -> None:
         self.conditions = b.set_condition(self.conditions, type_, status, reason, message, self.generation, self.now)
 
-    def phase(self, phase: str, reason: str, message: str, warning: bool = False) -> None:
+    def enter(self, phase: str) -> None:
+        """Move to `phase` if the phase machine allows it, else see `_illegal`; no message and
+        no Event (`phase` adds both; a rollback posts its own Event and keeps the message).
+        Every phase the operator writes passes here."""
+        source = self.status.get("phase") or self.old.get("phase") or phases.INITIAL
+        if not phases.allowed(source, phase):
+            self._illegal(phases.IllegalTransition(source, phase))
         self.status["phase"] = phase
+
+    def _illegal(self, err: phases.IllegalTransition) -> None:
+        """Strict (the tests): raise before anything is written. Else report it and let the move
+        stand: it goes out with what the same decision did (see `phases`)."""
+        if self.strict:
+            raise err
+        meta = self.job["metadata"]
+        log.error("%s/%s: %s; applied anyway, this is an operator bug", meta["namespace"], meta["name"], err)
+        metrics.ILLEGAL_PHASE_TRANSITIONS.labels(source=err.source, target=err.target).inc()
+        self.events.append(("Warning", "IllegalPhaseTransition", f"{err}; applied anyway: please report this "
+                                                                  "operator bug"))
+
+    def phase(self, phase: str, reason: str, message: str, warning: bool = False) -> None:
+        self.enter(phase)
         self.status["message"] = message
         # A change of phase is an Event, once: a step that already queued this one (say
         # Replanned, Evicted, Preempted) is not told twice.

@@ -45,6 +45,7 @@ class OperatorProcess:
         self.env = {
             **{
                 "SPILLWAY_OPERATOR_RESYNC_SECONDS": "2",
+                "SPILLWAY_OPERATOR_STRICT_PHASES": "true",  # an illegal phase transition raises (phases.py)
                 "SPILLWAY_OPERATOR_BACKOFF_BASE_SECONDS": "1",
                 "SPILLWAY_OPERATOR_REPLAN_PENDING_SECONDS": "3",
                 # Tests change the pricing ConfigMap and expect the next job to see it.

@@ -1,15 +1,20 @@
 """What the data readers' unit tests share (test_sft, test_dpo): a tiny model's tokenizer and
-a JSONL writer. A module may define its own `model_dir` (test_data does)."""
+a JSONL writer. A module may define its own `model_dir` (test_data does). And for the
+operator's tests: its phase machine is strict (set before any test module builds its
+OperatorSettings), so a phase change the table does not allow fails the test that made it."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from spillway_runtime.tiny import build_tiny_model
+
+os.environ["SPILLWAY_OPERATOR_STRICT_PHASES"] = "true"
 
 
 @pytest.fixture(scope="module")
