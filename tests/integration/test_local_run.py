@@ -26,6 +26,35 @@ def spillway(*args, cwd=None, env=None):
     return subprocess.run([*SPILLWAY, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=900)
 
 
+def spillway_on_a_terminal(*args, cwd=None, env=None) -> tuple[int, str]:
+    """`spillway ...` with a pseudo-terminal as its stdin, stdout and stderr, as a user runs it:
+    its exit status and everything the terminal received, escape sequences removed."""
+    import pty
+    import re
+    import select
+
+    controller, terminal = pty.openpty()
+    child = subprocess.Popen([*SPILLWAY, *args], stdin=terminal, stdout=terminal, stderr=terminal, cwd=cwd,
+                             env={**os.environ, "TERM": "xterm-256color", **(env or {})}, close_fds=True)
+    os.close(terminal)
+    received = bytearray()
+    while True:
+        ready, _, _ = select.select([controller], [], [], 1.0)
+        if ready:
+            try:
+                chunk = os.read(controller, 65536)
+            except OSError:  # EIO: every writer of the terminal has closed it
+                chunk = b""
+            if not chunk:
+                break
+            received += chunk
+        elif child.poll() is not None:
+            break
+    os.close(controller)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07", "", received.decode(errors="replace"))
+    return child.wait(timeout=60), text.replace("\r\n", "\n")
+
+
 @pytest.mark.integration
 def test_spillway_run_trains_with_optimizer_on_nvme_and_exports(tmp_path, tiny_model):
     doc = job_document("demo", tiny_model["model"], tiny_model["data"],
@@ -147,8 +176,16 @@ def test_the_chat_examples_run_as_their_comments_say(tmp_path, example):
     made = spillway("make-tiny", "runs/models/tiny-llama", "--chat-dataset", "runs/data/arithmetic-chat.jsonl",
                     cwd=tmp_path)
     assert made.returncode == 0, made.stderr
-    result = spillway("run", f"examples/{example}.yaml", cwd=tmp_path, env={"COLUMNS": "200"})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    if example == "chat-local":  # on a terminal, as a user runs it: a progress bar and plain lines, no noise
+        code, shown = spillway_on_a_terminal("run", f"examples/{example}.yaml", cwd=tmp_path, env={"COLUMNS": "200"})
+        assert code == 0, shown[-3000:]
+        assert "━" in shown and "finished at step 20" in shown and "done: model exported to" in shown, shown[-3000:]
+        noise = [line for line in shown.splitlines()
+                 if "Writing model shards" in line or "sha256" in line or "bytes={" in line or "SSD endurance" in line]
+        assert noise == [], noise[:5]
+    else:
+        result = spillway("run", f"examples/{example}.yaml", cwd=tmp_path, env={"COLUMNS": "200"})
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run = tmp_path / "runs" / example
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     evals = {e["step"]: e["eval_loss"] for e in events if e["event"] == "eval"}
