@@ -7,7 +7,9 @@ every file against its manifest's checksum, the optimizer's swap files included.
 converted into DeepSpeed's universal form (`universal.write_universal`: one folder per
 parameter with its whole fp32 master, whatever the number of processes, ZeRO stage or
 placement that wrote it), and the masters, cast to the job's dtype, are loaded into the base
-model's architecture and saved with its tokenizer, as the end of a run saves them.
+model's architecture and saved with its tokenizer, as the end of a run saves them. With LoRA
+the masters are the adapters': they go onto the base as training put them, and the adapter
+is saved in PEFT's layout (with `export.merge`, the merged model in `merged/` too).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
     from spillway_runtime.ds_checkpoint import SpillwayCheckpointEngine, direct_io, read_swap_file
     from spillway_runtime.dsconfig import memlock_limit
     from spillway_runtime.hardware import AioSettings
+    from spillway_runtime.recipe import MERGED_DIR, lora_config, save_merged
     from spillway_runtime.recipe_checkpoints import DS_TAG
     from spillway_runtime.universal import UniversalError, write_universal
 
@@ -62,9 +65,6 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
         raise ExportError(f"{checkpoint} is not a Spillway checkpoint (no manifest.json): give a checkpoint's "
                           "folder (checkpoints/step-...), a run's checkpoints folder, or a run folder")
     spec = FineTuneJobSpec.model_validate(manifest.get("config") or {})
-    if spec.method.lora:
-        raise ExportError(f"checkpoint {checkpoint.name} holds LoRA adapters only (method.lora); exporting them from a "
-                          "checkpoint is not supported yet: the run exports the adapter (and the merged model) at its end")
     problem = store.verify(checkpoint, deep=False)
     if problem is not None:
         raise ExportError(f"checkpoint {checkpoint.name} is damaged: {problem}")
@@ -86,6 +86,10 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
             raise ExportError(f"checkpoint {checkpoint.name} could not be read: {err}") from None
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[spec.model.dtype]
         model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+        if spec.method.lora:  # the checkpoint holds the adapters' masters: put them on the base as training did
+            from peft import get_peft_model
+
+            model = get_peft_model(model, lora_config(spec.method), autocast_adapter_dtype=False)
         current = model.state_dict()
         masters = {folder.name: unpickle.load(folder / "fp32.pt")["param"]
                    for folder in (universal / "zero").iterdir() if (folder / "fp32.pt").is_file()}
@@ -95,15 +99,19 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
                               f"({', '.join(unknown[:3])}...): give the job's base model with --model")
         missing = model.load_state_dict({n: t.to(current[n].dtype) for n, t in masters.items()}, strict=False).missing_keys
         tied = set(getattr(model, "_tied_weights_keys", None) or []) | _tied_names(model)
-        untrained = [name for name in missing if name not in tied]
+        frozen = {name for name, param in model.named_parameters() if not param.requires_grad} if spec.method.lora else set()
+        untrained = [name for name in missing if name not in tied and name not in frozen]
         if untrained:
             raise ExportError(f"checkpoint {checkpoint.name} lacks {', '.join(untrained[:3])} of the model at {base}: "
                               "give the job's base model with --model")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    model.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(Path(spec.model.tokenizer_uri.removeprefix("file://"))
-                                  if spec.model.tokenizer_uri else base).save_pretrained(out)
+    model.save_pretrained(out, safe_serialization=True)  # with LoRA: the adapter, in PEFT's layout
+    tokenizer = AutoTokenizer.from_pretrained(Path(spec.model.tokenizer_uri.removeprefix("file://"))
+                                              if spec.model.tokenizer_uri else base)
+    tokenizer.save_pretrained(out)
+    if spec.method.lora and spec.export.merge:
+        save_merged(base, out, out / MERGED_DIR, dtype, tokenizer)
     return {"checkpoint": checkpoint.name, "step": manifest.get("step"), "parameters": len(masters),
             "bytes": sum(p.stat().st_size for p in out.rglob("*") if p.is_file())}
 

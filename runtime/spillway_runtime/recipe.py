@@ -283,13 +283,11 @@ class FineTuneRecipe(Checkpointing):
     def _with_lora(self, model: Any) -> Any:
         """The model with PEFT's LoRA adapters on `method.targetModules`, everything else frozen.
         The adapters take the model's dtype (DeepSpeed keeps their fp32 masters)."""
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
 
         method = self.spec.method
-        config = LoraConfig(r=method.rank, lora_alpha=method.alpha, lora_dropout=method.dropout,
-                            target_modules=method.peft_targets, task_type="CAUSAL_LM")
         try:
-            model = get_peft_model(model, config, autocast_adapter_dtype=False)
+            model = get_peft_model(model, lora_config(method), autocast_adapter_dtype=False)
         except ValueError as err:  # PEFT: "Target modules {...} not found in the base model"
             raise RunFailed(f"method.targetModules: {err}", ExitCode.BAD_INPUT) from None
 
@@ -619,16 +617,10 @@ class FineTuneRecipe(Checkpointing):
                             bytes_per_s=round(nbytes / max(seconds, 1e-6)))
 
     def _export_merged(self, adapter: Path, target: Path) -> None:
-        """The base model read again on the CPU, the exported adapter merged in by PEFT."""
-        from peft import PeftModel
-        from transformers import AutoModelForCausalLM
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
         unset_hf_deepspeed_config()  # a plain load, not partitioned by ZeRO-3 (training is over)
-        base = AutoModelForCausalLM.from_pretrained(self.cfg.model_dir, dtype=self.torch_dtype)
-        merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
-        merged.save_pretrained(target, safe_serialization=True)
-        self.tokenizer.save_pretrained(target)
+        save_merged(Path(self.cfg.model_dir), adapter, target, self.torch_dtype, self.tokenizer)
 
     def cleanup(self) -> None:
         for write in getattr(self, "pending_background", []):
@@ -644,6 +636,26 @@ class FineTuneRecipe(Checkpointing):
         self.reporter.close()
         if getattr(self, "dist", None) is not None and self.dist.is_initialized():
             self.dist.destroy_process_group()
+
+
+def lora_config(method: Any) -> Any:
+    """PEFT's LoraConfig of a job's `method` (training and `spillway export` alike)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=method.rank, lora_alpha=method.alpha, lora_dropout=method.dropout,
+                      target_modules=method.peft_targets, task_type="CAUSAL_LM")
+
+
+def save_merged(base_dir: Path, adapter: Path, target: Path, dtype: Any, tokenizer: Any) -> None:
+    """The base model read again on the CPU, the exported adapter merged in by PEFT, saved with
+    the tokenizer (the end of a run and `spillway export` alike: the same bits)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
+    merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    merged.save_pretrained(target, safe_serialization=True)
+    tokenizer.save_pretrained(target)
 
 
 def _ask_cpuinfo_once() -> None:

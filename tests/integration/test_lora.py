@@ -86,6 +86,34 @@ def test_lora_trains_the_adapters_only_and_exports_adapter_and_merged_model(
     merged = logits(AutoModelForCausalLM.from_pretrained(final / MERGED_DIR, dtype=torch.float32), ids)
     assert not torch.allclose(adapted, before, atol=1e-2)
     assert torch.allclose(merged, adapted, atol=5e-2, rtol=0), (merged - adapted).abs().max()
+    if stage == 3:
+        exported_checkpoints_are_the_runs_export(run.run_dir, final, tmp_path)
+
+
+def exported_checkpoints_are_the_runs_export(run_dir: Path, final: Path, tmp_path: Path) -> None:
+    """`spillway export` of a LoRA run's last checkpoint writes the adapter and the merged model
+    the run itself exported, to the bit; an earlier checkpoint's adapter differs."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    def export(what: Path, out: Path) -> dict[str, dict[str, torch.Tensor]]:
+        done = subprocess.run([sys.executable, "-m", "spillway_api.cli", "export", str(what), "--out", str(out)],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return {name: load_file(out / name) for name in ("adapter_model.safetensors", f"{MERGED_DIR}/model.safetensors")}
+
+    def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+    last = export(run_dir, tmp_path / "exported-last")
+    for name, tensors in last.items():
+        want = load_file(final / name)
+        assert set(tensors) == set(want) and all(same_bits(tensors[k], want[k]) for k in want), name
+    earlier = export(run_dir / "checkpoints" / checkpoint_name(EVERY), tmp_path / "exported-earlier")
+    adapter, want = earlier["adapter_model.safetensors"], last["adapter_model.safetensors"]
+    assert set(adapter) == set(want) and any(not torch.equal(adapter[k], want[k]) for k in want)
 
 
 @pytest.mark.parametrize("placement", [("cpu", "cpu"), ("cpu", "nvme")], ids=["z3-opt_cpu-par_cpu", "z3-opt_cpu-par_nvme"])
