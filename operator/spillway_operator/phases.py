@@ -19,7 +19,7 @@ Planned when a resumed job is planned at once); each move is checked on its own.
   status.preemptions; a diverged run ends Failed with a `Diverged` condition): they have no
   entry to and none out of them.
 - A terminal phase is left only by a rollback (spec.resumeFrom, back to Pending) or by a
-  spec that no longer parses (to Failed: the spec is read before the phase is looked at).
+  spec that no longer parses (to Failed, whatever the phase; a live attempt's pods stop).
 
 An illegal transition is an operator bug, not a job's. With `OperatorSettings.strict_phases`
 (on in the unit tests, `SPILLWAY_OPERATOR_STRICT_PHASES=true`) it raises `IllegalTransition`

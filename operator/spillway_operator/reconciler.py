@@ -138,6 +138,26 @@ def _invalid(change: StatusChange, problems: list[str]) -> NoReturn:
     raise PermanentFailure(message) from None
 
 
+def _spec_refused(change: StatusChange, problems: list[str], current: list[dict[str, Any]],
+                  settings: OperatorSettings) -> NoReturn:
+    """The stored spec does not parse (an upgrade's stricter validation, a field the webhook
+    does not check, a webhook that was down): Failed, naming the fields. An attempt whose pods
+    live ends as a permanent pod failure ends it (cost settled in the same patch, then its
+    pods stopped and its Workload finished); what is left of it, after a kill between the two,
+    goes on a later pass as it does for any finished job."""
+    message = "; ".join(problems)
+    if change.old.get("phase") not in b.FINISHED_PHASES and any(is_active(p) for p in current):
+        finish(change, b.PHASE_FAILED, "InvalidSpec", message, current)
+    else:
+        change.cond(b.PHASE_FAILED, True, "InvalidSpec", message)
+        change.phase(b.PHASE_FAILED, "InvalidSpec", message, warning=True)
+    change.commit()
+    # The queue name is in the spec that does not parse; every attempt queued in Kueue left
+    # the job its Admitted condition.
+    _stop(change, current, queued=settings.kueue and b.condition(change.conditions, queueing.CONDITION) is not None)
+    raise PermanentFailure(message) from None
+
+
 def _reconcile_once(cluster: Cluster, namespace: str, name: str, settings: OperatorSettings) -> Result:
     """One pass of the state machine: each transition below decides or passes."""
     job = cluster.job(namespace, name)
@@ -147,10 +167,13 @@ def _reconcile_once(cluster: Cluster, namespace: str, name: str, settings: Opera
     if job["metadata"].get("deletionTimestamp"):
         return Result()
     change = StatusChange(job, datetime.now(UTC), cluster, strict=settings.strict_phases)
+    # Parsed first, refused only once the pods are known: a spec that stops parsing under a
+    # live attempt ends it rather than leave its pods running until someone fixes the spec.
     try:
-        spec = parse_job(job, f"{namespace}/{name}").spec
+        spec: FineTuneJobSpec | None = parse_job(job, f"{namespace}/{name}").spec
+        refused: list[str] = []
     except SpecError as err:
-        _invalid(change, err.problems)
+        spec, refused = None, err.problems
     status = change.old
     phase = status.get("phase") or b.PHASE_PENDING
     attempt = int(status.get("attempt", 0))
@@ -168,6 +191,12 @@ def _reconcile_once(cluster: Cluster, namespace: str, name: str, settings: Opera
     # Fetch pods are done once their attempt's training pods exist (or the job is over)
     for fetcher in s3_inputs.leftovers(owned, attempt, bool(current) or phase in b.FINISHED_PHASES):
         cluster.delete_pod(namespace, fetcher, grace_seconds=0)
+    for pod in pods:
+        # Older attempts' pods that still run (a kill between commit and delete) go now.
+        if attempt_of(pod) != attempt and is_active(pod) and not pod["metadata"].get("deletionTimestamp"):
+            cluster.delete_pod(namespace, pod["metadata"]["name"])
+    if spec is None:
+        _spec_refused(change, refused, current, settings)
     if unstarted and not current and (problems := admission.spec_problems(spec, cluster=True)):
         # What the admission webhook refuses, found here for a job it did not see (created
         # while no webhook was registered): Failed with the reason before any pod, never retried.
@@ -178,10 +207,6 @@ def _reconcile_once(cluster: Cluster, namespace: str, name: str, settings: Opera
             f"the job asks for Kueue LocalQueue {queue!r} (spec.queueName or label {queueing.QUEUE_LABEL}) but this "
             "operator runs without Kueue: install Kueue and enable it (chart value kueue.enabled=true), or remove "
             "the queue name"))
-    for pod in pods:
-        # Older attempts' pods that still run (a kill between commit and delete) go now.
-        if attempt_of(pod) != attempt and is_active(pod) and not pod["metadata"].get("deletionTimestamp"):
-            cluster.delete_pod(namespace, pod["metadata"]["name"])
     decided = _rollback(change, spec, current, settings)
     if decided is not None:
         return decided
@@ -311,16 +336,8 @@ def _start_new_attempt(
 
 
 def _finished(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[str, Any]]) -> Result:
+    _stop(change, pods, queued=bool(queueing.queue_name(change.job, spec)))
     meta = change.job["metadata"]
-    for pod in pods:
-        if is_active(pod) and not pod["metadata"].get("deletionTimestamp"):
-            change.cluster.delete_pod(meta["namespace"], pod["metadata"]["name"])
-    change.commit()
-    if queueing.queue_name(change.job, spec):
-        # Kueue releases the quota of a Finished Workload (marked on every pass until it is)
-        phase = change.status.get("phase") or change.old.get("phase")
-        queueing.finish(change.cluster, change.job, phase == b.PHASE_SUCCEEDED,
-                        str(change.status.get("message") or change.old.get("message") or phase))
     ttl = spec.ttl_seconds_after_finished
     finished = b.parse_time(change.old.get("finishedAt"))
     if ttl is None or finished is None:
@@ -339,6 +356,21 @@ def _finished(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[str, 
     change.cluster.delete_job(meta["namespace"], meta["name"])
     metrics.record_phase(meta["namespace"], meta["name"], None)
     return Result()
+
+
+def _stop(change: StatusChange, pods: list[dict[str, Any]], queued: bool) -> None:
+    """A finished job's attempt stops: its pods that still run go (with their grace), and its
+    Workloads are Finished. On every pass, so that a kill after the job's status converges."""
+    meta = change.job["metadata"]
+    for pod in pods:
+        if is_active(pod) and not pod["metadata"].get("deletionTimestamp"):
+            change.cluster.delete_pod(meta["namespace"], pod["metadata"]["name"])
+    change.commit()
+    if queued:
+        # Kueue releases the quota of a Finished Workload (marked on every pass until it is)
+        phase = change.status.get("phase") or change.old.get("phase")
+        queueing.finish(change.cluster, change.job, phase == b.PHASE_SUCCEEDED,
+                        str(change.status.get("message") or change.old.get("message") or phase))
 
 
 def _attempt_ended(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[str, Any]], worst: pod_outcomes.PodOutcome,

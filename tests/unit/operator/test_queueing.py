@@ -361,3 +361,40 @@ def test_chart_pools_and_flavour_pools_are_planned_on_together_and_a_chart_pool_
     reconcile(NS, "j", settings, cluster)
     st = status(cluster)
     assert "declared pool rtx" in st["plan"]["shape"] and st["plan"]["pricePerHourUsd"] == pytest.approx(0.4), st
+
+
+def test_a_spec_that_stops_parsing_fails_a_queued_job_as_before_and_finishes_its_workload() -> None:
+    """No pods to stop: Failed naming the field, as before; its Workload, which Kueue could
+    still admit (holding quota for a job that will never start), is Finished."""
+    cluster = queued_world("gpu-80g")
+    step(cluster)
+    assert status(cluster)["phase"] == "Queued" and cluster.names("Pod") == []
+    cluster.set_spec(NS, "j", training={"maxSteps": -1})
+    with pytest.raises(PermanentFailure, match="maxSteps"):
+        step(cluster)
+    st = status(cluster)
+    failed = conditions(cluster.get("FineTuneJob", NS, "j") or {})["Failed"]
+    assert st["phase"] == "Failed" and "maxSteps" in st["message"] and "finishedAt" not in st
+    assert failed["reason"] == "InvalidSpec" and cluster.names("Pod") == []
+    assert reasons(cluster) == ["Queued", "InvalidSpec"] and cluster.events[-1][0] == "Warning"
+    [wl] = workloads(cluster)
+    assert conditions(wl)["Finished"]["status"] == "True" and conditions(wl)["Finished"]["reason"] == "Failed"
+    with pytest.raises(PermanentFailure, match="maxSteps"):
+        step(cluster)
+    assert reasons(cluster) == ["Queued", "InvalidSpec"] and status(cluster) == st
+
+
+def test_a_spec_that_stops_parsing_under_an_admitted_attempt_stops_its_pods_and_finishes_its_workload() -> None:
+    cluster = queued_world("gpu-80g")
+    step(cluster)
+    admit(cluster)
+    step(cluster)
+    cluster.run(NS, "j-a0-0", "gpu-80g")
+    step(cluster)
+    assert status(cluster)["phase"] == "Running"
+    cluster.set_spec(NS, "j", training={"maxSteps": -1})
+    with pytest.raises(PermanentFailure, match="maxSteps"):
+        step(cluster)
+    assert status(cluster)["phase"] == "Failed" and cluster.names("Pod") == []
+    [wl] = workloads(cluster)
+    assert conditions(wl)["Finished"]["status"] == "True" and "maxSteps" in conditions(wl)["Finished"]["message"]

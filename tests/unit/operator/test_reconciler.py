@@ -372,3 +372,56 @@ def test_a_new_attempt_keeps_the_aio_block_size_its_checkpoints_were_written_und
         assert _block_size_of_attempt(cluster) == 1 << 20 and kept in status(cluster)["plan"]["reasons"]
     else:
         assert _block_size_of_attempt(cluster) == 8 << 20 and kept not in status(cluster)["plan"]["reasons"]
+
+
+def test_a_spec_that_stops_parsing_under_a_running_attempt_stops_its_pods_and_fails_the_job() -> None:
+    """A stored spec the spec model now refuses (a stricter operator, a field the webhook does
+    not check): the attempt ends as a permanent pod failure ends it, not left running."""
+    cluster = world()
+    pod = running(cluster)
+    cluster.set_spec(NS, "j", training={"maxSteps": -1})  # stored as is: no admission here
+    with pytest.raises(PermanentFailure, match="maxSteps"):
+        step(cluster)
+    st = status(cluster)
+    failed = {c["type"]: c for c in st["conditions"]}["Failed"]
+    assert st["phase"] == "Failed" and "maxSteps" in st["message"] and st["finishedAt"]
+    assert failed["reason"] == "InvalidSpec" and "maxSteps" in failed["message"]
+    assert cluster.names("Pod") == [] and (pod, None) in cluster.deleted  # with the pod's own grace
+    assert st["cost"]["settledUSD"] == st["cost"]["usd"] and st.get("attempt", 0) == 0
+    assert reasons(cluster) == ["Planned", "Running", "InvalidSpec"] and cluster.events[-1][0] == "Warning"
+    # Reconciling again changes nothing: no patch, no Event.
+    version = (cluster.get("FineTuneJob", NS, "j") or {})["metadata"]["resourceVersion"]
+    with pytest.raises(PermanentFailure, match="maxSteps"):
+        step(cluster)
+    assert (cluster.get("FineTuneJob", NS, "j") or {})["metadata"]["resourceVersion"] == version
+    assert reasons(cluster) == ["Planned", "Running", "InvalidSpec"] and cluster.names("Pod") == []
+
+
+def test_a_pod_left_running_by_a_kill_after_an_invalid_spec_failed_the_job_goes_on_the_next_pass() -> None:
+    cluster = world()
+    pod = running(cluster)
+    left = cluster.get("Pod", NS, pod)
+    assert left is not None
+    cluster.set_spec(NS, "j", training={"maxSteps": -1})
+    with pytest.raises(PermanentFailure):
+        step(cluster)
+    cluster.add(left)  # as if the operator was killed between the Failed status and the delete
+    with pytest.raises(PermanentFailure, match="maxSteps"):
+        step(cluster)
+    assert cluster.names("Pod") == [] and status(cluster)["phase"] == "Failed"
+    assert reasons(cluster).count("InvalidSpec") == 1
+
+
+def test_an_invalid_spec_of_a_finished_job_fails_it_as_before_and_touches_nothing_else() -> None:
+    cluster = world()
+    pod = running(cluster)
+    cluster.exit(NS, pod, 0)
+    step(cluster)
+    succeeded = status(cluster)
+    cluster.set_spec(NS, "j", training={"maxSteps": -1})
+    with pytest.raises(PermanentFailure, match="maxSteps"):
+        step(cluster)
+    st = status(cluster)
+    assert st["phase"] == "Failed" and "maxSteps" in st["message"]
+    assert (st["cost"], st["finishedAt"]) == (succeeded["cost"], succeeded["finishedAt"])
+    assert cluster.names("Pod") == [pod] and reasons(cluster)[-2:] == ["Completed", "InvalidSpec"]
