@@ -95,10 +95,12 @@ CORPUS: list[tuple[str, dict[str, Any], str]] = [
      "spec.dataset.uri: '/mnt/s3-cache/other-team/train.jsonl' reads the pod's own filesystem"),
     ("held-out data at a relative path", with_("dataset.validation", {"uri": "../data/val.jsonl"}),
      "spec.dataset.validation.uri: '../data/val.jsonl' is a relative path, which means nothing in a pod"),
+    ("another team's cached data mixed in", with_("dataset.mixture", [{"uri": "file:///mnt/s3-cache/other/t.jsonl"}]),
+     "spec.dataset.mixture[0].uri: 'file:///mnt/s3-cache/other/t.jsonl' reads the pod's own filesystem"),
 ]
 # Refused with the whole message by the operator too (the others: with the field named)
 POD_FILESYSTEM = {"a model among the node's Kubernetes credentials", "a dataset at an absolute path",
-                  "held-out data at a relative path"}
+                  "held-out data at a relative path", "another team's cached data mixed in"}
 
 # Refused only with the stored job at hand (the webhook); the operator handles the field
 # itself (spec.resumeFrom: a Rollback condition) when no webhook saw the job.

@@ -63,7 +63,8 @@ def spec_problems(spec: FineTuneJobSpec, *, cluster: bool) -> list[str]:
 
 
 def _uris(spec: FineTuneJobSpec) -> list[tuple[str, str]]:
-    uris = [("spec.model.uri", spec.model.uri), ("spec.dataset.uri", spec.dataset.uri)]
+    uris = [("spec.model.uri", spec.model.uri), ("spec.dataset.uri", spec.dataset.uri),
+            *((f"spec.dataset.mixture[{i}].uri", m.uri) for i, m in enumerate(spec.dataset.mixture))]
     if spec.model.tokenizer_uri:
         uris.append(("spec.model.tokenizerUri", spec.model.tokenizer_uri))
     if spec.dataset.validation and spec.dataset.validation.uri:

@@ -176,7 +176,8 @@ def child_meta(job: dict[str, Any], name: str, component: str, extra: dict[str, 
 
 def _claims(spec: FineTuneJobSpec) -> list[str]:
     held_out = spec.dataset.validation.uri if spec.dataset.validation else None
-    uris = [spec.model.uri, spec.dataset.uri, spec.model.tokenizer_uri or "", held_out or ""]
+    uris = [spec.model.uri, spec.dataset.uri, *(m.uri for m in spec.dataset.mixture), spec.model.tokenizer_uri or "",
+            held_out or ""]
     claims = []
     for uri in uris:
         if uri.startswith("pvc://"):
@@ -237,6 +238,7 @@ def build_runtime_config(job: dict[str, Any], spec: FineTuneJobSpec, plan: Offlo
         dataset_path=str(resolve_uri(spec.dataset.uri, root, S3_CACHE_MOUNT)),
         validation_path=(str(resolve_uri(spec.dataset.validation.uri, root, S3_CACHE_MOUNT))
                          if spec.dataset.validation and spec.dataset.validation.uri else None),
+        mixture_paths=[str(resolve_uri(m.uri, root, S3_CACHE_MOUNT)) for m in spec.dataset.mixture],
         run_dir=RUN_DIR,
         checkpoint_dir=CHECKPOINT_DIR,
         nvme_dir=nvme_dir,

@@ -80,7 +80,7 @@ def dataset_fingerprint(source: DatasetSource, path: Path, tokenizer_dir: Path, 
     the dataset settings (format, fields, chat template, packing, bad records), the
     tokenizer's files, the sequence length."""
     h = hashlib.sha256()
-    settings = source.model_dump(mode="json", exclude={"uri"})
+    settings = source.model_dump(mode="json", exclude={"uri", "mixture", "weight"})  # one source's tokens
     h.update(json.dumps([settings, sequence_length, TOKEN_DTYPE, DOCUMENTS_VERSION], sort_keys=True).encode())
     for file in dataset_files(path, source.format):
         st = file.stat()
@@ -89,6 +89,12 @@ def dataset_fingerprint(source: DatasetSource, path: Path, tokenizer_dir: Path, 
         for file in sorted(p for p in tokenizer_dir.iterdir() if p.is_file() and "token" in p.name):
             h.update(file.name.encode() + b"\0" + hashlib.sha256(file.read_bytes()).digest())
     return h.hexdigest()[:32]
+
+
+def mixture_fingerprint(fingerprints: list[str], weights: list[float], seed: int) -> str:
+    """A mixture's tokens: its sources' (`dataset_fingerprint`), their weights and the seed
+    that chooses the rows of a fractional weight."""
+    return hashlib.sha256(json.dumps([fingerprints, weights, seed]).encode()).hexdigest()[:32]
 
 
 def read_documents(source: DatasetSource, path: Path, tokenizer: Any, sequence_length: int) -> Any:
@@ -242,6 +248,29 @@ class PackedDataset:
             raise DatasetError("the dataset has no text of two tokens or more; add data")
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         return cls.build_documents(docs, int(pad or 0), sequence_length, packing=True)
+
+    @classmethod
+    def mixed(cls, parts: list[tuple[PackedDataset, float]], seed: int) -> PackedDataset:
+        """Datasets (`dataset.uri` and `dataset.mixture`), each already packed, as one: from each,
+        weight x its rows (every row `floor(weight)` times, then a share of them chosen with
+        `seed` without repeats, at least one row), in order; training shuffles them together."""
+        import numpy as np
+
+        rng = np.random.Generator(np.random.PCG64(seed * 104_729 + 3))
+        rows, metas = [], []
+        for part, weight in parts:
+            n = len(part)
+            whole, rest = divmod(max(1, round(weight * n)), n)
+            picks = np.concatenate([np.tile(np.arange(n), whole),
+                                    np.sort(rng.choice(n, size=rest, replace=False))]).astype(np.int64)
+            rows.append(np.asarray(part.rows)[picks])
+            if part.meta is not None:
+                metas.append(np.asarray(part.meta)[picks])
+        if metas and len(metas) != len(parts):
+            raise DatasetError("dataset.mixture: every source must be in dataset.format's shape")
+        meta = np.concatenate(metas) if metas else None
+        joined = np.concatenate(rows)
+        return cls(rows=joined, tokens=int((meta[:, 1] > 0).sum()) if meta is not None else int(joined.size), meta=meta)
 
     def save(self, path: Path) -> None:
         """Write the rows as .npy atomically (aside, fsynced, renamed); older caches in the

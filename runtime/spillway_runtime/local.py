@@ -173,6 +173,8 @@ def prepare_local_run(
     tokenizer_dir = (source(spec.model.tokenizer_uri, "spec.model.tokenizerUri", "tokenizer directory")
                      if spec.model.tokenizer_uri else model_dir)
     dataset_path = source(spec.dataset.uri, "spec.dataset.uri", "dataset file or directory")
+    mixture_paths = [source(m.uri, f"spec.dataset.mixture[{i}].uri", "dataset file or directory")
+                     for i, m in enumerate(spec.dataset.mixture)]
     held_out = spec.dataset.validation.uri if spec.dataset.validation else None
     validation_path = (source(held_out, "spec.dataset.validation.uri", "validation file or directory")
                        if held_out else None)
@@ -197,6 +199,7 @@ def prepare_local_run(
         tokenizer_dir=str(tokenizer_dir),
         dataset_path=str(dataset_path),
         validation_path=str(validation_path) if validation_path else None,
+        mixture_paths=[str(path) for path in mixture_paths],
         run_dir=str(run_dir),
         checkpoint_dir=str(checkpoint_dir),
         nvme_dir=str(nvme_dir) if plan.uses_nvme else None,

@@ -27,6 +27,7 @@ from spillway_runtime.data import (
     CACHE_DIR_NAME,
     PackedDataset,
     dataset_fingerprint,
+    mixture_fingerprint,
     read_documents,
     read_pairs,
     read_texts,
@@ -159,7 +160,9 @@ class FineTuneRecipe(Checkpointing):
                 ExitCode.BAD_INPUT,
             ) from None
         cache = Path(self.cfg.checkpoint_dir) / CACHE_DIR_NAME
-        self.dataset, built, path = self._cached_tokens(Path(self.cfg.dataset_path), cache, "spec.dataset.uri")
+        mixture = [(Path(where), entry.weight, f"spec.dataset.mixture[{i}].uri")
+                   for i, (where, entry) in enumerate(zip(self.cfg.mixture_paths, self.spec.dataset.mixture, strict=True))]
+        self.dataset, built, path = self._cached_tokens(Path(self.cfg.dataset_path), cache, "spec.dataset.uri", mixture)
         self.held_out: PackedDataset | None = None
         validation = self.spec.dataset.validation
         if validation is not None and self.cfg.validation_path:
@@ -177,20 +180,26 @@ class FineTuneRecipe(Checkpointing):
             f"({'written to' if built else 'mapped from'} {path})"
         )
 
-    def _cached_tokens(self, source: Path, cache: Path, field: str) -> tuple[PackedDataset, str, Path]:
-        """The tokens of ``source``: tokenized once, by rank 0, into a cache beside the
-        checkpoints that the other ranks, restarts and resumes map instead of tokenizing again.
-        (The dataset, what was built (for the log), the cache file.)"""
+    def _cached_tokens(self, source: Path, cache: Path, field: str,
+                       mixture: list[tuple[Path, float, str]] | None = None) -> tuple[PackedDataset, str, Path]:
+        """The tokens of ``source`` (with ``mixture``: of it, weighted, and of each (path, weight,
+        field) mixed in): tokenized once, by rank 0, into a cache beside the checkpoints that the
+        other ranks, restarts and resumes map instead of tokenizing again. (The dataset, what
+        was built (for the log), the cache file.)"""
         sequence_length = self.spec.training.sequence_length
+        sources = [(source, self.spec.dataset.weight if mixture else 1.0, field), *(mixture or [])]
         failure, built = None, ""
         path = cache / "unset"
         try:
-            fingerprint = dataset_fingerprint(self.spec.dataset, source, Path(self.cfg.tokenizer_dir), sequence_length)
+            fingerprints = [dataset_fingerprint(self.spec.dataset, where, Path(self.cfg.tokenizer_dir), sequence_length)
+                            for where, _, _ in sources]
+            fingerprint = fingerprints[0] if len(sources) == 1 else mixture_fingerprint(
+                fingerprints, [weight for _, weight, _ in sources], self.spec.training.seed)
             path = token_cache_path(cache, fingerprint)
             if self.rank == 0 and not path.is_file():
-                built = self._tokenize(source, sequence_length, path)
-        except DatasetError as err:
-            failure = str(err).replace("dataset.uri", field.removeprefix("spec."), 1)
+                built = self._tokenize(sources, sequence_length, path)
+        except _SourceError as err:
+            failure = str(err)
         except OSError as err:
             failure = (
                 f"checkpoint.path {self.cfg.checkpoint_dir}: cannot write the tokenized dataset "
@@ -201,28 +210,41 @@ class FineTuneRecipe(Checkpointing):
             raise RunFailed(failure, ExitCode.BAD_INPUT)
         return PackedDataset.load(path), built, path
 
-    def _tokenize(self, dataset_path: Path, sequence_length: int, path: Path) -> str:
+    def _tokenize(self, sources: list[tuple[Path, float, str]], sequence_length: int, path: Path) -> str:
+        """Each source tokenized and packed on its own, then (several) mixed per weight; saved."""
+        parts = []
+        for where, weight, field in sources:
+            try:
+                parts.append((*self._tokenized(where, sequence_length), weight, field))
+            except DatasetError as err:
+                raise _SourceError(str(err).replace("dataset.uri", field.removeprefix("spec."), 1)) from None
+        if len(parts) == 1:
+            dataset, built = parts[0][0], parts[0][1]
+        else:
+            dataset = PackedDataset.mixed([(part, weight) for part, _, weight, _ in parts], self.spec.training.seed)
+            built = "mixture: " + "; ".join(f"{field.removeprefix('spec.')} {len(part)} sequences x {weight:g} "
+                                            f"({described.rstrip(', ')})" for part, described, weight, field in parts)
+            built += f", {len(dataset)} sequences in all, "
+        dataset.save(path)
+        return built
+
+    def _tokenized(self, dataset_path: Path, sequence_length: int) -> tuple[PackedDataset, str]:
         source = self.spec.dataset
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         if source.format == "preference":
-            return self._tokenize_pairs(dataset_path, sequence_length, path)
+            pairs = read_pairs(source, dataset_path, self.tokenizer, sequence_length)
+            skipped = f", {pairs.skipped} bad records skipped (first: {pairs.first_skipped})" if pairs.skipped else ""
+            return (PackedDataset.build_pairs(pairs.pairs, int(pad or 0), sequence_length),
+                    f"{len(pairs.pairs)} preference pairs tokenized{skipped}, ")
         if source.format not in ("chat", "completion"):
             texts = read_texts(source, dataset_path)
             build = PackedDataset.build_text_documents if source.text_packing == "apart" else PackedDataset.build
-            build(texts, self.tokenizer, sequence_length).save(path)
-            return f"{len(texts)} texts tokenized, "
+            return build(texts, self.tokenizer, sequence_length), f"{len(texts)} texts tokenized, "
         read = read_documents(source, dataset_path, self.tokenizer, sequence_length)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        PackedDataset.build_documents(read.docs, int(pad or 0), sequence_length, source.packing).save(path)
         learned = sum(sum(learn) for _, learn in read.docs)
         skipped = f", {read.skipped} bad records skipped (first: {read.first_skipped})" if read.skipped else ""
-        return f"{len(read.docs)} {source.format} records tokenized ({learned} tokens learned){skipped}, "
-
-    def _tokenize_pairs(self, dataset_path: Path, sequence_length: int, path: Path) -> str:
-        read = read_pairs(self.spec.dataset, dataset_path, self.tokenizer, sequence_length)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        PackedDataset.build_pairs(read.pairs, int(pad or 0), sequence_length).save(path)
-        skipped = f", {read.skipped} bad records skipped (first: {read.first_skipped})" if read.skipped else ""
-        return f"{len(read.pairs)} preference pairs tokenized{skipped}, "
+        return (PackedDataset.build_documents(read.docs, int(pad or 0), sequence_length, source.packing),
+                f"{len(read.docs)} {source.format} records tokenized ({learned} tokens learned){skipped}, ")
 
     def _setup_engine(self) -> None:
         import deepspeed
@@ -636,6 +658,10 @@ class FineTuneRecipe(Checkpointing):
         self.reporter.close()
         if getattr(self, "dist", None) is not None and self.dist.is_initialized():
             self.dist.destroy_process_group()
+
+
+class _SourceError(Exception):
+    """A dataset source that cannot be used, its message naming its field."""
 
 
 def lora_config(method: Any) -> Any:

@@ -37,6 +37,7 @@ class RuntimeConfig(BaseModel):
     tokenizer_dir: str
     dataset_path: str
     validation_path: str | None = None  # dataset.validation.uri, resolved
+    mixture_paths: list[str] = Field(default_factory=list)  # dataset.mixture's URIs, resolved, in order
     run_dir: str
     checkpoint_dir: str
     nvme_dir: str | None = None
@@ -62,6 +63,7 @@ def s3_inputs(spec: FineTuneJobSpec) -> list[tuple[str, str]]:
     """(field, URI) of every s3:// input of a spec: what is fetched before training reads it."""
     uris = [("spec.model.uri", spec.model.uri), ("spec.model.tokenizerUri", spec.model.tokenizer_uri),
             ("spec.dataset.uri", spec.dataset.uri),
+            *((f"spec.dataset.mixture[{i}].uri", m.uri) for i, m in enumerate(spec.dataset.mixture)),
             ("spec.dataset.validation.uri", spec.dataset.validation.uri if spec.dataset.validation else None)]
     return [(field, uri) for field, uri in uris if uri and uri.startswith("s3://")]
 

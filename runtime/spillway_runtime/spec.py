@@ -144,6 +144,19 @@ class Validation(SpecModel):
         return self
 
 
+MAX_MIXTURE = 16  # dataset.mixture entries
+MAX_WEIGHT = 100.0  # a source's rows per epoch, in multiples of its rows
+
+
+class MixtureSource(SpecModel):
+    uri: str = Field(min_length=1, max_length=MAX_URI,
+                     description="Another dataset in the same format and fields as dataset.uri (s3://, pvc:// in a "
+                     "cluster; a local path or file:// with `spillway run`)")
+    weight: float = Field(1.0, gt=0, le=MAX_WEIGHT,
+                          description="Its rows per epoch: weight x its rows (0.5: a half of them chosen with "
+                          "training.seed; 2: each twice; 1.5: each once and a seeded half again)")
+
+
 class DatasetSource(SpecModel):
     uri: str = Field(
         description="A .jsonl, .parquet, .arrow or .txt file, a folder of them, or a folder that Hugging Face "
@@ -187,6 +200,14 @@ class DatasetSource(SpecModel):
     )
     validation: Validation | None = Field(
         None, description="Held-out data: its loss is evaluated every training.evalEverySteps and at the end"
+    )
+    weight: float = Field(1.0, gt=0, le=MAX_WEIGHT,
+                          description="With a mixture: dataset.uri's rows per epoch, weight x its rows (as a "
+                          "mixture entry's weight)")
+    mixture: list[MixtureSource] = Field(
+        default_factory=list, max_length=MAX_MIXTURE,
+        description="More datasets trained on with dataset.uri, in its format and fields: each tokenized and packed "
+        "on its own (no sequence mixes two), their rows taken per weight and shuffled together every epoch",
     )
 
     @model_validator(mode="after")

@@ -122,12 +122,19 @@ def test_spillway_run_fine_tunes_on_chat_data_learning_the_answers_only(tmp_path
                        training={"maxSteps": 30, "learningRate": 3e-3, "microBatchSize": 4, "sequenceLength": 64},
                        offload={"policy": "cpu"}, checkpoint={"everySteps": 15, "keep": 1})
     doc["spec"]["dataset"].update({"format": "chat", "chatTemplate": CHAT_TEMPLATE, "onBadRecord": "skip"})
+    # mixed in: more sums from a JSON lines file, a seeded half of its sequences per epoch
+    more = tmp_path / "more-chat.jsonl"
+    more.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"what is {a} plus {b}?"},
+                                                     {"role": "assistant", "content": f"{a + b}"}]}) + "\n"
+                            for a in range(12, 20) for b in range(12)))
+    doc["spec"]["dataset"]["mixture"] = [{"uri": str(more), "weight": 0.5}]
     job = tmp_path / "chat.yaml"
     job.write_text(yaml.safe_dump(doc))
     result = spillway("run", str(job), "--run-dir", str(tmp_path / "run"), env={"COLUMNS": "200"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     log = result.stdout + result.stderr
     assert "144 chat records tokenized" in log and "1 bad records skipped" in log and "chat.parquet: row 145" in log
+    assert "mixture: dataset.uri " in log and "dataset.mixture[0].uri " in log and "x 0.5 (96 chat records" in log
     steps = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     losses = [e["loss"] for e in steps if e["event"] == "step"]
     assert len(losses) == 30 and losses[-1] < 0.6 * losses[0], losses

@@ -189,3 +189,34 @@ def test_an_evaluation_batch_past_the_end_counts_nothing(tokenizer: Any) -> None
             labels = held.eval_batch(index, rank, 2, 3)["labels"]
             counted += int((labels[:, 0] != -100).sum())
     assert counted == n  # every held-out row once, the repeats none
+
+
+def test_a_mixture_takes_weight_times_each_sources_rows_chosen_by_the_seed() -> None:
+    """dataset.mixture: each source packed on its own; weight 1 is each row once, 2 each twice,
+    0.5 a seeded half without repeats, 1.5 each once and a seeded half again; meta comes along."""
+    def part(first: int, rows: int, meta: bool = False) -> PackedDataset:
+        tokens = np.arange(first, first + rows * 4, dtype=np.uint32).reshape(rows, 4)
+        extra = np.stack([np.ones_like(tokens), np.full_like(tokens, 1)], axis=1) if meta else None
+        return PackedDataset(rows=tokens, tokens=int(tokens.size), meta=extra)
+
+    a, b, c = part(0, 10), part(1000, 8), part(5000, 4)
+    mixed = PackedDataset.mixed([(a, 1.0), (b, 0.5), (c, 2.0)], seed=3)
+    firsts = [int(r[0]) for r in mixed.rows]
+    from_a = [f for f in firsts if f < 1000]
+    from_b = [f for f in firsts if 1000 <= f < 5000]
+    from_c = [f for f in firsts if f >= 5000]
+    assert from_a == [int(r[0]) for r in a.rows]  # each row once, in order
+    assert len(from_b) == 4 and len(set(from_b)) == 4  # half of 8, no repeats
+    assert sorted(from_c) == sorted([int(r[0]) for r in c.rows] * 2)
+    assert len(mixed) == 10 + 4 + 8 and mixed.tokens == mixed.rows.size
+    again = PackedDataset.mixed([(a, 1.0), (b, 0.5), (c, 2.0)], seed=3)
+    other = [PackedDataset.mixed([(a, 1.0), (b, 0.5), (c, 2.0)], seed=s) for s in range(4, 9)]
+    assert np.array_equal(again.rows, mixed.rows) and any(not np.array_equal(o.rows, mixed.rows) for o in other)
+    one_and_a_half = PackedDataset.mixed([(b, 1.5)], seed=0)
+    counts = np.unique(one_and_a_half.rows[:, 0], return_counts=True)[1]
+    assert len(one_and_a_half) == 12 and sorted(counts.tolist()) == [1] * 4 + [2] * 4
+
+    documents = PackedDataset.mixed([(part(0, 3, meta=True), 1.0), (part(100, 2, meta=True), 1.0)], seed=0)
+    assert documents.meta is not None and documents.meta.shape == (5, 2, 4) and documents.tokens == 20
+    with pytest.raises(DatasetError, match=r"every source must be in dataset\.format's shape"):
+        PackedDataset.mixed([(part(0, 3, meta=True), 1.0), (part(100, 2), 1.0)], seed=0)

@@ -72,10 +72,14 @@ POD_FILESYSTEM = [
     ("spec.dataset.validation.uri", "dataset.validation", "../val.jsonl",
      f"spec.dataset.validation.uri: '../val.jsonl' is a relative path, which means nothing in a pod (there is no "
      f"job file to be relative to): {HINT}"),
+    ("spec.dataset.mixture[0].uri", "dataset.mixture", "/mnt/s3-cache/other-team/train.jsonl",
+     f"spec.dataset.mixture[0].uri: '/mnt/s3-cache/other-team/train.jsonl' reads the pod's own filesystem: {HINT}"),
 ]
 
 
 def _with_uri(path: str, uri: str) -> dict[str, Any]:
+    if path == "dataset.mixture":
+        return with_(path, [{"uri": uri, "weight": 0.5}])
     return with_(path, {"uri": uri} if path == "dataset.validation" else uri)
 
 

@@ -215,3 +215,30 @@ def test_a_fetch_pod_that_never_finishes_fails_the_job_after_the_timeout() -> No
         step(cluster, settings)
     assert "not fetched within 60 s (not scheduled: 0/1 nodes are available)" in conditions(cluster)["Failed"]["message"]
     assert cluster.names("Pod") == []
+
+
+def test_a_mixtures_inputs_are_fetched_and_mounted_like_the_dataset() -> None:
+    """dataset.mixture: an s3:// source is fetched with the other inputs, a pvc:// one's claim is
+    mounted, and the runtime is told where each is, in order."""
+    mixture = [{"uri": "s3://data/extra.jsonl", "weight": 0.5}, {"uri": "pvc://more/chat", "weight": 2}]
+    cluster = world(**{**S3, "dataset": {"uri": "s3://data/train.jsonl", "mixture": mixture}})
+    cluster.add({"kind": "PersistentVolumeClaim", "metadata": {"name": "more", "namespace": NS}})
+    step(cluster)
+    fetcher = cluster.get("Pod", NS, FETCHER)
+    assert fetcher is not None
+    assert fetcher["spec"]["containers"][0]["command"][-3:] == [
+        "s3://models/tiny", "s3://data/train.jsonl", "s3://data/extra.jsonl"]
+    lines = [json.dumps({"uri": uri, "objects": 1, "bytes": 100, "downloaded": 1, "bytes_downloaded": 100,
+                         "cached": 0, "removed": 0, "seconds": 0.1})
+             for uri in ("s3://models/tiny", "s3://data/train.jsonl", "s3://data/extra.jsonl")]
+    cluster.run(NS, FETCHER, "gpu-80g")
+    cluster.exit(NS, FETCHER, 0, "\n".join(lines))
+    step(cluster)
+    trainer = cluster.get("Pod", NS, b.pod_name("j", 0, 0))
+    assert trainer is not None
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in trainer["spec"]["volumes"] if "persistentVolumeClaim" in v}
+    assert "more" in claims
+    data = cluster.configmap_data(NS, b.configmap_name("j"))
+    assert data is not None
+    config = RuntimeConfig.model_validate_json(data[b.CONFIG_FILE])
+    assert config.mixture_paths[0] == "/mnt/s3-cache/data/extra.jsonl" and config.mixture_paths[1].endswith("/more/chat")
