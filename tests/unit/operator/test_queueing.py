@@ -177,7 +177,8 @@ def test_admitted_on_a_flavour_the_job_is_planned_on_that_flavours_nodes() -> No
     assert queueing.fits_within(queueing.pod_set(pod, 1, 0), the_workload(cluster))
 
 
-def test_an_eviction_suspends_the_attempt_hands_the_quota_back_and_readmission_resumes() -> None:
+def admitted_and_running() -> FakeCluster:
+    """A queued job, admitted by Kueue, its attempt's pod running."""
     cluster = queued_world("gpu-80g")
     step(cluster)
     admit(cluster)
@@ -185,6 +186,11 @@ def test_an_eviction_suspends_the_attempt_hands_the_quota_back_and_readmission_r
     cluster.run(NS, "j-a0-0", "gpu-80g")
     step(cluster)
     assert status(cluster)["phase"] == "Running"
+    return cluster
+
+
+def test_an_eviction_suspends_the_attempt_hands_the_quota_back_and_readmission_resumes() -> None:
+    cluster = admitted_and_running()
 
     evict(cluster)
     step(cluster)
@@ -385,13 +391,7 @@ def test_a_spec_that_stops_parsing_fails_a_queued_job_as_before_and_finishes_its
 
 
 def test_a_spec_that_stops_parsing_under_an_admitted_attempt_stops_its_pods_and_finishes_its_workload() -> None:
-    cluster = queued_world("gpu-80g")
-    step(cluster)
-    admit(cluster)
-    step(cluster)
-    cluster.run(NS, "j-a0-0", "gpu-80g")
-    step(cluster)
-    assert status(cluster)["phase"] == "Running"
+    cluster = admitted_and_running()
     cluster.set_spec(NS, "j", training={"maxSteps": -1})
     with pytest.raises(PermanentFailure, match="maxSteps"):
         step(cluster)
