@@ -91,10 +91,66 @@ def dataset_fingerprint(source: DatasetSource, path: Path, tokenizer_dir: Path, 
     return h.hexdigest()[:32]
 
 
-def mixture_fingerprint(fingerprints: list[str], weights: list[float], seed: int) -> str:
-    """A mixture's tokens: its sources' (`dataset_fingerprint`), their weights and the seed
-    that chooses the rows of a fractional weight."""
+# A dataset's sources: (path, weight, the spec field it came from): dataset.uri alone (weight
+# 1), or with dataset.mixture's; validation.uri alone.
+Sources = list[tuple[Path, float, str]]
+
+
+def _named(field: str, err: DatasetError) -> DatasetError:
+    """`err` naming the field its source came from (the readers say dataset.uri)."""
+    return DatasetError(str(err).replace("dataset.uri", field.removeprefix("spec."), 1))
+
+
+def sources_fingerprint(source: DatasetSource, sources: Sources, tokenizer_dir: Path, sequence_length: int,
+                        seed: int) -> str:
+    """What the tokens of `sources` depend on: one source's `dataset_fingerprint`; a mixture's
+    sources', their weights and the seed that chooses the rows of a fractional weight."""
+    fingerprints = []
+    for where, _, spec_field in sources:
+        try:
+            fingerprints.append(dataset_fingerprint(source, where, tokenizer_dir, sequence_length))
+        except DatasetError as err:
+            raise _named(spec_field, err) from None
+    if len(sources) == 1:
+        return fingerprints[0]
+    weights = [weight for _, weight, _ in sources]
     return hashlib.sha256(json.dumps([fingerprints, weights, seed]).encode()).hexdigest()[:32]
+
+
+def tokenize_sources(source: DatasetSource, sources: Sources, tokenizer: Any, sequence_length: int,
+                     seed: int) -> tuple[PackedDataset, str]:
+    """Each source read, tokenized and packed on its own in `source`'s format, then (several)
+    mixed per weight (`PackedDataset.mixed`): the dataset and what was built, for the log."""
+    parts = []
+    for where, weight, spec_field in sources:
+        try:
+            parts.append((*_tokenized(source, where, tokenizer, sequence_length), weight, spec_field))
+        except DatasetError as err:
+            raise _named(spec_field, err) from None
+    if len(parts) == 1:
+        return parts[0][0], parts[0][1]
+    dataset = PackedDataset.mixed([(part, weight) for part, _, weight, _ in parts], seed)
+    built = "mixture: " + "; ".join(f"{name.removeprefix('spec.')} {len(part)} sequences x {weight:g} "
+                                    f"({described.rstrip(', ')})" for part, described, weight, name in parts)
+    return dataset, f"{built}, {len(dataset)} sequences in all, "
+
+
+def _tokenized(source: DatasetSource, path: Path, tokenizer: Any, sequence_length: int) -> tuple[PackedDataset, str]:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if source.format == "preference":
+        pairs = read_pairs(source, path, tokenizer, sequence_length)
+        skipped = f", {pairs.skipped} bad records skipped (first: {pairs.first_skipped})" if pairs.skipped else ""
+        return (PackedDataset.build_pairs(pairs.pairs, int(pad or 0), sequence_length),
+                f"{len(pairs.pairs)} preference pairs tokenized{skipped}, ")
+    if source.format not in ("chat", "completion"):
+        texts = read_texts(source, path)
+        build = PackedDataset.build_text_documents if source.text_packing == "apart" else PackedDataset.build
+        return build(texts, tokenizer, sequence_length), f"{len(texts)} texts tokenized, "
+    read = read_documents(source, path, tokenizer, sequence_length)
+    learned = sum(sum(learn) for _, learn in read.docs)
+    skipped = f", {read.skipped} bad records skipped (first: {read.first_skipped})" if read.skipped else ""
+    return (PackedDataset.build_documents(read.docs, int(pad or 0), sequence_length, source.packing),
+            f"{len(read.docs)} {source.format} records tokenized ({learned} tokens learned){skipped}, ")
 
 
 def read_documents(source: DatasetSource, path: Path, tokenizer: Any, sequence_length: int) -> Any:

@@ -23,16 +23,7 @@ from typing import Any
 
 from spillway_runtime import k8s_status
 from spillway_runtime.contract import STOP_GRACE_SECONDS_ENV, ExitCode
-from spillway_runtime.data import (
-    CACHE_DIR_NAME,
-    PackedDataset,
-    dataset_fingerprint,
-    mixture_fingerprint,
-    read_documents,
-    read_pairs,
-    read_texts,
-    token_cache_path,
-)
+from spillway_runtime.data import CACHE_DIR_NAME, PackedDataset, sources_fingerprint, token_cache_path, tokenize_sources
 from spillway_runtime.dataset_files import DatasetError
 from spillway_runtime.dsconfig import DeepSpeedConfigError, fit_swap_buffers_to_memlock, memlock_limit
 from spillway_runtime.processes import free_port
@@ -186,19 +177,17 @@ class FineTuneRecipe(Checkpointing):
         field) mixed in): tokenized once, by rank 0, into a cache beside the checkpoints that the
         other ranks, restarts and resumes map instead of tokenizing again. (The dataset, what
         was built (for the log), the cache file.)"""
-        sequence_length = self.spec.training.sequence_length
+        sequence_length, seed = self.spec.training.sequence_length, self.spec.training.seed
         sources = [(source, self.spec.dataset.weight if mixture else 1.0, field), *(mixture or [])]
         failure, built = None, ""
         path = cache / "unset"
         try:
-            fingerprints = [dataset_fingerprint(self.spec.dataset, where, Path(self.cfg.tokenizer_dir), sequence_length)
-                            for where, _, _ in sources]
-            fingerprint = fingerprints[0] if len(sources) == 1 else mixture_fingerprint(
-                fingerprints, [weight for _, weight, _ in sources], self.spec.training.seed)
-            path = token_cache_path(cache, fingerprint)
+            path = token_cache_path(cache, sources_fingerprint(self.spec.dataset, sources, Path(self.cfg.tokenizer_dir),
+                                                               sequence_length, seed))
             if self.rank == 0 and not path.is_file():
-                built = self._tokenize(sources, sequence_length, path)
-        except _SourceError as err:
+                dataset, built = tokenize_sources(self.spec.dataset, sources, self.tokenizer, sequence_length, seed)
+                dataset.save(path)
+        except DatasetError as err:
             failure = str(err)
         except OSError as err:
             failure = (
@@ -209,42 +198,6 @@ class FineTuneRecipe(Checkpointing):
         if failure is not None:
             raise RunFailed(failure, ExitCode.BAD_INPUT)
         return PackedDataset.load(path), built, path
-
-    def _tokenize(self, sources: list[tuple[Path, float, str]], sequence_length: int, path: Path) -> str:
-        """Each source tokenized and packed on its own, then (several) mixed per weight; saved."""
-        parts = []
-        for where, weight, field in sources:
-            try:
-                parts.append((*self._tokenized(where, sequence_length), weight, field))
-            except DatasetError as err:
-                raise _SourceError(str(err).replace("dataset.uri", field.removeprefix("spec."), 1)) from None
-        if len(parts) == 1:
-            dataset, built = parts[0][0], parts[0][1]
-        else:
-            dataset = PackedDataset.mixed([(part, weight) for part, _, weight, _ in parts], self.spec.training.seed)
-            built = "mixture: " + "; ".join(f"{field.removeprefix('spec.')} {len(part)} sequences x {weight:g} "
-                                            f"({described.rstrip(', ')})" for part, described, weight, field in parts)
-            built += f", {len(dataset)} sequences in all, "
-        dataset.save(path)
-        return built
-
-    def _tokenized(self, dataset_path: Path, sequence_length: int) -> tuple[PackedDataset, str]:
-        source = self.spec.dataset
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        if source.format == "preference":
-            pairs = read_pairs(source, dataset_path, self.tokenizer, sequence_length)
-            skipped = f", {pairs.skipped} bad records skipped (first: {pairs.first_skipped})" if pairs.skipped else ""
-            return (PackedDataset.build_pairs(pairs.pairs, int(pad or 0), sequence_length),
-                    f"{len(pairs.pairs)} preference pairs tokenized{skipped}, ")
-        if source.format not in ("chat", "completion"):
-            texts = read_texts(source, dataset_path)
-            build = PackedDataset.build_text_documents if source.text_packing == "apart" else PackedDataset.build
-            return build(texts, self.tokenizer, sequence_length), f"{len(texts)} texts tokenized, "
-        read = read_documents(source, dataset_path, self.tokenizer, sequence_length)
-        learned = sum(sum(learn) for _, learn in read.docs)
-        skipped = f", {read.skipped} bad records skipped (first: {read.first_skipped})" if read.skipped else ""
-        return (PackedDataset.build_documents(read.docs, int(pad or 0), sequence_length, source.packing),
-                f"{len(read.docs)} {source.format} records tokenized ({learned} tokens learned){skipped}, ")
 
     def _setup_engine(self) -> None:
         import deepspeed
@@ -658,10 +611,6 @@ class FineTuneRecipe(Checkpointing):
         self.reporter.close()
         if getattr(self, "dist", None) is not None and self.dist.is_initialized():
             self.dist.destroy_process_group()
-
-
-class _SourceError(Exception):
-    """A dataset source that cannot be used, its message naming its field."""
 
 
 def lora_config(method: Any) -> Any:
