@@ -44,6 +44,7 @@ SPEC_INVALID = "spec invalid"  # the spec does not parse, or (not yet started) a
 NO_KUEUE = "queue named, Kueue off"
 CANNOT_START = "attempt cannot start"  # no model shape, fits nowhere, DeepSpeed settings, S3 inputs, no Kueue API
 PLANNED = "planned, pods created"
+WAITING_FOR_INPUTS = "a claim or StorageClass it names does not exist"  # a new job's first phase, with why
 WAITING_FOR_KUEUE = "waiting for Kueue"  # the Workload of the plan is not admitted (yet)
 STILL_QUEUED = "still waiting for Kueue"
 ADMITTED = "admitted by Kueue"
@@ -80,6 +81,7 @@ _TERMINAL: Mapping[str, tuple[str, ...]] = {"Pending": (ROLLBACK,), "Failed": (S
 # phase -> the phases that may follow it -> the events that cause each move.
 TRANSITIONS: Mapping[str, Mapping[str, tuple[str, ...]]] = {
     "Pending": {
+        "Pending": (WAITING_FOR_INPUTS,),
         "Planned": (PLANNED,),
         "Queued": (WAITING_FOR_KUEUE,),
         "Suspended": (SUSPEND,),

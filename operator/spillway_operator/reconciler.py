@@ -572,12 +572,8 @@ def _read_model_config(change: StatusChange, spec: FineTuneJobSpec, settings: Op
     uri = spec.model.uri
     claim = model_source.claim_of(uri)
     if not change.cluster.pvc_exists(namespace, claim):
-        message = f"PersistentVolumeClaim {claim!r} (from spec.model.uri) does not exist in {namespace}"
-        if (b.condition(change.conditions, "InputsReady") or {}).get("message") != message:
-            change.event("Warning", "InputsMissing", message)
-        change.cond("InputsReady", False, "InputsMissing", message)
-        change.commit()
-        return Result(requeue_after=INPUT_RETRY_SECONDS)
+        return _wait_for_inputs(change, f"PersistentVolumeClaim {claim!r} (from spec.model.uri) does not exist "
+                                        f"in {namespace}")
     uid = meta["uid"]
     pod = next((p for p in change.cluster.job_pods(namespace, name) if model_source.is_reader(p)
                 and any(o.get("uid") == uid for o in p["metadata"].get("ownerReferences") or [])), None)
@@ -607,6 +603,21 @@ def _read_model_config(change: StatusChange, spec: FineTuneJobSpec, settings: Op
     return None
 
 
+def _wait_for_inputs(change: StatusChange, message: str) -> Result:
+    """A claim or StorageClass the job names does not exist (yet): an InputsReady condition and
+    a Warning when that changes, and, where `kubectl get` looks, a new job's phase Pending with
+    the message, rather than no phase at all. Retried until the admin makes them."""
+    if (b.condition(change.conditions, "InputsReady") or {}).get("message") != message:
+        change.event("Warning", "InputsMissing", message)
+    change.cond("InputsReady", False, "InputsMissing", message)
+    if not change.old.get("phase"):
+        change.enter(b.PHASE_PENDING)
+    if change.status.get("phase") == b.PHASE_PENDING:
+        change.status["message"] = f"waiting for inputs: {message}"
+    change.commit()
+    return Result(requeue_after=INPUT_RETRY_SECONDS)
+
+
 def _create_attempt(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorSettings, chosen: Any,
                     config: Any) -> Result:
     """The plan is made: once every input exists, store it and create the attempt's children."""
@@ -615,13 +626,7 @@ def _create_attempt(change: StatusChange, spec: FineTuneJobSpec, settings: Opera
     plan = chosen.plan
     missing = children.missing_inputs(change.cluster, namespace, spec, plan, settings)
     if missing:
-        message = "; ".join(missing)
-        old_cond = b.condition(change.conditions, "InputsReady") or {}
-        if old_cond.get("message") != message:
-            change.event("Warning", "InputsMissing", message)
-        change.cond("InputsReady", False, "InputsMissing", message)
-        change.commit()
-        return Result(requeue_after=INPUT_RETRY_SECONDS)
+        return _wait_for_inputs(change, "; ".join(missing))
     if b.condition(change.conditions, "InputsReady"):
         change.cond("InputsReady", True, "Found", "every PVC and StorageClass the job names exists")
     queue = queueing.queue_name(change.job, spec)

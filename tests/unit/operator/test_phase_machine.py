@@ -183,6 +183,13 @@ def hold_for_input(job: Job) -> None:
     del job.cluster.objects[("PersistentVolumeClaim", NS, "data")]
 
 
+def waits_for_input(job: Job) -> None:
+    """A new job whose data claim does not exist: stored Pending, the message naming the claim."""
+    hold_for_input(job)
+    job.step()
+    assert status(job.cluster)["phase"] == "Pending" and "'data'" in status(job.cluster)["message"]
+
+
 def resume(job: Job) -> None:
     hold_for_input(job)
     job.cluster.set_spec(NS, "j", suspend=False)
@@ -255,6 +262,7 @@ def pod_deleted_then_bound(job: Job) -> None:
 
 # (source, target) -> how to get a job to `source`, and the event that moves it to `target`.
 SCENARIOS: dict[tuple[str, str], tuple[Callable[[], Job], Callable[[Job], None]]] = {
+    ("Pending", "Pending"): (pending, waits_for_input),
     ("Pending", "Planned"): (pending, reconciled),
     ("Pending", "Queued"): (lambda: Job(queued_world(), KUEUE), reconciled),
     ("Pending", "Suspended"): (pending, suspend),

@@ -257,6 +257,9 @@ def test_a_missing_input_claim_holds_the_job_until_it_exists() -> None:
     del cluster.objects[("PersistentVolumeClaim", NS, "data")]
     assert step(cluster).requeue_after is not None
     assert cluster.names("Pod") == [] and reasons(cluster) == ["InputsMissing"]
+    # `kubectl get` shows a phase and `status.message` why, not an empty row
+    assert status(cluster)["phase"] == "Pending"
+    assert status(cluster)["message"].startswith("waiting for inputs: PersistentVolumeClaim 'data'")
     cluster.add({"kind": "PersistentVolumeClaim", "metadata": {"name": "data", "namespace": NS}})
     step(cluster)
     assert cluster.names("Pod") == ["j-a0-0"]
