@@ -39,7 +39,7 @@ class _Model(BaseModel):
 
 class PoolNvme(_Model):
     path: str = Field(description="The directory on the node's NVMe under which each job gets its own for swap files "
-                      "(a hostPath subPath; mode 1777, see the README's security model)")
+                      "(a hostPath subPath; mode 1777, see docs/security.md)")
     capacity: str = Field(description="Its size, a Kubernetes quantity (e.g. 1800G)")
     read_bytes_per_second: int | None = None
     write_bytes_per_second: int | None = None

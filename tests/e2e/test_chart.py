@@ -587,7 +587,7 @@ def test_install_rbac_upgrade_and_uninstall(
     cluster.wait_for(lambda: not pods_of(cluster, namespace, "node-probe"), 30, what="probe pods gone")
     cluster.wait_for(lambda: running_on(cluster, namespace, "operator"), 60, what="upgraded operator Running")
 
-    # Uninstall: only what the README says is kept survives: the CRD and the SQLite PVC.
+    # Uninstall: only what the chart's README says is kept survives: the CRD and the SQLite PVC.
     assert len(owned_objects(cluster, namespace)) > 15
     cluster.helm("uninstall", RELEASE, "-n", namespace, "--wait")
     assert owned_objects(cluster, namespace) == {"persistentvolumeclaim/spillway-db"}

@@ -219,7 +219,7 @@ def test_plan_cli_reference_points_and_infeasible_exit():
     assert short.returncode == 3
     assert "CPU RAM is short by" in short.stderr and "GiB" in short.stderr
 
-    # LoRA, as the README gives it: 13B in CPU RAM, 70B with the frozen base on NVMe
+    # LoRA, as docs/methods.md gives it: 13B in CPU RAM, 70B with the frozen base on NVMe
     def lora(params: str) -> dict:
         out = spillway("plan", "--params", params, "--gpu-memory", "24GiB", "--cpu-memory", "128GiB", "--nvme", "2TB",
                        "--method", "lora", "--output", "json")

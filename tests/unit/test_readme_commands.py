@@ -1,6 +1,6 @@
-"""Every `spillway ...` command the README shows (in its shell blocks and inline) names a
-command and options that the CLI has: a renamed flag or a removed subcommand fails here, not
-in a newcomer's terminal."""
+"""Every `spillway ...` command the README and the docs/ pages show (in their shell blocks and
+inline) names a command and options that the CLI has: a renamed flag or a removed subcommand
+fails here, naming the file, not in a newcomer's terminal."""
 
 from __future__ import annotations
 
@@ -14,17 +14,25 @@ from typer.main import get_command
 
 from spillway_api.cli import build_app
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_OPERATORS = {">", ">>", "<", "|", "||", "&&", ";", "&", "2>&1"}
 
 
-def readme_invocations() -> list[str]:
-    text = README.read_text()
+def invocations(page: Path) -> list[str]:
+    """The `spillway ...` commands one page shows, each once."""
+    text = page.read_text()
     found = []
     for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S):
         found += [line.strip() for line in block.splitlines() if line.strip().startswith("spillway ")]
     found += [span for span in re.findall(r"`([^`\n]+)`", text) if span.startswith("spillway ")]
-    return list(dict.fromkeys(found))  # each once
+    return list(dict.fromkeys(found))
+
+
+def shown_commands() -> list[tuple[str, str]]:
+    """(file relative to the repository, command) for every page."""
+    return [(str(page.relative_to(ROOT)), line) for page in PAGES for line in invocations(page)]
 
 
 def check(root: Any, line: str) -> list[str]:
@@ -47,13 +55,17 @@ def check(root: Any, line: str) -> list[str]:
 
 
 def test_the_readme_shows_commands() -> None:
-    lines = readme_invocations()
-    assert len(lines) >= 12 and any(line.startswith("spillway plan") for line in lines), lines
+    # The README shows the one-machine path itself; the pages together show the CLI at large.
+    readme = invocations(README)
+    for name in ("plan", "run", "export"):
+        assert any(line.startswith(f"spillway {name} ") for line in readme), (name, readme)
+    everywhere = {line for _, line in shown_commands()}
+    assert len(everywhere) >= 12, sorted(everywhere)
 
 
-@pytest.mark.parametrize("line", readme_invocations())
-def test_every_command_in_the_readme_exists_with_its_options(line: str) -> None:
-    assert check(get_command(build_app()), line) == []
+@pytest.mark.parametrize(("page", "line"), shown_commands())
+def test_every_command_in_the_readme_exists_with_its_options(page: str, line: str) -> None:
+    assert check(get_command(build_app()), line) == [], f"{page}: {line}"
 
 
 def test_a_renamed_option_or_command_would_be_caught() -> None:

@@ -219,7 +219,7 @@ def test_plan_without_a_size_answers_the_largest_model_per_placement(client: Any
     assert [(p["placement"], p["parameters"], p["predictedStepSeconds"], p["whyNot"]) for p in box["placements"]] \
         == [(f.placement, f.parameters, f.predicted_step_seconds, f.why_not) for f in expected]
     by = {p["placement"]: p["parameters"] for p in box["placements"]}
-    # The seeds' first case: more fits as state moves off the GPU (the README's figures).
+    # The seeds' first case: more fits as state moves off the GPU (docs/one-machine.md's figures).
     assert by["Z3 opt:nvme par:nvme"] > by["Z3 opt:nvme par:cpu"] > by["Z3 opt:cpu par:cpu"] > 10**9
     # Nodes of one shape answer once; a policy rules placements out by name.
     node = {"metadata": {"name": "n1", "labels": {"nvidia.com/gpu.product": "NVIDIA-L4", "nvidia.com/gpu.memory": "24576"}},
