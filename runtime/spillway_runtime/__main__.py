@@ -9,24 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from spillway_runtime import startup
 from spillway_runtime.contract import ExitCode
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-def import_deepspeed() -> None:
-    """DeepSpeed with mlflow hidden from it: its autotuner (which Spillway never runs) imports
-    mlflow at import time when it is installed, as it is for `spec.tracking`, and that is 1-2 s
-    of every rank's start on two cores (`python -X importtime`). A job that tracks to MLflow
-    imports it later, as if this never happened."""
-    hidden = "mlflow" not in sys.modules
-    if hidden:
-        sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError
-    try:
-        import deepspeed  # noqa: F401
-    finally:
-        if hidden and sys.modules.get("mlflow", ...) is None:
-            del sys.modules["mlflow"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     # transformers' and the Hub's tqdm bars ("Writing model shards") would cut through the
     # run's own progress bar and fill pod logs; the events say what they would.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    import_deepspeed()
+    startup.import_deepspeed()
 
     from spillway_runtime.checkpoint import CheckpointError
     from spillway_runtime.dataset_files import DatasetError

@@ -54,7 +54,7 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
     from spillway_runtime.ds_checkpoint import SpillwayCheckpointEngine, direct_io, read_swap_file
     from spillway_runtime.dsconfig import memlock_limit
     from spillway_runtime.hardware import AioSettings
-    from spillway_runtime.recipe import MERGED_DIR, lora_config, save_merged
+    from spillway_runtime.lora import MERGED_DIR, lora_config, save_merged
     from spillway_runtime.recipe_checkpoints import DS_TAG
     from spillway_runtime.universal import UniversalError, write_universal
 

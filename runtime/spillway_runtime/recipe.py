@@ -8,24 +8,22 @@ module owns the policy around it: the learning-rate schedule, checkpoint cadence
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
 import os
 import random
 import shutil
 import signal
-import sys
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any
 
-from spillway_runtime import k8s_status
+from spillway_runtime import k8s_status, startup
 from spillway_runtime.contract import STOP_GRACE_SECONDS_ENV, ExitCode
 from spillway_runtime.data import CACHE_DIR_NAME, PackedDataset, sources_fingerprint, token_cache_path, tokenize_sources
 from spillway_runtime.dataset_files import DatasetError
 from spillway_runtime.dsconfig import DeepSpeedConfigError, fit_swap_buffers_to_memlock, memlock_limit
+from spillway_runtime.lora import MERGED_DIR, lora_config, save_merged
 from spillway_runtime.processes import free_port
 from spillway_runtime.recipe_checkpoints import Checkpointing, RunFailed
 from spillway_runtime.reporting import Reporter
@@ -33,7 +31,6 @@ from spillway_runtime.runconfig import RuntimeConfig
 from spillway_runtime.tracking import build_listeners
 from spillway_runtime.units import format_bytes
 
-MERGED_DIR = "merged"  # LoRA with export.merge: the merged model, beside the adapter
 # checkpoint.mirror: how long the end of training waits for the last upload (the object
 # store away: the run still succeeds, with a mirror_behind event), and a stop's grace
 # outside a pod (in one, the pod's own) less what the exit needs.
@@ -124,7 +121,7 @@ class FineTuneRecipe(Checkpointing):
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:  # one process, no supervisor
             os.environ["MASTER_PORT"] = str(free_port())
-        _ask_cpuinfo_once()
+        startup.ask_cpuinfo_once()
         import deepspeed
         import numpy as np
         import torch
@@ -246,7 +243,7 @@ class FineTuneRecipe(Checkpointing):
         model.config.use_cache = False
         if self.spec.method.lora:
             model = self._with_lora(model)
-        _import_muon_without_compiling()
+        startup.import_muon_without_compiling()
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
         )
@@ -611,69 +608,6 @@ class FineTuneRecipe(Checkpointing):
         self.reporter.close()
         if getattr(self, "dist", None) is not None and self.dist.is_initialized():
             self.dist.destroy_process_group()
-
-
-def lora_config(method: Any) -> Any:
-    """PEFT's LoraConfig of a job's `method` (training and `spillway export` alike)."""
-    from peft import LoraConfig
-
-    return LoraConfig(r=method.rank, lora_alpha=method.alpha, lora_dropout=method.dropout,
-                      target_modules=method.peft_targets, task_type="CAUSAL_LM")
-
-
-def save_merged(base_dir: Path, adapter: Path, target: Path, dtype: Any, tokenizer: Any) -> None:
-    """The base model read again on the CPU, the exported adapter merged in by PEFT, saved with
-    the tokenizer (the end of a run and `spillway export` alike: the same bits)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
-    merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
-    merged.save_pretrained(target, safe_serialization=True)
-    tokenizer.save_pretrained(target)
-
-
-def _ask_cpuinfo_once() -> None:
-    """DeepSpeed asks py-cpuinfo three times while it loads the CPU Adam op, and every answer
-    costs a subprocess (1.3 s each on this machine, 3.9 s of every start). The CPU does not
-    change during a run: ask once."""
-    import cpuinfo
-
-    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
-        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
-
-
-def _import_muon_without_compiling() -> None:
-    """DeepSpeed's ZeRO set-up imports its Muon optimizer module only to ask whether the
-    optimizer is one (Spillway configures Adam). That module applies torch.compile to three
-    functions at import, and torch.compile loads the inductor compiler on the spot (about 4 s
-    of every start). Import it with torch.compile deferred to each function's first call: the
-    functions are compiled exactly as before if anything ever calls them."""
-    import torch
-
-    if "deepspeed.runtime.zero.muon.original_muon" in sys.modules:
-        return
-    compile_now = torch.compile
-
-    def compile_on_first_call(model: Any = None, **options: Any) -> Any:
-        if model is None:  # used as @torch.compile(...)
-            return lambda fn: compile_on_first_call(fn, **options)
-        compiled: list[Any] = []
-
-        @functools.wraps(model)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if not compiled:
-                compiled.append(compile_now(model, **options))
-            return compiled[0](*args, **kwargs)
-
-        return call
-
-    torch.compile = compile_on_first_call
-    try:
-        with contextlib.suppress(ImportError):  # a DeepSpeed without Muon: nothing to defer
-            import deepspeed.runtime.zero.muon.original_muon  # noqa: F401
-    finally:
-        torch.compile = compile_now
 
 
 def _disk_bytes() -> dict[str, int]:

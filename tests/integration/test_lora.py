@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from spillway_runtime.checkpoint import MANIFEST, checkpoint_name
-from spillway_runtime.recipe import MERGED_DIR
+from spillway_runtime.lora import MERGED_DIR
 from spillway_runtime.runconfig import FaultInjection
 
 from .conftest import run_job

@@ -9,7 +9,7 @@ import sys
 
 CHECK = """
 import sys
-from spillway_runtime.__main__ import import_deepspeed
+from spillway_runtime.startup import import_deepspeed
 import_deepspeed()
 import deepspeed.autotuning.autotuner as autotuner
 assert "deepspeed" in sys.modules and "mlflow" not in sys.modules, sorted(m for m in sys.modules if "mlflow" in m)
