@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from spillway_runtime.dsconfig import DeepSpeedConfigError, check_overrides
-from spillway_runtime.runconfig import S3_CACHE_MOUNT, resolve_uri
+from spillway_runtime.runconfig import S3_CACHE_MOUNT, input_uris, resolve_uri
 from spillway_runtime.spec import FineTuneJobSpec, SpecError, parse_job
 
 # A PersistentVolumeClaim's name: a DNS-1123 subdomain.
@@ -51,7 +51,7 @@ def new_job_problems(spec: FineTuneJobSpec, *, cluster: bool) -> list[str]:
 def spec_problems(spec: FineTuneJobSpec, *, cluster: bool) -> list[str]:
     """The checks past the spec model's own: URIs and the DeepSpeed overrides. ``cluster``:
     the job's pods run in a cluster, where only pvc:// and s3:// name inputs."""
-    found = [line for field, uri in _uris(spec) for line in _uri_problems(field, uri, cluster=cluster)]
+    found = [line for field, uri in input_uris(spec) for line in _uri_problems(field, uri, cluster=cluster)]
     if spec.offload.nvme.host_path:
         found.append(HOST_PATH_REFUSED)
     found += _control_plane_problems(spec)
@@ -60,16 +60,6 @@ def spec_problems(spec: FineTuneJobSpec, *, cluster: bool) -> list[str]:
     except DeepSpeedConfigError as err:
         found.append(f"spec.{err}")
     return found
-
-
-def _uris(spec: FineTuneJobSpec) -> list[tuple[str, str]]:
-    uris = [("spec.model.uri", spec.model.uri), ("spec.dataset.uri", spec.dataset.uri),
-            *((f"spec.dataset.mixture[{i}].uri", m.uri) for i, m in enumerate(spec.dataset.mixture))]
-    if spec.model.tokenizer_uri:
-        uris.append(("spec.model.tokenizerUri", spec.model.tokenizer_uri))
-    if spec.dataset.validation and spec.dataset.validation.uri:
-        uris.append(("spec.dataset.validation.uri", spec.dataset.validation.uri))
-    return uris
 
 
 # What a cluster job's URI is written as instead of a path on the pod's own filesystem

@@ -22,7 +22,7 @@ from spillway_runtime.contract import (
 )
 from spillway_runtime.dsconfig import build_deepspeed_config
 from spillway_runtime.planner import OffloadPlan
-from spillway_runtime.runconfig import S3_CACHE_MOUNT, RuntimeConfig, resolve_uri
+from spillway_runtime.runconfig import S3_CACHE_MOUNT, RuntimeConfig, input_uris, resolve_uri
 from spillway_runtime.spec import API_GROUP, API_VERSION, KIND, FineTuneJob, FineTuneJobSpec
 from spillway_runtime.units import GiB
 
@@ -175,11 +175,8 @@ def child_meta(job: dict[str, Any], name: str, component: str, extra: dict[str, 
 
 
 def _claims(spec: FineTuneJobSpec) -> list[str]:
-    held_out = spec.dataset.validation.uri if spec.dataset.validation else None
-    uris = [spec.model.uri, spec.dataset.uri, *(m.uri for m in spec.dataset.mixture), spec.model.tokenizer_uri or "",
-            held_out or ""]
     claims = []
-    for uri in uris:
+    for _, uri in input_uris(spec):
         if uri.startswith("pvc://"):
             claim = uri[len("pvc://") :].split("/", 1)[0]
             if claim and claim not in claims:

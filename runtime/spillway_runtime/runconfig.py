@@ -59,13 +59,19 @@ class RuntimeConfig(BaseModel):
         return cls.model_validate_json(Path(path).read_text())
 
 
-def s3_inputs(spec: FineTuneJobSpec) -> list[tuple[str, str]]:
-    """(field, URI) of every s3:// input of a spec: what is fetched before training reads it."""
+def input_uris(spec: FineTuneJobSpec) -> list[tuple[str, str]]:
+    """(field, URI) of every input a job reads: model, tokenizer, dataset, mixture, held-out
+    data. What admission checks, the operator fetches (s3://) or mounts (pvc://)."""
     uris = [("spec.model.uri", spec.model.uri), ("spec.model.tokenizerUri", spec.model.tokenizer_uri),
             ("spec.dataset.uri", spec.dataset.uri),
             *((f"spec.dataset.mixture[{i}].uri", m.uri) for i, m in enumerate(spec.dataset.mixture)),
             ("spec.dataset.validation.uri", spec.dataset.validation.uri if spec.dataset.validation else None)]
-    return [(field, uri) for field, uri in uris if uri and uri.startswith("s3://")]
+    return [(field, uri) for field, uri in uris if uri]
+
+
+def s3_inputs(spec: FineTuneJobSpec) -> list[tuple[str, str]]:
+    """(field, URI) of every s3:// input of a spec: what is fetched before training reads it."""
+    return [(field, uri) for field, uri in input_uris(spec) if uri.startswith("s3://")]
 
 
 def check_cached_inputs(config: RuntimeConfig, root: Path = S3_CACHE_MOUNT) -> None:
