@@ -57,7 +57,10 @@ def is_fetcher(pod: dict[str, Any]) -> bool:
 def build_fetch_pod(job: dict[str, Any], spec: FineTuneJobSpec, node: str, attempt: int,
                     settings: OperatorSettings) -> dict[str, Any]:
     """The pod that fills `node`'s cache: training image, pinned to the node, no GPU, no API
-    access, the storage Secret's keys, the cache hostPath handed to the training uid."""
+    access, the storage Secret's keys, nothing run as root. The kubelet makes the job's part
+    of the cache (a subPath) with the mode of the cache's root, which the chart's node probe
+    leaves at 1777 (so 0777: the sticky bit is not copied), as it does the NVMe root; on a
+    node whose root it did not prepare the fetch fails naming that (`s3_fetch`)."""
     storage = spec.storage
     command = ["python", "-m", "spillway_runtime.s3_fetch", "--root", str(S3_CACHE_MOUNT)]
     if storage.endpoint_url:
@@ -80,17 +83,6 @@ def build_fetch_pod(job: dict[str, Any], spec: FineTuneJobSpec, node: str, attem
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
             {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}]}}},
-        # The kubelet makes a missing subPath directory root's: hand this job's part (and only
-        # it: the init container mounts the same subPath) to the training uid
-        "initContainers": [{
-            "name": "cache-owner",
-            "image": settings.runtime_image,
-            "command": ["chown", f"{uid}:{uid}", str(S3_CACHE_MOUNT)],
-            "volumeMounts": mounts[:1],
-            "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "32Mi"}},
-            "securityContext": {**hardened, "runAsUser": 0, "runAsNonRoot": False,
-                                "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]}},
-        }],
         "containers": [{
             "name": "fetch",
             "image": settings.runtime_image,

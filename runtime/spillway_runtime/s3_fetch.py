@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -34,21 +35,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("/dev/termination-log"))
     args = parser.parse_args(argv)
     where = Endpoint(args.endpoint, args.region, args.secret)
+    if args.root.is_dir() and not os.access(args.root, os.W_OK):
+        return _fail(args.out, f"the node's S3 cache ({args.root}, a subPath the kubelet made with the mode of "
+                     f"the chart's operator.s3CacheHostPath) is not writable by uid {os.getuid()}: the chart's node "
+                     "probe leaves that directory mode 1777; on a node it does not run on, make it so (chmod 1777)")
     lines = []
     for uri in args.uris:
         try:
             result = fetch(uri, root=args.root, where=where)
         except ObjectStoreError as err:
-            message = f"error: {err}"
-            args.out.write_bytes(message.encode()[:MESSAGE_LIMIT])
-            print(message, file=sys.stderr)
-            return 2
+            return _fail(args.out, str(err))
         fields = result.event_fields()
         fields.pop("path")
         print(json.dumps({"event": "fetched", **fields}), flush=True)
         lines.append(json.dumps(fields, separators=(",", ":")))
     args.out.write_bytes("\n".join(lines).encode()[:MESSAGE_LIMIT])
     return 0
+
+
+def _fail(out: Path, why: str) -> int:
+    message = f"error: {why}"
+    out.write_bytes(message.encode()[:MESSAGE_LIMIT])
+    print(message, file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -187,8 +187,8 @@ CHECKOV_JUSTIFIED = {
                   "the request already reserves their share",
     "CKV_K8S_15": "images are pinned by tag; pullPolicy is a value (IfNotPresent by default, for mirrored and "
                   "air-gapped registries)",
-    "CKV_K8S_25": "the node probe's init container adds CHOWN and FOWNER, to hand its NVMe root to uid 1000 "
-                  "with mode 1777; the training pods add none",
+    "CKV_K8S_25": "the node probe's init container adds CHOWN and FOWNER, to hand the NVMe and S3 cache roots "
+                  "to uid 1000 with mode 1777; no pod of the operator's adds any",
     "CKV_K8S_38": "the operator, the API and the node probe call the API server with their tokens",
     "CKV_K8S_40": "uid 1000 is the training image's user, who owns the node directories jobs write",
     "CKV_K8S_43": "images are values by tag; a digest can be given as the tag",
@@ -655,8 +655,16 @@ def _the_operators_token_reaches_only_the_children_of_jobs(cluster: Cluster, nam
                                ownerReferences=child["metadata"]["ownerReferences"])
     refused = as_operator("create", "-n", namespace, "-f", "-", body=dressed)
     assert refused.returncode != 0 and "a pod of the spillway operator is unprivileged" in refused.stderr, refused.stderr
-    dressed["spec"]["containers"][0].pop("securityContext")
     dressed["spec"].pop("volumes")
+    # Not privileged, but root: with CHOWN (what the S3 fetch pod's init container once had),
+    # or in a pod that does not ask the kubelet to refuse root.
+    for root in ({"runAsUser": 0, "runAsNonRoot": False}, {"capabilities": {"add": ["CHOWN"]}}, {}):
+        dressed["spec"]["containers"][0]["securityContext"] = root
+        dressed["spec"]["securityContext"] = {"runAsNonRoot": bool(root)}
+        refused = as_operator("create", "-n", namespace, "-f", "-", body=dressed)
+        assert refused.returncode != 0 and "no container as root" in refused.stderr, (root, refused.stderr)
+    dressed["spec"]["containers"][0].pop("securityContext")
+    dressed["spec"]["securityContext"] = {"runAsNonRoot": True}
     dressed["spec"]["serviceAccountName"] = "default"  # an API token of another account
     refused = as_operator("create", "-n", namespace, "-f", "-", body=dressed)
     assert refused.returncode != 0 and "runtime ServiceAccount, or with no API token" in refused.stderr, refused.stderr

@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from spillway_runtime import s3_fetch
 from spillway_runtime.objectstore import cached
 
 from .storage_fixtures import S3Server, s3_server  # noqa: F401 -- the fixture, used by name
 
 pytestmark = pytest.mark.integration
+RUNTIME_UID = 1000
 
 
 def _fetch(server: S3Server, root: Path, out: Path, *uris: str, secret_key: str | None = None
@@ -60,3 +64,33 @@ def test_a_wrong_secret_or_a_missing_bucket_fails_naming_it(s3_server: S3Server,
     assert text.startswith("error: cannot read s3://fetch/m") and "check the Secret 's3-keys'" in text, text
     missing = _fetch(s3_server, tmp_path / "cache", out, "s3://no-such-bucket/m")
     assert missing.returncode == 2 and "bucket 'no-such-bucket' does not exist" in out.read_text(), out.read_text()
+
+
+def test_a_cache_root_the_training_uid_cannot_write_fails_naming_the_chart_setting() -> None:
+    """What a node the chart's probe did not prepare gives the fetch pod (uid 1000, no root
+    init container): the kubelet's root-owned 0755 directory. The fetch says so and what to
+    do. (A forked child as uid 1000: this checkout's Python lies under root's 0700 home.)"""
+    work = Path(tempfile.mkdtemp(prefix="spillway-s3-fetch-", dir="/tmp"))
+    try:
+        work.chmod(0o755)
+        cache, out = work / "cache", work / "termination-log"
+        cache.mkdir(mode=0o755)
+        out.touch(mode=0o666)
+        out.chmod(0o666)
+        pid = os.fork()
+        if pid == 0:  # the child: drop to the training uid, run the command's main, exit with its code
+            code = 3
+            try:
+                os.setgroups([])
+                os.setgid(RUNTIME_UID)
+                os.setuid(RUNTIME_UID)
+                code = s3_fetch.main(["--root", str(cache), "--out", str(out), "s3://fetch/m"])
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 2
+        text = out.read_text()
+        assert "not writable by uid 1000" in text and "operator.s3CacheHostPath" in text and "1777" in text, text
+        assert list(cache.iterdir()) == []
+    finally:
+        shutil.rmtree(work)

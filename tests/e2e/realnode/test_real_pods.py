@@ -44,6 +44,7 @@ from spillway_runtime.hardware import NVME_PATH_ANNOTATION
 from spillway_runtime.modelinfo import shape_from_config
 from spillway_runtime.tiny import build_tiny_model, write_chat_dataset, write_dataset
 from tests.e2e.conftest import REPO_ROOT, Cluster
+from tests.e2e.local_volumes import LocalStorage
 from tests.e2e.operator_fixtures import active_pods, running_operator, wait_status
 from tests.e2e.test_api_cluster import ApiServer
 
@@ -496,18 +497,27 @@ def test_a_bad_dataset_line_fails_the_job_with_the_runtimes_own_message(
     assert f"bad.jsonl:{BAD_LINE}: not valid JSON" in described, described[-3000:]
 
 
+@pytest.mark.pod_security("restricted")
 def test_a_two_rank_pod_suspends_with_75_and_resumes_to_the_same_losses(
-    real: RealNode, cluster: Cluster, kube_api: Any, namespace: str
+    real: RealNode, cluster: Cluster, kube_api: Any, namespace: str, local_storage: LocalStorage
 ) -> None:
     """Two ranks in one pod under our supervisor (resources.cpuProcesses): a suspend reaches
     both, they checkpoint together and the pod exits 75; the resumed pod's losses equal an
-    uninterrupted two-rank run's, to the bit."""
+    uninterrupted two-rank run's, to the bit.
+
+    Their NVMe is what a cluster admin offers without host paths: a generic ephemeral volume
+    of a local-volume provisioner's StorageClass (tests/e2e/local_volumes.py), one per pod,
+    in a namespace that enforces Pod Security `restricted`. The kubelet gives the volume to
+    the pod's fsGroup (the provisioner makes it root's, 0700): the ranks' swap files are
+    written there, and the volume is gone with its pod."""
     real.inputs(namespace)
     pods = PodWatch(kube_api, namespace, "two")
-    real.job(namespace, "two-ref", max_steps=TWO_RANK_STEPS, processes=2)
-    real.job(namespace, "two", max_steps=TWO_RANK_STEPS, processes=2)
+    on_local_volume = {"offload": {"nvme": {"storageClassName": local_storage.storage_class}}}
+    real.job(namespace, "two-ref", max_steps=TWO_RANK_STEPS, processes=2, spec_update=on_local_volume)
+    real.job(namespace, "two", max_steps=TWO_RANK_STEPS, processes=2, spec_update=on_local_volume)
     try:
-        [first], stopped, job = _suspend_then_resume(real, pods, namespace, "two")
+        [first], stopped, job = _suspend_then_resume(real, pods, namespace, "two", _swaps_on_local_volume(
+            real, namespace, local_storage))
         reference = _finished(real, namespace, "two-ref")
     finally:
         pods.stop()
@@ -517,6 +527,25 @@ def test_a_two_rank_pod_suspends_with_75_and_resumes_to_the_same_losses(
     _assert_resumed_as_reference(cluster, namespace, log, "two-ref-a0-0", stopped)
     started = [e for e in [*log, *_events(cluster, namespace, "two-ref-a0-0")] if e["event"] == "started"]
     assert [e["world_size"] for e in started] == [2, 2], started
+
+
+def _swaps_on_local_volume(real: RealNode, namespace: str, storage: LocalStorage) -> Callable[[list[str]], None]:
+    """While the pod runs: its NVMe volume is a provisioned `local` volume of the class, its
+    directory on the node holds both ranks' swap files, and nothing else of the node is
+    mounted for it."""
+    def check(pods: list[str]) -> None:
+        [pod] = pods
+        spec = real.cluster.kubectl_json("get", "pod", pod, "-n", namespace)["spec"]
+        assert not [v for v in spec["volumes"] if "hostPath" in v], spec["volumes"]
+        claim = real.cluster.kubectl_json("get", "pvc", f"{pod}-nvme", "-n", namespace)
+        assert claim["spec"]["storageClassName"] == storage.storage_class
+        volume = real.cluster.kubectl_json("get", "pv", claim["spec"]["volumeName"])
+        directory = Path(volume["spec"]["local"]["path"])
+        assert directory.parent == storage.root
+        assert directory.stat().st_gid == RUNTIME_UID  # the pod's fsGroup, given by the kubelet
+        real.cluster.wait_for(lambda: len({p.parent for p in directory.rglob("*.swp")}) >= 2, 120,
+                              what=f"both ranks' swap files under {directory}")
+    return check
 
 
 def _suspend_then_resume(real: RealNode, pods: PodWatch, namespace: str, name: str,
@@ -565,6 +594,7 @@ def test_the_node_probe_daemonset_measures_and_annotates_the_real_node(
     node = cluster.real_node
     repository, tag = real.image.rsplit(":", 1)
     nvme = real.root / "nvme"  # what the module's jobs spill to: the figures stay true for them
+    s3_cache = real.root / f"s3-cache-{secrets.token_hex(3)}"  # made by the kubelet, prepared by the probe
     before = cluster.kubectl_json("get", "node", node)["metadata"].get("annotations", {})
     release = f"p{secrets.token_hex(3)}"
     toleration = json.dumps([{"key": real.label, "operator": "Exists", "effect": "NoSchedule"}])
@@ -574,6 +604,7 @@ def test_the_node_probe_daemonset_measures_and_annotates_the_real_node(
         "--set", f"runtimeImage.repository={repository}", "--set-string", f"runtimeImage.tag={tag}",
         "--set", "runtimeImage.pullPolicy=Never",
         "--set", f"nodeProbe.gpuNodeLabel={real.label}", "--set", f"nodeProbe.nvmeHostPath={nvme}",
+        "--set", f"operator.s3CacheHostPath={s3_cache}",
         "--set", "nodeProbe.aioSeconds=5", "--set-json", f"nodeProbe.tolerations={toleration}",
         timeout=300,
     )
@@ -593,7 +624,9 @@ def test_the_node_probe_daemonset_measures_and_annotates_the_real_node(
                     "nvme-capacity-bytes", "nvme-free-bytes"):
             assert float(annotations[f"spillway.dev/{key}"]) > 0, (key, annotations)
         assert int(annotations["spillway.dev/nvme-capacity-bytes"]) == shutil.disk_usage(nvme).total
-        assert (nvme.stat().st_mode & 0o7777, nvme.stat().st_uid) == (0o1777, RUNTIME_UID)  # jobs' subPaths
+        # jobs' and fetch pods' subPaths: the kubelet makes them with these modes, no root container needed
+        for root in (nvme, s3_cache):
+            assert (root.stat().st_mode & 0o7777, root.stat().st_uid) == (0o1777, RUNTIME_UID), root
         # Its ServiceAccount may patch nodes (RBAC cannot say which): the chart's policy lets a
         # token of its pod (with the pod's node claim) patch its own Node's spillway.dev/* only.
         [probe_pod] = pods["items"]

@@ -145,7 +145,9 @@ def s3_real(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
             "apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "metadata": {"name": storage_class},
             "provisioner": "kubernetes.io/no-provisioner", "volumeBindingMode": "Immediate"}))
         log = tmp_path_factory.mktemp("operator-s3") / "operator.log"
-        cache = root / "s3-cache"  # the node's cache: a hostPath the kubelet creates
+        cache = root / "s3-cache"  # the node's cache, as the chart's node probe leaves it
+        cache.mkdir()
+        cache.chmod(0o1777)
         with running_operator(cluster, log, SPILLWAY_OPERATOR_RUNTIME_IMAGE=image,
                               SPILLWAY_OPERATOR_S3_CACHE_HOST_PATH=str(cache)):
             yield RealNode(cluster, root, label, storage_class, image), s3, cache
@@ -202,7 +204,9 @@ def test_a_job_trains_from_s3_mirrors_there_and_a_second_job_downloads_nothing(
     assert f"{model_files} downloaded" in fetched["message"] and fetched["message"].startswith(cluster.real_node)
     # In the job's part of the node's cache (its namespace's, for its endpoint): all it mounted
     entry = cache / s3_cache_sub_path(namespace, parse_job(job).spec)
-    assert entry.parent.parent == cache and entry.stat().st_uid == 1000
+    # made by the kubelet with the root's mode (no root container): the fetch pod's uid wrote in it
+    assert entry.parent.parent == cache and (entry.stat().st_uid, entry.stat().st_mode & 0o7777) == (0, 0o777)
+    assert (entry / BUCKET / "tiny").stat().st_uid == 1000
     assert sorted(p.name for p in (entry / BUCKET / "tiny").iterdir()) == sorted(
         p.name for p in (real.root / "inputs" / "model").iterdir())
     assert _fetch_pods(cluster, namespace) == []

@@ -79,10 +79,9 @@ def test_the_fetch_pod_is_pinned_to_the_chosen_node_holds_no_gpu_and_reads_the_s
     assert part.startswith(f"{NS}/") and part != pod_specs.s3_cache_sub_path("other", parse_job(
         cluster.get("FineTuneJob", NS, "j")).spec)
     assert {"name": "s3-cache", "mountPath": "/mnt/s3-cache", "subPath": part} in container["volumeMounts"]
-    (owner,) = spec["initContainers"]  # that part (the same subPath) made writable for the training uid
-    assert owner["volumeMounts"] == [{"name": "s3-cache", "mountPath": "/mnt/s3-cache", "subPath": part}]
-    assert owner["command"] == ["chown", "1000:1000", "/mnt/s3-cache"]
-    assert owner["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    # nothing as root: the kubelet makes that part with the root's mode (the probe's 1777)
+    assert "initContainers" not in spec and container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert (spec["securityContext"]["runAsUser"], spec["securityContext"]["runAsGroup"]) == (1000, 1000)
     assert spec["securityContext"]["runAsNonRoot"] is True and spec["automountServiceAccountToken"] is False
     assert spec["activeDeadlineSeconds"] == SETTINGS.s3_fetch_timeout_seconds
     assert "FetchingInputs" in reasons(cluster)
