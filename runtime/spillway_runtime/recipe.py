@@ -115,6 +115,7 @@ class FineTuneRecipe(Checkpointing):
     def _setup_distributed(self) -> None:
         if self.plan.accelerator == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
+            startup.count_cpu_devices_by_ranks()
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sys
 from typing import Any
 
@@ -37,6 +38,17 @@ def ask_cpuinfo_once() -> None:
 
     if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
         cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
+
+
+def count_cpu_devices_by_ranks() -> None:
+    """DeepSpeed's CPU accelerator answers `device_count()` with `LOCAL_SIZE` when it is set
+    (its own launcher sets it to the node's ranks) and otherwise runs `numactl --hardware`
+    in a subprocess, at every call: ZeRO-3 asks at every gradient reduction. One `make test`
+    ran it 87,455 times (process accounting), each a fork and, where numactl is missing, a
+    failed exec of every PATH entry (~0.2 ms). Spillway launches its ranks itself, so it sets
+    what DeepSpeed's launcher would: the node's rank count (`LOCAL_WORLD_SIZE`), which only
+    the quantized and hierarchical ZeRO groups read."""
+    os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def import_muon_without_compiling() -> None:

@@ -204,8 +204,9 @@ def test_a_job_trains_from_s3_mirrors_there_and_a_second_job_downloads_nothing(
     assert f"{model_files} downloaded" in fetched["message"] and fetched["message"].startswith(cluster.real_node)
     # In the job's part of the node's cache (its namespace's, for its endpoint): all it mounted
     entry = cache / s3_cache_sub_path(namespace, parse_job(job).spec)
-    # made by the kubelet with the root's mode (no root container): the fetch pod's uid wrote in it
-    assert entry.parent.parent == cache and (entry.stat().st_uid, entry.stat().st_mode & 0o7777) == (0, 0o777)
+    # made by the kubelet with the root's mode, 1777 (no root container): the fetch pod's uid wrote in it
+    assert entry.parent.parent == cache and (cache.stat().st_mode & 0o7777) == 0o1777
+    assert (entry.stat().st_uid, entry.stat().st_mode & 0o7777) == (0, 0o1777)
     assert (entry / BUCKET / "tiny").stat().st_uid == 1000
     assert sorted(p.name for p in (entry / BUCKET / "tiny").iterdir()) == sorted(
         p.name for p in (real.root / "inputs" / "model").iterdir())
