@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import json
 import os
+import socket
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -31,13 +35,54 @@ def import_deepspeed() -> None:
 
 
 def ask_cpuinfo_once() -> None:
-    """DeepSpeed asks py-cpuinfo three times while it loads the CPU Adam op, and every answer
-    costs a subprocess (1.3 s each on this machine, 3.9 s of every start). The CPU does not
-    change during a run: ask once."""
+    """DeepSpeed asks py-cpuinfo for the CPU when it makes its CPU Adam (the vendor) and when
+    it loads ops (the architecture and flags), and every answer is a Python subprocess that
+    runs lscpu, dmesg and a CPUID probe: 1.2 s and 0.9 s of CPU on this machine, at every
+    rank's start. The CPU does not change between runs: the answer is asked once per
+    process, and kept beside the probe cache's entries (`probe_cache`), keyed by the host, the
+    py-cpuinfo version and /proc/cpuinfo less its clock lines, so a machine asks it once. A
+    cache that cannot be read or written only costs the question; `SPILLWAY_PROBE_REFRESH=1`
+    asks again."""
     import cpuinfo
 
-    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
-        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
+    if getattr(cpuinfo.get_cpu_info, "spillway_cached", False):
+        return
+    ask = cpuinfo.get_cpu_info
+    path, refresh = _cpuinfo_entry(cpuinfo.CPUINFO_VERSION_STRING)
+    info: dict[str, Any] | None = None
+    if path is not None and not refresh:
+        with contextlib.suppress(OSError, ValueError):
+            info = json.loads(path.read_text())
+    if not isinstance(info, dict) or not info:
+        info = ask()
+        if path is not None and info:
+            with contextlib.suppress(OSError):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                partial = path.with_suffix(f".{os.getpid()}.tmp")
+                partial.write_text(json.dumps(info))
+                partial.replace(path)
+    answer: dict[str, Any] = info
+
+    def cached() -> dict[str, Any]:
+        return dict(answer)
+
+    cached.spillway_cached = True  # type: ignore[attr-defined]
+    cpuinfo.get_cpu_info = cached
+
+
+def _cpuinfo_entry(version: str) -> tuple[Path | None, bool]:
+    """Where this machine's py-cpuinfo answer is kept (None: no /proc/cpuinfo), and whether
+    to ask again (a refresh)."""
+    from spillway_runtime.probe_cache import ProbeCacheSettings
+
+    settings = ProbeCacheSettings()
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None, settings.refresh
+    stable = "\n".join(line for line in lines if not line.startswith(("cpu MHz", "bogomips")))
+    key = hashlib.sha256(f"{socket.gethostname()}\0{version}\0{stable}".encode()).hexdigest()[:16]
+    return settings.directory / f"cpuinfo-{key}.json", settings.refresh
 
 
 def count_cpu_devices_by_ranks() -> None:

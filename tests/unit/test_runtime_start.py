@@ -1,10 +1,12 @@
 """The runtime's start: DeepSpeed is imported without pulling in mlflow (its autotuner's
 optional import, 1-2 s of every rank's start), and mlflow still imports for a job that tracks;
 DeepSpeed's CPU accelerator counts its devices from the node's ranks, not from a `numactl`
-subprocess at every call."""
+subprocess at every call; py-cpuinfo's answer (a Python subprocess, ~1 s) is asked once per
+machine."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -53,3 +55,34 @@ def test_the_cpu_accelerator_counts_devices_from_the_ranks_without_a_subprocess(
     # node's two ranks, fifty times, and numactl never ran again.
     assert child.stdout.split()[-3:] == ["1", "2", "50"], child.stdout
     assert calls.read_text().splitlines() == ["call"]
+
+
+CPUINFO = """
+import cpuinfo
+from spillway_runtime.startup import ask_cpuinfo_once
+ask_cpuinfo_once()
+ask_cpuinfo_once()
+print(cpuinfo.get_cpu_info()["vendor_id_raw"])
+"""
+
+
+def test_the_cpus_answer_is_asked_once_per_machine_and_kept_beside_the_probe_cache(tmp_path: Path) -> None:
+    def vendor(**extra: str) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "SPILLWAY_PROBE_REFRESH"}
+        env.update(SPILLWAY_PROBE_CACHE_DIR=str(tmp_path), **extra)
+        child = subprocess.run([sys.executable, "-c", CPUINFO], capture_output=True, text=True, timeout=120,
+                               check=False, env=env)
+        assert child.returncode == 0, child.stderr[-2000:]
+        return child.stdout.strip()
+
+    asked = vendor()
+    [entry] = tmp_path.glob("cpuinfo-*.json")
+    assert json.loads(entry.read_text())["vendor_id_raw"] == asked != ""
+    # The next process reads the entry instead of asking: shown by an entry that says otherwise
+    entry.write_text(json.dumps({**json.loads(entry.read_text()), "vendor_id_raw": "KeptVendor"}))
+    assert vendor() == "KeptVendor"
+    # A refresh asks again and keeps the new answer; a broken entry is asked again too
+    assert vendor(SPILLWAY_PROBE_REFRESH="1") == asked
+    assert json.loads(entry.read_text())["vendor_id_raw"] == asked
+    entry.write_text("{not json")
+    assert vendor() == asked and json.loads(entry.read_text())["vendor_id_raw"] == asked
