@@ -18,7 +18,6 @@ from .operator_fixtures import OperatorProcess
 from .test_api_cluster import ApiServer
 from .test_chart import (  # noqa: F401  (fixtures)
     EXAMPLE,
-    helm,
     release,
     service_account_kubeconfig,
     volumes,
