@@ -115,7 +115,6 @@ class FineTuneRecipe(Checkpointing):
     def _setup_distributed(self) -> None:
         if self.plan.accelerator == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-            startup.count_cpu_devices_by_ranks()
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
@@ -123,6 +122,7 @@ class FineTuneRecipe(Checkpointing):
         if "MASTER_PORT" not in os.environ:  # one process, no supervisor
             os.environ["MASTER_PORT"] = str(free_port())
         startup.ask_cpuinfo_once()
+        startup.ask_numa_once()
         import deepspeed
         import numpy as np
         import torch

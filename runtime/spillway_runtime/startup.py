@@ -85,15 +85,17 @@ def _cpuinfo_entry(version: str) -> tuple[Path | None, bool]:
     return settings.directory / f"cpuinfo-{key}.json", settings.refresh
 
 
-def count_cpu_devices_by_ranks() -> None:
-    """DeepSpeed's CPU accelerator answers `device_count()` with `LOCAL_SIZE` when it is set
-    (its own launcher sets it to the node's ranks) and otherwise runs `numactl --hardware`
-    in a subprocess, at every call: ZeRO-3 asks at every gradient reduction. One `make test`
-    ran it 87,455 times (process accounting), each a fork and, where numactl is missing, a
-    failed exec of every PATH entry (~0.2 ms). Spillway launches its ranks itself, so it sets
-    what DeepSpeed's launcher would: the node's rank count (`LOCAL_WORLD_SIZE`), which only
-    the quantized and hierarchical ZeRO groups read."""
-    os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
+def ask_numa_once() -> None:
+    """DeepSpeed's CPU accelerator counts its devices by running `numactl --hardware` in a
+    subprocess at every `device_count()`, and ZeRO-3 asks at every gradient reduction: one
+    `make test` ran it 87,455 times (process accounting), each a fork and, where numactl is
+    missing, a failed exec of every PATH entry. The NUMA nodes do not change during a run:
+    ask once. (Not by setting `LOCAL_SIZE` as DeepSpeed's launcher does: that also turns on
+    its shared-memory all-reduce, which leaves a 66 MiB file in /dev/shm per process.)"""
+    from deepspeed.utils import numa
+
+    if not hasattr(numa.get_numa_cores, "cache_info"):
+        numa.get_numa_cores = functools.cache(numa.get_numa_cores)
 
 
 def import_muon_without_compiling() -> None:

@@ -236,9 +236,13 @@ def test_two_processes_suspend_and_resume_is_bit_identical(tmp_path, make_job):
         return placement_job(make_job, tmp_path / "nvme", 3, "nvme", "gpu", name=name,
                              sub_group_size=TWO_RANK_SUB_GROUP)
 
+    shm_before = set(Path("/dev/shm").glob("deepspeed_*"))
     reference = run_job(job("reference"), tmp_path / "reference", processes=2)
     assert reference.returncode == 0, reference.log[-3000:]
     assert sorted(reference.losses()) == list(range(1, MAX_STEPS + 1))
+    # nothing left in shared memory (DeepSpeed's shared-memory all-reduce, on where LOCAL_SIZE
+    # is set, leaves a 66 MiB file there per process)
+    assert set(Path("/dev/shm").glob("deepspeed_*")) - shm_before == set()
     # each rank checkpoints its own shard: its state file, ZeRO file and swap files
     checkpoint = reference.run_dir / "checkpoints" / checkpoint_name(EVERY)
     for rank in (0, 1):
