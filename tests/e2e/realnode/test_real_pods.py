@@ -478,7 +478,11 @@ def test_suspend_resume_rollback_and_a_deleted_pod_lose_no_step(
     assert not mismatches, f"losses differ from the uninterrupted run's at steps {mismatches}"
     expected = {c["step"]: c["loss"] for c in reference["status"]["checkpoints"]}
     got = {c["step"]: c["loss"] for c in status["checkpoints"]}
-    assert got == expected
+    # As many kept as the reference's, the last at the end; a stop checkpoint off the cadence
+    # may be among them, depending on when the pod was deleted
+    assert len(got) == len(expected) and max(got) == MAX_STEPS, sorted(got)
+    assert {step: (loss, reference_steps[step]) for step, loss in got.items() if loss != reference_steps[step]} == {}
+    assert {s: got[s] for s in got if s in expected} == {s: expected[s] for s in expected if s in got}
     mine, theirs = _weights(checkpoints / "export"), _weights(reference_dir / "export")
     assert mine.keys() == theirs.keys()
     for key in theirs:
