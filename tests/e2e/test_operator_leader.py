@@ -73,7 +73,9 @@ def test_only_the_lease_holder_reconciles_and_a_follower_takes_over(
         takeover = time.monotonic() - killed_at
         assert takeover < 30, takeover
         cluster.apply(job_manifest("two", node=node), namespace)
-        wait_status(cluster, namespace, "two", lambda s: s.get("phase") == "Running", timeout=60)
+        # Running needs the job's checkpoint claim bound, which kube-controller-manager's volume
+        # binder left unbound for over 60 s once (its 15 s resync, after a write conflict)
+        wait_status(cluster, namespace, "two", lambda s: s.get("phase") == "Running", timeout=180)
         time.sleep(3)  # a resync by the new leader must not duplicate the first job's pod
         assert len(active_pods(cluster, namespace, "one")) == 1
         assert len(active_pods(cluster, namespace, "two")) == 1
