@@ -25,9 +25,18 @@ def crds(
         Path | None,
         typer.Option("--output-dir", "-o", help="Write <dir>/" + CRD_FILE + " instead of printing"),
     ] = None,
+    reference: Annotated[
+        Path | None,
+        typer.Option("--reference", help="Also write the FineTuneJob reference (Markdown: every field) to this file"),
+    ] = None,
 ) -> None:
     """Print (or write) the FineTuneJob CRD generated from the spec models."""
     text = render_crd_yaml()
+    if reference is not None:
+        from spillway_operator.reference import render_reference_markdown
+
+        reference.write_text(render_reference_markdown())
+        typer.echo(f"wrote {reference}", err=output_dir is None)
     if output_dir is None:
         sys.stdout.write(text)
         return

@@ -82,6 +82,8 @@ def _size_or_none(value: Any) -> Any:
 
 
 class ModelSource(SpecModel):
+    """The model to fine-tune: a Hugging Face model directory."""
+
     uri: str = Field(
         description="Hugging Face model directory: s3://BUCKET/PREFIX; in a cluster pvc://CLAIM/PATH; with "
         "`spillway run` also a local path or file://PATH",
@@ -149,6 +151,8 @@ MAX_WEIGHT = 100.0  # a source's rows per epoch, in multiples of its rows
 
 
 class MixtureSource(SpecModel):
+    """One more dataset of a mixture."""
+
     uri: str = Field(min_length=1, max_length=MAX_URI,
                      description="Another dataset in the same format and fields as dataset.uri (s3://, pvc:// in a "
                      "cluster; a local path or file:// with `spillway run`)")
@@ -158,6 +162,8 @@ class MixtureSource(SpecModel):
 
 
 class DatasetSource(SpecModel):
+    """The training data: where it is, its format, and how it is packed into sequences."""
+
     uri: str = Field(
         description="A .jsonl, .parquet, .arrow or .txt file, a folder of them, or a folder that Hugging Face "
         "datasets saved (save_to_disk; a DatasetDict's train split)", min_length=1, max_length=MAX_URI)
@@ -226,14 +232,17 @@ MAX_STEPS = 2**31 - 1
 
 
 class Training(SpecModel):
+    """The optimization: steps, batch, sequence length, learning-rate schedule, evaluation."""
+
     max_steps: int = Field(100, ge=1, le=MAX_STEPS, description="Optimizer steps to run")
     micro_batch_size: int = Field(1, ge=1, le=4096, description="Sequences per GPU per forward pass")
     gradient_accumulation: int = Field(1, ge=1, le=4096, description="Micro-batches per optimizer step")
     sequence_length: int = Field(512, ge=8, le=1_048_576, description="Tokens per packed sequence")
-    learning_rate: float = Field(2e-5, gt=0, le=1.0)
+    learning_rate: float = Field(2e-5, gt=0, le=1.0, description="Peak learning rate (AdamW), reached after warmupSteps, then "
+                                 "cosine decay to minLearningRateRatio x it at maxSteps")
     min_learning_rate_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor as a fraction of learningRate")
-    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)
-    weight_decay: float = Field(0.0, ge=0, le=1)
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="Steps of linear warmup to learningRate (at most maxSteps)")
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW's decoupled weight decay")
     eval_every_steps: int = Field(
         0, ge=0, le=MAX_STEPS,
         description="Steps between evaluations of dataset.validation (0: at the end only); needs dataset.validation",
@@ -246,7 +255,8 @@ class Training(SpecModel):
         "auto", description="auto turns it on when activations would not fit next to the model state"
     )
     # numpy's generators take seeds below 2**32: a larger one would fail at the first step.
-    seed: int = Field(1234, ge=0, le=2**32 - 1)
+    seed: int = Field(1234, ge=0, le=2**32 - 1, description="Seeds every generator a run uses (data order, held-out "
+                      "sequences, new weights, dropout): the same seed and spec give the same losses")
 
     @model_validator(mode="after")
     def _warmup_within_run(self) -> Training:
@@ -270,7 +280,7 @@ DpoLoss = Literal["sigmoid", "ipo"]
 class Method(SpecModel):
     """Full fine-tuning or LoRA adapters (PEFT) on a frozen base, on the next token (sft) or preferences (dpo)."""
 
-    type: Literal["full", "lora"] = "full"
+    type: Literal["full", "lora"] = Field("full", description="full: every weight trains; lora: PEFT adapters on a frozen base")
     objective: Objective = Field(
         "sft",
         description="sft: learn the next token of the data; dpo: Direct Preference Optimization on "
@@ -323,6 +333,9 @@ S3_URI = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$"
 
 
 class Export(SpecModel):
+    """The model written when training ends, as a Hugging Face directory (`spillway run`: <run dir>/final;
+    a cluster: export/ on the checkpoint volume)."""
+
     merge: bool = Field(False, description="LoRA: also write the base model with the adapters merged in (merged/)")
     uri: str | None = Field(
         None, pattern=S3_URI, max_length=MAX_URI,
@@ -332,6 +345,8 @@ class Export(SpecModel):
 
 
 class NvmeVolume(SpecModel):
+    """The NVMe space for swap files."""
+
     path: str | None = Field(None, max_length=MAX_URI,
                              description="Local mode: directory on a local NVMe drive for swap files")
     host_path: str | None = Field(
@@ -365,6 +380,8 @@ POLICY_TIERS: dict[str, tuple[str, ...]] = {
 
 
 class Offload(SpecModel):
+    """Where the training state lives: GPU memory, CPU RAM or NVMe (see docs/one-machine.md)."""
+
     # The policy rule in the JSON Schema too (the OpenAPI); the CRD states it in CEL (crd.py).
     model_config = ConfigDict(json_schema_extra={"allOf": [
         {"if": {"required": ["policy"], "properties": {"policy": {"const": policy}}},
@@ -416,14 +433,20 @@ class Offload(SpecModel):
 
 
 class Toleration(SpecModel):
-    key: str | None = Field(None, max_length=MAX_LABEL_KEY)
-    operator: Literal["Exists", "Equal"] | None = None
-    value: str | None = Field(None, max_length=MAX_LABEL_VALUE)
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = Field(None, ge=0, le=MAX_SECONDS)
+    """A Kubernetes toleration for the job's pods (control-plane taints are refused at admission)."""
+
+    key: str | None = Field(None, max_length=MAX_LABEL_KEY, description="The taint's key")
+    operator: Literal["Exists", "Equal"] | None = Field(None, description="Kubernetes' default: Equal")
+    value: str | None = Field(None, max_length=MAX_LABEL_VALUE, description="The taint's value (operator Equal)")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="The taint's effect (none: every effect)")
+    toleration_seconds: int | None = Field(None, ge=0, le=MAX_SECONDS,
+                                           description="NoExecute: how long the pod stays once tainted")
 
 
 class Resources(SpecModel):
+    """The nodes, GPUs and processes a job runs on."""
+
     # cpuProcesses above 1 only without GPUs, in the JSON Schema too (the CRD: CEL, crd.py).
     model_config = ConfigDict(json_schema_extra={
         "if": {"required": ["cpuProcesses"], "properties": {"cpuProcesses": {"minimum": 2}}},
@@ -431,12 +454,14 @@ class Resources(SpecModel):
                            {"properties": {"gpusPerNode": {"enum": [0, None]}}}]},
     })
 
-    nodes: int = Field(1, ge=1, le=1024)
+    nodes: int = Field(1, ge=1, le=1024, description="Nodes the job runs on, a pod each (ZeRO across all their processes)")
     gpus_per_node: int | None = Field(None, ge=0, le=64, description="Omitted: every GPU of the chosen node")
     node_selector: dict[Annotated[str, Field(max_length=MAX_LABEL_KEY)],
                         Annotated[str, Field(max_length=MAX_LABEL_VALUE)]] = Field(
-        default_factory=dict, max_length=MAX_ITEMS)
-    tolerations: list[Toleration] = Field(default_factory=list, max_length=MAX_ITEMS)
+        default_factory=dict, max_length=MAX_ITEMS,
+        description="Node labels the job's pods require (and the planner plans for: only nodes that match)")
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=MAX_ITEMS,
+                                          description="Taints the job's pods tolerate")
     placement: Literal["cheapest", "fastest"] = Field(
         "cheapest", description="How to choose among node shapes that fit"
     )
@@ -457,6 +482,8 @@ class Resources(SpecModel):
 
 
 class CheckpointPolicy(SpecModel):
+    """When checkpoints are written, how many are kept, where, and their mirror in object storage."""
+
     every_steps: int = Field(50, ge=1, le=MAX_STEPS, description="Checkpoint every N optimizer steps (and on SIGTERM)")
     keep: int = Field(3, ge=1, le=1000, description="Keep the last K good checkpoints")
     keep_best: bool = Field(
@@ -468,7 +495,10 @@ class CheckpointPolicy(SpecModel):
     path: str | None = Field(None, max_length=MAX_URI,
                              description="Local mode: checkpoint directory (default: <run dir>/checkpoints)")
     size: Size = Field(None, description="Cluster mode: checkpoint PVC size; auto from the plan")
-    storage_class_name: str | None = Field(None, max_length=MAX_DNS_NAME)
+    storage_class_name: str | None = Field(
+        None, max_length=MAX_DNS_NAME,
+        description="Cluster mode: StorageClass of the checkpoint PVC (default: the operator's checkpoint "
+        "StorageClass setting, else the cluster's default)")
     mirror: str | None = Field(
         None, pattern=S3_URI, max_length=MAX_URI,
         description="s3://BUCKET/PREFIX: upload every checkpoint there in the background (its manifest last); "
@@ -480,8 +510,11 @@ class CheckpointPolicy(SpecModel):
 
 
 class RollbackPolicy(SpecModel):
+    """What a diverging loss does: roll back to the last good checkpoint, with a lower learning rate."""
+
     on_divergence: bool = Field(True, description="Reload the last good checkpoint on NaN/Inf or a loss spike")
-    max_rollbacks: int = Field(3, ge=0, le=100)
+    max_rollbacks: int = Field(3, ge=0, le=100, description="Rollbacks allowed in one run; one more ends it as diverged "
+                               "(exit code 4, not retried)")
     spike_factor: float = Field(
         4.0, gt=1, le=1e6, description="A loss above this multiple of the running average counts as divergence"
     )
@@ -490,7 +523,7 @@ class RollbackPolicy(SpecModel):
 
 
 class SecretRef(SpecModel):
-    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=253)
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=253, description="The Secret's name")
 
 
 class Storage(SpecModel):
@@ -517,6 +550,8 @@ class MlflowTracking(SpecModel):
 
 
 class Tracking(SpecModel):
+    """Experiment tracking: MLflow, TensorBoard."""
+
     mlflow: MlflowTracking | None = Field(
         None, description="Log the plan, the spec and per-step metrics from rank 0 to this MLflow server; an "
         "unreachable server warns once and never stops training",
@@ -525,7 +560,12 @@ class Tracking(SpecModel):
 
 
 class Budget(SpecModel):
-    max_cost_usd: float | None = Field(None, gt=0, le=1e9, alias="maxCostUSD")
+    """A spending limit."""
+
+    max_cost_usd: float | None = Field(
+        None, gt=0, le=1e9, alias="maxCostUSD",
+        description="Cluster mode: once the job's cost (GPU hours x the chart's price per node shape) reaches this, "
+        "its pods checkpoint and stop, and it ends BudgetExceeded")
 
 
 class FineTuneJobSpec(SpecModel):
@@ -543,15 +583,19 @@ class FineTuneJobSpec(SpecModel):
     budget: Budget = Field(default_factory=lambda: Budget())
     storage: Storage = Field(default_factory=lambda: Storage())
     tracking: Tracking = Field(default_factory=lambda: Tracking())
-    suspend: bool = False
+    suspend: bool = Field(False, description="true: the pods checkpoint and stop (no failure counted); false again: "
+                          "it resumes from that checkpoint")
     queue_name: str | None = Field(
         None, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
         description="A Kueue LocalQueue in the job's namespace: no pod starts until Kueue admits the job's "
         "Workload; an eviction or preemption by Kueue suspends it (checkpoint, no failure counted) until it is "
         "admitted again. The label kueue.x-k8s.io/queue-name does the same. Ignored by `spillway run`",
     )
-    ttl_seconds_after_finished: int | None = Field(None, ge=0, le=MAX_SECONDS)
-    backoff_limit: int = Field(3, ge=0, le=100)
+    ttl_seconds_after_finished: int | None = Field(
+        None, ge=0, le=MAX_SECONDS,
+        description="Cluster mode: delete the finished FineTuneJob (and its children) this many seconds after it ends")
+    backoff_limit: int = Field(3, ge=0, le=100, description="Failed attempts retried before the job ends Failed "
+                               "(preemptions, evictions and replans do not count)")
 
     @model_validator(mode="after")
     def _evaluation_has_data(self) -> FineTuneJobSpec:

@@ -53,11 +53,12 @@ class ListEntry(BaseModel):
 class Condition(ListEntry):
     """A Kubernetes condition, one per type."""
 
-    type: str
+    type: str = Field(description="e.g. Planned, Running, Suspended, Admitted")
     status: Literal["True", "False", "Unknown"]
-    reason: str = ""
-    message: str = ""
-    last_transition_time: str = Field("", json_schema_extra={"format": "date-time"})
+    reason: str = Field("", description="One CamelCase word")
+    message: str = Field("", description="What happened, in words")
+    last_transition_time: str = Field("", json_schema_extra={"format": "date-time"},
+                                      description="When the status last changed")
     observed_generation: int = Field(0, description="The spec's generation the condition was decided on")
 
 
@@ -65,7 +66,7 @@ class CheckpointRecord(ListEntry):
     """A good checkpoint on the job's volume, as the runtime lists it (the API's record of it too)."""
 
     name: str = Field(description="e.g. checkpoint-00000200")
-    step: int = 0
+    step: int = Field(0, description="The optimizer step it holds (the next step trained after it is step + 1)")
     loss: float | None = Field(None, description="The training loss at the step")
     time: str = Field("", description="When it was written (RFC 3339)")
     size_bytes: int = Field(0, description="Bytes on the volume")
@@ -84,18 +85,18 @@ class CheckpointRecord(ListEntry):
 class Progress(OpenRecord):
     """Where training is: the runtime's last step (at most every few seconds) and evaluation."""
 
-    step: int | None = None
-    total_steps: int | None = None
-    loss: float | None = None
+    step: int | None = Field(None, description="Optimizer steps done")
+    total_steps: int | None = Field(None, description="spec.training.maxSteps")
+    loss: float | None = Field(None, description="The last step's training loss (mean over the ranks)")
     step_display: str = Field("", description="step/totalSteps, what `kubectl get ftj` prints")
     loss_display: str = Field("", description="The loss in 4 digits, what `kubectl get ftj` prints")
-    learning_rate: float | None = None
-    tokens_per_second: float | None = None
+    learning_rate: float | None = Field(None, description="The last step's learning rate")
+    tokens_per_second: float | None = Field(None, description="Tokens trained per second, every rank together")
     eta_seconds: float | None = Field(None, description="Predicted seconds to the last step")
     bytes: dict[str, int] = Field(default_factory=dict, description="Bytes in use per tier (gpu, cpu, nvme)")
     updated_at: str | None = Field(None, description="When the step ended (RFC 3339)")
     eval_loss: float | None = Field(None, description="The last held-out loss, until the next evaluation")
-    eval_step: int | None = None
+    eval_step: int | None = Field(None, description="The step evalLoss was measured at")
     preference: dict[str, float] = Field(
         default_factory=dict, description="Preference tuning (DPO): the last step's rewards and log-probabilities "
         "under TRL's names (rewards/margins, rewards/accuracies, ...), and the last evaluation's (eval_...)")
@@ -104,52 +105,55 @@ class Progress(OpenRecord):
 class Mirror(OpenRecord):
     """The copy of the checkpoints in object storage (spec.checkpoint.mirror)."""
 
-    uri: str | None = None
+    uri: str | None = Field(None, description="spec.checkpoint.mirror")
     checkpoint: str | None = Field(None, description="The latest checkpoint mirrored")
-    step: int | None = None
-    bytes_per_second: float | None = None
+    step: int | None = Field(None, description="Its step")
+    bytes_per_second: float | None = Field(None, description="The last upload's speed")
     lag_steps: int | None = Field(None, description="Steps trained since the mirrored checkpoint")
-    last_error: str | None = None
+    last_error: str | None = Field(None, description="Why the last failed upload failed")
     failures: int | None = Field(None, description="Failed uploads in a row")
-    updated_at: str | None = None
+    updated_at: str | None = Field(None, description="When this record was written (RFC 3339)")
 
 
 class Cost(OpenRecord):
     """What the job has cost: settled attempts plus the live one, as of `asOf` (the operator's)."""
 
-    usd: float | None = None
-    gpu_hours: float | None = None
+    usd: float | None = Field(None, description="Settled plus the live attempt's, in US dollars")
+    gpu_hours: float | None = Field(None, description="GPU hours, settled plus the live attempt's")
     settled_usd: float | None = Field(None, alias="settledUSD", description="Of the attempts that ended")
-    settled_gpu_hours: float | None = None
-    price_per_hour_usd: float | None = Field(None, alias="pricePerHourUSD")
-    as_of: str | None = None
+    settled_gpu_hours: float | None = Field(None, description="Of the attempts that ended")
+    price_per_hour_usd: float | None = Field(None, alias="pricePerHourUSD",
+                                             description="The live attempt's price of its nodes per hour")
+    as_of: str | None = Field(None, description="When usd was computed (RFC 3339)")
     display: str | None = Field(None, description="e.g. $1.23, what `kubectl get ftj` prints")
 
 
 class ModelConfigRead(OpenRecord):
     """The model's config.json as a reader pod found it at `source` (model.uri), or why not."""
 
-    source: str | None = None
-    config: dict[str, Any] | None = None
-    error: str | None = None
+    source: str | None = Field(None, description="The model.uri read")
+    config: dict[str, Any] | None = Field(None, description="Its config.json")
+    error: str | None = Field(None, description="Why it could not be read (the job plans from parameterCount)")
 
 
 class InputsFetched(OpenRecord):
     """The s3:// inputs fetched onto the nodes of an attempt."""
 
-    attempt: int | None = None
-    nodes: list[str] = Field(default_factory=list)
-    uris: list[str] = Field(default_factory=list)
+    attempt: int | None = Field(None, description="The attempt they were fetched for")
+    nodes: list[str] = Field(default_factory=list, description="The nodes whose S3 cache holds them")
+    uris: list[str] = Field(default_factory=list, description="The s3:// URIs fetched")
 
 
 class FineTuneJobStatus(OpenRecord):
     """status of a FineTuneJob. The operator writes all but progress, checkpoints and mirror."""
 
     # Absent until the operator first writes it, never null: a string of the contract's phases
-    phase: Annotated[Phase | None, WithJsonSchema({"type": "string", "enum": list(PHASES)})] = None
-    message: str | None = None
-    observed_generation: int | None = None
-    conditions: list[Condition] = Field(default_factory=list, json_schema_extra=_list_map("type"))
+    phase: Annotated[Phase | None, WithJsonSchema({"type": "string", "enum": list(PHASES)})] = Field(
+        None, description="Where the job is in its life (docs/finetunejob.md: Phases)")
+    message: str | None = Field(None, description="Why it is in its phase, in words")
+    observed_generation: int | None = Field(None, description="The spec's generation the operator last acted on")
+    conditions: list[Condition] = Field(default_factory=list, json_schema_extra=_list_map("type"),
+                                        description="Kubernetes conditions, one per type")
     plan: PlanSummary | None = Field(
         None, description="The plan in brief (the planner's PlanSummary) for the current attempt",
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
@@ -164,7 +168,7 @@ class FineTuneJobStatus(OpenRecord):
     replans: int = Field(0, description="Attempts replaced by a new plan (not counted)")
     children_attempt: int | None = Field(None, description="The attempt whose pods all exist")
     retry_after: str | None = Field(None, description="When the next attempt may start (RFC 3339)")
-    finished_at: str | None = None
+    finished_at: str | None = Field(None, description="When it reached a final phase (RFC 3339)")
     applied_resume_from: str | None = Field(None, description="The spec.resumeFrom a restart has applied")
     resume_attempt: int | None = Field(None, description="The attempt that resumes from appliedResumeFrom")
     model_config_read: ModelConfigRead | None = Field(None, alias="modelConfig")

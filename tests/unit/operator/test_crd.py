@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from spillway_operator.crd import CRD_FILE, build_crd, render_crd_yaml
+from spillway_operator.reference import render_reference_markdown
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -16,6 +17,22 @@ ROOT = Path(__file__).resolve().parents[3]
 def test_committed_crd_matches_generated() -> None:
     committed = (ROOT / "crds" / CRD_FILE).read_text()
     assert committed == render_crd_yaml(), "crds/ is stale: regenerate with `python -m spillway_operator.cli crds -o crds`"
+
+
+def test_committed_reference_matches_generated() -> None:
+    """docs/finetunejob.md is every field of the CRD and the phase machine, as generated."""
+    committed = (ROOT / "docs" / "finetunejob.md").read_text()
+    assert committed == render_reference_markdown(), (
+        "docs/finetunejob.md is stale: regenerate with `spillway crds -o crds --reference docs/finetunejob.md`")
+
+
+def test_every_spec_field_is_described_in_the_reference() -> None:
+    """A user reading the reference finds words for every field they can set (a list's or a
+    map's scalar entries are described by the list or map)."""
+    rows = [line.split(" | ") for line in render_reference_markdown().splitlines() if line.startswith("| `spec.")]
+    assert len(rows) > 100
+    bare = [row[0] for row in rows if not row[-1].strip(" |") and not row[0].endswith(("[]`", ".*`"))]
+    assert bare == []
 
 
 def _walk(node: Any, path: str = "") -> list[str]:
