@@ -5,7 +5,7 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: setup demo demo-cluster demo-cluster-down test check lint unit integration e2e realnode bench crds
+.PHONY: setup demo demo-cluster demo-cluster-down test check lint unit integration e2e realnode coverage bench crds
 
 setup:
 	@hack/setup.sh
@@ -45,6 +45,9 @@ e2e:  # the test cluster's control plane with kwok nodes
 
 realnode:  # real pods on the test cluster's real node
 	@hack/test.sh realnode
+
+coverage:  # every tier's tests under coverage.py: branch coverage per package
+	@hack/test.sh --coverage unit integration e2e realnode
 
 bench: setup
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; DS_ACCELERATOR=cpu $(PY) $$b || exit 1; done

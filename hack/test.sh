@@ -4,6 +4,9 @@
 #   hack/test.sh TIER...         only these: check (ruff, mypy, import contracts and the unit
 #                                tests), unit, integration, e2e, realnode
 #   hack/test.sh -- ARGS...      set-up and builds, then `pytest ARGS` (e.g. one test file)
+#   hack/test.sh --coverage ...  any of the above under coverage.py (pyproject.toml: branches,
+#                                every Python process the tests start), then its table per
+#                                package (hack/coverage_report.py); data in .coverage-data/
 # Called by `make test` (the README's test command and CI's) and the tiers' make targets.
 # Each step prints its time; every pytest run ends with its 25 slowest tests.
 set -euo pipefail
@@ -14,9 +17,10 @@ logs=$(mktemp -d)
 # trap too, and `kill` with no jobs left fails, which would turn a green run's exit 0 into 2.)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$logs"' EXIT
 
-tiers=() pytest_args=()
+tiers=() pytest_args=() coverage=0
 while (($#)); do
   case $1 in
+  --coverage) coverage=1; shift ;;
   --) shift; pytest_args=("$@"); break ;;
   check | unit | integration | e2e | realnode) tiers+=("$1"); shift ;;
   *) echo "hack/test.sh: unknown tier '$1' (check, unit, integration, e2e, realnode; or -- PYTEST-ARGS)" >&2; exit 2 ;;
@@ -97,6 +101,17 @@ WORKERS=${SPILLWAY_TEST_WORKERS:-3}
 # uses the same count, so bit-identical comparisons compare like with like.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 pytest() { "$PY" -m pytest -p no:cacheprovider "$@"; }  # --durations=25: pyproject.toml
+if ((coverage)); then
+  # Each process writes its own file (parallel = true) where COVERAGE_FILE says, an absolute
+  # path every child inherits; they are combined and reported when the tiers end, pass or fail.
+  rm -rf .coverage-data && mkdir .coverage-data
+  export COVERAGE_FILE="$(pwd)/.coverage-data/coverage"
+  pytest() { "$PY" -m coverage run -m pytest -p no:cacheprovider "$@"; }
+  report_coverage() {
+    "$PY" -m coverage combine -q && "$PY" hack/coverage_report.py "$COVERAGE_FILE" || true
+  }
+  trap 'report_coverage; kill $(jobs -p) 2>/dev/null || true; rm -rf "$logs"' EXIT
+fi
 
 if wants check; then
   timed "ruff" "$PY" -m ruff check runtime operator api tests benchmarks
