@@ -10,7 +10,8 @@ PY := .venv/bin/python
 setup:
 	@hack/setup.sh
 
-demo: setup
+demo:  # installs only what a local run needs (hack/setup.sh --demo)
+	@hack/setup.sh --demo
 	.venv/bin/spillway make-tiny runs/models/demo-llama --hidden-size 256 --layers 8 --dataset runs/data/arithmetic.jsonl
 	.venv/bin/spillway run examples/tiny-local.yaml
 

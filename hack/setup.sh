@@ -7,10 +7,13 @@
 # CPU ops built once.
 # A second run that finds everything in place takes a few seconds.
 #   hack/setup.sh            everything
+#   hack/setup.sh --demo     what `spillway run` on this machine needs (make demo): libaio and
+#                            the Python environment, none of the test suite's servers and tools
 #   hack/setup.sh --system   the system packages only (hack/test.sh starts the Go builds
 #                            first, then the image build, which needs buildah)
 #   hack/setup.sh --wheels   the system packages and the torch + DeepSpeed wheels only;
 #                            prints the wheels' folder (hack/images mounts it)
+#   hack/setup.sh --packages [--demo]   print the system packages it would need, install nothing
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,14 +23,26 @@ PYTHON=${PYTHON:-python3}
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 
-need_pkgs=()
-# libaio-dev: DeepSpeed's async I/O; postgresql: the database tests; chromium: the
+print_packages=0 demo=0
+while (($#)); do
+  case $1 in
+  --packages) print_packages=1; shift ;;
+  --demo) demo=1; shift ;;
+  *) break ;;
+  esac
+done
+# libaio-dev: DeepSpeed's async I/O, the one system package a local run needs. The test suite
+# and `make demo-cluster` need the rest: postgresql for the database tests; chromium for the
 # dashboard's browser tests (driven by Playwright with this executable, nothing downloaded);
 # the test cluster's real node (hack/cluster): containerd, runc, the CNI plugins, iptables
 # (kube-proxy), socat (the API server's bridge out of the cluster's network namespace), and
 # buildah + mmdebstrap to build its images with no registry (hack/images).
-for pkg in libaio-dev postgresql chromium containerd runc containernetworking-plugins iptables \
-  conntrack ipset socat buildah mmdebstrap; do
+pkgs=(libaio-dev)
+((demo)) || pkgs+=(postgresql chromium containerd runc containernetworking-plugins iptables conntrack ipset socat
+  buildah mmdebstrap)
+if ((print_packages)); then printf '%s\n' "${pkgs[@]}"; exit 0; fi
+need_pkgs=()
+for pkg in "${pkgs[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_pkgs+=("$pkg")
 done
 if [ ${#need_pkgs[@]} -gt 0 ]; then
