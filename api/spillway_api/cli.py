@@ -17,7 +17,7 @@ from rich.console import Console
 from spillway_api.client_cli import jobs_app
 from spillway_operator.cli import register as register_operator_commands
 from spillway_runtime.cli import register as register_runtime_commands
-from spillway_runtime.contract import ExitCode
+from spillway_runtime.contract import VERBOSE_ENV, ExitCode
 
 err_console = Console(stderr=True, soft_wrap=True)  # a path in an error is never cut across lines
 
@@ -71,6 +71,9 @@ def run(
     reprobe: Annotated[bool, typer.Option(
         "--reprobe", help="Measure the NVMe disk's async I/O again instead of using the cached sweep "
         "(also SPILLWAY_PROBE_REFRESH=1)")] = False,
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", "-v", help="On a terminal, show every event's full record above the progress bar (as "
+        "logs get them) and the Hugging Face Hub's progress bars")] = False,
 ) -> None:
     """Fine-tune on this machine with the plan's offload; the job is recorded for `spillway api`."""
     from spillway_api.launchers.local import LocalRun, local_job_exists, record_local_job
@@ -86,6 +89,8 @@ def run(
     except SpecError as err:
         err_console.print(f"[red]error:[/red] {err}", highlight=False)
         raise typer.Exit(ExitCode.BAD_INPUT) from None
+    if verbose:
+        os.environ[VERBOSE_ENV] = "1"  # the training processes inherit it
     settings = Settings()
     run_dir = (run_dir or Path.cwd() / "runs" / job.metadata.name).resolve()
     if local_job_exists(settings, job.metadata.namespace, job.metadata.name):

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from spillway_runtime import startup
-from spillway_runtime.contract import ExitCode
+from spillway_runtime.contract import VERBOSE_ENV, ExitCode
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -26,8 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     for sig in STOP_SIGNALS:
         signal.signal(sig, remember)
     # transformers' and the Hub's tqdm bars ("Writing model shards") would cut through the
-    # run's own progress bar and fill pod logs; the events say what they would.
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # run's own progress bar and fill pod logs; the events say what they would (`--verbose`
+    # shows them).
+    if os.environ.get(VERBOSE_ENV) != "1":
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     startup.import_deepspeed()
 
     from spillway_runtime.checkpoint import CheckpointError

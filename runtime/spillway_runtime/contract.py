@@ -34,6 +34,9 @@ JOB_NAME_ENV = "SPILLWAY_JOB_NAME"
 JOB_NAMESPACE_ENV = "SPILLWAY_JOB_NAMESPACE"
 ATTEMPT_ENV = "SPILLWAY_ATTEMPT"
 STOP_GRACE_SECONDS_ENV = "SPILLWAY_STOP_GRACE_SECONDS"
+# `spillway run --verbose`: a terminal shows every event's full record (as logs do) and the
+# Hugging Face Hub's progress bars, not only the progress bar and events in words.
+VERBOSE_ENV = "SPILLWAY_VERBOSE"
 POD_METRICS_PORT = 9400  # in the exporters' range; the pod has its own network namespace, so no node's exporter collides
 
 # Every phase a job can be in, in the operator (cluster) or the API's local launcher.

@@ -2,8 +2,9 @@
 
 Every event is appended as one JSON line to the run's events file, which the
 local launcher and the API read. On a terminal a rich progress bar shows step,
-loss, tokens/s, ETA and bytes per tier; elsewhere the JSON lines also go to
-stdout, so `kubectl logs` reads the same record. Listeners (tracking.py: MLflow,
+loss, tokens/s, ETA and bytes per tier, with the other events in words (with
+SPILLWAY_VERBOSE=1, `spillway run --verbose`, every record in full above it too); elsewhere
+the JSON lines go to stdout, so `kubectl logs` reads the same record. Listeners (tracking.py: MLflow,
 TensorBoard, the /metrics endpoint) see every record too; what they have to say from
 their own threads comes back through `warn_soon` and is written by the training thread.
 """
@@ -11,6 +12,7 @@ their own threads comes back through `warn_soon` and is written by the training 
 from __future__ import annotations
 
 import json
+import os
 import queue
 import sys
 import time
@@ -18,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from spillway_runtime.contract import VERBOSE_ENV
 from spillway_runtime.units import format_bytes
 
 
@@ -96,8 +99,10 @@ class Reporter:
         enabled: bool = True,
         interactive: bool | None = None,
         sink: Callable[[dict[str, Any]], None] | None = None,
+        verbose: bool | None = None,
     ):
         self.enabled = enabled
+        self.verbose = os.environ.get(VERBOSE_ENV) == "1" if verbose is None else verbose
         self.total_steps = total_steps
         self.sink = sink
         self.interactive = sys.stdout.isatty() if interactive is None else interactive
@@ -126,7 +131,9 @@ class Reporter:
         if self.sink is not None:
             self.sink(record)
         if self.interactive:
-            if kind != "step" and (text := terminal_line(kind, fields)) is not None:
+            if self.verbose:
+                self._console_print(line, markup=False)
+            elif kind != "step" and (text := terminal_line(kind, fields)) is not None:
                 self._console_print(text)
         else:
             print(line, flush=True)
@@ -144,13 +151,14 @@ class Reporter:
         for message in messages:
             self.event("warning", message=message)
 
-    def _console_print(self, text: str) -> None:
+    def _console_print(self, text: str, markup: bool = True) -> None:
+        """`markup=False`: a record, printed as written and never broken into lines."""
         if self._progress is not None:
-            self._progress.console.print(text)
+            self._progress.console.print(text, markup=markup, highlight=markup, soft_wrap=not markup)
         else:
             from rich.console import Console
 
-            Console().print(text)
+            Console().print(text, markup=markup, highlight=markup, soft_wrap=not markup)
 
     def step(self, step: int, **fields: Any) -> None:
         self.event("step", step=step, **fields)

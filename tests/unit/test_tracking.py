@@ -160,3 +160,19 @@ def test_a_terminal_shows_events_in_words_and_the_events_file_keeps_every_field(
     kept = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert kept[0]["event"] == "memory" and kept[2]["sha256"].startswith("bf09f2b6")
     assert kept[2]["loss"] == 1.2345678901
+
+
+def test_verbose_shows_every_record_in_full_on_a_terminal(tmp_path: Path, capsys, monkeypatch) -> None:
+    """`spillway run --verbose` (SPILLWAY_VERBOSE=1): each event's whole record, steps and
+    memory dumps included, exactly as the events file keeps it; nothing in words instead."""
+    monkeypatch.setenv("COLUMNS", "60")  # narrower than a record: still one line each
+    monkeypatch.setenv("SPILLWAY_VERBOSE", "1")
+    reporter = Reporter(tmp_path / "events.jsonl", total_steps=60, interactive=True)
+    reporter.event("memory", stage="engine", bytes={"cpu": 840134656})
+    reporter.step(1, loss=2.5, tokens_per_s=800.0, bytes={"nvme": 7})
+    reporter.event("checkpoint", name="step-00000020", step=20, loss=1.2345678901, sha256="bf09f2b6[x]")
+    reporter.close()
+    shown = [line.rstrip() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("{")]
+    assert shown == (tmp_path / "events.jsonl").read_text().splitlines()
+    assert [json.loads(line)["event"] for line in shown] == ["memory", "step", "checkpoint"]
+    assert "[x]" in shown[2]  # printed as written: no rich markup eaten
