@@ -291,16 +291,22 @@ def make_tiny(
 
 
 def export(
-    checkpoint: Annotated[Path, typer.Argument(help="A checkpoint's folder (checkpoints/step-...), or a run's "
-                                                    "checkpoints folder or run folder: its newest checkpoint")],
+    checkpoint: Annotated[str, typer.Argument(
+        help="A checkpoint's folder (checkpoints/step-...), or a run's checkpoints folder or run folder: its newest "
+        "checkpoint; or a mirror, s3://BUCKET/PREFIX (its newest complete checkpoint) or s3://BUCKET/PREFIX/step-...")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the model (safetensors) and tokenizer")],
     model: Annotated[Path | None, typer.Option(help="The base model the job trained (default: its model.uri)")] = None,
+    endpoint_url: Annotated[str | None, typer.Option(
+        help="s3://: the S3 endpoint of a non-AWS server (default: AWS_ENDPOINT_URL, else AWS)")] = None,
 ) -> None:
     """Export any checkpoint's model as a Hugging Face directory, without a GPU or a training run."""
-    from spillway_runtime.export import ExportError, export_checkpoint
+    from spillway_runtime.export import ExportError, export_checkpoint, export_from_mirror
 
     try:
-        written = export_checkpoint(checkpoint, out, model)
+        if checkpoint.startswith("s3://"):
+            written = export_from_mirror(checkpoint, out, model, endpoint_url)
+        else:
+            written = export_checkpoint(Path(checkpoint), out, model)
     except ExportError as err:
         raise _fail(str(err)) from None
     Console().print(f"{written['checkpoint']} (step {written['step']}): {written['parameters']} parameters, "

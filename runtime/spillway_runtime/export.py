@@ -10,18 +10,23 @@ placement that wrote it), and the masters, cast to the job's dtype, are loaded i
 model's architecture and saved with its tokenizer, as the end of a run saves them. With LoRA
 the masters are the adapters': they go onto the base as training put them, and the adapter
 is saved in PEFT's layout (with `export.merge`, the merged model in `merged/` too).
+
+A checkpoint in a mirror (spec.checkpoint.mirror: `s3://BUCKET/PREFIX`, its newest complete
+one, or `s3://BUCKET/PREFIX/step-...`) is downloaded as a resume restores it (every file
+against the manifest's sizes, into a temporary folder), then exported the same way.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from spillway_runtime import unpickle
-from spillway_runtime.checkpoint import LATEST, CheckpointStore
+from spillway_runtime.checkpoint import LATEST, PREFIX, CheckpointStore
 from spillway_runtime.ckpt_io import CheckpointIOError
 from spillway_runtime.spec import FineTuneJobSpec
 
@@ -37,6 +42,30 @@ def checkpoint_dir(path: Path) -> Path:
         if (folder / LATEST).is_file():
             return folder / (folder / LATEST).read_text().strip()
     return path
+
+
+def export_from_mirror(uri: str, out: Path, model_dir: Path | None = None,
+                       endpoint_url: str | None = None) -> dict[str, Any]:
+    """Export a mirrored checkpoint: `uri` is the mirror (its newest complete checkpoint) or one
+    checkpoint in it. Credentials from the AWS variables; `endpoint_url` for a non-AWS server."""
+    from spillway_runtime.mirror import Mirror
+    from spillway_runtime.objectstore import Endpoint, ObjectStoreError
+
+    mirror_uri, _, last = uri.rstrip("/").rpartition("/")
+    named = re.fullmatch(re.escape(PREFIX) + r"\d+", last) is not None
+    if not named:
+        mirror_uri = uri.rstrip("/")
+    try:
+        mirror = Mirror(mirror_uri, where=Endpoint(url=endpoint_url))
+        name = mirror.newest(last if named else None)
+        if name is None:
+            raise ExportError(f"{uri}: no complete checkpoint there" + (f" named {last}" if named else "")
+                              + ": give the mirror's s3://BUCKET/PREFIX (spec.checkpoint.mirror) or a checkpoint in it")
+        with tempfile.TemporaryDirectory(prefix="spillway-export-") as tmp:
+            restored, _ = mirror.restore(name, Path(tmp))
+            return export_checkpoint(restored, out, model_dir)
+    except (ObjectStoreError, ValueError) as err:  # ValueError: not an s3:// URI it can parse
+        raise ExportError(str(err)) from None
 
 
 def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None) -> dict[str, Any]:

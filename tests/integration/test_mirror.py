@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,17 @@ def _mirrored(server: S3Server, prefix: str) -> dict[str, int]:
             for batch in obstore.list(store, prefix=prefix + "/") for m in batch}
 
 
+def _same_tensors(one: Path, other: Path) -> bool:
+    """The two exports' model.safetensors hold the same tensors, bit for bit."""
+    import torch
+    from safetensors.torch import load_file
+
+    a, b = load_file(one / "model.safetensors"), load_file(other / "model.safetensors")
+    return set(a) == set(b) and all(
+        a[n].dtype == b[n].dtype and torch.equal(a[n].view(-1).view(torch.uint8), b[n].view(-1).view(torch.uint8))
+        for n in a)
+
+
 def _uploaded(step: int):
     return lambda events: any(e["event"] == "mirror" and e["step"] == step for e in events)
 
@@ -82,6 +95,27 @@ def test_a_lost_volume_resumes_from_the_mirror_bit_identically(tmp_path, make_jo
     assert {key.split("/")[0] for key in objects} == {checkpoint_name(MAX_STEPS - EVERY), final, LATEST}
     assert bytes(obstore.get(aws_env.store(BUCKET), f"reference/{LATEST}").bytes()).decode() == final
     assert all(e["bytes"] > 0 and e["bytes_per_s"] > 0 for e in uploads)
+
+    # `spillway export` of a mirrored checkpoint, the newest or one by name, writes the model its
+    # copy on the volume gives, to the bit (the newest: the run's own export); a name the mirror
+    # does not hold is refused by name
+    def export(what: str, out: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "spillway_api.cli", "export", what, "--out", str(out)],
+                              capture_output=True, text=True, timeout=300)
+
+    newest = export(f"s3://{BUCKET}/reference", tmp_path / "from-mirror")
+    assert newest.returncode == 0, newest.stderr[-3000:]
+    assert f"{final} (step {MAX_STEPS})" in newest.stdout
+    assert _same_tensors(tmp_path / "from-mirror", exported)
+    earlier = checkpoint_name(MAX_STEPS - EVERY)
+    named = export(f"s3://{BUCKET}/reference/{earlier}", tmp_path / "earlier-from-mirror")
+    assert named.returncode == 0, named.stderr[-3000:]
+    on_disk = export(str(tmp_path / "reference" / "checkpoints" / earlier), tmp_path / "earlier-from-volume")
+    assert on_disk.returncode == 0, on_disk.stderr[-3000:]
+    assert _same_tensors(tmp_path / "earlier-from-mirror", tmp_path / "earlier-from-volume")
+    assert not _same_tensors(tmp_path / "earlier-from-mirror", exported)
+    absent = export(f"s3://{BUCKET}/reference/{checkpoint_name(EVERY)}", tmp_path / "absent")  # pruned: keep 2
+    assert absent.returncode == 2 and checkpoint_name(EVERY) in absent.stderr, absent.stderr[-3000:]
 
     # a new machine plans with the async-I/O block size the mirrored checkpoint was written under
     empty = tmp_path / "empty"
