@@ -385,6 +385,48 @@ def test_submit_watch_restart_rollback_suspend_delete(world: World, api: ApiServ
     assert api.call("GET", f"{base}/flow", token).status_code == 404
 
 
+def test_the_python_client_and_spillway_jobs_against_the_cluster(world: World, api: ApiServer) -> None:
+    """`spillway_api.client` and `spillway jobs` with real service-account tokens: what they
+    submit is a FineTuneJob in the cluster, what the operator reports reads back typed, and
+    what RBAC refuses is the API's Problem, raised or printed with its exit code."""
+    from spillway_api.client import Client, SpillwayError
+    from spillway_api.schemas import JobPublic
+
+    cluster, ns = world.cluster, world.team_a
+    with Client(api.url, world.tokens["alice"]) as client:
+        submitted = client.submit(ns, job_body("via-client"))
+        assert isinstance(submitted, JobPublic) and submitted.name == "via-client"
+        assert cluster.get("finetunejob", "via-client", ns)["metadata"]["uid"] == submitted.uid
+        patch_status(cluster, ns, "via-client", {
+            "phase": "Running", "progress": {"step": 3, "totalSteps": 100, "loss": 2.25,
+                                             "updatedAt": "2026-01-01T00:00:03Z"},
+            "checkpoints": [{"name": "step-3", "step": 3, "loss": 2.25}]})
+        wait_for(lambda: client.get(ns, "via-client").phase == "Running", what="Running through the client")
+        assert [c.name for c in client.checkpoints(ns, "via-client").data] == ["step-3"]
+        assert [(p.step, p.loss) for p in client.history(ns, "via-client").progress] == [(3, 2.25)]
+        with pytest.raises(SpillwayError) as unknown:
+            client.rollback(ns, "via-client", "step-7", "typo")
+        assert unknown.value.status == 409
+        assert client.rollback(ns, "via-client", "step-3", "loss spike").to_step == 3
+        assert cluster.get("finetunejob", "via-client", ns)["spec"]["resumeFrom"] == "step-3"
+        client.suspend(ns, "via-client")
+        assert cluster.get("finetunejob", "via-client", ns)["spec"]["suspend"] is True
+        with pytest.raises(SpillwayError) as elsewhere:
+            client.submit(world.team_b, job_body("not-mine"))
+        assert elsewhere.value.status == 403 and cluster.get("finetunejob", "not-mine", world.team_b) is None
+
+    env = {**os.environ, "SPILLWAY_API_URL": api.url, "COLUMNS": "200"}
+    listed = subprocess.run([sys.executable, "-m", "spillway_api.cli", "jobs", "list", "-n", ns, "-o", "json"],
+                            capture_output=True, text=True, env={**env, "SPILLWAY_TOKEN": world.tokens["reader"]},
+                            timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    assert [(j["name"], j["phase"]) for j in json.loads(listed.stdout)] == [("via-client", "Running")]
+    refused = subprocess.run([sys.executable, "-m", "spillway_api.cli", "jobs", "suspend", "via-client", "-n", ns],
+                             capture_output=True, text=True, env={**env, "SPILLWAY_TOKEN": world.tokens["reader"]},
+                             timeout=120)
+    assert refused.returncode == 2 and "403" in refused.stderr, refused.stderr
+
+
 def test_expired_bookmark_lists_again_and_records_deletions(world: World, api: ApiServer) -> None:
     cluster, ns, token = world.cluster, world.team_a, world.tokens["alice"]
     base = f"/v1/namespaces/{ns}/jobs"
