@@ -7,6 +7,7 @@ API package's: it records the job for `spillway api`).
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -49,6 +50,8 @@ def probe(
 
     if nvme_host_path is not None and nvme_path is None:
         raise _fail("--nvme-host-path names where --nvme-path is on the node; give --nvme-path too")
+    if output == "json":
+        _library_logs_to_stderr()  # `--output json > hw.json` must hold the JSON only
     try:
         hw = run_probe(nvme_path, quick=quick, aio_budget_seconds=aio_seconds)
     except ProbeError as err:
@@ -93,6 +96,20 @@ def probe(
     for k, v in rows.items():
         table.add_row(k, v)
     Console().print(table)
+
+
+def _library_logs_to_stderr() -> None:
+    """DeepSpeed's logger writes to stdout (a StreamHandler made on sys.stdout at its import)."""
+    import logging
+
+    from spillway_runtime import startup
+
+    startup.import_deepspeed()
+    from deepspeed.utils import logger
+
+    for handler in logger.handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
 
 
 def _keep_for_runs(nvme_path: Path, hw: NodeHardware) -> None:

@@ -97,7 +97,7 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
     problem = store.verify(checkpoint, deep=False)
     if problem is not None:
         raise ExportError(f"checkpoint {checkpoint.name} is damaged: {problem}")
-    base = model_dir or Path(spec.model.uri.removeprefix("file://"))
+    base = model_dir or _recorded(manifest, "modelDir") or Path(spec.model.uri.removeprefix("file://"))
     if not (base / "config.json").is_file():
         raise ExportError(f"the base model {str(base)!r} (the job's model.uri) is not a local model directory here: "
                           "give it with --model")
@@ -136,13 +136,21 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     model.save_pretrained(out, safe_serialization=True)  # with LoRA: the adapter, in PEFT's layout
-    tokenizer = AutoTokenizer.from_pretrained(Path(spec.model.tokenizer_uri.removeprefix("file://"))
-                                              if spec.model.tokenizer_uri else base)
+    tokenizer_dir = (_recorded(manifest, "tokenizerDir") or Path(spec.model.tokenizer_uri.removeprefix("file://"))
+                     if spec.model.tokenizer_uri else base)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     tokenizer.save_pretrained(out)
     if spec.method.lora and spec.export.merge:
         save_merged(base, out, out / MERGED_DIR, dtype, tokenizer)
     return {"checkpoint": checkpoint.name, "step": manifest.get("step"), "parameters": len(masters),
             "bytes": sum(p.stat().st_size for p in out.rglob("*") if p.is_file())}
+
+
+def _recorded(manifest: dict[str, Any], key: str) -> Path | None:
+    """The base model's (or tokenizer's) folder as the run that wrote the checkpoint found it,
+    when it is on this machine (a pod's mount point is not)."""
+    folder = manifest.get(key)
+    return Path(folder) if folder and Path(folder).is_dir() else None
 
 
 def _tied_names(model: Any) -> set[str]:

@@ -174,8 +174,11 @@ def measure_aio(
     """
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
+    from spillway_runtime.deepspeed_fixes import quiet_ssd_endurance_warning
+
     io_bytes = aio_io_bytes(io_bytes)
     aio = AsyncIOBuilder().load()
+    quiet_ssd_endurance_warning()  # its paragraph is on sustained offloading, not a probe's seconds
     cores = cores or _cores()
     parallelism = sorted({1, min(2, cores), min(4, cores), min(8, cores)})
     grid = [

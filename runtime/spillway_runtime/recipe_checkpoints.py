@@ -295,7 +295,10 @@ class Checkpointing:
         meta = {"loss": loss, "worldSize": self.world_size, "plan": self.plan.label,
                 "dataPosition": self.data_position, "config": self.spec.model_dump(mode="json"),
                 # what a resume elsewhere must plan with (local.py, from a mirrored checkpoint)
-                "aioBlockSize": self.plan.aio.block_size, "cpuResidentFraction": self._shape().resident}
+                "aioBlockSize": self.plan.aio.block_size, "cpuResidentFraction": self._shape().resident,
+                # the base model and tokenizer as this run found them (a job file's relative
+                # model.uri resolved), for `spillway export` (export.py)
+                "modelDir": self.cfg.model_dir, "tokenizerDir": self.cfg.tokenizer_dir}
         evaluated = getattr(self, "last_eval", None)
         if evaluated is not None and evaluated[0] == self.step:
             meta["evalLoss"] = evaluated[1]

@@ -55,52 +55,6 @@ def spillway_on_a_terminal(*args, cwd=None, env=None) -> tuple[int, str]:
     return child.wait(timeout=60), text.replace("\r\n", "\n")
 
 
-@pytest.mark.integration
-def test_spillway_run_trains_with_optimizer_on_nvme_and_exports(tmp_path, tiny_model):
-    doc = job_document("demo", tiny_model["model"], tiny_model["data"],
-                       training={"maxSteps": 30, "learningRate": 3e-3, "microBatchSize": 4},
-                       offload={"policy": "nvme", "optimizer": "nvme", "nvme": {"path": str(tmp_path / "nvme")}},
-                       checkpoint={"everySteps": 10, "keep": 2})
-    doc["spec"]["dataset"]["textPacking"] = "apart"  # each text its own document: the 4-D mask path
-    job = tmp_path / "demo.yaml"
-    job.write_text(yaml.safe_dump(doc))
-    result = spillway("run", str(job), "--run-dir", str(tmp_path / "run"), env={"COLUMNS": "200"})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "Z3 opt:nvme" in result.stdout
-    assert len(list((tmp_path / "run" / "checkpoints" / ".tokens").glob("tokens-*.meta.npy"))) == 1
-    # the end says where the state lived and what went to disk
-    assert f"optimizer state (fp32 masters, Adam moments): in NVMe swap files under {tmp_path / 'nvme'}" in result.stdout
-    assert "most held:" in result.stdout and "NVMe swap files" in result.stdout.split("most held:")[1]
-    finished = json.loads([line for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()
-                           if '"finished"' in line][-1])
-    assert finished["disk"]["written"] > 0 and "disk: the training process read" in result.stdout
-
-    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
-    steps = [e for e in events if e["event"] == "step"]
-    assert [e["step"] for e in steps] == list(range(1, 31))
-    first, last = steps[0]["loss"], steps[-1]["loss"]
-    assert last < 0.6 * first, (first, last)
-    # optimizer state lived in swap files: 12 B/param on this tiny model (fp32 master + 2 moments;
-    # its gradient fragments are below DeepSpeed's minimum swap size)
-    plan = json.loads((tmp_path / "run" / "runtime.json").read_text())["plan"]
-    assert all(e["bytes"]["nvme"] >= 0.9 * plan["bytes"]["nvme"] for e in steps)
-    assert plan["bytes"]["nvme"] >= 12 * plan["model"]["params"] * 0.99
-
-    ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*"))
-    assert ckpts == ["step-00000020", "step-00000030"]
-    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step-00000030"
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    export = tmp_path / "run" / "final"
-    assert (export / "model.safetensors").stat().st_size > 1_000_000
-    model = AutoModelForCausalLM.from_pretrained(export)
-    tokenizer = AutoTokenizer.from_pretrained(export)
-    ids = tokenizer("Question: what is two plus three? Answer:", return_tensors="pt")["input_ids"]
-    out = model(input_ids=ids, labels=ids)
-    assert out.loss.item() < first  # the exported weights are the trained ones, not the initial ones
-
-
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
@@ -281,3 +235,80 @@ def test_the_demo_swaps_its_optimizer_state_to_nvme(tmp_path, aio_block):
     plan = plan_for_job(FineTuneJob.model_validate(doc), hw, tmp_path / model_dir)
     assert plan.optimizer == "nvme" and plan.bytes.nvme > 32 << 20, plan.reasons
     assert not [r for r in plan.reasons if "minimum swap size" in r], plan.reasons
+
+
+@pytest.mark.integration
+def test_the_readmes_one_machine_commands_run_as_written(tmp_path):
+    """The README's "On one machine" shell block, as written, in a fresh bash after `make demo`'s
+    set-up (the model and data its make-tiny line builds): every command succeeds; while the
+    run trains, its optimizer state is in swap files under runs/tiny-local/nvme (watched from
+    beside it), the step events count those bytes, and the exported checkpoint is a model."""
+    import re
+    import shlex
+    import shutil
+    import threading
+
+    repo = Path(__file__).resolve().parents[2]
+    [block] = re.findall(r"## On one machine\n\n```sh\n(.*?)```", (repo / "README.md").read_text(), re.S)
+    recipe = (repo / "Makefile").read_text().split("\ndemo:", 1)[1].split("\n\n", 1)[0]
+    [make_tiny] = [shlex.split(line)[1:] for line in recipe.splitlines() if "make-tiny" in line]
+    shutil.copytree(repo / "examples", tmp_path / "examples")
+    (tmp_path / ".venv").symlink_to(repo / ".venv")
+    assert spillway(*make_tiny, cwd=tmp_path).returncode == 0
+
+    nvme = tmp_path / "runs" / "tiny-local" / "nvme"
+    swapped: list[int] = []  # bytes of swap files, each time some were there
+    finished = threading.Event()
+
+    def watch() -> None:
+        while not finished.wait(0.1):
+            sizes = [p.stat().st_size for p in nvme.rglob("*.swp")] if nvme.is_dir() else []
+            if sizes:
+                swapped.append(sum(sizes))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    # A fresh shell: the checkout's environment only from the block's own `source`
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if ".venv" not in p)
+    env = {**os.environ, "PATH": path, "COLUMNS": "200"}
+    env.pop("VIRTUAL_ENV", None)
+    try:
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=900)
+    finally:
+        finished.set()
+        watcher.join()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert json.loads((tmp_path / "hw.json").read_text())["cpu_cores"] >= 1  # the JSON alone, no log line
+    assert "13.0B parameters" in done.stdout and "largest model" in done.stdout
+    run = tmp_path / "runs" / "tiny-local"
+    assert "Z3 opt:nvme" in done.stdout
+    assert len(list((run / "checkpoints" / ".tokens").glob("tokens-*.npy"))) == 1  # tokenized once, kept
+
+    # the optimizer state lived in swap files: 12 B/param (fp32 master + 2 moments), seen on
+    # the disk while it trained and counted by every step
+    assert swapped and max(swapped) > 32 << 20, f"swap files seen during the run: {swapped[:5]}"
+    plan = json.loads((run / "runtime.json").read_text())["plan"]
+    assert plan["bytes"]["nvme"] >= 12 * plan["model"]["params"] * 0.99
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    steps = [e for e in events if e["event"] == "step"]
+    assert [e["step"] for e in steps] == list(range(1, 61))
+    assert all(e["bytes"]["nvme"] >= 0.9 * plan["bytes"]["nvme"] for e in steps)
+    first = steps[0]["loss"]
+    assert steps[-1]["loss"] < 0.6 * first, (first, steps[-1]["loss"])
+    # the end says where the state lived and what went to disk
+    assert f"optimizer state (fp32 masters, Adam moments): in NVMe swap files under {run / 'nvme'}" in done.stdout
+    assert "most held:" in done.stdout and "NVMe swap files" in done.stdout.split("most held:")[1]
+    [end] = [e for e in events if e["event"] == "finished"]
+    assert end["disk"]["written"] > max(swapped), end["disk"]
+    assert "disk: the training process read" in done.stdout
+
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-00000040", "step-00000060"]
+    assert (run / "checkpoints" / "latest").read_text() == "step-00000060"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for export in (run / "final", tmp_path / "runs" / "step-40"):  # the run's own, and `spillway export`'s
+        model = AutoModelForCausalLM.from_pretrained(export)
+        text = "Question: what is two plus three? Answer: 2 plus 3 is 5."
+        ids = AutoTokenizer.from_pretrained(export)(text, return_tensors="pt")["input_ids"]
+        assert model(input_ids=ids, labels=ids).loss.item() < first, export  # trained weights, not the initial
