@@ -1,9 +1,10 @@
 """Branch coverage per package, from a combined coverage data file (hack/test.sh --coverage).
 
     coverage_report.py DATA                 statements, branches and what was covered, per package
-    coverage_report.py BEFORE AFTER         the same for both, and every line and branch that BEFORE
-                                            covered and AFTER did not (the product code must be the
-                                            same in both runs: a test change is what is compared)
+    coverage_report.py BEFORE AFTER...      the same for each, and every line and branch that BEFORE
+                                            covered and no AFTER did (the product code must be the
+                                            same in every run: a test change is what is compared;
+                                            more AFTER runs: what else of the suite covers a line)
 
 Files are matched by their path from the package down (spillway_runtime/recipe.py), so two
 checkouts of the same code compare.
@@ -73,10 +74,17 @@ def measured(data_file: str) -> tuple[dict[str, set[int]], dict[str, set[tuple[i
     return lines, arcs
 
 
-def compare(before: str, after: str) -> int:
-    """Prints what BEFORE covered and AFTER did not; returns how many lines and arcs that is."""
+def compare(before: str, *afters: str) -> int:
+    """Prints what BEFORE covered and none of AFTERS did; returns how many lines and arcs that is."""
     lines_before, arcs_before = measured(before)
-    lines_after, arcs_after = measured(after)
+    lines_after: dict[str, set[int]] = defaultdict(set)
+    arcs_after: dict[str, set[tuple[int, int]]] = defaultdict(set)
+    for after in afters:
+        lines, arcs = measured(after)
+        for path in lines:
+            lines_after[path] |= lines[path]
+        for path in arcs:
+            arcs_after[path] |= arcs[path]
     lost = 0
     for path in sorted(set(lines_before) | set(arcs_before)):
         lines = sorted(lines_before[path] - lines_after.get(path, set()))
@@ -90,11 +98,12 @@ def compare(before: str, after: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) not in (1, 2):
+    if not argv:
         print(__doc__, file=sys.stderr)
         return 2
-    for name, data_file in zip(("before", "after"), argv, strict=False):
-        print_table(data_file if len(argv) == 1 else f"{name}: {data_file}", per_package(data_file))
+    for index, data_file in enumerate(argv):
+        print_table(data_file if len(argv) == 1 else f"{'before' if index == 0 else 'after'}: {data_file}",
+                    per_package(data_file))
     return 0 if len(argv) == 1 else min(compare(*argv), 1)
 
 

@@ -6,6 +6,7 @@ API package's: it records the job for `spillway api`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -50,12 +51,12 @@ def probe(
 
     if nvme_host_path is not None and nvme_path is None:
         raise _fail("--nvme-host-path names where --nvme-path is on the node; give --nvme-path too")
-    if output == "json":
-        _library_logs_to_stderr()  # `--output json > hw.json` must hold the JSON only
-    try:
-        hw = run_probe(nvme_path, quick=quick, aio_budget_seconds=aio_seconds)
-    except ProbeError as err:
-        raise _fail(str(err)) from None
+    # `--output json > hw.json` must hold the JSON only
+    with _stdout_to_stderr() if output == "json" else contextlib.nullcontext():
+        try:
+            hw = run_probe(nvme_path, quick=quick, aio_budget_seconds=aio_seconds)
+        except ProbeError as err:
+            raise _fail(str(err)) from None
     if nvme_path is not None and not annotate_node:
         _keep_for_runs(nvme_path, hw)
     if nvme_host_path is not None:
@@ -98,18 +99,18 @@ def probe(
     Console().print(table)
 
 
-def _library_logs_to_stderr() -> None:
-    """DeepSpeed's logger writes to stdout (a StreamHandler made on sys.stdout at its import)."""
+def _stdout_to_stderr() -> contextlib.AbstractContextManager[Any]:
+    """Everything printed to stdout goes to stderr: DeepSpeed's logger (a StreamHandler bound to
+    sys.stdout when DeepSpeed is first imported, here or before) and any library's print."""
     import logging
 
-    from spillway_runtime import startup
+    if "deepspeed" in sys.modules:
+        from deepspeed.utils import logger
 
-    startup.import_deepspeed()
-    from deepspeed.utils import logger
-
-    for handler in logger.handlers:
-        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
-            handler.setStream(sys.stderr)
+        for handler in logger.handlers:
+            if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+                handler.setStream(sys.stderr)
+    return contextlib.redirect_stdout(sys.stderr)
 
 
 def _keep_for_runs(nvme_path: Path, hw: NodeHardware) -> None:
