@@ -76,21 +76,67 @@ def build_pod(
     """One training pod: pinned by node affinity to the chosen shape's nodes; the scheduler binds."""
     plan = choice.plan
     assert plan is not None
-    hw = choice.hardware
     name = job["metadata"]["name"]
     meta = child_meta(job, pod_name(name, attempt, rank), "trainer", {LABEL_ATTEMPT: str(attempt), LABEL_RANK: str(rank)})
     meta["annotations"] = {"spillway.dev/plan": plan.label, "spillway.dev/shape": choice.shape}
+    resources, cpu = _resources(plan, choice.hardware, settings)
+    mounts, volumes = _volumes(job, spec, plan, choice.hardware, settings)
+    trainer = {
+        "name": "trainer",
+        "image": settings.runtime_image,
+        "command": _command(job, plan, attempt, rank),
+        "env": _env(job, spec, plan, attempt, cpu, settings),
+        "ports": [{"name": "metrics", "containerPort": POD_METRICS_PORT, "protocol": "TCP"}],
+        "resources": resources,
+        "volumeMounts": mounts,
+        # The runtime's own error (a bad dataset line, with file and line) as the
+        # container's termination message, which the operator copies into the job's
+        # condition; where the runtime wrote none (a crash), the last lines of its log.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "serviceAccountName": runtime_account_name(name),
+        "terminationGracePeriodSeconds": settings.termination_grace_seconds,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": settings.run_as_user,
+            "runAsGroup": settings.run_as_user,
+            "fsGroup": settings.run_as_user,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "affinity": {} if choice.pool else _on_the_chosen_nodes(choice),
+        "containers": [trainer],
+        "volumes": volumes,
+    }
+    _place(pod_spec, meta, spec, choice, settings, pod_name(name, attempt, rank))
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def _resources(plan: OffloadPlan, hw: NodeHardware, settings: OperatorSettings) -> tuple[dict[str, Any], int]:
+    """The container's requests and limits from the plan's share of the node, and its CPUs."""
     share = plan.gpus_per_node / hw.gpu_count if hw.gpu_count else 1.0
     memory = min(plan.bytes.cpu + settings.memory_overhead_bytes, int(hw.cpu_memory_bytes * share))
     memory = max(memory, plan.bytes.cpu)
     cpu = max(1, int(hw.cpu_cores * share * 0.8))
     requests: dict[str, str] = {"cpu": str(cpu), "memory": quantity(memory)}
-    limits: dict[str, str] = {}
-    if plan.gpus_per_node:
-        requests[GPU_RESOURCE] = str(plan.gpus_per_node)
-        limits[GPU_RESOURCE] = str(plan.gpus_per_node)
+    if not plan.gpus_per_node:
+        return {"requests": requests}, cpu
+    requests[GPU_RESOURCE] = str(plan.gpus_per_node)
+    return {"requests": requests, "limits": {GPU_RESOURCE: str(plan.gpus_per_node)}}, cpu
 
-    mounts = [
+
+def _volumes(job: dict[str, Any], spec: FineTuneJobSpec, plan: OffloadPlan, hw: NodeHardware,
+             settings: OperatorSettings) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The trainer's mounts and the pod's volumes: its config, checkpoints and scratch, the
+    NVMe volume when the plan swaps, the input claims read-only and the node's S3 cache."""
+    name = job["metadata"]["name"]
+    mounts: list[dict[str, Any]] = [
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "checkpoints", "mountPath": CHECKPOINT_DIR},
         {"name": "run", "mountPath": RUN_DIR},
@@ -104,7 +150,6 @@ def build_pod(
         {"name": "tmp", "emptyDir": {}},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
     ]
-    init_containers: list[dict[str, Any]] = []
     if plan.uses_nvme:
         nvme = _nvme_volume(spec, plan, hw, settings)
         volumes.append(nvme)
@@ -121,9 +166,14 @@ def build_pod(
         mounts.append({"name": S3_CACHE_VOLUME, "mountPath": str(S3_CACHE_MOUNT), "readOnly": True,
                        "subPath": s3_cache_sub_path(job["metadata"]["namespace"], spec)})
         volumes.append(s3_cache_volume(settings))
+    return mounts, volumes
 
+
+def _env(job: dict[str, Any], spec: FineTuneJobSpec, plan: OffloadPlan, attempt: int, cpu: int,
+         settings: OperatorSettings) -> list[dict[str, Any]]:
+    """The pod's side of the runtime's environment contract (contract.py), and what it needs."""
     env = [
-        {"name": JOB_NAME_ENV, "value": name},
+        {"name": JOB_NAME_ENV, "value": job["metadata"]["name"]},
         {"name": JOB_NAMESPACE_ENV, "value": job["metadata"]["namespace"]},
         {"name": ATTEMPT_ENV, "value": str(attempt)},
         # Rank 0 serves /metrics here (the chart's PodMonitor scrapes the rank-0 pod's `metrics` port)
@@ -141,53 +191,30 @@ def build_pod(
         # torch sizes its thread pool by the host's cores, not the pod's CPU request: the
         # ranks of a CPU pod would oversubscribe the node without this.
         env.append({"name": "OMP_NUM_THREADS", "value": str(max(1, cpu // max(1, plan.processes_per_node)))})
-    pod_spec: dict[str, Any] = {
-        "restartPolicy": "Never",
-        "serviceAccountName": runtime_account_name(name),
-        "terminationGracePeriodSeconds": settings.termination_grace_seconds,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": settings.run_as_user,
-            "runAsGroup": settings.run_as_user,
-            "fsGroup": settings.run_as_user,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
-        "affinity": {} if choice.pool else {
-            "nodeAffinity": {
-                "requiredDuringSchedulingIgnoredDuringExecution": {
-                    # One term per node (terms are ORed): the API server accepts a single value
-                    # for a metadata.name field selector, so a shape of several nodes needs several terms.
-                    "nodeSelectorTerms": [
-                        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
-                        for node in sorted(choice.nodes)
-                    ]
-                }
+    return env
+
+
+def _on_the_chosen_nodes(choice: ShapeChoice) -> dict[str, Any]:
+    """Node affinity to the nodes of the chosen shape (a pool's pods select its labels instead)."""
+    return {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                # One term per node (terms are ORed): the API server accepts a single value
+                # for a metadata.name field selector, so a shape of several nodes needs several terms.
+                "nodeSelectorTerms": [
+                    {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+                    for node in sorted(choice.nodes)
+                ]
             }
-        },
-        "containers": [
-            {
-                "name": "trainer",
-                "image": settings.runtime_image,
-                "command": _command(job, plan, attempt, rank),
-                "env": env,
-                "ports": [{"name": "metrics", "containerPort": POD_METRICS_PORT, "protocol": "TCP"}],
-                "resources": {"requests": requests, "limits": limits} if limits else {"requests": requests},
-                "volumeMounts": mounts,
-                # The runtime's own error (a bad dataset line, with file and line) as the
-                # container's termination message, which the operator copies into the job's
-                # condition; where the runtime wrote none (a crash), the last lines of its log.
-                "terminationMessagePolicy": "FallbackToLogsOnError",
-                "securityContext": {
-                    "allowPrivilegeEscalation": False,
-                    "readOnlyRootFilesystem": True,
-                    "capabilities": {"drop": ["ALL"]},
-                },
-            }
-        ],
-        "volumes": volumes,
+        }
     }
-    if init_containers:
-        pod_spec["initContainers"] = init_containers
+
+
+def _place(pod_spec: dict[str, Any], meta: dict[str, Any], spec: FineTuneJobSpec, choice: ShapeChoice,
+           settings: OperatorSettings, hostname: str) -> None:
+    """Where the pod may run, beside the affinity: the job's node selector and tolerations, a
+    pool's labels, and for a multi-node plan one rank per node under a stable hostname."""
+    name, attempt = meta["labels"][LABEL_JOB], meta["labels"][LABEL_ATTEMPT]
     if spec.resources.node_selector:
         pod_spec["nodeSelector"] = dict(spec.resources.node_selector)
     pool = node_pools.find(settings.node_pools, choice.pool)
@@ -197,22 +224,22 @@ def build_pod(
         meta["annotations"][node_pools.POOL_ANNOTATION] = pool.name
     if spec.resources.tolerations:
         pod_spec["tolerations"] = [t.model_dump(mode="json", exclude_none=True) for t in spec.resources.tolerations]
-    if plan.nodes > 1:
-        pod_spec["hostname"] = pod_name(name, attempt, rank)
+    assert choice.plan is not None
+    if choice.plan.nodes > 1:
+        pod_spec["hostname"] = hostname
         pod_spec["subdomain"] = service_name(name)
         # The plan sized RAM and NVMe per node: two ranks must never share one, even
         # where a node has the GPUs for both.
         pod_spec.setdefault("affinity", {})["podAntiAffinity"] = {
             "requiredDuringSchedulingIgnoredDuringExecution": [
                 {
-                    "labelSelector": {"matchLabels": {LABEL_JOB: name, LABEL_ATTEMPT: str(attempt)}},
+                    "labelSelector": {"matchLabels": {LABEL_JOB: name, LABEL_ATTEMPT: attempt}},
                     "topologyKey": "kubernetes.io/hostname",
                 }
             ]
         }
     if not pod_spec["affinity"]:
         del pod_spec["affinity"]
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 
 S3_CACHE_VOLUME = "s3-cache"
