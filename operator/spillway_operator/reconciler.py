@@ -4,9 +4,10 @@ Where this sits: called by `handlers` (the work queue's workers); reads jobs, po
 and nodes and acts through a `cluster.Cluster` (the watch caches and the API server,
 or an in-memory cluster in the unit tests), writes status through
 `status.StatusChange`, makes children through `children`, and calls `builders` for
-every decision's shape. The steps of a job that waits on Kueue or on a declared pool's
-node are in `waits`; what every step shares (ending an attempt, settling its cost) is
-in `attempts`. It keeps no state between calls but a per-job lock and a hint of which
+every decision's shape. Starting an attempt (planning it, waiting for its inputs,
+creating its children) is `starting`; the steps of a job that waits on Kueue or on a
+declared pool's node are in `waits`; what every step shares (ending an attempt, settling
+its cost) is in `attempts`. It keeps no state between calls but a per-job lock and a hint of which
 attempts' children it created, so a restarted operator converges from whatever it
 finds: child names are deterministic (`<job>-a<attempt>-<rank>`), and every decision
 that moves the job to a new attempt (counting a failure or a preemption, applying a
@@ -24,34 +25,39 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn
 
-from spillway_operator import admission, children, job_cost, metrics, model_source, node_pools, pod_outcomes, queueing, s3_inputs
+from spillway_operator import (
+    admission,
+    children,
+    job_cost,
+    metrics,
+    model_source,
+    node_pools,
+    pod_outcomes,
+    queueing,
+    s3_inputs,
+    starting,
+)
 from spillway_operator import builders as b
 from spillway_operator.attempts import (
     PermanentFailure,
     Result,
     attempt_of,
-    checkpoints_block_size,
     commit_attempt_end,
     cost_so_far,
     fail_before_pods,
     finish,
     is_active,
     may_still_write,
-    model_config_read,
     plan_of,
-    pricing_of,
 )
 from spillway_operator.cluster import KUBE, Cluster
-from spillway_operator.placement import choose_placement, plan_status
 from spillway_operator.settings import OperatorSettings
 from spillway_operator.status import StatusChange
 from spillway_operator.waits import (
     check_arrived_node,
     evicted_by_kueue,
-    queue_gate,
     replan_unschedulable,
     unschedulable_message,
-    with_flavour_pools,
 )
 from spillway_runtime.contract import ExitCode
 from spillway_runtime.spec import FineTuneJobSpec, SpecError, parse_job
@@ -61,11 +67,8 @@ __all__ = ["PermanentFailure", "Result", "reconcile", "report_forbidden"]
 log = logging.getLogger("spillway.operator")
 
 MAX_PASSES = 4  # decisions chained in one call (e.g. count a failure, then start the retry)
-INPUT_RETRY_SECONDS = 15.0
 
 _locks: dict[tuple[str, str], threading.Lock] = {}
-# (namespace, job, attempt) whose children this process created, not yet in status.
-_children_done: set[tuple[str, str, int]] = set()
 _locks_guard = threading.Lock()
 
 
@@ -275,12 +278,12 @@ def _follow_attempt(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict
     planned = plan_of(status)
     ranks = planned.node_count if planned is not None else spec.resources.nodes
     if current and int(status.get("childrenAttempt", -1)) != attempt:
-        if (namespace, name, attempt) in _children_done:
+        if (namespace, name, attempt) in starting.children_done:
             change.piggyback["childrenAttempt"] = attempt
         elif children.ensure_later_children(cluster, change.job, spec, settings):
             change.status["childrenAttempt"] = attempt
     else:
-        _children_done.discard((namespace, name, attempt))
+        starting.children_done.discard((namespace, name, attempt))
     if current:
         outcomes = [pod_outcomes.container_never_starts(p, change.now, settings.image_pull_grace_seconds)
                     or pod_outcomes.classify_pod(
@@ -308,7 +311,7 @@ def _follow_attempt(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict
                  ", ".join(p["metadata"]["name"] for p in stopping))
         change.commit()
         return Result(requeue_after=settings.resync_seconds)
-    return _start_pods(change, spec, settings)
+    return starting.start_pods(change, spec, settings)
 
 
 def _start_new_attempt(
@@ -459,7 +462,7 @@ def _attempt_live(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[s
     else:
         unscheduled = unschedulable_message(pods)
         if len(pods) < ranks:
-            return _start_pods(change, spec, settings)
+            return starting.start_pods(change, spec, settings)
         pool = node_pools.pool_of(pods[0])
         if unscheduled and not pool:
             replanned = replan_unschedulable(change, spec, pods, unscheduled, settings)
@@ -482,200 +485,5 @@ def _attempt_live(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[s
             )
         if old.get("phase") not in (b.PHASE_PLANNED,):
             change.phase(b.PHASE_PLANNED, "Planned", unscheduled or "pods created, waiting for the scheduler")
-    change.commit()
-    return Result()
-
-
-def _start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorSettings) -> Result:
-    """Plan the attempt: not before retryAfter, not past the budget, on the cheapest or
-    fastest node shape that fits, with settings the runtime accepts."""
-    old = change.old
-    retry_at = b.parse_time(old.get("retryAfter"))
-    if retry_at is not None and retry_at > change.now:
-        change.commit()
-        return Result(requeue_after=(retry_at - change.now).total_seconds())
-    budget = spec.budget.max_cost_usd
-    settled = float((old.get("cost") or {}).get("settledUSD", 0.0))
-    if budget is not None and settled >= budget:
-        finish(change, b.PHASE_BUDGET_EXCEEDED, "BudgetExceeded", f"settled cost ${settled:.2f} >= budget", [])
-        change.commit()
-        return Result()
-
-    if settings.read_model_config and model_source.needs_read(spec, change.old):
-        decided = _read_model_config(change, spec, settings)
-        if decided is not None:
-            return decided
-    read = model_config_read(change, spec)
-    if spec.model.config is None and spec.model.parameter_count is None and "config" not in read:
-        message = ("the operator plans from spec.model.config (the model's config.json) or "
-                   "spec.model.parameterCount (e.g. 7B): give one")
-        if "error" in read:
-            message = (f"config.json could not be read from {read['source']}: {read['error']}; "
-                       "give spec.model.config (the model's config.json) or spec.model.parameterCount (e.g. 7B)")
-        change.cond(b.PHASE_PLANNED, False, "ModelShapeRequired", message)
-        change.cond(b.PHASE_FAILED, True, "ModelShapeRequired", message)
-        change.phase(b.PHASE_FAILED, "ModelShapeRequired", message, warning=True)
-        change.commit()
-        raise PermanentFailure(message)
-    pricing = pricing_of(change.cluster, settings)
-    block = checkpoints_block_size(change)
-    if queueing.queue_name(change.job, spec):
-        # Admitted: planned on the nodes of the flavour Kueue assigned
-        spec = queueing.admitted_spec(change.cluster, change.job, spec)
-    placement = choose_placement(spec, change.cluster.nodes(), pricing, settings, read, block)
-    if placement.chosen is None or placement.chosen.plan is None:
-        # The cache may not hold a node created a moment ago: "fits nowhere" is final, so
-        # it is decided on a fresh LIST.
-        placement = choose_placement(spec, change.cluster.nodes(fresh=True), pricing, settings, read, block)
-    flavour_problems: list[str] = []
-    if placement.chosen is None or placement.chosen.plan is None:
-        settings, flavour_problems = with_flavour_pools(change, settings)
-    if (placement.chosen is None or placement.chosen.plan is None) and settings.node_pools:
-        # No node that exists fits: the declared pools' template nodes, for the autoscaler to bring up
-        placement = choose_placement(spec, [*change.cluster.nodes(), *node_pools.template_nodes(settings.node_pools)],
-                                     pricing, settings, read, block)
-    change.status["plan"] = plan_status(placement)
-    chosen = placement.chosen
-    if chosen is None or chosen.plan is None:
-        metrics.PLANNING_FAILURES.inc()
-        message = "; ".join([placement.failure, *flavour_problems])
-        change.cond(b.PHASE_PLANNED, False, "NoFit", message)
-        change.cond(b.PHASE_FAILED, True, "NoFit", message)
-        change.phase(b.PHASE_FAILED, "NoFit", message, warning=True)
-        change.status["finishedAt"] = b.rfc3339(change.now)
-        change.commit()
-        raise PermanentFailure(message)
-    plan = chosen.plan
-    attempt = int(old.get("attempt", 0))
-    resume = spec.resume_from if int(old.get("resumeAttempt", -1)) == attempt else None
-    try:
-        # What the pods would read, built once before anything is created: DeepSpeed settings
-        # that contradict the plan or the training settings end the job here, by name, rather
-        # than in a pod (or in a retry loop).
-        config = b.build_runtime_config(change.job, spec, plan, resume)
-    except ValueError as err:
-        message = str(err)
-        change.cond(b.PHASE_PLANNED, False, "InvalidSpec", message)
-        change.cond(b.PHASE_FAILED, True, "InvalidSpec", message)
-        change.phase(b.PHASE_FAILED, "InvalidSpec", message, warning=True)
-        change.status["finishedAt"] = b.rfc3339(change.now)
-        change.commit()
-        raise PermanentFailure(message) from None
-    return _create_attempt(change, spec, settings, chosen, config)
-
-
-def _read_model_config(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorSettings) -> Result | None:
-    """Start, follow and collect the pod that reads the model's config.json from its claim.
-    None once status.modelConfig holds the answer (a config or why there is none): plan on."""
-    meta = change.job["metadata"]
-    namespace, name = meta["namespace"], meta["name"]
-    uri = spec.model.uri
-    claim = model_source.claim_of(uri)
-    if not change.cluster.pvc_exists(namespace, claim):
-        return _wait_for_inputs(change, f"PersistentVolumeClaim {claim!r} (from spec.model.uri) does not exist "
-                                        f"in {namespace}")
-    uid = meta["uid"]
-    pod = next((p for p in change.cluster.job_pods(namespace, name) if model_source.is_reader(p)
-                and any(o.get("uid") == uid for o in p["metadata"].get("ownerReferences") or [])), None)
-    if pod is None or pod["metadata"].get("deletionTimestamp"):
-        if pod is None and change.cluster.create(model_source.build_reader_pod(change.job, spec, settings)) is not None:
-            message = f"reading config.json from {uri} in pod {model_source.pod_name(name)} before planning"
-            change.cond(model_source.CONDITION, False, "Reading", message)
-            change.event("Normal", "ReadingModelConfig", message)
-            change.commit()
-        return Result(requeue_after=min(30.0, settings.model_config_timeout_seconds))
-    result = model_source.outcome(pod, uri)
-    if result is None:
-        created = b.parse_time(pod["metadata"].get("creationTimestamp")) or change.now
-        waited = (change.now - created).total_seconds()
-        if waited < settings.model_config_timeout_seconds:
-            return Result(requeue_after=min(30.0, settings.model_config_timeout_seconds - waited + 1))
-        result = {"source": uri, "error": f"not read within {settings.model_config_timeout_seconds} s "
-                                          f"({model_source.pending_reason(pod)})"}
-    change.status["modelConfig"] = result
-    if "config" in result:
-        change.cond(model_source.CONDITION, True, "Read", f"config.json read from {uri}")
-    else:
-        change.cond(model_source.CONDITION, False, "Unreadable", f"{uri}: {result['error']}")
-        change.event("Warning", "ModelConfigUnreadable", f"config.json from {uri}: {result['error']}")
-    change.commit()
-    change.cluster.delete_pod(namespace, pod["metadata"]["name"], grace_seconds=0)
-    return None
-
-
-def _wait_for_inputs(change: StatusChange, message: str) -> Result:
-    """A claim or StorageClass the job names does not exist (yet): an InputsReady condition and
-    a Warning when that changes, and, where `kubectl get` looks, a new job's phase Pending with
-    the message, rather than no phase at all. Retried until the admin makes them."""
-    if (b.condition(change.conditions, "InputsReady") or {}).get("message") != message:
-        change.event("Warning", "InputsMissing", message)
-    change.cond("InputsReady", False, "InputsMissing", message)
-    if not change.old.get("phase"):
-        change.enter(b.PHASE_PENDING)
-    if change.status.get("phase") == b.PHASE_PENDING:
-        change.status["message"] = f"waiting for inputs: {message}"
-    change.commit()
-    return Result(requeue_after=INPUT_RETRY_SECONDS)
-
-
-def _create_attempt(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorSettings, chosen: Any,
-                    config: Any) -> Result:
-    """The plan is made: once every input exists, store it and create the attempt's children."""
-    namespace = change.job["metadata"]["namespace"]
-    attempt = int(change.old.get("attempt", 0))
-    plan = chosen.plan
-    missing = children.missing_inputs(change.cluster, namespace, spec, plan, settings)
-    if missing:
-        return _wait_for_inputs(change, "; ".join(missing))
-    if b.condition(change.conditions, "InputsReady"):
-        change.cond("InputsReady", True, "Found", "every PVC and StorageClass the job names exists")
-    queue = queueing.queue_name(change.job, spec)
-    if queue:
-        waiting = queue_gate(change, spec, queue, chosen, settings)
-        if waiting is not None:
-            return waiting
-    fetch = s3_inputs.progress(change, spec, sorted(chosen.nodes), attempt, settings)
-    if fetch.failure is not None:
-        fail_before_pods(change, "InputsUnreadable", fetch.failure)
-    if not fetch.done:
-        change.commit()
-        return Result(requeue_after=fetch.requeue_after)
-
-    message = (
-        f"{plan.label} on {chosen.shape} ({len(chosen.nodes)} node(s)); predicted "
-        f"{plan.predicted_step_seconds:.3g} s/step, ${plan.predicted_cost_usd or 0:.2f}"
-    )
-    change.status["plan"]["attempt"] = attempt
-    change.cond(b.PHASE_PLANNED, True, "Planned", message)
-    change.cond(b.PHASE_SCHEDULED, False, "Pending", "pods created, waiting for the scheduler")
-    change.status["retryAfter"] = None
-    # Pending as stored, or as this reconcile just decided (a resumed job).
-    if change.status.get("phase", change.old.get("phase")) in (None, b.PHASE_PENDING, b.PHASE_QUEUED):
-        change.phase(b.PHASE_PLANNED, "Planned", message)
-    change.status.setdefault("cost", cost_so_far(change, 0.0))
-    # The plan is stored before any child exists: killed after this line, the next
-    # reconcile re-creates the same children under the same names. Its Events wait until
-    # the pods exist: nothing that is not needed first stands before them.
-    change.commit(post_events=False)
-    try:
-        created = children.create_children(change.cluster, change.job, spec, chosen, attempt, config, settings)
-        if created:
-            # One Event, not two, when this call also moved the job to Planned (the usual case).
-            pods = f"attempt {attempt}: created {', '.join(created)}"
-            for i, (type_, reason, text) in enumerate(change.events):
-                if reason == "Planned":
-                    change.events[i] = (type_, reason, f"{text}; {pods}")
-                    break
-            else:
-                change.event("Normal", "PodsCreated", pods)
-    finally:
-        change.post_events()
-    if (b.condition(change.conditions, "Authorized") or {}).get("status") == "False":
-        change.cond("Authorized", True, "Allowed", "the operator's RBAC allows every call this job needs")
-    # Every child exists. Status says so with the next patch that happens anyway (Scheduled,
-    # Running); until then this process remembers. A restart in between re-checks them
-    # (children.ensure_later_children).
-    _children_done.add((namespace, change.job["metadata"]["name"], attempt))
-    change.piggyback["childrenAttempt"] = attempt
     change.commit()
     return Result()
