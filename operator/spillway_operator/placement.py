@@ -149,6 +149,30 @@ def choose_placement(
     kept whatever the nodes' probes say now: it decides which small optimizer sub-groups
     DeepSpeed swaps, so a resume under another one finds the checkpoint's files wrong."""
     shape, shape_notes = model_shape(spec, read)
+    groups, excluded = _node_shapes(spec, nodes, aio_block_size)
+    for choice in groups.values():
+        _plan_shape(choice, spec, shape, shape_notes, pricing, settings, aio_block_size)
+    fits = [c for c in groups.values() if c.plan is not None and c.plan.feasible]
+    chosen: ShapeChoice | None = None
+    if fits:
+        if spec.resources.placement == "fastest":
+            chosen = min(fits, key=lambda c: (_total_seconds(c), _cost(c), c.shape))
+        else:
+            chosen = min(fits, key=lambda c: (_cost(c), _total_seconds(c), c.shape))
+        for c in fits:
+            if c is not chosen:
+                c.why_not = (
+                    f"{spec.resources.placement} placement chose {chosen.shape}: this one costs "
+                    f"${_cost(c):.2f} in {_total_seconds(c) / 3600:.2f} h vs ${_cost(chosen):.2f} in "
+                    f"{_total_seconds(chosen) / 3600:.2f} h"
+                )
+    return Placement(chosen=chosen, shapes=sorted(groups.values(), key=lambda c: c.shape), excluded_nodes=excluded)
+
+
+def _node_shapes(spec: FineTuneJobSpec, nodes: list[dict[str, Any]], aio_block_size: int | None,
+                 ) -> tuple[dict[str, ShapeChoice], dict[str, str]]:
+    """The nodes the job may use, grouped by hardware shape (a declared pool's template apart),
+    and the others with why not."""
     groups: dict[str, ShapeChoice] = {}
     excluded: dict[str, str] = {}
     for node in nodes:
@@ -166,60 +190,49 @@ def choose_placement(
             price = ((node.get("metadata") or {}).get("annotations") or {}).get(PRICE_ANNOTATION)
             groups[key] = ShapeChoice(shape=key, nodes=[name], hardware=hw, pool=pool,
                                       pool_price=float(price) if price else None)
-    gpus_wanted = spec.resources.gpus_per_node
-    for choice in groups.values():
-        hw = choice.hardware
-        gpus = hw.gpu_count if gpus_wanted is None else gpus_wanted
-        choice.price_per_hour, _ = gpu_hour_price(hw, pricing, settings)
-        if choice.pool_price is not None:
-            choice.price_per_hour = choice.pool_price
-        # Per node: the planner multiplies by the job's node count itself.
-        node_price = choice.price_per_hour * (gpus if hw.gpu_count else 1)
-        if gpus > hw.gpu_count:
-            choice.why_not = f"resources.gpusPerNode is {gpus} but the shape has {hw.gpu_count} GPUs"
-            continue
-        if len(choice.nodes) < spec.resources.nodes:
-            choice.why_not = f"resources.nodes is {spec.resources.nodes} but only {len(choice.nodes)} such nodes"
-            continue
-        try:
-            plan = plan_tiers(
-                shape,
-                hw,
-                spec.training,
-                spec.offload,
-                dtype=spec.model.dtype,
-                gpus_per_node=gpus,
-                nodes=spec.resources.nodes,
-                price_per_hour=node_price,
-                cpu_processes=spec.resources.cpu_processes,
-                method=spec.method,
-            )
-        except ValueError as err:
-            choice.why_not = str(err)
-            continue
-        kept = []
-        if aio_block_size is not None and plan.uses_nvme:
-            kept = [f"async-I/O block size {aio_block_size >> 10} KiB kept from the job's checkpoints"]
-        plan.reasons = [*shape_notes, *kept, *plan.reasons]
-        choice.plan = plan
-        if not plan.feasible:
-            shorts = "; ".join(s.describe() for s in plan.shortfalls) or "no allowed placement"
-            choice.why_not = f"closest {plan.label}: {shorts}"
-    fits = [c for c in groups.values() if c.plan is not None and c.plan.feasible]
-    chosen: ShapeChoice | None = None
-    if fits:
-        if spec.resources.placement == "fastest":
-            chosen = min(fits, key=lambda c: (_total_seconds(c), _cost(c), c.shape))
-        else:
-            chosen = min(fits, key=lambda c: (_cost(c), _total_seconds(c), c.shape))
-        for c in fits:
-            if c is not chosen:
-                c.why_not = (
-                    f"{spec.resources.placement} placement chose {chosen.shape}: this one costs "
-                    f"${_cost(c):.2f} in {_total_seconds(c) / 3600:.2f} h vs ${_cost(chosen):.2f} in "
-                    f"{_total_seconds(chosen) / 3600:.2f} h"
-                )
-    return Placement(chosen=chosen, shapes=sorted(groups.values(), key=lambda c: c.shape), excluded_nodes=excluded)
+    return groups, excluded
+
+
+def _plan_shape(choice: ShapeChoice, spec: FineTuneJobSpec, shape: ModelShape, shape_notes: list[str],
+                pricing: dict[str, str], settings: OperatorSettings, aio_block_size: int | None) -> None:
+    """The shape's price and plan, or why the job cannot run there (choice.why_not)."""
+    hw = choice.hardware
+    gpus = hw.gpu_count if spec.resources.gpus_per_node is None else spec.resources.gpus_per_node
+    choice.price_per_hour, _ = gpu_hour_price(hw, pricing, settings)
+    if choice.pool_price is not None:
+        choice.price_per_hour = choice.pool_price
+    # Per node: the planner multiplies by the job's node count itself.
+    node_price = choice.price_per_hour * (gpus if hw.gpu_count else 1)
+    if gpus > hw.gpu_count:
+        choice.why_not = f"resources.gpusPerNode is {gpus} but the shape has {hw.gpu_count} GPUs"
+        return
+    if len(choice.nodes) < spec.resources.nodes:
+        choice.why_not = f"resources.nodes is {spec.resources.nodes} but only {len(choice.nodes)} such nodes"
+        return
+    try:
+        plan = plan_tiers(
+            shape,
+            hw,
+            spec.training,
+            spec.offload,
+            dtype=spec.model.dtype,
+            gpus_per_node=gpus,
+            nodes=spec.resources.nodes,
+            price_per_hour=node_price,
+            cpu_processes=spec.resources.cpu_processes,
+            method=spec.method,
+        )
+    except ValueError as err:
+        choice.why_not = str(err)
+        return
+    kept = []
+    if aio_block_size is not None and plan.uses_nvme:
+        kept = [f"async-I/O block size {aio_block_size >> 10} KiB kept from the job's checkpoints"]
+    plan.reasons = [*shape_notes, *kept, *plan.reasons]
+    choice.plan = plan
+    if not plan.feasible:
+        shorts = "; ".join(s.describe() for s in plan.shortfalls) or "no allowed placement"
+        choice.why_not = f"closest {plan.label}: {shorts}"
 
 
 def _with_block_size(hw: NodeHardware, block_size: int | None) -> NodeHardware:
