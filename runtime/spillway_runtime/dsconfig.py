@@ -135,6 +135,39 @@ def build_deepspeed_config(
 ) -> dict[str, Any]:
     training = spec.training
     dtype = spec.model.dtype
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": training.micro_batch_size,
+        "gradient_accumulation_steps": training.gradient_accumulation,
+        "train_batch_size": training.micro_batch_size * training.gradient_accumulation * world_size,
+        "gradient_clipping": training.gradient_clipping,
+        "steps_per_print": 10**9,  # progress is ours to report
+        "wall_clock_breakdown": False,
+        "zero_optimization": _zero_block(plan, nvme_path),
+        "bf16": {"enabled": dtype == "bf16"},
+        "fp16": {"enabled": dtype == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": training.learning_rate,
+                "betas": [0.9, 0.95],
+                "eps": 1e-8,
+                "weight_decay": training.weight_decay,
+            },
+        },
+        "aio": {
+            "block_size": plan.aio.block_size,
+            "queue_depth": plan.aio.queue_depth,
+            "intra_op_parallelism": plan.aio.intra_op_parallelism,
+            "single_submit": plan.aio.single_submit,
+            "overlap_events": plan.aio.overlap_events,
+        },
+    }
+    return apply_overrides(config, spec.offload.deepspeed, plan)
+
+
+def _zero_block(plan: OffloadPlan, nvme_path: str | None) -> dict[str, Any]:
+    """zero_optimization: the stage, its buckets, and where the optimizer state and the
+    parameters are offloaded."""
     zero: dict[str, Any] = {
         "stage": plan.zero_stage,
         "contiguous_gradients": True,
@@ -180,35 +213,7 @@ def build_deepspeed_config(
             # buffer_count matrices. Release after use: the plan already counts the re-read.
             zero["stage3_max_reuse_distance"] = 0
         zero["offload_param"] = block
-
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": training.micro_batch_size,
-        "gradient_accumulation_steps": training.gradient_accumulation,
-        "train_batch_size": training.micro_batch_size * training.gradient_accumulation * world_size,
-        "gradient_clipping": training.gradient_clipping,
-        "steps_per_print": 10**9,  # progress is ours to report
-        "wall_clock_breakdown": False,
-        "zero_optimization": zero,
-        "bf16": {"enabled": dtype == "bf16"},
-        "fp16": {"enabled": dtype == "fp16", "loss_scale": 0, "initial_scale_power": 16},
-        "optimizer": {
-            "type": "AdamW",
-            "params": {
-                "lr": training.learning_rate,
-                "betas": [0.9, 0.95],
-                "eps": 1e-8,
-                "weight_decay": training.weight_decay,
-            },
-        },
-        "aio": {
-            "block_size": plan.aio.block_size,
-            "queue_depth": plan.aio.queue_depth,
-            "intra_op_parallelism": plan.aio.intra_op_parallelism,
-            "single_submit": plan.aio.single_submit,
-            "overlap_events": plan.aio.overlap_events,
-        },
-    }
-    return apply_overrides(config, spec.offload.deepspeed, plan)
+    return zero
 
 
 # The blocks `build_deepspeed_config` always writes: an override must give each as a mapping.
