@@ -460,30 +460,41 @@ def _attempt_live(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[s
         change.cond(b.PHASE_SCHEDULED, True, "Scheduled", message)
         change.phase(b.PHASE_SCHEDULED, "Scheduled", message)
     else:
-        unscheduled = unschedulable_message(pods)
         if len(pods) < ranks:
             return starting.start_pods(change, spec, settings)
-        pool = node_pools.pool_of(pods[0])
-        if unscheduled and not pool:
-            replanned = replan_unschedulable(change, spec, pods, unscheduled, settings)
-            if replanned is not None:
-                return replanned
-        if pool:
-            # Planned on a declared pool: the pods wait for the autoscaler to add its nodes.
-            plan = plan_of(old)
-            waiting = (f"waiting for {len(pods)} node(s) of declared pool {pool} "
-                       f"({plan.shape if plan else '?'}) to come up")
-            change.cond(b.PHASE_SCHEDULED, False, "WaitingForNode",
-                        f"{waiting}; the scheduler says: {unscheduled[:300]}" if unscheduled else waiting)
-            unscheduled = waiting
-        else:
-            change.cond(
-                b.PHASE_SCHEDULED,
-                False,
-                "Unschedulable" if unscheduled else "Pending",
-                unscheduled or "waiting for the scheduler",
-            )
-        if old.get("phase") not in (b.PHASE_PLANNED,):
-            change.phase(b.PHASE_PLANNED, "Planned", unscheduled or "pods created, waiting for the scheduler")
+        decided = _unscheduled(change, spec, pods, settings)
+        if decided is not None:
+            return decided
     change.commit()
     return Result()
+
+
+def _unscheduled(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[str, Any]],
+                 settings: OperatorSettings) -> Result | None:
+    """Every pod exists and some wait for the scheduler: re-planned if the scheduler refuses
+    them while another plan fits, else Planned with why they wait (a declared pool's node the
+    autoscaler is to bring up, or the scheduler's own words). None: commit and wait."""
+    unscheduled = unschedulable_message(pods)
+    pool = node_pools.pool_of(pods[0])
+    if unscheduled and not pool:
+        replanned = replan_unschedulable(change, spec, pods, unscheduled, settings)
+        if replanned is not None:
+            return replanned
+    if pool:
+        # Planned on a declared pool: the pods wait for the autoscaler to add its nodes.
+        plan = plan_of(change.old)
+        waiting = (f"waiting for {len(pods)} node(s) of declared pool {pool} "
+                   f"({plan.shape if plan else '?'}) to come up")
+        change.cond(b.PHASE_SCHEDULED, False, "WaitingForNode",
+                    f"{waiting}; the scheduler says: {unscheduled[:300]}" if unscheduled else waiting)
+        unscheduled = waiting
+    else:
+        change.cond(
+            b.PHASE_SCHEDULED,
+            False,
+            "Unschedulable" if unscheduled else "Pending",
+            unscheduled or "waiting for the scheduler",
+        )
+    if change.old.get("phase") not in (b.PHASE_PLANNED,):
+        change.phase(b.PHASE_PLANNED, "Planned", unscheduled or "pods created, waiting for the scheduler")
+    return None

@@ -78,14 +78,9 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
     os.environ.setdefault("TQDM_DISABLE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from spillway_runtime.ds_checkpoint import SpillwayCheckpointEngine, direct_io, read_swap_file
-    from spillway_runtime.dsconfig import memlock_limit
-    from spillway_runtime.hardware import AioSettings
-    from spillway_runtime.lora import MERGED_DIR, lora_config, save_merged
-    from spillway_runtime.recipe_checkpoints import DS_TAG
-    from spillway_runtime.universal import UniversalError, write_universal
+    from spillway_runtime.lora import MERGED_DIR, save_merged
 
     checkpoint = checkpoint_dir(checkpoint)
     store = CheckpointStore(checkpoint.parent, keep=1, log=lambda message: None)
@@ -101,38 +96,12 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
     if not (base / "config.json").is_file():
         raise ExportError(f"the base model {str(base)!r} (the job's model.uri) is not a local model directory here: "
                           "give it with --model")
-
-    engine = SpillwayCheckpointEngine(direct_io(AioSettings(), memlock_limit(), checkpoint))
-    engine.expected = store.deferred(checkpoint)
-
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[spec.model.dtype]
     out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".spillway-export-", dir=out))
     try:
-        try:
-            universal = write_universal(checkpoint, DS_TAG, scratch, engine.load,
-                                        functools.partial(read_swap_file, engine))
-        except (CheckpointIOError, UniversalError) as err:
-            raise ExportError(f"checkpoint {checkpoint.name} could not be read: {err}") from None
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[spec.model.dtype]
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
-        if spec.method.lora:  # the checkpoint holds the adapters' masters: put them on the base as training did
-            from peft import get_peft_model
-
-            model = get_peft_model(model, lora_config(spec.method), autocast_adapter_dtype=False)
-        current = model.state_dict()
-        masters = {folder.name: unpickle.load(folder / "fp32.pt")["param"]
-                   for folder in (universal / "zero").iterdir() if (folder / "fp32.pt").is_file()}
-        unknown = sorted(set(masters) - set(current))
-        if unknown:
-            raise ExportError(f"checkpoint {checkpoint.name} holds parameters the model at {base} has not "
-                              f"({', '.join(unknown[:3])}...): give the job's base model with --model")
-        missing = model.load_state_dict({n: t.to(current[n].dtype) for n, t in masters.items()}, strict=False).missing_keys
-        tied = set(getattr(model, "_tied_weights_keys", None) or []) | _tied_names(model)
-        frozen = {name for name, param in model.named_parameters() if not param.requires_grad} if spec.method.lora else set()
-        untrained = [name for name in missing if name not in tied and name not in frozen]
-        if untrained:
-            raise ExportError(f"checkpoint {checkpoint.name} lacks {', '.join(untrained[:3])} of the model at {base}: "
-                              "give the job's base model with --model")
+        masters = _masters(checkpoint, store, scratch)
+        model = _trained_model(base, spec, dtype, masters, checkpoint.name)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     model.save_pretrained(out, safe_serialization=True)  # with LoRA: the adapter, in PEFT's layout
@@ -144,6 +113,53 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
         save_merged(base, out, out / MERGED_DIR, dtype, tokenizer)
     return {"checkpoint": checkpoint.name, "step": manifest.get("step"), "parameters": len(masters),
             "bytes": sum(p.stat().st_size for p in out.rglob("*") if p.is_file())}
+
+
+def _masters(checkpoint: Path, store: CheckpointStore, scratch: Path) -> dict[str, Any]:
+    """Every parameter's whole fp32 master, by name: the checkpoint read as a resume reads it
+    (each file against its checksum, swap files included) into DeepSpeed's universal form."""
+    from spillway_runtime.ds_checkpoint import SpillwayCheckpointEngine, direct_io, read_swap_file
+    from spillway_runtime.dsconfig import memlock_limit
+    from spillway_runtime.hardware import AioSettings
+    from spillway_runtime.recipe_checkpoints import DS_TAG
+    from spillway_runtime.universal import UniversalError, write_universal
+
+    engine = SpillwayCheckpointEngine(direct_io(AioSettings(), memlock_limit(), checkpoint))
+    engine.expected = store.deferred(checkpoint)
+    try:
+        universal = write_universal(checkpoint, DS_TAG, scratch, engine.load, functools.partial(read_swap_file, engine))
+    except (CheckpointIOError, UniversalError) as err:
+        raise ExportError(f"checkpoint {checkpoint.name} could not be read: {err}") from None
+    return {folder.name: unpickle.load(folder / "fp32.pt")["param"]
+            for folder in (universal / "zero").iterdir() if (folder / "fp32.pt").is_file()}
+
+
+def _trained_model(base: Path, spec: FineTuneJobSpec, dtype: Any, masters: dict[str, Any], checkpoint: str) -> Any:
+    """The base model's architecture with the masters in it, cast to the job's dtype (with
+    LoRA: the adapters on the base, as training put them); refused, naming what does not
+    match, when the checkpoint is of another model."""
+    from transformers import AutoModelForCausalLM
+
+    from spillway_runtime.lora import lora_config
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+    if spec.method.lora:  # the checkpoint holds the adapters' masters: put them on the base as training did
+        from peft import get_peft_model
+
+        model = get_peft_model(model, lora_config(spec.method), autocast_adapter_dtype=False)
+    current = model.state_dict()
+    unknown = sorted(set(masters) - set(current))
+    if unknown:
+        raise ExportError(f"checkpoint {checkpoint} holds parameters the model at {base} has not "
+                          f"({', '.join(unknown[:3])}...): give the job's base model with --model")
+    missing = model.load_state_dict({n: t.to(current[n].dtype) for n, t in masters.items()}, strict=False).missing_keys
+    tied = set(getattr(model, "_tied_weights_keys", None) or []) | _tied_names(model)
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad} if spec.method.lora else set()
+    untrained = [name for name in missing if name not in tied and name not in frozen]
+    if untrained:
+        raise ExportError(f"checkpoint {checkpoint} lacks {', '.join(untrained[:3])} of the model at {base}: "
+                          "give the job's base model with --model")
+    return model
 
 
 def _recorded(manifest: dict[str, Any], key: str) -> Path | None:
