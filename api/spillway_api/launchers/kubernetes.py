@@ -98,25 +98,11 @@ class KubernetesLauncher:
 def record_object(session: Session, obj: dict[str, Any], event_type: str, price_per_gpu_hour: float) -> None:
     """One watch event: upsert the job row and add what changed to its history."""
     meta = obj.get("metadata", {})
-    namespace, name, rv = meta.get("namespace", "default"), meta["name"], str(meta.get("resourceVersion", ""))
-    job = session.scalars(select(Job).where(Job.namespace == namespace, Job.name == name)).one_or_none()
+    rv = str(meta.get("resourceVersion", ""))
     service = JobService(session, {}, "kubernetes")
+    job = _row_of(session, service, obj, event_type)
     if job is None:
-        if event_type == "DELETED" or meta.get("deletionTimestamp"):
-            return  # deleted through the API (its row is gone) or before we ever saw it: nothing to keep
-        job = Job(namespace=namespace, name=name, launcher="kubernetes", phase="Pending", spec=obj.get("spec") or {},
-                  uid=meta.get("uid"), events_read=0)
-        session.add(job)
-        session.flush()
-        service.transition(job, "Pending", "created in the cluster", f"created:{meta.get('uid')}",
-                           _iso(meta.get("creationTimestamp")))
-    elif job.uid and meta.get("uid") and job.uid != meta.get("uid"):
-        if job.phase != "Deleted" or event_type == "DELETED":
-            return  # an older object of the same name; its successor is what the row describes
-        # Deleted with kubectl and created again under the same name: the row follows the new object.
-        job.uid = meta.get("uid")
-        service.transition(job, "Pending", "created again in the cluster", f"created:{meta.get('uid')}",
-                           _iso(meta.get("creationTimestamp")))
+        return
     job.uid = meta.get("uid") or job.uid
     # An event older than what the row already shows (the watch lags behind our own create or
     # patch) still adds its history, but must not put back the spec and status it replaced.
@@ -157,6 +143,32 @@ def record_object(session: Session, obj: dict[str, Any], event_type: str, price_
     cost = status.cost
     if cost is not None and (cost.usd is not None or cost.gpu_hours is not None):
         _record_cost(session, job, cost.usd or 0.0, cost.gpu_hours or 0.0, rv, price_per_gpu_hour)
+
+
+def _row_of(session: Session, service: JobService, obj: dict[str, Any], event_type: str) -> Job | None:
+    """The job's row for this object: found, made for an object first seen (its history begins
+    Pending), or taken over by an object created again under a deleted one's name. None: the
+    event is not this row's to record (the object is gone, or an older one of the same name)."""
+    meta = obj.get("metadata", {})
+    namespace, name = meta.get("namespace", "default"), meta["name"]
+    job = session.scalars(select(Job).where(Job.namespace == namespace, Job.name == name)).one_or_none()
+    if job is None:
+        if event_type == "DELETED" or meta.get("deletionTimestamp"):
+            return None  # deleted through the API (its row is gone) or before we ever saw it: nothing to keep
+        job = Job(namespace=namespace, name=name, launcher="kubernetes", phase="Pending", spec=obj.get("spec") or {},
+                  uid=meta.get("uid"), events_read=0)
+        session.add(job)
+        session.flush()
+        service.transition(job, "Pending", "created in the cluster", f"created:{meta.get('uid')}",
+                           _iso(meta.get("creationTimestamp")))
+    elif job.uid and meta.get("uid") and job.uid != meta.get("uid"):
+        if job.phase != "Deleted" or event_type == "DELETED":
+            return None  # an older object of the same name; its successor is what the row describes
+        # Deleted with kubectl and created again under the same name: the row follows the new object.
+        job.uid = meta.get("uid")
+        service.transition(job, "Pending", "created again in the cluster", f"created:{meta.get('uid')}",
+                           _iso(meta.get("creationTimestamp")))
+    return job
 
 
 def _record_progress(service: JobService, job: Job, progress: Progress, written: dict[str, Any],
