@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +24,7 @@ from spillway_runtime.planner import OffloadPlan, PlanningError, plan_tiers
 from spillway_runtime.probe_cache import ProbeRecord
 from spillway_runtime.reporting import append_event
 from spillway_runtime.runconfig import FaultInjection, RuntimeConfig, resolve_uri
-from spillway_runtime.spec import FineTuneJob, SpecError, load_job
+from spillway_runtime.spec import FineTuneJob, FineTuneJobSpec, SpecError, load_job
 
 if TYPE_CHECKING:
     from spillway_runtime.objectstore import FetchResult
@@ -164,20 +165,8 @@ def prepare_local_run(
     job = job or load_job(job_path)
     spec = job.spec
     base = job_path.resolve().parent
-    fetched: list[tuple[str, FetchResult]] = []
-
-    def source(uri: str, field: str, what: str) -> Path:
-        return _source(uri, base, (field, what, job_path), fetched, spec.storage)
-
-    model_dir = source(spec.model.uri, "spec.model.uri", "model directory")
-    tokenizer_dir = (source(spec.model.tokenizer_uri, "spec.model.tokenizerUri", "tokenizer directory")
-                     if spec.model.tokenizer_uri else model_dir)
-    dataset_path = source(spec.dataset.uri, "spec.dataset.uri", "dataset file or directory")
-    mixture_paths = [source(m.uri, f"spec.dataset.mixture[{i}].uri", "dataset file or directory")
-                     for i, m in enumerate(spec.dataset.mixture)]
-    held_out = spec.dataset.validation.uri if spec.dataset.validation else None
-    validation_path = (source(held_out, "spec.dataset.validation.uri", "validation file or directory")
-                       if held_out else None)
+    inputs = _inputs(spec, job_path)
+    model_dir = inputs.model_dir
     _check_mirror(spec, job_path)
     run_dir = (run_dir or Path.cwd() / "runs" / job.metadata.name).resolve()
     checkpoint_dir = resolve_uri(spec.checkpoint.path, base) if spec.checkpoint.path else run_dir / "checkpoints"
@@ -196,10 +185,10 @@ def prepare_local_run(
         job=job,
         plan=plan,
         model_dir=str(model_dir),
-        tokenizer_dir=str(tokenizer_dir),
-        dataset_path=str(dataset_path),
-        validation_path=str(validation_path) if validation_path else None,
-        mixture_paths=[str(path) for path in mixture_paths],
+        tokenizer_dir=str(inputs.tokenizer_dir),
+        dataset_path=str(inputs.dataset_path),
+        validation_path=str(inputs.validation_path) if inputs.validation_path else None,
+        mixture_paths=[str(path) for path in inputs.mixture_paths],
         run_dir=str(run_dir),
         checkpoint_dir=str(checkpoint_dir),
         nvme_dir=str(nvme_dir) if plan.uses_nvme else None,
@@ -212,9 +201,40 @@ def prepare_local_run(
     config.write(run_dir / RUNTIME_FILE)
     if probe is not None:
         append_event(Path(config.events_path), "probe", **probe.model_dump(mode="json"))
-    for field, result in fetched:
+    for field, result in inputs.fetched:
         append_event(Path(config.events_path), "fetch", field=field, **result.event_fields())
     return config
+
+
+@dataclass
+class _Inputs:
+    model_dir: Path
+    tokenizer_dir: Path
+    dataset_path: Path
+    mixture_paths: list[Path]
+    validation_path: Path | None
+    fetched: list[tuple[str, FetchResult]]  # the s3:// ones, as downloaded into the cache
+
+
+def _inputs(spec: FineTuneJobSpec, job_path: Path) -> _Inputs:
+    """The job's inputs on this machine: local paths resolved relative to the job file and
+    required to exist, s3:// ones fetched into the cache, each refused by its field."""
+    base = job_path.resolve().parent
+    fetched: list[tuple[str, FetchResult]] = []
+
+    def source(uri: str, field: str, what: str) -> Path:
+        return _source(uri, base, (field, what, job_path), fetched, spec.storage)
+
+    model_dir = source(spec.model.uri, "spec.model.uri", "model directory")
+    tokenizer_dir = (source(spec.model.tokenizer_uri, "spec.model.tokenizerUri", "tokenizer directory")
+                     if spec.model.tokenizer_uri else model_dir)
+    dataset_path = source(spec.dataset.uri, "spec.dataset.uri", "dataset file or directory")
+    mixture_paths = [source(m.uri, f"spec.dataset.mixture[{i}].uri", "dataset file or directory")
+                     for i, m in enumerate(spec.dataset.mixture)]
+    held_out = spec.dataset.validation.uri if spec.dataset.validation else None
+    validation_path = (source(held_out, "spec.dataset.validation.uri", "validation file or directory")
+                       if held_out else None)
+    return _Inputs(model_dir, tokenizer_dir, dataset_path, mixture_paths, validation_path, fetched)
 
 
 def _check_writable_dir(path: Path, field: str, source: Path) -> None:
