@@ -268,15 +268,7 @@ def plan_tiers(
     """
     training = training or Training()
     offload = offload or Offload()
-    lora_notes: list[str] = []
-    if method is not None and method.lora:
-        trainable, missing = lora_parameters(shape, method.rank, method.peft_targets)
-        if missing:
-            lora_notes.append(f"LoRA: the model has no linear layers named {', '.join(missing)} (not counted)")
-        shape = shape.model_copy(update={"trainable_params": max(1, trainable)})
-        lora_notes.insert(0, f"LoRA rank {method.rank}: {format_count(trainable)} trainable parameters of "
-                             f"{format_count(shape.params)}; the frozen base takes 2 B/param in the parameters' tier, "
-                             "gradients and optimizer state count the adapters only")
+    shape, lora_notes = _with_lora(shape, method)
     gpus, ranks_per_node = _processes(hw, gpus_per_node, cpu_processes)
 
     candidates: list[OffloadPlan] = []
@@ -303,9 +295,31 @@ def plan_tiers(
             + "; ".join(f"{r.placement}: {r.why}" for r in rejected)
         )
 
+    best = _best(candidates, rejected)
+    best.reasons = [*_explain(best), *lora_notes, *best.reasons]
+    return best
+
+
+def _with_lora(shape: ModelShape, method: Method | None) -> tuple[ModelShape, list[str]]:
+    """With LoRA, the shape whose trainable parameters are the adapters', and what the plan
+    says of them; otherwise the shape as it is."""
+    if method is None or not method.lora:
+        return shape, []
+    trainable, missing = lora_parameters(shape, method.rank, method.peft_targets)
+    notes = [f"LoRA rank {method.rank}: {format_count(trainable)} trainable parameters of "
+             f"{format_count(shape.params)}; the frozen base takes 2 B/param in the parameters' tier, "
+             "gradients and optimizer state count the adapters only"]
+    if missing:
+        notes.append(f"LoRA: the model has no linear layers named {', '.join(missing)} (not counted)")
+    return shape.model_copy(update={"trainable_params": max(1, trainable)}), notes
+
+
+def _best(candidates: list[OffloadPlan], rejected: list[Rejection]) -> OffloadPlan:
+    """The fastest feasible candidate (on a tie the one that offloads less, the order of
+    _PLACEMENTS), else the one short by the fewest bytes; each other one joins `rejected`
+    with why, and the best carries them."""
     feasible = [c for c in candidates if c.feasible]
     if feasible:
-        # Fastest first; on a tie prefer less offload (the order of _PLACEMENTS).
         best = min(feasible, key=lambda c: (round(c.predicted_step_seconds, 6), candidates.index(c)))
     else:
         best = min(candidates, key=lambda c: sum(s.short_bytes for s in c.shortfalls))
@@ -320,7 +334,6 @@ def plan_tiers(
             why = f"slower: {c.predicted_step_seconds:.3g} s/step vs {best.predicted_step_seconds:.3g} s/step"
         rejected.append(Rejection(placement=c.label, why=why))
     best.rejected = rejected
-    best.reasons = [*_explain(best), *lora_notes, *best.reasons]
     return best
 
 

@@ -122,11 +122,16 @@ BEFORE_TRAINING: list[Case] = [
 ]
 
 IN_TRAINING: list[Case] = [
-    # One dataset case takes the path from the training process's data reader to exit 2 and
-    # the failed event; the reader's other refusals (not UTF-8, not JSON, no text field, an
-    # empty file, a chat role, a completion, a chat template) are tests/unit/test_data.py's
-    # and tests/unit/test_sft.py's, with the same messages.
+    # One dataset case of each reader (text, and chat records) takes the path from the
+    # training process's data reader to exit 2 and the failed event; the readers' other
+    # refusals (not UTF-8, no text field, an empty file, a completion, a chat template) are
+    # tests/unit/test_data.py's and tests/unit/test_sft.py's, with the same messages.
     ("a dataset line that is not JSON", _dataset_case(b'{"text": "ok"}\n{"text": \n'), "bad.jsonl:2: not valid JSON"),
+    ("a chat line with an unknown role", _dataset_case(
+        b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+        b'{"messages": [{"role": "wizard", "content": "hi"}]}\n',
+        format="chat", chatTemplate="{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"),
+     "bad.jsonl:2: messages[0].role is 'wizard'"),
     ("truncated weights", _model_case("model.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{}"), "model.uri"),
     ("a tokenizer directory without a tokenizer", _tokenizer_case({"README": b"nothing here"}), "tokenizer"),
     ("a tokenizer.json that is not JSON", _tokenizer_case({"tokenizer.json": b"{broken",
@@ -134,7 +139,7 @@ IN_TRAINING: list[Case] = [
 ]
 # Found by the readers, tested there with these messages (tests/unit): counted in the corpus.
 IN_THE_READERS = ["a dataset that is not UTF-8", "a dataset line without the text field", "an empty dataset",
-                  "a chat line with an unknown role", "a completion line without its completion",
+                  "a completion line without its completion",
                   "chat data for a tokenizer without a chat template"]
 
 

@@ -85,6 +85,10 @@ def test_local_job_history_checkpoints_cost_and_rollback(make_client: Any, datab
     winner = next(a.json() for a in answers if a.status_code == 202)
     assert winner["requestedBy"] and winner["origin"] == "api"
     assert client.get(base).json()["spec"]["resumeFrom"] == winner["checkpoint"]
+    # until the job has resumed from it (a new process: seconds), another is refused naming it
+    again = client.post(base + "/rollback", json={"checkpoint": "step-00000006", "reason": "second thoughts"})
+    assert again.status_code == 409 and again.json()["code"] == "rollback_in_progress", again.text
+    assert winner["checkpoint"] in again.json()["detail"]
 
     def rolled_back() -> Any:
         h = client.get(base + "/history").json()
