@@ -191,6 +191,29 @@ def compute_rate(placement: PlacementInputs) -> tuple[float, str]:
     )
 
 
+def _nvme_seconds(placement: PlacementInputs, swap: SwapSettings) -> tuple[float, float, float]:
+    """Seconds per step of the parameters' NVMe reads and writes, of the optimizer state's,
+    and the bytes of both, per node."""
+    hw, parameters, optimizer, nodes = placement.hw, placement.parameters, placement.optimizer, placement.nodes
+    p, t = placement.shape.params, placement.shape.trainable
+    micro_steps = placement.training.gradient_accumulation
+    read_bps = hw.nvme_read_bytes_per_s or DEFAULT_NVME_READ_BPS
+    write_bps = hw.nvme_write_bytes_per_s or DEFAULT_NVME_WRITE_BPS
+    param_nvme = 0.0
+    nvme_bytes = 0.0
+    if parameters == "nvme":
+        param_nvme = (2 * 2 * p / nodes * micro_steps) / read_bps + (2 * t / nodes) / write_bps
+        nvme_bytes += 2 * 2 * p / nodes * micro_steps + 2 * t / nodes
+    opt_nvme = 0.0
+    if optimizer == "nvme":
+        # the sub-groups kept in RAM (`swap.cpu_resident_fraction` of them, whole) are never read or written
+        kept = resident_share(swap.cpu_resident_fraction, -(-t // placement.ranks), swap.sub_group_size)
+        half = OPTIMIZER_SWAP_BYTES_PER_PARAM * t / nodes * (1 - kept)
+        opt_nvme = half / read_bps + half / write_bps
+        nvme_bytes += 2 * half
+    return param_nvme, opt_nvme, nvme_bytes
+
+
 def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSettings) -> StepTime:
     """Seconds per optimizer step: max(compute, host-device, parameter NVMe) for the forward
     and backward passes, since parameter transfers overlap with compute (prefetch); then the
@@ -219,20 +242,7 @@ def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSetting
     if parameters != "gpu":
         # fetch for forward and backward, grads down, every micro-step
         host_device += (2 * 2 * p + 2 * t) / ranks * micro_steps / pcie
-    read_bps = hw.nvme_read_bytes_per_s or DEFAULT_NVME_READ_BPS
-    write_bps = hw.nvme_write_bytes_per_s or DEFAULT_NVME_WRITE_BPS
-    param_nvme = 0.0
-    nvme_bytes = 0.0
-    if parameters == "nvme":
-        param_nvme = (2 * 2 * p / nodes * micro_steps) / read_bps + (2 * t / nodes) / write_bps
-        nvme_bytes += 2 * 2 * p / nodes * micro_steps + 2 * t / nodes
-    opt_nvme = 0.0
-    if optimizer == "nvme":
-        # the sub-groups kept in RAM (`swap.cpu_resident_fraction` of them, whole) are never read or written
-        kept = resident_share(swap.cpu_resident_fraction, -(-t // ranks), swap.sub_group_size)
-        half = OPTIMIZER_SWAP_BYTES_PER_PARAM * t / nodes * (1 - kept)
-        opt_nvme = half / read_bps + half / write_bps
-        nvme_bytes += 2 * half
+    param_nvme, opt_nvme, nvme_bytes = _nvme_seconds(placement, swap)
     cpu_adam = hw.cpu_adam_params_per_s or DEFAULT_CPU_ADAM_PARAMS_PER_S
     # fused Adam on a GPU streams ~16 B/param three times at HBM speed (~2 TB/s)
     on_hbm = optimizer == "gpu" and placement.on_gpu
