@@ -222,14 +222,7 @@ def _create_attempt(change: StatusChange, spec: FineTuneJobSpec, settings: Opera
     try:
         created = children.create_children(change.cluster, change.job, spec, chosen, attempt, config, settings)
         if created:
-            # One Event, not two, when this call also moved the job to Planned (the usual case).
-            pods = f"attempt {attempt}: created {', '.join(created)}"
-            for i, (type_, reason, text) in enumerate(change.events):
-                if reason == "Planned":
-                    change.events[i] = (type_, reason, f"{text}; {pods}")
-                    break
-            else:
-                change.event("Normal", "PodsCreated", pods)
+            _say_created(change, f"attempt {attempt}: created {', '.join(created)}")
     finally:
         change.post_events()
     if (b.condition(change.conditions, "Authorized") or {}).get("status") == "False":
@@ -241,3 +234,12 @@ def _create_attempt(change: StatusChange, spec: FineTuneJobSpec, settings: Opera
     change.piggyback["childrenAttempt"] = attempt
     change.commit()
     return Result()
+
+
+def _say_created(change: StatusChange, pods: str) -> None:
+    """One Event, not two, when this call also moved the job to Planned (the usual case)."""
+    for i, (type_, reason, text) in enumerate(change.events):
+        if reason == "Planned":
+            change.events[i] = (type_, reason, f"{text}; {pods}")
+            return
+    change.event("Normal", "PodsCreated", pods)
