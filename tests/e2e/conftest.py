@@ -737,11 +737,17 @@ def kueue_manager(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 @pytest.fixture
-def kueue(kueue_manager: Any) -> Iterator[Any]:
+def kueue(kueue_manager: Any, cluster: Cluster, namespace: str) -> Iterator[Any]:
     """The session's Kueue; what a test made with it (flavours, queues, priority classes) is
     deleted after the test, so that no later test's operator plans on its flavours (an
-    annotated flavour is a node pool). `.log` is the manager's log."""
+    annotated flavour is a node pool). `.log` is the manager's log.
+
+    The test's jobs and Workloads go first: Kueue's finalizer holds a ClusterQueue until its
+    admitted Workloads are gone, and the namespace that holds them is deleted only after this
+    (each of three tests waited out the whole 30 s for its queue)."""
     try:
         yield kueue_manager
     finally:
+        cluster.kubectl("delete", "finetunejobs.spillway.dev,workloads.kueue.x-k8s.io", "--all", "-n", namespace,
+                        "--wait=false", "--ignore-not-found", check=False)
         kueue_manager.delete_made()

@@ -125,6 +125,10 @@ def test_the_harness_kueue_admits_a_plain_workload_and_the_next_once_the_first_f
     second = wait_admitted(cluster, namespace, "second")
     assert second["status"]["admission"]["clusterQueue"] == cq
     assert [w["metadata"]["name"] for w in kueue.workloads(namespace)] == ["first", "second"]
+    # The owner ends the second too: Kueue lets an admitted Workload go only once it is finished,
+    # and its ClusterQueue only once its Workloads are gone (the fixture deletes both).
+    cluster.kubectl("patch", f"workloads.{GROUP}", "second", "-n", namespace, "--subresource=status",
+                    "--type=json", "-p", json.dumps([{"op": "add", "path": "/status/conditions/-", "value": finished}]))
 
 
 def queued_job(cluster: Any, name: str, pool: str, queue: str, **spec: Any) -> dict[str, Any]:
