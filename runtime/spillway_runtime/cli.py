@@ -316,13 +316,18 @@ def export(
     model: Annotated[Path | None, typer.Option(help="The base model the job trained (default: its model.uri)")] = None,
     endpoint_url: Annotated[str | None, typer.Option(
         help="s3://: the S3 endpoint of a non-AWS server (default: AWS_ENDPOINT_URL, else AWS)")] = None,
+    universal: Annotated[bool, typer.Option(
+        "--universal", help="Write DeepSpeed's universal checkpoint (fp32 masters and Adam moments per parameter, "
+        "for any number of processes and ZeRO stage) into --out, a new folder, instead of the model")] = False,
 ) -> None:
     """Export any checkpoint's model as a Hugging Face directory, without a GPU or a training run."""
-    from spillway_runtime.export import ExportError, export_checkpoint, export_from_mirror
+    from spillway_runtime.export import ExportError, export_checkpoint, export_from_mirror, export_universal
 
     try:
         if checkpoint.startswith("s3://"):
-            written = export_from_mirror(checkpoint, out, model, endpoint_url)
+            written = export_from_mirror(checkpoint, out, model, endpoint_url, universal)
+        elif universal:
+            written = export_universal(Path(checkpoint), out)
         else:
             written = export_checkpoint(Path(checkpoint), out, model)
     except ExportError as err:

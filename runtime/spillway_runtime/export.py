@@ -11,6 +11,11 @@ model's architecture and saved with its tokenizer, as the end of a run saves the
 the masters are the adapters': they go onto the base as training put them, and the adapter
 is saved in PEFT's layout (with `export.merge`, the merged model in `merged/` too).
 
+`--universal` writes DeepSpeed's universal checkpoint instead (the form above, kept: one
+folder per parameter with its fp32 master and Adam moments, and `latest_universal`), which
+DeepSpeed's own tools and an engine with `checkpoint.load_universal` read whatever number of
+processes and ZeRO stage load it.
+
 A checkpoint in a mirror (spec.checkpoint.mirror: `s3://BUCKET/PREFIX`, its newest complete
 one, or `s3://BUCKET/PREFIX/step-...`) is downloaded as a resume restores it (every file
 against the manifest's sizes, into a temporary folder), then exported the same way.
@@ -45,7 +50,7 @@ def checkpoint_dir(path: Path) -> Path:
 
 
 def export_from_mirror(uri: str, out: Path, model_dir: Path | None = None,
-                       endpoint_url: str | None = None) -> dict[str, Any]:
+                       endpoint_url: str | None = None, universal: bool = False) -> dict[str, Any]:
     """Export a mirrored checkpoint: `uri` is the mirror (its newest complete checkpoint) or one
     checkpoint in it. Credentials from the AWS variables; `endpoint_url` for a non-AWS server."""
     from spillway_runtime.mirror import Mirror
@@ -63,9 +68,38 @@ def export_from_mirror(uri: str, out: Path, model_dir: Path | None = None,
                               + ": give the mirror's s3://BUCKET/PREFIX (spec.checkpoint.mirror) or a checkpoint in it")
         with tempfile.TemporaryDirectory(prefix="spillway-export-") as tmp:
             restored, _ = mirror.restore(name, Path(tmp))
-            return export_checkpoint(restored, out, model_dir)
+            return export_universal(restored, out) if universal else export_checkpoint(restored, out, model_dir)
     except (ObjectStoreError, ValueError) as err:  # ValueError: not an s3:// URI it can parse
         raise ExportError(str(err)) from None
+
+
+def export_universal(checkpoint: Path, out: Path) -> dict[str, Any]:
+    """Write `checkpoint` as DeepSpeed's universal checkpoint into `out` (a new or empty folder):
+    `out/ds/zero/<parameter>/{fp32,exp_avg,exp_avg_sq}.pt` and `out/latest_universal`."""
+    from spillway_runtime.recipe_checkpoints import DS_TAG
+
+    checkpoint = checkpoint_dir(checkpoint)
+    store = CheckpointStore(checkpoint.parent, keep=1, log=lambda message: None)
+    manifest = _checked_manifest(checkpoint, store)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"{out} is not an empty folder: give a new one for the universal checkpoint")
+    target = _universal(checkpoint, store, out)
+    (out / "latest_universal").write_text(DS_TAG)
+    parameters = sum(1 for folder in (target / "zero").iterdir() if (folder / "fp32.pt").is_file())
+    return {"checkpoint": checkpoint.name, "step": manifest.get("step"), "parameters": parameters,
+            "bytes": sum(p.stat().st_size for p in out.rglob("*") if p.is_file())}
+
+
+def _checked_manifest(checkpoint: Path, store: CheckpointStore) -> dict[str, Any]:
+    """The checkpoint's manifest, once its files are all there as the manifest lists them."""
+    manifest = store.read_manifest(checkpoint)
+    if manifest is None:
+        raise ExportError(f"{checkpoint} is not a Spillway checkpoint (no manifest.json): give a checkpoint's "
+                          "folder (checkpoints/step-...), a run's checkpoints folder, or a run folder")
+    problem = store.verify(checkpoint, deep=False)
+    if problem is not None:
+        raise ExportError(f"checkpoint {checkpoint.name} is damaged: {problem}")
+    return manifest
 
 
 def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None) -> dict[str, Any]:
@@ -84,14 +118,8 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
 
     checkpoint = checkpoint_dir(checkpoint)
     store = CheckpointStore(checkpoint.parent, keep=1, log=lambda message: None)
-    manifest = store.read_manifest(checkpoint)
-    if manifest is None:
-        raise ExportError(f"{checkpoint} is not a Spillway checkpoint (no manifest.json): give a checkpoint's "
-                          "folder (checkpoints/step-...), a run's checkpoints folder, or a run folder")
+    manifest = _checked_manifest(checkpoint, store)
     spec = FineTuneJobSpec.model_validate(manifest.get("config") or {})
-    problem = store.verify(checkpoint, deep=False)
-    if problem is not None:
-        raise ExportError(f"checkpoint {checkpoint.name} is damaged: {problem}")
     base = model_dir or _recorded(manifest, "modelDir") or Path(spec.model.uri.removeprefix("file://"))
     if not (base / "config.json").is_file():
         raise ExportError(f"the base model {str(base)!r} (the job's model.uri) is not a local model directory here: "
@@ -115,9 +143,9 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
             "bytes": sum(p.stat().st_size for p in out.rglob("*") if p.is_file())}
 
 
-def _masters(checkpoint: Path, store: CheckpointStore, scratch: Path) -> dict[str, Any]:
-    """Every parameter's whole fp32 master, by name: the checkpoint read as a resume reads it
-    (each file against its checksum, swap files included) into DeepSpeed's universal form."""
+def _universal(checkpoint: Path, store: CheckpointStore, out: Path) -> Path:
+    """The checkpoint read as a resume reads it (each file against its checksum, swap files
+    included) and written in DeepSpeed's universal form into `out`; returns `out/ds`."""
     from spillway_runtime.ds_checkpoint import SpillwayCheckpointEngine, direct_io, read_swap_file
     from spillway_runtime.dsconfig import memlock_limit
     from spillway_runtime.hardware import AioSettings
@@ -127,9 +155,14 @@ def _masters(checkpoint: Path, store: CheckpointStore, scratch: Path) -> dict[st
     engine = SpillwayCheckpointEngine(direct_io(AioSettings(), memlock_limit(), checkpoint))
     engine.expected = store.deferred(checkpoint)
     try:
-        universal = write_universal(checkpoint, DS_TAG, scratch, engine.load, functools.partial(read_swap_file, engine))
+        return write_universal(checkpoint, DS_TAG, out, engine.load, functools.partial(read_swap_file, engine))
     except (CheckpointIOError, UniversalError) as err:
         raise ExportError(f"checkpoint {checkpoint.name} could not be read: {err}") from None
+
+
+def _masters(checkpoint: Path, store: CheckpointStore, scratch: Path) -> dict[str, Any]:
+    """Every parameter's whole fp32 master, by name, from the checkpoint's universal form."""
+    universal = _universal(checkpoint, store, scratch)
     return {folder.name: unpickle.load(folder / "fp32.pt")["param"]
             for folder in (universal / "zero").iterdir() if (folder / "fp32.pt").is_file()}
 

@@ -97,8 +97,8 @@ def test_spillway_export_writes_any_checkpoints_model_the_last_one_as_the_run_ex
     tiered, _ = tiered_reference(references, make_job, tmp_path_factory)
     checkpoints = tiered.run_dir / "checkpoints"
 
-    def export(what: Path, out: Path) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "spillway_api.cli", "export", str(what), "--out", str(out)],
+    def export(what: Path, out: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "spillway_api.cli", "export", str(what), "--out", str(out), *flags],
                               capture_output=True, text=True, timeout=300)
 
     last = export(tiered.run_dir, tmp_path / "last")  # a run's folder: its newest checkpoint
@@ -116,6 +116,21 @@ def test_spillway_export_writes_any_checkpoints_model_the_last_one_as_the_run_ex
     assert earlier.returncode == 0, earlier.stderr[-3000:]
     at_five = load_file(tmp_path / "earlier" / "model.safetensors")
     assert set(at_five) == set(final) and any(not torch.equal(at_five[n], final[n]) for n in final)
+
+    # --universal: DeepSpeed's universal checkpoint of the same step, whose fp32 masters are
+    # what the model export cast to bf16, with the Adam moments beside them; into a new folder only
+    universal = tmp_path / "universal"
+    done = export(checkpoints / checkpoint_name(EVERY), universal, "--universal")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (universal / "latest_universal").read_text() == "ds"
+    zero = universal / "ds" / "zero"
+    assert {p.name for p in zero.iterdir() if (p / "fp32.pt").is_file()} == set(at_five)  # untied: a master each
+    for folder in (p for p in zero.iterdir() if (p / "fp32.pt").is_file()):
+        master = torch.load(folder / "fp32.pt", weights_only=True)["param"]
+        assert master.dtype == torch.float32 and torch.equal(master.to(at_five[folder.name].dtype), at_five[folder.name])
+        assert {"exp_avg.pt", "exp_avg_sq.pt"} <= {f.name for f in folder.iterdir()}, folder.name
+    again = export(checkpoints / checkpoint_name(EVERY), universal, "--universal")
+    assert again.returncode == 2 and "is not an empty folder" in again.stderr, again.stderr[-3000:]
 
     # a swap file damaged on disk: refused naming it, nothing half written
     copy = tmp_path / "damaged"
