@@ -18,7 +18,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from spillway_runtime import k8s_status, startup
+from spillway_runtime import k8s_status, library_output, startup
 from spillway_runtime.contract import STOP_GRACE_SECONDS_ENV, ExitCode
 from spillway_runtime.data import CACHE_DIR_NAME, PackedDataset, sources_fingerprint, token_cache_path, tokenize_sources
 from spillway_runtime.dataset_files import DatasetError
@@ -89,6 +89,9 @@ class FineTuneRecipe(Checkpointing):
         )
         if self.rank == 0:  # MLflow, TensorBoard, /metrics (spec.tracking): closed with the reporter
             self.reporter.listeners = build_listeners(config, self.reporter.warn_soon)
+        # On a terminal, what DeepSpeed, transformers and Python's warnings print goes to the run's folder
+        self.library_log = library_output.for_terminal(Path(config.run_dir), self.rank, self.reporter.interactive,
+                                                       self.reporter.verbose)
         self.divergence = DivergencePolicy(self.spec.rollback.spike_factor, self.spec.rollback.window)
         # From construction on, not after set-up: a stop request during set-up is a stop, not a death
         signal.signal(signal.SIGTERM, self._on_stop_signal)
@@ -127,7 +130,8 @@ class FineTuneRecipe(Checkpointing):
         import numpy as np
         import torch
 
-        deepspeed.init_distributed(dist_backend="gloo" if self.plan.accelerator == "cpu" else "nccl")
+        with library_output.stdout_of(self.library_log):  # DeepSpeed prints which comm ops it built
+            deepspeed.init_distributed(dist_backend="gloo" if self.plan.accelerator == "cpu" else "nccl")
         self.torch = torch
         self.dist = torch.distributed
         seed = self.spec.training.seed
@@ -606,6 +610,10 @@ class FineTuneRecipe(Checkpointing):
         if self.cfg.remove_swap_at_exit and self.cfg.nvme_dir:
             removed = remove_swap_files(Path(self.cfg.nvme_dir), self.rank)
             self.reporter.event("swap_removed", bytes=removed, path=self.cfg.nvme_dir)
+        if getattr(self, "library_log", None) is not None:
+            if (said := self.library_log.summary()) is not None:
+                self._log(said)
+            self.library_log.close()
         self.reporter.close()
         if getattr(self, "dist", None) is not None and self.dist.is_initialized():
             self.dist.destroy_process_group()
