@@ -23,7 +23,8 @@ from pydantic.alias_generators import to_camel
 
 from spillway_runtime.contract import AttemptPhase, JobPhase
 from spillway_runtime.hardware import NodeHardware
-from spillway_runtime.plan_summary import PlanSummary, plan_summary
+from spillway_runtime.plan_summary import PlanSummary
+from spillway_runtime.planner import plan_summary
 from spillway_runtime.spec import COUNT_SCHEMA, FineTuneJobSpec, Method, Offload, Training
 
 

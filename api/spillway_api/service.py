@@ -36,7 +36,7 @@ from spillway_api.models import (
 from spillway_api.schemas import JobCreate
 from spillway_operator.admission import new_job_problems
 from spillway_runtime.contract import RECORD_PHASES, TERMINAL_PHASES, ExitCode, Phase, exit_outcome
-from spillway_runtime.plan_summary import plan_summary
+from spillway_runtime.planner import plan_summary
 from spillway_runtime.spec import FineTuneJob
 from spillway_runtime.status import CheckpointRecord, Progress
 

@@ -18,7 +18,8 @@ from spillway_operator import job_cost
 from spillway_operator.cluster import Cluster
 from spillway_operator.settings import OperatorSettings
 from spillway_operator.status import StatusChange
-from spillway_runtime.plan_summary import PlanSummary, plan_summary
+from spillway_runtime.plan_summary import PlanSummary
+from spillway_runtime.planner import plan_summary
 from spillway_runtime.runconfig import RuntimeConfig
 from spillway_runtime.spec import FineTuneJobSpec
 

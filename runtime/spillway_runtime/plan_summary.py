@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from spillway_runtime.spec import Tier
@@ -84,21 +84,3 @@ class PlanSummary(SummaryModel):
 
     def dump(self) -> dict[str, object]:
         return self.model_dump(mode="json")
-
-
-def plan_summary(raw: object) -> PlanSummary | None:
-    """A stored plan read back as the one summary. A full `OffloadPlan` (what local jobs
-    recorded before there was one summary) is summarised; anything else (nothing planned
-    yet, another version's shape) is None: the next plan replaces it."""
-    from spillway_runtime.planner import OffloadPlan
-
-    if not isinstance(raw, dict) or not raw:
-        return None
-    try:
-        return PlanSummary.model_validate(raw)
-    except ValidationError:
-        pass
-    try:
-        return OffloadPlan.model_validate(raw).summary()
-    except ValidationError:
-        return None

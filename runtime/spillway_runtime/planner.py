@@ -22,7 +22,7 @@ import re
 from collections.abc import Iterable
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from spillway_runtime.estimates import StepTime, activation_bytes, lora_parameters, model_state_bytes, step_time
 from spillway_runtime.hardware import AioSettings, NodeHardware
@@ -380,3 +380,19 @@ __all__ = [
     "parse_label",
     "plan_tiers",
 ]
+
+
+def plan_summary(raw: object) -> PlanSummary | None:
+    """A stored plan read back as the one summary. A full `OffloadPlan` (what local jobs
+    recorded before there was one summary) is summarised; anything else (nothing planned
+    yet, another version's shape) is None: the next plan replaces it."""
+    if not isinstance(raw, dict) or not raw:
+        return None
+    try:
+        return PlanSummary.model_validate(raw)
+    except ValidationError:
+        pass
+    try:
+        return OffloadPlan.model_validate(raw).summary()
+    except ValidationError:
+        return None

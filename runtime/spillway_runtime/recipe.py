@@ -610,10 +610,11 @@ class FineTuneRecipe(Checkpointing):
         if self.cfg.remove_swap_at_exit and self.cfg.nvme_dir:
             removed = remove_swap_files(Path(self.cfg.nvme_dir), self.rank)
             self.reporter.event("swap_removed", bytes=removed, path=self.cfg.nvme_dir)
-        if getattr(self, "library_log", None) is not None:
-            if (said := self.library_log.summary()) is not None:
+        library_log: library_output.LibraryLog | None = getattr(self, "library_log", None)
+        if library_log is not None:
+            if (said := library_log.summary()) is not None:
                 self._log(said)
-            self.library_log.close()
+            library_log.close()
         self.reporter.close()
         if getattr(self, "dist", None) is not None and self.dist.is_initialized():
             self.dist.destroy_process_group()

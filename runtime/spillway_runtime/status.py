@@ -23,7 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSche
 from pydantic.alias_generators import to_camel
 
 from spillway_runtime.contract import PHASES, Phase
-from spillway_runtime.plan_summary import PlanSummary, plan_summary
+from spillway_runtime.plan_summary import PlanSummary
+from spillway_runtime.planner import plan_summary
 
 log = logging.getLogger("spillway.status")
 

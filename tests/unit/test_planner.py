@@ -5,8 +5,8 @@ import pytest
 from spillway_runtime.estimates import activation_bytes, model_state_bytes
 from spillway_runtime.hardware import AioSettings, NodeHardware, hardware_from_node
 from spillway_runtime.largest import largest_model
-from spillway_runtime.plan_summary import PlanSummary, plan_summary
-from spillway_runtime.planner import ModelShape, minimum_cpu_for, parse_label, plan_tiers
+from spillway_runtime.plan_summary import PlanSummary
+from spillway_runtime.planner import ModelShape, minimum_cpu_for, parse_label, plan_summary, plan_tiers
 from spillway_runtime.spec import Offload, Training
 from spillway_runtime.units import GiB
 
