@@ -86,15 +86,18 @@ def bound_node(cluster: Cluster, namespace: str, pod: str, timeout: float = 30) 
     return node
 
 
-def unschedulable_message(cluster: Cluster, namespace: str, pod: str, timeout: float = 30) -> str:
+def unschedulable_message(cluster: Cluster, namespace: str, pod: str, timeout: float = 30, containing: str = "") -> str:
+    """The scheduler's reason for not placing the pod, once it says `containing` (its first
+    word may be a passing state: an ephemeral volume's claim not made yet)."""
     def message() -> str | None:
         obj = cluster.get("pod", pod, namespace) or {}
         for cond in obj.get("status", {}).get("conditions", []):
             if cond["type"] == "PodScheduled" and cond.get("reason") == "Unschedulable":
-                return cond.get("message") or "(no message)"
+                said = cond.get("message") or "(no message)"
+                return said if containing in said else None
         return None
 
-    return cluster.wait_for(message, timeout, what=f"{namespace}/{pod} to be reported Unschedulable")
+    return cluster.wait_for(message, timeout, what=f"{namespace}/{pod} to be reported Unschedulable ({containing!r})")
 
 
 def test_control_plane_runs_the_pinned_kubernetes(cluster: Cluster, kube_api: Any) -> None:
@@ -252,7 +255,8 @@ def test_generic_ephemeral_volumes_bind_local_nvme_volumes(
 
     # The only volume is taken: the next claimant waits, although GPUs are free.
     cluster.apply(pod_manifest("scratch-2", gpus=1, nodes=nodes, scratch="1Ti"), namespace)
-    assert "persistent volumes to bind" in unschedulable_message(cluster, namespace, "scratch-2")
+    said = unschedulable_message(cluster, namespace, "scratch-2", containing="persistent volumes to bind")
+    assert "persistent volumes to bind" in said
 
 
 def test_deleting_an_owner_garbage_collects_its_dependents(cluster: Cluster, namespace: str) -> None:
