@@ -110,9 +110,10 @@ class OperatorSettings(BaseSettings):
     )
     strict_phases: bool = Field(
         False,
-        description="A phase change the phase machine (spillway_operator.phases) does not allow raises instead "
-        "of being logged, counted, posted as a Warning Event and applied: on in the tests, which must fail at "
-        "the decision; off in production, where raising would retry the same decision forever",
+        description="A phase change the phase machine (spillway_operator.phases) does not allow, or a status "
+        "field outside the status contract (FineTuneJobStatus), raises instead of being logged (an illegal phase "
+        "also counted and posted as a Warning Event) and applied: on in the tests, which must fail at the "
+        "decision; off in production, where raising would retry the same decision forever",
     )
     backoff_base_seconds: float = Field(
         10.0, description="First retry delay after a failed attempt; doubles per failure (as Kubernetes Jobs)"

@@ -2,21 +2,80 @@
 
 Where this sits: used by `reconciler` for every status write; writes through the
 `Cluster` it was made with (the patch, the Events) and records the job's phase metric.
-Every phase it writes is checked against the phase machine (`phases`).
+Every phase it writes is checked against the phase machine (`phases`), and every field
+against the status contract (`StatusPatch`: a field of `FineTuneJobStatus`, of its type).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from spillway_operator import builders as b
 from spillway_operator import k8s, metrics, phases
 from spillway_operator.cluster import Cluster
+from spillway_runtime.status import FineTuneJobStatus
 
 log = logging.getLogger("spillway.operator")
+
+
+class StatusContractError(TypeError):
+    """The operator wrote a status field the contract does not have, or a value of another type."""
+
+
+@functools.cache
+def _field_types() -> dict[str, TypeAdapter[Any]]:
+    """Each status field by the name it is stored under (camelCase), with its type."""
+    return {info.alias or name: TypeAdapter(info.annotation if info.annotation is not None else Any)
+            for name, info in FineTuneJobStatus.model_fields.items()}
+
+
+def _contract_problem(key: str, value: Any) -> str | None:
+    types = _field_types()
+    if key not in types:
+        return f"status.{key} is not a field of FineTuneJobStatus (one of: {', '.join(types)})"
+    if value is not None:
+        try:
+            types[key].validate_python(value)
+        except ValidationError as err:
+            return f"status.{key} = {value!r} is not of its type in FineTuneJobStatus: {err.errors()[0]['msg']}"
+    return None
+
+
+class StatusPatch(dict[str, Any]):
+    """A merge patch of a FineTuneJob's status as the operator writes it: each key a field of
+    `FineTuneJobStatus` under its stored name, each value of that field's type, or None (a
+    merge patch's null clears the field). A write outside the contract is an operator bug:
+    strict (the tests) it raises `StatusContractError` naming the field, at the line that
+    wrote it; otherwise it is logged as an error and written, as an illegal phase is (see
+    `phases`: refusing one field of a decision already acted on would wedge the job)."""
+
+    def __init__(self, *args: Any, strict: bool = False, **kwargs: Any):
+        super().__init__()
+        self.strict = strict
+        self.update(*args, **kwargs)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        problem = _contract_problem(key, value)
+        if problem is not None:
+            if self.strict:
+                raise StatusContractError(problem)
+            log.error("%s; written anyway, this is an operator bug", problem)
+        super().__setitem__(key, value)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = default
+        return self[key]
 
 
 @dataclass
@@ -26,16 +85,17 @@ class StatusChange:
     job: dict[str, Any]
     now: datetime
     cluster: Cluster
-    status: dict[str, Any] = field(default_factory=dict)
+    status: StatusPatch = field(default_factory=StatusPatch)
     # Written only along with a patch that happens anyway: live cost between its due
     # writes, the mark that an attempt's children all exist.
-    piggyback: dict[str, Any] = field(default_factory=dict)
+    piggyback: StatusPatch = field(default_factory=StatusPatch)
     conditions: list[dict[str, Any]] = field(default_factory=list)
     events: list[tuple[str, str, str]] = field(default_factory=list)
     conditional: bool = False
-    strict: bool = False  # an illegal phase change raises (settings.strict_phases)
+    strict: bool = False  # an illegal phase change or status field raises (settings.strict_phases)
 
     def __post_init__(self) -> None:
+        self.status, self.piggyback = StatusPatch(self.status, strict=self.strict), StatusPatch(strict=self.strict)
         self._generation = int(self.job["metadata"].get("generation", 1))
         self.conditions = list((self.job.get("status") or {}).get("conditions") or [])
         self._original_conditions = list(self.conditions)
@@ -100,8 +160,8 @@ class StatusChange:
                 patch["metadata"] = {"resourceVersion": meta["resourceVersion"]}
             self.job = self.cluster.patch_job_status(meta["namespace"], meta["name"], patch)
         metrics.record_phase(meta["namespace"], meta["name"], (self.job.get("status") or {}).get("phase"))
-        self.status = {}
-        self.piggyback = {}
+        self.status = StatusPatch(strict=self.strict)
+        self.piggyback = StatusPatch(strict=self.strict)
         self.conditional = False
         self._original_conditions = list(self.conditions)
         if post_events:
