@@ -122,7 +122,7 @@ def _fail_planning(change: StatusChange, reason: str, message: str, finished: bo
     if finished:
         change.status["finishedAt"] = b.rfc3339(change.now)
     change.commit()
-    raise PermanentFailure(message)
+    raise PermanentFailure(message) from None
 
 
 def _read_model_config(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorSettings) -> Result | None:

@@ -53,7 +53,8 @@ class StatusPatch(dict[str, Any]):
     merge patch's null clears the field). A write outside the contract is an operator bug:
     strict (the tests) it raises `StatusContractError` naming the field, at the line that
     wrote it; otherwise it is logged as an error and written, as an illegal phase is (see
-    `phases`: refusing one field of a decision already acted on would wedge the job)."""
+    `phases`: refusing one field of a decision already acted on would wedge the job). A
+    write into a value already set (`status["plan"]["attempt"]`) is not checked again."""
 
     def __init__(self, *args: Any, strict: bool = False, **kwargs: Any):
         super().__init__()

@@ -60,17 +60,24 @@ def export_from_mirror(uri: str, out: Path, model_dir: Path | None = None,
     named = re.fullmatch(re.escape(PREFIX) + r"\d+", last) is not None
     if not named:
         mirror_uri = uri.rstrip("/")
+    if universal:
+        _check_universal_out(out)  # before a download that may take hours
     try:
         mirror = Mirror(mirror_uri, where=Endpoint(url=endpoint_url))
         name = mirror.newest(last if named else None)
-        if name is None:
-            raise ExportError(f"{uri}: no complete checkpoint there" + (f" named {last}" if named else "")
-                              + ": give the mirror's s3://BUCKET/PREFIX (spec.checkpoint.mirror) or a checkpoint in it")
-        with tempfile.TemporaryDirectory(prefix="spillway-export-") as tmp:
-            restored, _ = mirror.restore(name, Path(tmp))
-            return export_universal(restored, out) if universal else export_checkpoint(restored, out, model_dir)
     except (ObjectStoreError, ValueError) as err:  # ValueError: not an s3:// URI it can parse
         raise ExportError(str(err)) from None
+    if name is None:
+        raise ExportError(f"{uri}: no complete checkpoint there" + (f" named {last}" if named else "")
+                          + ": give the mirror's s3://BUCKET/PREFIX (spec.checkpoint.mirror) or a checkpoint in it")
+    # Beside the output, not in /tmp: a checkpoint of a model that needs offloading is large
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".spillway-export-", dir=out.parent) as tmp:
+        try:
+            restored, _ = mirror.restore(name, Path(tmp))
+        except ObjectStoreError as err:
+            raise ExportError(str(err)) from None
+        return export_universal(restored, out) if universal else export_checkpoint(restored, out, model_dir)
 
 
 def export_universal(checkpoint: Path, out: Path) -> dict[str, Any]:
@@ -81,13 +88,19 @@ def export_universal(checkpoint: Path, out: Path) -> dict[str, Any]:
     checkpoint = checkpoint_dir(checkpoint)
     store = CheckpointStore(checkpoint.parent, keep=1, log=lambda message: None)
     manifest = _checked_manifest(checkpoint, store)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ExportError(f"{out} is not an empty folder: give a new one for the universal checkpoint")
+    _check_universal_out(out)
     target = _universal(checkpoint, store, out)
     (out / "latest_universal").write_text(DS_TAG)
     parameters = sum(1 for folder in (target / "zero").iterdir() if (folder / "fp32.pt").is_file())
     return {"checkpoint": checkpoint.name, "step": manifest.get("step"), "parameters": parameters,
             "bytes": sum(p.stat().st_size for p in out.rglob("*") if p.is_file())}
+
+
+def _check_universal_out(out: Path) -> None:
+    """The universal checkpoint's folder is made anew (its writer clears it): a new or empty
+    folder, never the current directory."""
+    if out.resolve() == Path.cwd().resolve() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
+        raise ExportError(f"{out} is not an empty folder: give a new one for the universal checkpoint")
 
 
 def _checked_manifest(checkpoint: Path, store: CheckpointStore) -> dict[str, Any]:

@@ -17,8 +17,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-# The loggers that print on their own handlers (not through the root logger).
-_OWN_HANDLERS = ("DeepSpeed", "transformers")
+# The libraries' loggers (each with its children): DeepSpeed's and transformers' print on
+# handlers of their own, the others through the root logger, which is left alone so that
+# Spillway's own warnings still reach the terminal.
+_LIBRARIES = ("py.warnings", "DeepSpeed", "transformers", "torch", "accelerate", "peft", "huggingface_hub",
+              "datasets")
 
 
 class LibraryLog:
@@ -27,13 +30,13 @@ class LibraryLog:
     def __init__(self, path: Path):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.handler = logging.FileHandler(path, encoding="utf-8")
+        self.handler = logging.FileHandler(path, mode="w", encoding="utf-8")  # this run's lines only
         self.handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
         self._stream: Any = None
 
     def install(self) -> None:
         logging.captureWarnings(True)  # warnings.warn -> the `py.warnings` logger
-        for name in ("py.warnings", *_OWN_HANDLERS):
+        for name in _LIBRARIES:
             logger = logging.getLogger(name)
             for handler in list(logger.handlers):
                 if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
@@ -44,8 +47,6 @@ class LibraryLog:
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_default_handler()
-        root = logging.getLogger()
-        root.addHandler(self.handler)  # torch and the rest log through the root logger
 
     @contextlib.contextmanager
     def stdout(self) -> Iterator[None]:
@@ -70,6 +71,8 @@ class LibraryLog:
                 f"in {self.path} (spillway run --verbose shows them here)")
 
     def close(self) -> None:
+        for name in _LIBRARIES:
+            logging.getLogger(name).removeHandler(self.handler)
         self.handler.close()
         if self._stream is not None:
             self._stream.close()

@@ -8,6 +8,7 @@ module owns the policy around it: the learning-rate schedule, checkpoint cadence
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -612,8 +613,9 @@ class FineTuneRecipe(Checkpointing):
             self.reporter.event("swap_removed", bytes=removed, path=self.cfg.nvme_dir)
         library_log: library_output.LibraryLog | None = getattr(self, "library_log", None)
         if library_log is not None:
-            if (said := library_log.summary()) is not None:
-                self._log(said)
+            with contextlib.suppress(OSError):  # a count the run could not make is no reason to stop cleaning up
+                if (said := library_log.summary()) is not None:
+                    self._log(said)
             library_log.close()
         self.reporter.close()
         if getattr(self, "dist", None) is not None and self.dist.is_initialized():
