@@ -30,7 +30,10 @@ class LibraryLog:
     def __init__(self, path: Path):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.handler = logging.FileHandler(path, mode="w", encoding="utf-8")  # this run's lines only
+        # This run's lines only; appended by both the handler and `stdout`'s file (two handles
+        # at one offset each would write over each other)
+        path.write_text("", encoding="utf-8")
+        self.handler = logging.FileHandler(path, mode="a", encoding="utf-8")
         self.handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
         self._stream: Any = None
 

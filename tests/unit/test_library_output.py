@@ -27,6 +27,7 @@ warnings.warn("a library warns")
 logging.getLogger("torch.distributed").warning("torch says")
 with library_output.stdout_of(log):
     print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")
+ds.warning("deepspeed again")  # after the print: the two writers append, neither writes over the other
 print("ours", flush=True)
 print(log.summary() if log else "no library log")
 """
@@ -46,9 +47,10 @@ def test_on_a_terminal_the_libraries_lines_go_to_the_run_folder_and_are_counted(
     assert [line.split(" ", 2)[2] for line in lines[:4]] == [
         "DeepSpeed WARNING deepspeed says", "transformers.modeling_utils WARNING transformers says",
         f"py.warnings WARNING {lines[2].split('WARNING ', 1)[1]}", "torch.distributed WARNING torch says"]
-    assert "a library warns" in lines[2] and "built successfully" in lines[4] and len(lines) == 5
+    assert "a library warns" in lines[2] and "built successfully" in lines[4] and len(lines) == 6
+    assert lines[5].endswith("DeepSpeed WARNING deepspeed again")
     assert done.stdout.splitlines() == [
-        "ours", f"5 lines from DeepSpeed, transformers and Python warnings in {tmp_path / 'libraries.log'} "
+        "ours", f"6 lines from DeepSpeed, transformers and Python warnings in {tmp_path / 'libraries.log'} "
         "(spillway run --verbose shows them here)"]
 
 
