@@ -32,7 +32,7 @@ import httpx
 import uvicorn
 from sqlalchemy import insert, text
 
-from spillway_runtime.supervisor import free_port
+from spillway_runtime.training.supervisor import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -105,7 +105,7 @@ def deepspeed_save(recipe, target: Path) -> float:
 def run(placement: str, steps: int) -> dict[str, float]:
     from spillway_runtime.local import prepare_local_run
     from spillway_runtime.probe import probe_basic
-    from spillway_runtime.recipe import FineTuneRecipe
+    from spillway_runtime.training.recipe import FineTuneRecipe
 
     nvme = BENCH_DIR / "ckpt-nvme"
     shutil.rmtree(nvme, ignore_errors=True)

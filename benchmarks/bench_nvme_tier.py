@@ -46,7 +46,7 @@ def proc_io() -> tuple[int, int]:
 def deepspeed_defaults() -> Any:
     from deepspeed.runtime.swap_tensor import constants as c
 
-    from spillway_runtime.hardware import AioSettings
+    from spillway_runtime.core.hardware import AioSettings
 
     return AioSettings(block_size=c.AIO_BLOCK_SIZE_DEFAULT, queue_depth=c.AIO_QUEUE_DEPTH_DEFAULT,
                        intra_op_parallelism=c.AIO_INTRA_OP_PARALLELISM_DEFAULT,
@@ -82,10 +82,10 @@ def raw_io(nvme: Path, tuned: Any, defaults: Any, io_bytes: int, rounds: int) ->
 
 def train_once(args: argparse.Namespace) -> dict[str, Any]:
     """One training run with the given aio settings (in a process of its own)."""
-    from spillway_runtime.hardware import AioSettings
+    from spillway_runtime.core.hardware import AioSettings
     from spillway_runtime.local import prepare_local_run
     from spillway_runtime.probe import probe_basic
-    from spillway_runtime.recipe import FineTuneRecipe
+    from spillway_runtime.training.recipe import FineTuneRecipe
 
     job = write_job("bench-nvme", args.model, steps=args.steps,
                     offload={"optimizer": "nvme", "parameters": "gpu", "nvme": {"path": str(args.nvme_path)},

@@ -113,7 +113,7 @@ def cache_fill(server: S3Server, root: Path) -> tuple[float, float]:
 
 def checkpoint_dir(root: Path, big_mib: int, files: int, file_mib: int) -> tuple[Path, list[str], int]:
     """A committed checkpoint as the mirror sees it: files and a manifest naming them."""
-    from spillway_runtime.checkpoint import MANIFEST
+    from spillway_runtime.checkpoints.store import MANIFEST
 
     path = root / "step-00000010"
     path.mkdir(parents=True)
@@ -131,7 +131,7 @@ def plain_boto3_upload(server: S3Server, root: Path, files: list[str], prefix: s
 
 
 def mirror_round(server: S3Server, ckpt: Path, files: list[str], tmp: Path, r: int, site: Path) -> dict[str, float]:
-    from spillway_runtime.mirror import Mirror
+    from spillway_runtime.checkpoints.mirror import Mirror
 
     mirror = Mirror(f"s3://{BUCKET}/mirror-{r}", store=server.store(BUCKET))
     times = {"boto3 up": plain_boto3_upload(server, ckpt, files, f"plain-{r}/{ckpt.name}", site)}

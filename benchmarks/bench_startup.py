@@ -21,7 +21,7 @@ import time
 from common import BENCH_DIR, write_job
 
 from spillway_runtime.local import prepare_local_run, runtime_command, runtime_env
-from spillway_runtime.reporting import read_events
+from spillway_runtime.training.reporting import read_events
 
 PLACEMENTS = {
     "opt:cpu (ZeRO-2)": {"policy": "cpu", "optimizer": "cpu", "parameters": "gpu"},

@@ -69,7 +69,7 @@ def run_job(job: Path, run_dir: Path) -> tuple[Any, list[dict[str, Any]]]:
     import shutil
 
     from spillway_runtime.local import prepare_local_run, runtime_command, runtime_env
-    from spillway_runtime.reporting import read_events
+    from spillway_runtime.training.reporting import read_events
 
     shutil.rmtree(run_dir, ignore_errors=True)
     config = prepare_local_run(job, run_dir=run_dir)

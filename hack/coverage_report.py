@@ -6,7 +6,7 @@
                                             same in every run: a test change is what is compared;
                                             more AFTER runs: what else of the suite covers a line)
 
-Files are matched by their path from the package down (spillway_runtime/recipe.py), so two
+Files are matched by their path from the package down (spillway_runtime/training/recipe.py), so two
 checkouts of the same code compare.
 """
 

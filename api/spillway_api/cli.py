@@ -17,7 +17,7 @@ from rich.console import Console
 from spillway_api.client_cli import jobs_app
 from spillway_operator.cli import register as register_operator_commands
 from spillway_runtime.cli import register as register_runtime_commands
-from spillway_runtime.contract import VERBOSE_ENV, ExitCode
+from spillway_runtime.core.contract import VERBOSE_ENV, ExitCode
 
 err_console = Console(stderr=True, soft_wrap=True)  # a path in an error is never cut across lines
 
@@ -79,10 +79,10 @@ def run(
     from spillway_api.launchers.local import LocalRun, local_job_exists, record_local_job
     from spillway_api.settings import Settings
     from spillway_runtime.cli import _print_plan
+    from spillway_runtime.core.planner import PlanningError
+    from spillway_runtime.core.spec import SpecError, load_job
     from spillway_runtime.local import prepare_local_run
-    from spillway_runtime.planner import PlanningError
-    from spillway_runtime.processes import StopSignals
-    from spillway_runtime.spec import SpecError, load_job
+    from spillway_runtime.training.processes import StopSignals
 
     try:
         job = load_job(job_file)
@@ -125,7 +125,7 @@ def run(
         err_console.print(f"[red]error:[/red] {error}", highlight=False)
         raise typer.Exit(ExitCode.PLAN_INFEASIBLE if isinstance(error, PlanningError) else ExitCode.BAD_INPUT)
     if code == 0 and local.config is not None:
-        from spillway_runtime.reporting import read_events, where_state_lived
+        from spillway_runtime.training.reporting import read_events, where_state_lived
 
         config = local.config
         events = read_events(Path(config.events_path))

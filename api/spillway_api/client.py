@@ -34,7 +34,7 @@ from spillway_api.schemas import (
     Problem,
     RollbackPublic,
 )
-from spillway_runtime.contract import TERMINAL_PHASES
+from spillway_runtime.core.contract import TERMINAL_PHASES
 
 M = TypeVar("M", bound=BaseModel)
 PAGE = 500  # the API's largest page

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from spillway_api.client import Client, SpillwayError
-from spillway_runtime.contract import ExitCode
+from spillway_runtime.core.contract import ExitCode
 
 jobs_app = typer.Typer(name="jobs", help="Jobs of a Spillway API (local or a cluster's): list, submit, stop, cost.",
                        no_args_is_help=True)

@@ -21,11 +21,11 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from spillway_runtime.contract import AttemptPhase, JobPhase
-from spillway_runtime.hardware import NodeHardware
-from spillway_runtime.plan_summary import PlanSummary
-from spillway_runtime.planner import plan_summary
-from spillway_runtime.spec import COUNT_SCHEMA, FineTuneJobSpec, Method, Offload, Training
+from spillway_runtime.core.contract import AttemptPhase, JobPhase
+from spillway_runtime.core.hardware import NodeHardware
+from spillway_runtime.core.plan_summary import PlanSummary
+from spillway_runtime.core.planner import plan_summary
+from spillway_runtime.core.spec import COUNT_SCHEMA, FineTuneJobSpec, Method, Offload, Training
 
 
 class WireModel(BaseModel):

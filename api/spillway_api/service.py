@@ -35,10 +35,10 @@ from spillway_api.models import (
 )
 from spillway_api.schemas import JobCreate
 from spillway_operator.admission import new_job_problems
-from spillway_runtime.contract import RECORD_PHASES, TERMINAL_PHASES, ExitCode, Phase, exit_outcome
-from spillway_runtime.planner import plan_summary
-from spillway_runtime.spec import FineTuneJob
-from spillway_runtime.status import CheckpointRecord, Progress
+from spillway_runtime.core.contract import RECORD_PHASES, TERMINAL_PHASES, ExitCode, Phase, exit_outcome
+from spillway_runtime.core.planner import plan_summary
+from spillway_runtime.core.spec import FineTuneJob
+from spillway_runtime.core.status import CheckpointRecord, Progress
 
 log = logging.getLogger(__name__)
 

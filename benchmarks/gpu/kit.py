@@ -142,8 +142,8 @@ def node_hardware(settings: Settings) -> Any:
 
 def plan_for(settings: Settings, hw: Any, config: dict[str, Any], placement: Placement) -> tuple[Any, Any]:
     """The planner's plan of `config` forced to `placement`, and the job spec it was made for."""
-    from spillway_runtime.planner import ModelShape, plan_tiers
-    from spillway_runtime.spec import FineTuneJobSpec
+    from spillway_runtime.core.planner import ModelShape, plan_tiers
+    from spillway_runtime.core.spec import FineTuneJobSpec
 
     stage, optimizer, parameters, *share = placement
     offload: dict[str, Any] = {"optimizer": optimizer, "parameters": parameters,
@@ -184,7 +184,7 @@ def ratios(measured: dict[str, Any], predicted: dict[str, Any]) -> dict[str, flo
 def measure(settings: Settings, hw: Any, config: dict[str, Any], placement: Placement,
             timeout: float) -> dict[str, Any]:
     """Train `config` at `placement` in a child process; its numbers beside the plan's."""
-    from spillway_runtime.dsconfig import build_deepspeed_config
+    from spillway_runtime.training.dsconfig import build_deepspeed_config
 
     plan, spec = plan_for(settings, hw, config, placement)
     row: dict[str, Any] = {"placement": plan.label, "predicted": prediction(plan)}
@@ -446,8 +446,8 @@ def stage_resume(settings: Settings, hw: Any, report: Report) -> None:
     if optimizer is None:
         report.add("d_resume", {"skipped": settings.missing_op("cpu")})
         return
-    from spillway_runtime.reporting import read_events
     from spillway_runtime.tiny import build_tiny_model, write_dataset
+    from spillway_runtime.training.reporting import read_events
 
     root = settings.work / "resume"
     model = build_tiny_model(root / "model")
@@ -493,7 +493,7 @@ def launch(job: Path, run_dir: Path, hw: Any, kill_at: int | None, timeout: floa
     """One runtime process, as `spillway run` starts it, with cuBLAS's deterministic workspace;
     SIGKILLed once the events show `kill_at`. Its exit status (None when out of time) and log."""
     from spillway_runtime.local import prepare_local_run, runtime_command, runtime_env
-    from spillway_runtime.runconfig import FaultInjection
+    from spillway_runtime.training.runconfig import FaultInjection
 
     faults = FaultInjection(step_sleep_seconds=0.4) if kill_at else None  # room for the kill to land
     config = prepare_local_run(job, run_dir=run_dir, hardware=hw, faults=faults)

@@ -2,7 +2,7 @@
 import { api } from "./api.js";
 import { age, duration, errorBox, h, planLabel, usd } from "./format.js";
 
-// spillway_runtime/contract.py's Phase, in its order (tests/unit/api/test_dashboard_bundle.py checks).
+// spillway_runtime/core/contract.py's Phase, in its order (tests/unit/api/test_dashboard_bundle.py checks).
 export const PHASES = ["Pending", "Queued", "Planning", "Planned", "Scheduled", "Running", "Suspended", "Preempted", "Succeeded",
   "Failed", "Diverged", "BudgetExceeded"];
 const POLL_MS = 3000;

@@ -16,9 +16,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from spillway_runtime.dsconfig import DeepSpeedConfigError, check_overrides
-from spillway_runtime.runconfig import S3_CACHE_MOUNT, input_uris, resolve_uri
-from spillway_runtime.spec import FineTuneJobSpec, SpecError, parse_job
+from spillway_runtime.core.spec import FineTuneJobSpec, SpecError, parse_job
+from spillway_runtime.training.dsconfig import DeepSpeedConfigError, check_overrides
+from spillway_runtime.training.runconfig import S3_CACHE_MOUNT, input_uris, resolve_uri
 
 # A PersistentVolumeClaim's name: a DNS-1123 subdomain.
 _CLAIM = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")

@@ -18,10 +18,10 @@ from spillway_operator import job_cost
 from spillway_operator.cluster import Cluster
 from spillway_operator.settings import OperatorSettings
 from spillway_operator.status import StatusChange
-from spillway_runtime.plan_summary import PlanSummary
-from spillway_runtime.planner import plan_summary
-from spillway_runtime.runconfig import RuntimeConfig
-from spillway_runtime.spec import FineTuneJobSpec
+from spillway_runtime.core.plan_summary import PlanSummary
+from spillway_runtime.core.planner import plan_summary
+from spillway_runtime.core.spec import FineTuneJobSpec
+from spillway_runtime.training.runconfig import RuntimeConfig
 
 
 @dataclass

@@ -16,15 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from spillway_operator.settings import OperatorSettings
-from spillway_runtime.contract import (
+from spillway_runtime.core.contract import (
     TERMINAL_PHASES,
     Phase,
 )
-from spillway_runtime.dsconfig import build_deepspeed_config
-from spillway_runtime.planner import OffloadPlan
-from spillway_runtime.runconfig import S3_CACHE_MOUNT, RuntimeConfig, input_uris, resolve_uri
-from spillway_runtime.spec import API_GROUP, API_VERSION, KIND, FineTuneJob, FineTuneJobSpec
-from spillway_runtime.units import GiB
+from spillway_runtime.core.planner import OffloadPlan
+from spillway_runtime.core.spec import API_GROUP, API_VERSION, KIND, FineTuneJob, FineTuneJobSpec
+from spillway_runtime.core.units import GiB
+from spillway_runtime.training.dsconfig import build_deepspeed_config
+from spillway_runtime.training.runconfig import S3_CACHE_MOUNT, RuntimeConfig, input_uris, resolve_uri
 
 LABEL_JOB = "spillway.dev/job"
 LABEL_ATTEMPT = "spillway.dev/attempt"
@@ -41,7 +41,7 @@ RUN_DIR = f"{WORK_ROOT}/run"
 NVME_DIR = f"{WORK_ROOT}/nvme"
 RENDEZVOUS_PORT = 29500
 
-# Runtime exit codes (spillway_runtime.recipe); repeated here as the operator's contract.
+# Runtime exit codes (spillway_runtime.training.recipe); repeated here as the operator's contract.
 
 PHASE_PENDING: Phase = "Pending"
 PHASE_QUEUED: Phase = "Queued"

@@ -14,8 +14,8 @@ from spillway_operator import metrics, pod_specs
 from spillway_operator.cluster import Cluster
 from spillway_operator.netpol import build_network_policy
 from spillway_operator.settings import OperatorSettings
-from spillway_runtime.runconfig import RuntimeConfig
-from spillway_runtime.spec import FineTuneJobSpec
+from spillway_runtime.core.spec import FineTuneJobSpec
+from spillway_runtime.training.runconfig import RuntimeConfig
 
 
 def create_children(

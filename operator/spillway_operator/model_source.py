@@ -3,7 +3,7 @@
 Where this sits: the reconciler calls `read_model_config` before it plans an attempt of a
 job whose model is on a PersistentVolumeClaim (`pvc://`) and whose spec gives no
 `model.config`. The pod mounts the claim read-only on the nodes the job may use (its
-nodeSelector and tolerations), runs `python -m spillway_runtime.model_config` from the
+nodeSelector and tolerations), runs `python -m spillway_runtime.core.model_config` from the
 training image and returns the config, cut to what planning reads, as its termination
 message. The result (or why there is none) is kept in `status.modelConfig` with the URI it
 was read from, so re-planning never reads it again unless `model.uri` changes. The planner
@@ -18,9 +18,9 @@ from typing import Any
 
 from spillway_operator import builders as b
 from spillway_operator.settings import OperatorSettings
-from spillway_runtime.hf_shape import count_decoder
-from spillway_runtime.runconfig import PVC_MOUNT_ROOT
-from spillway_runtime.spec import FineTuneJobSpec
+from spillway_runtime.core.param_counts import count_decoder
+from spillway_runtime.core.spec import FineTuneJobSpec
+from spillway_runtime.training.runconfig import PVC_MOUNT_ROOT
 
 COMPONENT = "model-config"
 CONDITION = "ModelConfigRead"
@@ -66,7 +66,7 @@ def build_reader_pod(job: dict[str, Any], spec: FineTuneJobSpec, settings: Opera
         "containers": [{
             "name": "read",
             "image": settings.runtime_image,
-            "command": ["python", "-m", "spillway_runtime.model_config", str(model_dir)],
+            "command": ["python", "-m", "spillway_runtime.core.model_config", str(model_dir)],
             "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}},
             "volumeMounts": [{"name": volume, "mountPath": str(PVC_MOUNT_ROOT / claim), "readOnly": True}],
             # A crash before the reader wrote its message (an image without it) still says why.

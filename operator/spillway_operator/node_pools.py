@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from spillway_runtime.hardware import (
+from spillway_runtime.core.hardware import (
     ANNOTATIONS,
     GFD_COUNT,
     GFD_MEMORY_MIB,

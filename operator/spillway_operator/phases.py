@@ -1,7 +1,7 @@
 """The FineTuneJob's phase machine: which phase may follow which, and the event that moves it.
 
 Where this sits: a leaf beside `builders`, over the contract's phases
-(`spillway_runtime.contract.Phase`). `status.StatusChange.enter` checks every phase the
+(`spillway_runtime.core.contract.Phase`). `status.StatusChange.enter` checks every phase the
 operator writes against `TRANSITIONS`; the reconcile steps (`reconciler`, `waits`,
 `attempts`) decide which phase to write, never whether they may.
 

@@ -14,12 +14,12 @@ from typing import Any
 
 from spillway_operator.node_pools import PRICE_ANNOTATION, pool_of
 from spillway_operator.settings import OperatorSettings
-from spillway_runtime.hardware import AioSettings, NodeHardware, hardware_from_node
-from spillway_runtime.hf_shape import count_decoder
-from spillway_runtime.plan_summary import PlanSummary
-from spillway_runtime.planner import ModelShape, OffloadPlan, plan_tiers
-from spillway_runtime.spec import FineTuneJobSpec, Toleration
-from spillway_runtime.units import format_count
+from spillway_runtime.core.hardware import AioSettings, NodeHardware, hardware_from_node
+from spillway_runtime.core.param_counts import count_decoder
+from spillway_runtime.core.plan_summary import PlanSummary
+from spillway_runtime.core.planner import ModelShape, OffloadPlan, plan_tiers
+from spillway_runtime.core.spec import FineTuneJobSpec, Toleration
+from spillway_runtime.core.units import format_count
 
 
 def _node_ready(node: dict[str, Any]) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 
 from spillway_operator.builders import parse_time
 from spillway_operator.settings import OperatorSettings
-from spillway_runtime.contract import ExitCode, exit_outcome
+from spillway_runtime.core.contract import ExitCode, exit_outcome
 
 OUTCOME_PENDING = "pending"
 OUTCOME_SCHEDULED = "scheduled"

@@ -35,7 +35,7 @@ from spillway_operator.builders import (
 )
 from spillway_operator.placement import ShapeChoice
 from spillway_operator.settings import OperatorSettings
-from spillway_runtime.contract import (
+from spillway_runtime.core.contract import (
     ATTEMPT_ENV,
     JOB_NAME_ENV,
     JOB_NAMESPACE_ENV,
@@ -43,10 +43,10 @@ from spillway_runtime.contract import (
     POD_METRICS_PORT,
     STOP_GRACE_SECONDS_ENV,
 )
-from spillway_runtime.hardware import GPU_RESOURCE, NodeHardware
-from spillway_runtime.planner import OffloadPlan
-from spillway_runtime.runconfig import PVC_MOUNT_ROOT, S3_CACHE_MOUNT, s3_inputs
-from spillway_runtime.spec import FineTuneJobSpec
+from spillway_runtime.core.hardware import GPU_RESOURCE, NodeHardware
+from spillway_runtime.core.planner import OffloadPlan
+from spillway_runtime.core.spec import FineTuneJobSpec
+from spillway_runtime.training.runconfig import PVC_MOUNT_ROOT, S3_CACHE_MOUNT, s3_inputs
 
 
 def _command(job: dict[str, Any], plan: OffloadPlan, attempt: int, rank: int) -> list[str]:
@@ -57,7 +57,7 @@ def _command(job: dict[str, Any], plan: OffloadPlan, attempt: int, rank: int) ->
         return ["python", "-m", "spillway_runtime", "--config", config]
     # Our supervisor, not torchrun: torchrun's agent exits 1 on SIGTERM and SIGKILLs the ranks
     # 30 s later, so a suspended or preempted pod could never checkpoint and exit 75.
-    command = ["python", "-m", "spillway_runtime.supervisor", f"--processes={processes}", f"--config={config}"]
+    command = ["python", "-m", "spillway_runtime.training.supervisor", f"--processes={processes}", f"--config={config}"]
     if plan.nodes == 1:
         return command
     master = f"{pod_name(name, attempt, 0)}.{service_name(name)}.{job['metadata']['namespace']}.svc"

@@ -44,7 +44,7 @@ from pydantic import ValidationError
 from spillway_operator import builders as b
 from spillway_operator.cluster import Cluster
 from spillway_operator.node_pools import NodePool
-from spillway_runtime.spec import FineTuneJobSpec, Toleration
+from spillway_runtime.core.spec import FineTuneJobSpec, Toleration
 
 GROUP = "kueue.x-k8s.io"
 VERSION = "v1beta2"

@@ -59,8 +59,8 @@ from spillway_operator.waits import (
     replan_unschedulable,
     unschedulable_message,
 )
-from spillway_runtime.contract import ExitCode
-from spillway_runtime.spec import FineTuneJobSpec, SpecError, parse_job
+from spillway_runtime.core.contract import ExitCode
+from spillway_runtime.core.spec import FineTuneJobSpec, SpecError, parse_job
 
 __all__ = ["PermanentFailure", "Result", "reconcile", "report_forbidden"]
 

@@ -28,8 +28,8 @@ from spillway_operator import pod_outcomes, pod_specs
 from spillway_operator.model_source import pending_reason
 from spillway_operator.settings import OperatorSettings
 from spillway_operator.status import StatusChange
-from spillway_runtime.runconfig import S3_CACHE_MOUNT, s3_inputs
-from spillway_runtime.spec import FineTuneJobSpec
+from spillway_runtime.core.spec import FineTuneJobSpec
+from spillway_runtime.training.runconfig import S3_CACHE_MOUNT, s3_inputs
 
 COMPONENT = "s3-fetch"
 CONDITION = "InputsFetched"

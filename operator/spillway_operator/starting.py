@@ -27,7 +27,7 @@ from spillway_operator.placement import Placement, ShapeChoice, choose_placement
 from spillway_operator.settings import OperatorSettings
 from spillway_operator.status import StatusChange
 from spillway_operator.waits import queue_gate, with_flavour_pools
-from spillway_runtime.spec import FineTuneJobSpec
+from spillway_runtime.core.spec import FineTuneJobSpec
 
 INPUT_RETRY_SECONDS = 15.0
 # (namespace, job, attempt) whose children this process created, not yet in status.

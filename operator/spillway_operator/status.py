@@ -19,7 +19,7 @@ from pydantic import TypeAdapter, ValidationError
 from spillway_operator import builders as b
 from spillway_operator import k8s, metrics, phases
 from spillway_operator.cluster import Cluster
-from spillway_runtime.status import FineTuneJobStatus
+from spillway_runtime.core.status import FineTuneJobStatus
 
 log = logging.getLogger("spillway.operator")
 

@@ -29,8 +29,8 @@ from spillway_operator.attempts import (
 from spillway_operator.placement import choose_placement
 from spillway_operator.settings import OperatorSettings
 from spillway_operator.status import StatusChange
-from spillway_runtime.hardware import ANNOTATIONS, hardware_from_node
-from spillway_runtime.spec import FineTuneJobSpec
+from spillway_runtime.core.hardware import ANNOTATIONS, hardware_from_node
+from spillway_runtime.core.spec import FineTuneJobSpec
 
 log = logging.getLogger("spillway.operator")
 

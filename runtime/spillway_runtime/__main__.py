@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from spillway_runtime import startup
-from spillway_runtime.contract import VERBOSE_ENV, ExitCode
+from spillway_runtime.core.contract import VERBOSE_ENV, ExitCode
+from spillway_runtime.training import startup
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -32,12 +32,12 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     startup.import_deepspeed()
 
-    from spillway_runtime.checkpoint import CheckpointError
-    from spillway_runtime.dataset_files import DatasetError
-    from spillway_runtime.k8s_status import in_pod
-    from spillway_runtime.recipe import FineTuneRecipe
-    from spillway_runtime.recipe_checkpoints import RunFailed
-    from spillway_runtime.runconfig import RuntimeConfig, check_cached_inputs, nvme_problem
+    from spillway_runtime.checkpoints.store import CheckpointError
+    from spillway_runtime.training.checkpointing import RunFailed
+    from spillway_runtime.training.dataset_files import DatasetError
+    from spillway_runtime.training.k8s_status import in_pod
+    from spillway_runtime.training.recipe import FineTuneRecipe
+    from spillway_runtime.training.runconfig import RuntimeConfig, check_cached_inputs, nvme_problem
 
     parser = argparse.ArgumentParser(prog="python -m spillway_runtime")
     parser.add_argument("--config", required=True, type=Path, help="RuntimeConfig JSON written by the launcher")

@@ -16,12 +16,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from spillway_runtime.contract import ExitCode
-from spillway_runtime.hardware import NodeHardware
-from spillway_runtime.largest import LargestFit, largest_model
-from spillway_runtime.planner import ModelShape, OffloadPlan, plan_tiers
-from spillway_runtime.spec import FineTuneJob, Method, SpecError, Training, load_job
-from spillway_runtime.units import format_bytes, format_count, parse_count, parse_size
+from spillway_runtime.core.contract import ExitCode
+from spillway_runtime.core.hardware import NodeHardware
+from spillway_runtime.core.largest import LargestFit, largest_model
+from spillway_runtime.core.planner import ModelShape, OffloadPlan, plan_tiers
+from spillway_runtime.core.spec import FineTuneJob, Method, SpecError, Training, load_job
+from spillway_runtime.core.units import format_bytes, format_count, parse_count, parse_size
 
 err_console = Console(stderr=True, soft_wrap=True)
 
@@ -207,7 +207,7 @@ def plan(
         else:
             from spillway_runtime.probe import probe_basic
             from spillway_runtime.probe_cache import hardware_for_run
-            from spillway_runtime.runconfig import resolve_uri
+            from spillway_runtime.training.runconfig import resolve_uri
 
             if job is not None and job_file is not None and job.spec.offload.nvme.path:
                 # as `spillway run` would plan: with the disk's cached sweep, but never sweeping for a dry run
@@ -229,8 +229,8 @@ def plan(
         elif job is not None and job.spec.model.config is not None:
             shape = ModelShape.from_hf_config(job.spec.model.config)
         elif job is not None and job_file is not None:
-            from spillway_runtime.modelinfo import shape_from_config
-            from spillway_runtime.runconfig import resolve_uri
+            from spillway_runtime.meta_shape import shape_from_config
+            from spillway_runtime.training.runconfig import resolve_uri
 
             shape = shape_from_config(resolve_uri(job.spec.model.uri, job_file.resolve().parent))
         else:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from spillway_runtime.estimates import resident_sub_groups
-from spillway_runtime.planner import OffloadPlan
+from spillway_runtime.core.estimates import resident_sub_groups
+from spillway_runtime.core.planner import OffloadPlan
 
 _MARK = "_spillway_unique_params"
 _RESIDENT_MARK = "_spillway_resident_sub_groups"

@@ -30,10 +30,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from spillway_runtime import unpickle
-from spillway_runtime.checkpoint import LATEST, PREFIX, CheckpointStore
-from spillway_runtime.ckpt_io import CheckpointIOError
-from spillway_runtime.spec import FineTuneJobSpec
+from spillway_runtime.checkpoints import unpickle
+from spillway_runtime.checkpoints.store import LATEST, PREFIX, CheckpointStore
+from spillway_runtime.checkpoints.tensor_io import CheckpointIOError
+from spillway_runtime.core.spec import FineTuneJobSpec
 
 
 class ExportError(RuntimeError):
@@ -53,7 +53,7 @@ def export_from_mirror(uri: str, out: Path, model_dir: Path | None = None,
                        endpoint_url: str | None = None, universal: bool = False) -> dict[str, Any]:
     """Export a mirrored checkpoint: `uri` is the mirror (its newest complete checkpoint) or one
     checkpoint in it. Credentials from the AWS variables; `endpoint_url` for a non-AWS server."""
-    from spillway_runtime.mirror import Mirror
+    from spillway_runtime.checkpoints.mirror import Mirror
     from spillway_runtime.objectstore import Endpoint, ObjectStoreError
 
     mirror_uri, _, last = uri.rstrip("/").rpartition("/")
@@ -83,7 +83,7 @@ def export_from_mirror(uri: str, out: Path, model_dir: Path | None = None,
 def export_universal(checkpoint: Path, out: Path) -> dict[str, Any]:
     """Write `checkpoint` as DeepSpeed's universal checkpoint into `out` (a new or empty folder):
     `out/ds/zero/<parameter>/{fp32,exp_avg,exp_avg_sq}.pt` and `out/latest_universal`."""
-    from spillway_runtime.recipe_checkpoints import DS_TAG
+    from spillway_runtime.training.checkpointing import DS_TAG
 
     checkpoint = checkpoint_dir(checkpoint)
     store = CheckpointStore(checkpoint.parent, keep=1, log=lambda message: None)
@@ -127,7 +127,7 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
     import torch
     from transformers import AutoTokenizer
 
-    from spillway_runtime.lora import MERGED_DIR, save_merged
+    from spillway_runtime.training.lora import MERGED_DIR, save_merged
 
     checkpoint = checkpoint_dir(checkpoint)
     store = CheckpointStore(checkpoint.parent, keep=1, log=lambda message: None)
@@ -159,11 +159,10 @@ def export_checkpoint(checkpoint: Path, out: Path, model_dir: Path | None = None
 def _universal(checkpoint: Path, store: CheckpointStore, out: Path) -> Path:
     """The checkpoint read as a resume reads it (each file against its checksum, swap files
     included) and written in DeepSpeed's universal form into `out`; returns `out/ds`."""
-    from spillway_runtime.ds_checkpoint import SpillwayCheckpointEngine, direct_io, read_swap_file
-    from spillway_runtime.dsconfig import memlock_limit
-    from spillway_runtime.hardware import AioSettings
-    from spillway_runtime.recipe_checkpoints import DS_TAG
-    from spillway_runtime.universal import UniversalError, write_universal
+    from spillway_runtime.checkpoints.engine import SpillwayCheckpointEngine, direct_io, read_swap_file
+    from spillway_runtime.checkpoints.universal import UniversalError, write_universal
+    from spillway_runtime.core.hardware import AioSettings, memlock_limit
+    from spillway_runtime.training.checkpointing import DS_TAG
 
     engine = SpillwayCheckpointEngine(direct_io(AioSettings(), memlock_limit(), checkpoint))
     engine.expected = store.deferred(checkpoint)
@@ -186,7 +185,7 @@ def _trained_model(base: Path, spec: FineTuneJobSpec, dtype: Any, masters: dict[
     match, when the checkpoint is of another model."""
     from transformers import AutoModelForCausalLM
 
-    from spillway_runtime.lora import lora_config
+    from spillway_runtime.training.lora import lora_config
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
     if spec.method.lora:  # the checkpoint holds the adapters' masters: put them on the base as training did

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from spillway_runtime.checkpoint import LATEST, write_problem
-from spillway_runtime.dsconfig import build_deepspeed_config, validate_deepspeed_config
-from spillway_runtime.hardware import AioSettings, NodeHardware
-from spillway_runtime.planner import OffloadPlan, PlanningError, plan_tiers
+from spillway_runtime.checkpoints.store import LATEST, write_problem
+from spillway_runtime.core.hardware import AioSettings, NodeHardware
+from spillway_runtime.core.planner import OffloadPlan, PlanningError, plan_tiers
+from spillway_runtime.core.spec import FineTuneJob, FineTuneJobSpec, SpecError, load_job
 from spillway_runtime.probe_cache import ProbeRecord
-from spillway_runtime.reporting import append_event
-from spillway_runtime.runconfig import FaultInjection, RuntimeConfig, resolve_uri
-from spillway_runtime.spec import FineTuneJob, FineTuneJobSpec, SpecError, load_job
+from spillway_runtime.training.dsconfig import build_deepspeed_config, validate_deepspeed_config
+from spillway_runtime.training.reporting import append_event
+from spillway_runtime.training.runconfig import FaultInjection, RuntimeConfig, resolve_uri
 
 if TYPE_CHECKING:
     from spillway_runtime.objectstore import FetchResult
@@ -58,7 +58,7 @@ def _source(uri: str, base: Path, named: tuple[str, str, Path], fetched: list[tu
 def _check_mirror(spec: Any, job_path: Path) -> None:
     """A checkpoint mirror or an export destination that cannot be listed and written ends
     the run before it starts (the runtime checks again, for pods)."""
-    from spillway_runtime.mirror import check_writable
+    from spillway_runtime.checkpoints.mirror import check_writable
     from spillway_runtime.objectstore import Endpoint, ObjectStoreError, S3Location, open_store
 
     where = Endpoint.of(spec.storage)
@@ -74,7 +74,7 @@ def _check_mirror(spec: Any, job_path: Path) -> None:
 
 def plan_for_job(job: FineTuneJob, hw: NodeHardware, model_dir: Path, processes: int = 1,
                  price_per_hour: float | None = None) -> OffloadPlan:
-    from spillway_runtime.modelinfo import shape_from_config
+    from spillway_runtime.meta_shape import shape_from_config
 
     spec = job.spec
     shape = shape_from_config(model_dir)
@@ -108,7 +108,7 @@ def _mirrored_block_size(spec: Any) -> int | None:
     """The `aioBlockSize` in the manifest of the checkpoint a restore from the mirror takes."""
     if spec.checkpoint.mirror is None:
         return None
-    from spillway_runtime.mirror import Mirror
+    from spillway_runtime.checkpoints.mirror import Mirror
     from spillway_runtime.objectstore import Endpoint
 
     try:
@@ -247,7 +247,7 @@ def runtime_command(config_path: Path, processes: int) -> list[str]:
     if processes <= 1:
         return [sys.executable, "-m", "spillway_runtime", "--config", str(config_path)]
     # Not torchrun: its agent exits 1 on SIGTERM and kills the ranks 30 s later (see supervisor.py)
-    return [sys.executable, "-m", "spillway_runtime.supervisor", "--processes", str(processes),
+    return [sys.executable, "-m", "spillway_runtime.training.supervisor", "--processes", str(processes),
             "--config", str(config_path)]
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from spillway_runtime.hardware import NodeHardware
+from spillway_runtime.core.hardware import NodeHardware
 
 FIELD_MANAGER = "spillway-node-probe"
 

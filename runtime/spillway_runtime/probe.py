@@ -21,9 +21,8 @@ from typing import Any
 
 import psutil
 
-from spillway_runtime.dsconfig import MEMLOCK_SHARE, memlock_limit
-from spillway_runtime.hardware import AioSettings, MatmulRate, NodeHardware
-from spillway_runtime.planner import MIN_AIO_BYTES
+from spillway_runtime.core.hardware import MEMLOCK_SHARE, AioSettings, MatmulRate, NodeHardware, memlock_limit
+from spillway_runtime.core.planner import MIN_AIO_BYTES
 
 
 class ProbeError(RuntimeError):

@@ -35,7 +35,7 @@ import psutil
 from pydantic import BaseModel, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from spillway_runtime.hardware import AioSettings, NodeHardware
+from spillway_runtime.core.hardware import AioSettings, NodeHardware
 
 # What an entry contributes to a run's hardware: figures measured once, not capacities.
 MEASURED_FIELDS = (
@@ -199,7 +199,7 @@ def _disk(device: int) -> tuple[str | None, int | None]:
 
 
 def fingerprint(nvme_dir: Path, basic: NodeHardware) -> MachineFingerprint:
-    from spillway_runtime.dsconfig import memlock_limit
+    from spillway_runtime.core.hardware import memlock_limit
 
     device = os.stat(nvme_dir).st_dev
     model, size = _disk(device)

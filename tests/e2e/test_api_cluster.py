@@ -28,7 +28,7 @@ import yaml
 
 from spillway_operator.placement import choose_placement, plan_status
 from spillway_operator.settings import OperatorSettings
-from spillway_runtime.spec import parse_job
+from spillway_runtime.core.spec import parse_job
 from tests import polling
 from tests.browser import chromium, shot, sign_in
 from tests.e2e.operator_fixtures import CRD, POOL, free_port, pool_nodes

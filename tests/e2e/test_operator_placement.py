@@ -58,7 +58,7 @@ def test_multi_node_job_one_rank_per_node_with_rendezvous(
         pod = pods[f"multi-a0-{rank}"]
         assert pod["spec"]["hostname"] == f"multi-a0-{rank}" and pod["spec"]["subdomain"] == "multi-ranks"
         command = pod["spec"]["containers"][0]["command"]
-        assert command[:3] == ["python", "-m", "spillway_runtime.supervisor"]
+        assert command[:3] == ["python", "-m", "spillway_runtime.training.supervisor"]
         assert "--nnodes=2" in command and f"--node-rank={rank}" in command and "--processes=1" in command
         assert master in command
 

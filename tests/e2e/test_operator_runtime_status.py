@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
-from spillway_runtime import k8s_status, node_probe
-from spillway_runtime.checkpoint import CheckpointStore, pending_rollback
-from spillway_runtime.hardware import NodeHardware, hardware_from_node
+from spillway_runtime import node_probe
+from spillway_runtime.checkpoints.store import CheckpointStore, pending_rollback
+from spillway_runtime.core.hardware import NodeHardware, hardware_from_node
+from spillway_runtime.training import k8s_status
 from tests.e2e.operator_fixtures import CRD, job_manifest
 
 pytestmark = pytest.mark.e2e

@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from spillway_runtime.local import prepare_local_run, runtime_command, runtime_env
-from spillway_runtime.reporting import read_events
-from spillway_runtime.runconfig import FaultInjection, RuntimeConfig
+from spillway_runtime.training.reporting import read_events
+from spillway_runtime.training.runconfig import FaultInjection, RuntimeConfig
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 

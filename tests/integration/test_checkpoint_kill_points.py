@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from spillway_runtime.checkpoint import LATEST, PREFIX, CheckpointStore, checkpoint_name
+from spillway_runtime.checkpoints.store import LATEST, PREFIX, CheckpointStore, checkpoint_name
 
 pytestmark = pytest.mark.integration
 
 WRITER = """
 import os, sys
 from pathlib import Path
-from spillway_runtime.checkpoint import CheckpointStore
+from spillway_runtime.checkpoints.store import CheckpointStore
 
 root, step = Path(sys.argv[1]), int(sys.argv[2])
 store = CheckpointStore(root, keep=1, log=lambda message: None)

@@ -4,7 +4,7 @@ swap files and resuming bit-identically: tests/integration/test_exact_resume.py.
 
 import pytest
 
-from spillway_runtime.reporting import read_events
+from spillway_runtime.training.reporting import read_events
 
 
 @pytest.mark.integration
@@ -16,9 +16,9 @@ def test_two_nodes_rendezvous_and_a_stop_on_one_node_stops_both_with_75(tmp_path
     import subprocess
     import sys
 
-    from spillway_runtime.checkpoint import CheckpointStore, checkpoint_name
+    from spillway_runtime.checkpoints.store import CheckpointStore, checkpoint_name
     from spillway_runtime.local import prepare_local_run, runtime_env
-    from spillway_runtime.processes import free_port
+    from spillway_runtime.training.processes import free_port
     from tests import polling
 
     job = make_job(training={"maxSteps": 200}, checkpoint={"everySteps": 1000},
@@ -28,7 +28,7 @@ def test_two_nodes_rendezvous_and_a_stop_on_one_node_stops_both_with_75(tmp_path
     port, env = free_port(), runtime_env(config)
     env["OMP_NUM_THREADS"] = "1"
     nodes = [subprocess.Popen(
-        [sys.executable, "-m", "spillway_runtime.supervisor", "--processes=1", f"--config={run_dir / 'runtime.json'}",
+        [sys.executable, "-m", "spillway_runtime.training.supervisor", "--processes=1", f"--config={run_dir / 'runtime.json'}",
          "--nnodes=2", f"--node-rank={rank}", "--master-addr=127.0.0.1", f"--master-port={port}"],
         env=env, stdout=(tmp_path / f"node{rank}.log").open("w"), stderr=subprocess.STDOUT) for rank in (0, 1)]
     try:

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import torch
 
-from spillway_runtime.data import PackedDataset, read_pairs
-from spillway_runtime.dpo import preference_loss, step_metrics
-from spillway_runtime.runconfig import FaultInjection
-from spillway_runtime.spec import DatasetSource
+from spillway_runtime.core.spec import DatasetSource
+from spillway_runtime.training.data import PackedDataset, read_pairs
+from spillway_runtime.training.dpo import preference_loss, step_metrics
+from spillway_runtime.training.runconfig import FaultInjection
 
 from .conftest import run_job
 

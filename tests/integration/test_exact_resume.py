@@ -27,10 +27,10 @@ import numpy as np
 import pytest
 import torch
 
-from spillway_runtime.checkpoint import LATEST, MANIFEST, CheckpointStore, checkpoint_name
-from spillway_runtime.contract import ExitCode
-from spillway_runtime.recipe_checkpoints import STATE_FILE
-from spillway_runtime.runconfig import FaultInjection
+from spillway_runtime.checkpoints.store import LATEST, MANIFEST, CheckpointStore, checkpoint_name
+from spillway_runtime.core.contract import ExitCode
+from spillway_runtime.training.checkpointing import STATE_FILE
+from spillway_runtime.training.runconfig import FaultInjection
 
 from .conftest import Run, run_job
 

@@ -5,9 +5,9 @@ import subprocess
 
 import pytest
 
-from spillway_runtime.checkpoint import CheckpointStore
-from spillway_runtime.contract import ExitCode
-from spillway_runtime.runconfig import FaultInjection
+from spillway_runtime.checkpoints.store import CheckpointStore
+from spillway_runtime.core.contract import ExitCode
+from spillway_runtime.training.runconfig import FaultInjection
 
 from .conftest import run_job
 

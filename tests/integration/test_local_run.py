@@ -98,8 +98,8 @@ def test_spillway_run_fine_tunes_on_chat_data_learning_the_answers_only(tmp_path
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from spillway_runtime.data import PackedDataset, read_documents
-    from spillway_runtime.spec import DatasetSource
+    from spillway_runtime.core.spec import DatasetSource
+    from spillway_runtime.training.data import PackedDataset, read_documents
 
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run" / "final")
     source = DatasetSource(uri=str(data), format="chat", chatTemplate=CHAT_TEMPLATE, onBadRecord="skip")
@@ -221,9 +221,9 @@ def test_the_demo_swaps_its_optimizer_state_to_nvme(tmp_path, aio_block):
     README's "swapped to runs/tiny-local/nvme" would be false)."""
     import shlex
 
-    from spillway_runtime.hardware import AioSettings, NodeHardware
+    from spillway_runtime.core.hardware import AioSettings, NodeHardware
+    from spillway_runtime.core.spec import FineTuneJob
     from spillway_runtime.local import plan_for_job
-    from spillway_runtime.spec import FineTuneJob
 
     repo = Path(__file__).resolve().parents[2]
     recipe = (repo / "Makefile").read_text().split("\ndemo:", 1)[1].split("\n\n", 1)[0]

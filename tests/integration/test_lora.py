@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from spillway_runtime.checkpoint import MANIFEST, checkpoint_name
-from spillway_runtime.lora import MERGED_DIR
-from spillway_runtime.runconfig import FaultInjection
+from spillway_runtime.checkpoints.store import MANIFEST, checkpoint_name
+from spillway_runtime.training.lora import MERGED_DIR
+from spillway_runtime.training.runconfig import FaultInjection
 
 from .conftest import run_job
 

@@ -18,12 +18,12 @@ import obstore
 import pytest
 
 from spillway_runtime import local
-from spillway_runtime.checkpoint import LATEST, MANIFEST, checkpoint_name
-from spillway_runtime.contract import ExitCode
+from spillway_runtime.checkpoints.mirror import Mirror, Mirrored
+from spillway_runtime.checkpoints.store import LATEST, MANIFEST, checkpoint_name
+from spillway_runtime.core.contract import ExitCode
+from spillway_runtime.core.spec import SpecError
 from spillway_runtime.local import prepare_local_run
-from spillway_runtime.mirror import Mirror, Mirrored
-from spillway_runtime.runconfig import FaultInjection
-from spillway_runtime.spec import SpecError
+from spillway_runtime.training.runconfig import FaultInjection
 
 from .conftest import run_job
 from .storage_fixtures import S3Server, s3_server, weed_server  # noqa: F401 -- the fixture, used by name

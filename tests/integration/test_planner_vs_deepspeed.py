@@ -3,7 +3,7 @@ and its prediction for a real run matches what lands on disk and in RAM."""
 
 import pytest
 
-from spillway_runtime.estimates import model_state_bytes
+from spillway_runtime.core.estimates import model_state_bytes
 
 
 @pytest.mark.integration
@@ -41,8 +41,8 @@ def test_full_size_config_shapes_give_deepspeeds_estimates(name):
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from spillway_runtime.planner import ModelShape
-    from tests.unit.test_hf_shape import FULL
+    from spillway_runtime.core.planner import ModelShape
+    from tests.unit.test_param_counts import FULL
 
     config = FULL[name][0]
     with torch.device("meta"):

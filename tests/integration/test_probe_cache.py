@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from spillway_runtime.hardware import AioSettings, matmul_rate_at
+from spillway_runtime.core.hardware import AioSettings, matmul_rate_at
 from spillway_runtime.local import prepare_local_run
 from spillway_runtime.probe import probe_basic
 from spillway_runtime.probe_cache import (
@@ -22,7 +22,7 @@ from spillway_runtime.probe_cache import (
     read_entry,
     store_entry,
 )
-from spillway_runtime.reporting import read_events
+from spillway_runtime.training.reporting import read_events
 
 AIO_KEYS = ("block_size", "queue_depth", "intra_op_parallelism")
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from spillway_runtime.checkpoint import checkpoint_name
+from spillway_runtime.checkpoints.store import checkpoint_name
 
 from .conftest import run_job
 from .test_exact_resume import copy_checkpoint

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from spillway_runtime.checkpoint import checkpoint_name
+from spillway_runtime.checkpoints.store import checkpoint_name
 
 from .conftest import Run, run_job
 from .test_exact_resume import EVERY, MAX_STEPS, assert_identical_after, copy_checkpoint

@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import yaml
 
-from spillway_runtime.contract import METRICS_PORT_ENV
+from spillway_runtime.core.contract import METRICS_PORT_ENV
 from spillway_runtime.local import prepare_local_run, runtime_command, runtime_env
-from spillway_runtime.reporting import read_events
-from spillway_runtime.runconfig import FaultInjection
-from spillway_runtime.tracking import TENSORBOARD_DIR
+from spillway_runtime.training.reporting import read_events
+from spillway_runtime.training.runconfig import FaultInjection
+from spillway_runtime.training.tracking import TENSORBOARD_DIR
 
 from .conftest import job_document, run_job
 from .storage_fixtures import _free_ports

@@ -14,11 +14,11 @@ import yaml
 from spillway_api.main import create_app
 from spillway_api.settings import Settings
 from spillway_operator.crd import build_crd
-from spillway_runtime.spec import parse_job
+from spillway_runtime.core.spec import parse_job
 
 # Free maps by design, their size bounded by the request's (the API's body limit, the API
 # server's): raw DeepSpeed overrides (merged last, then checked against the plan) and the
-# model's config.json inline (its own nested JSON, checked by hf_shape.config_problems).
+# model's config.json inline (its own nested JSON, checked by param_counts.config_problems).
 FREE_MAPS = (".offload.deepspeed", ".model.config")
 # POST /v1/plan's measured inputs: a machine as `spillway probe` prints it and Kubernetes Node
 # objects, which the planner reads as measurements; bounded by the API's 1 MiB body limit

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from spillway_runtime.checkpoint import CheckpointError, CheckpointStore, pending_rollback, write_problem
+from spillway_runtime.checkpoints.store import CheckpointError, CheckpointStore, pending_rollback, write_problem
 
 
 def writer(payload: bytes):

@@ -13,9 +13,9 @@ import pyarrow.ipc
 import pyarrow.parquet
 import pytest
 
-from spillway_runtime.data import PackedDataset, dataset_fingerprint, read_documents, read_pairs, read_texts
-from spillway_runtime.dataset_files import DatasetError, dataset_files
-from spillway_runtime.spec import DatasetSource
+from spillway_runtime.core.spec import DatasetSource
+from spillway_runtime.training.data import PackedDataset, dataset_fingerprint, read_documents, read_pairs, read_texts
+from spillway_runtime.training.dataset_files import DatasetError, dataset_files
 
 from .conftest import write_jsonl
 

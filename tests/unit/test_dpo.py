@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from spillway_runtime.data import DatasetError, PackedDataset, read_pairs
-from spillway_runtime.dpo import dpo_loss, preference_loss, sequence_logps, step_metrics
-from spillway_runtime.spec import DatasetSource, SpecError, parse_job
+from spillway_runtime.core.spec import DatasetSource, SpecError, parse_job
+from spillway_runtime.training.data import DatasetError, PackedDataset, read_pairs
+from spillway_runtime.training.dpo import dpo_loss, preference_loss, sequence_logps, step_metrics
 
 from .conftest import write_jsonl
 

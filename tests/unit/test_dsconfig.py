@@ -1,15 +1,15 @@
 import pytest
 
-from spillway_runtime.dsconfig import (
+from spillway_runtime.core.hardware import AioSettings, NodeHardware
+from spillway_runtime.core.planner import ModelShape, plan_tiers
+from spillway_runtime.core.spec import parse_job
+from spillway_runtime.core.units import GiB
+from spillway_runtime.training.dsconfig import (
     DeepSpeedConfigError,
     apply_overrides,
     build_deepspeed_config,
     fit_swap_buffers_to_memlock,
 )
-from spillway_runtime.hardware import AioSettings, NodeHardware
-from spillway_runtime.planner import ModelShape, plan_tiers
-from spillway_runtime.spec import parse_job
-from spillway_runtime.units import GiB
 
 SHAPE = ModelShape.from_param_count(13_000_000_000)
 HW = NodeHardware(name="n", gpu_count=1, gpu_product="RTX 4090", gpu_memory_bytes=24 * GiB, cpu_cores=16,

@@ -2,10 +2,10 @@
 
 import pytest
 
-from spillway_runtime.hardware import MatmulRate, NodeHardware, hardware_from_node, matmul_rate_at
-from spillway_runtime.planner import ModelShape, plan_tiers
-from spillway_runtime.spec import Offload, Training
-from spillway_runtime.units import GiB
+from spillway_runtime.core.hardware import MatmulRate, NodeHardware, hardware_from_node, matmul_rate_at
+from spillway_runtime.core.planner import ModelShape, plan_tiers
+from spillway_runtime.core.spec import Offload, Training
+from spillway_runtime.core.units import GiB
 
 P13 = ModelShape.from_param_count(13_000_000_000)
 TRAIN = Training(sequence_length=2048, micro_batch_size=1, gradient_accumulation=8, max_steps=1000)

@@ -12,7 +12,6 @@ SCRIPT = r"""
 import logging, sys, warnings
 from pathlib import Path
 from spillway_runtime import library_output
-
 # DeepSpeed's logger as DeepSpeed makes it: its own handler on stdout, not propagated
 ds = logging.getLogger("DeepSpeed")
 ds.addHandler(logging.StreamHandler(sys.stdout))

@@ -2,13 +2,13 @@
 
 import pytest
 
-from spillway_runtime.estimates import activation_bytes, model_state_bytes
-from spillway_runtime.hardware import AioSettings, NodeHardware, hardware_from_node
-from spillway_runtime.largest import largest_model
-from spillway_runtime.plan_summary import PlanSummary
-from spillway_runtime.planner import ModelShape, minimum_cpu_for, parse_label, plan_summary, plan_tiers
-from spillway_runtime.spec import Offload, Training
-from spillway_runtime.units import GiB
+from spillway_runtime.core.estimates import activation_bytes, model_state_bytes
+from spillway_runtime.core.hardware import AioSettings, NodeHardware, hardware_from_node
+from spillway_runtime.core.largest import largest_model
+from spillway_runtime.core.plan_summary import PlanSummary
+from spillway_runtime.core.planner import ModelShape, minimum_cpu_for, parse_label, plan_summary, plan_tiers
+from spillway_runtime.core.spec import Offload, Training
+from spillway_runtime.core.units import GiB
 
 P13 = ModelShape.from_param_count(13_000_000_000)
 TRAIN = Training(sequence_length=2048, micro_batch_size=1, gradient_accumulation=8, max_steps=1000)
@@ -298,7 +298,7 @@ def test_the_largest_model_says_why_a_placement_is_out():
 
 
 def test_lora_counts_the_adapters_from_the_model_shape():
-    from spillway_runtime.estimates import lora_parameters
+    from spillway_runtime.core.estimates import lora_parameters
 
     h, inner, layers = P13.hidden_size, int(P13.hidden_size * 8 / 3), P13.num_layers
     assert lora_parameters(P13, 16, ["q_proj", "v_proj"]) == (16 * layers * 4 * h, [])
@@ -308,7 +308,7 @@ def test_lora_counts_the_adapters_from_the_model_shape():
 
 
 def test_lora_moves_only_the_adapters_state_and_keeps_the_frozen_base_in_its_tier():
-    from spillway_runtime.spec import Method
+    from spillway_runtime.core.spec import Method
 
     full = plan_tiers(P13, rtx4090(64), TRAIN)
     lora = plan_tiers(P13, rtx4090(64), TRAIN, method=Method(type="lora", rank=16))
@@ -342,8 +342,8 @@ def test_a_plan_label_reads_back_as_stage_and_tiers():
 def test_each_policy_excludes_exactly_the_placements_its_tiers_do_not_allow() -> None:
     """The planner reads the spec's one table (POLICY_TIERS), so a policy changed there is
     planned as it validates."""
-    from spillway_runtime.planner import _allowed
-    from spillway_runtime.spec import POLICY_TIERS, Offload
+    from spillway_runtime.core.planner import _allowed
+    from spillway_runtime.core.spec import POLICY_TIERS, Offload
 
     for policy, tiers in POLICY_TIERS.items():
         offload = Offload(policy=policy)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from spillway_runtime.hardware import AioSettings, MatmulRate, NodeHardware
-from spillway_runtime.planner import ModelShape, plan_tiers
+from spillway_runtime.core.hardware import AioSettings, MatmulRate, NodeHardware
+from spillway_runtime.core.planner import ModelShape, plan_tiers
 from spillway_runtime.probe import probe_basic
 from spillway_runtime.probe_cache import (
     DAY_SECONDS,

@@ -4,9 +4,9 @@ import signal
 
 import pytest
 
-from spillway_runtime.contract import ExitCode
-from spillway_runtime.processes import StopSignals, exit_status
-from spillway_runtime.supervisor import combined_exit
+from spillway_runtime.core.contract import ExitCode
+from spillway_runtime.training.processes import StopSignals, exit_status
+from spillway_runtime.training.supervisor import combined_exit
 
 
 @pytest.mark.parametrize(("returncode", "stop_sent", "status"), [

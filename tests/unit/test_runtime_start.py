@@ -13,7 +13,7 @@ from pathlib import Path
 
 CHECK = """
 import sys
-from spillway_runtime.startup import import_deepspeed
+from spillway_runtime.training.startup import import_deepspeed
 import_deepspeed()
 import deepspeed.autotuning.autotuner as autotuner
 assert "deepspeed" in sys.modules and "mlflow" not in sys.modules, sorted(m for m in sys.modules if "mlflow" in m)
@@ -31,7 +31,7 @@ def test_deepspeed_is_imported_without_mlflow_which_still_imports_later() -> Non
 
 COUNT = """
 import os
-from spillway_runtime.startup import ask_numa_once, import_deepspeed
+from spillway_runtime.training.startup import ask_numa_once, import_deepspeed
 import_deepspeed()
 from deepspeed.accelerator import get_accelerator
 accelerator = get_accelerator()
@@ -62,7 +62,7 @@ def test_the_cpu_accelerator_asks_numactl_once_for_its_devices(tmp_path: Path) -
 
 CPUINFO = """
 import cpuinfo
-from spillway_runtime.startup import ask_cpuinfo_once
+from spillway_runtime.training.startup import ask_cpuinfo_once
 ask_cpuinfo_once()
 ask_cpuinfo_once()
 print(cpuinfo.get_cpu_info()["vendor_id_raw"])

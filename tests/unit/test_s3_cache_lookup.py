@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from spillway_runtime.objectstore import ObjectStoreError, cache_path, cached
-from spillway_runtime.runconfig import resolve_uri
+from spillway_runtime.training.runconfig import resolve_uri
 
 
 def _cache(root: Path, bucket: str, files: dict[str, bytes]) -> None:

@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from spillway_runtime.data import (
+from spillway_runtime.core.spec import DatasetSource
+from spillway_runtime.training.data import (
     DatasetError,
     PackedDataset,
     dataset_fingerprint,
@@ -19,7 +20,6 @@ from spillway_runtime.data import (
     read_documents,
     token_cache_path,
 )
-from spillway_runtime.spec import DatasetSource
 
 from .conftest import write_jsonl
 

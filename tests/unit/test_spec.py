@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from spillway_runtime.spec import SpecError, load_job, parse_job
+from spillway_runtime.core.spec import SpecError, load_job, parse_job
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -10,9 +10,9 @@ import pytest
 from spillway_api.service import phase_for_exit
 from spillway_operator.crd import build_crd
 from spillway_operator.pod_outcomes import classify_pod
-from spillway_runtime.contract import ExitCode, exit_outcome
-from spillway_runtime.k8s_status import StatusPublisher
-from spillway_runtime.status import CheckpointRecord, FineTuneJobStatus, Progress, read_status
+from spillway_runtime.core.contract import ExitCode, exit_outcome
+from spillway_runtime.core.status import CheckpointRecord, FineTuneJobStatus, Progress, read_status
+from spillway_runtime.training.k8s_status import StatusPublisher
 
 # code: (what it means in a cluster, the phase a local run ends in). 3 and 130 differ on purpose
 # (contract.py says why): a cluster retries 3 on other nodes and counts an unexplained 130.

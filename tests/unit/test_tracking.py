@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from spillway_runtime.reporting import Reporter, read_events
-from spillway_runtime.tracking import PrometheusListener, scalars
+from spillway_runtime.training.reporting import Reporter, read_events
+from spillway_runtime.training.tracking import PrometheusListener, scalars
 
 
 def _free_port() -> int:
@@ -124,7 +124,7 @@ def test_a_warning_from_another_thread_is_written_by_the_next_event_or_at_close(
 
 
 def test_params_are_the_spec_flattened_by_dotted_keys_mlflow_accepts():
-    from spillway_runtime.tracking import _flatten
+    from spillway_runtime.training.tracking import _flatten
 
     spec = {"training": {"maxSteps": 8, "learningRate": 0.001}, "method": {"targetModules": ["q_proj", "v_proj"]},
             "resources": {"nodeSelector": {"pool:gpu": "a100", "nvidia.com/gpu.product": "A100"}}, "budget": {},

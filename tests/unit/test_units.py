@@ -1,6 +1,6 @@
 import pytest
 
-from spillway_runtime.units import format_bytes, parse_count, parse_size
+from spillway_runtime.core.units import format_bytes, parse_count, parse_size
 
 
 @pytest.mark.parametrize(

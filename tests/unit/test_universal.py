@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from spillway_runtime.contract import ExitCode
-from spillway_runtime.ds_checkpoint import saved_swap_dir
-from spillway_runtime.recipe_checkpoints import Checkpointing, RunFailed, Shape
-from spillway_runtime.universal import UniversalError, _write_native
+from spillway_runtime.checkpoints.engine import saved_swap_dir
+from spillway_runtime.checkpoints.universal import UniversalError, _write_native
+from spillway_runtime.core.contract import ExitCode
+from spillway_runtime.training.checkpointing import Checkpointing, RunFailed, Shape
 
 
 def attempt(shape: Shape, lora: bool = False, pinned_share: float | None = None,

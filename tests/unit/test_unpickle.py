@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from spillway_runtime import unpickle
-from spillway_runtime.checkpoint import CheckpointStore
-from spillway_runtime.ckpt_io import TensorRef, split_state
+from spillway_runtime.checkpoints import unpickle
+from spillway_runtime.checkpoints.store import CheckpointStore
+from spillway_runtime.checkpoints.tensor_io import TensorRef, split_state
 
 
 class Payload:
@@ -88,3 +88,23 @@ def test_an_int_enum_is_saved_as_its_value_and_loads_where_python_would_pickle_i
 
     torch.save({"zero_stage": ByName()}, tmp_path / "by_name.pt")
     assert unpickle.unsafe_globals(tmp_path / "by_name.pt") == ["builtins.getattr"]
+
+
+def test_a_checkpoint_written_before_the_modules_moved_still_loads(tmp_path: Path, monkeypatch) -> None:
+    # What an earlier release's split state dict holds: a TensorRef pickled as
+    # spillway_runtime.ckpt_io.TensorRef, the module it lived in then.
+    import sys
+    import types
+
+    former = types.ModuleType("spillway_runtime.ckpt_io")
+    former.TensorRef = TensorRef  # type: ignore[attr-defined]
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "spillway_runtime.ckpt_io", former)
+        m.setattr(TensorRef, "__module__", "spillway_runtime.ckpt_io")
+        torch.save({"w": TensorRef(offset=8, nbytes=12, dtype="float32", shape=(3,))}, tmp_path / "old.pt")
+    assert "spillway_runtime.ckpt_io" not in sys.modules
+    assert b"spillway_runtime.ckpt_io" in (tmp_path / "old.pt").read_bytes()
+    assert unpickle.unsafe_globals(tmp_path / "old.pt") == []
+    loaded = unpickle.load(tmp_path / "old.pt")
+    assert loaded == {"w": TensorRef(offset=8, nbytes=12, dtype="float32", shape=(3,))}
+    assert type(loaded["w"]) is TensorRef

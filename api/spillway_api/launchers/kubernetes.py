@@ -24,8 +24,8 @@ from spillway_api.errors import ApiError
 from spillway_api.models import CostEntry, Job, ProgressPoint, WatchBookmark, utcnow
 from spillway_api.service import ATTEMPT_ENDS, JobService, _insert_once, _iso
 from spillway_api.settings import Settings
-from spillway_runtime.spec import API_GROUP, API_VERSION
-from spillway_runtime.status import FineTuneJobStatus, Progress, read_status
+from spillway_runtime.core.spec import API_GROUP, API_VERSION
+from spillway_runtime.core.status import FineTuneJobStatus, Progress, read_status
 
 log = logging.getLogger(__name__)
 PLURAL = "finetunejobs"

@@ -29,10 +29,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from spillway_api.models import Job
 from spillway_api.service import JobService, exit_message, phase_for_exit
 from spillway_api.settings import Settings
-from spillway_runtime.contract import TERMINAL_PHASES, ExitCode
+from spillway_runtime.core.contract import TERMINAL_PHASES, ExitCode
+from spillway_runtime.core.spec import FineTuneJob, SpecError
 from spillway_runtime.local import prepare_local_run, runtime_command, runtime_env
-from spillway_runtime.processes import TrainingProcess
-from spillway_runtime.spec import FineTuneJob, SpecError
+from spillway_runtime.training.processes import TrainingProcess
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class LocalRun:
         return code, restart
 
     def _refused(self, err: Exception) -> int:
-        from spillway_runtime.planner import PlanningError
+        from spillway_runtime.core.planner import PlanningError
 
         code = ExitCode.PLAN_INFEASIBLE if isinstance(err, PlanningError) else ExitCode.BAD_INPUT
         reason = str(err)

@@ -20,7 +20,7 @@ from spillway_api.deps import ServiceDep, bearer
 from spillway_api.errors import PROBLEM_RESPONSES, ApiError
 from spillway_api.schemas import JobPublic, JobsPublic
 from spillway_api.service import Caller
-from spillway_runtime.contract import Phase
+from spillway_runtime.core.contract import Phase
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 MEDIA_TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html", ".svg": "image/svg+xml",

@@ -22,8 +22,8 @@ from spillway_api.schemas import (
     RollbackPublic,
     RollbackRequest,
 )
-from spillway_runtime.contract import Phase
-from spillway_runtime.spec import MAX_STEPS
+from spillway_runtime.core.contract import Phase
+from spillway_runtime.core.spec import MAX_STEPS
 
 router = APIRouter(prefix="/v1/namespaces/{namespace}/jobs", tags=["jobs"], responses=PROBLEM_RESPONSES)
 

@@ -9,11 +9,11 @@ from fastapi import APIRouter, Request
 from spillway_api.deps import MayPlan
 from spillway_api.errors import PROBLEM_RESPONSES, ApiError
 from spillway_api.schemas import LargestFitPublic, LargestPublic, PlanPublic, PlanRequest, PlansPublic
-from spillway_runtime.hardware import NodeHardware, hardware_from_node
-from spillway_runtime.largest import largest_model
-from spillway_runtime.planner import ModelShape, plan_tiers
-from spillway_runtime.spec import FineTuneJobSpec, Offload, Training
-from spillway_runtime.units import parse_count
+from spillway_runtime.core.hardware import NodeHardware, hardware_from_node
+from spillway_runtime.core.largest import largest_model
+from spillway_runtime.core.planner import ModelShape, plan_tiers
+from spillway_runtime.core.spec import FineTuneJobSpec, Offload, Training
+from spillway_runtime.core.units import parse_count
 
 router = APIRouter(prefix="/v1", tags=["plan"], responses=PROBLEM_RESPONSES)
 

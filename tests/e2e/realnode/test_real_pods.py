@@ -40,8 +40,8 @@ import yaml
 from kubernetes.utils import parse_quantity
 
 from spillway_operator.builders import checkpoint_pvc_name
-from spillway_runtime.hardware import NVME_PATH_ANNOTATION
-from spillway_runtime.modelinfo import shape_from_config
+from spillway_runtime.core.hardware import NVME_PATH_ANNOTATION
+from spillway_runtime.meta_shape import shape_from_config
 from spillway_runtime.tiny import build_tiny_model, write_chat_dataset, write_dataset
 from tests.e2e.conftest import REPO_ROOT, Cluster
 from tests.e2e.local_volumes import LocalStorage

@@ -33,8 +33,8 @@ import yaml
 from spillway_operator import s3_inputs
 from spillway_operator.builders import pod_name
 from spillway_operator.pod_specs import s3_cache_sub_path
-from spillway_runtime.hardware import NVME_PATH_ANNOTATION
-from spillway_runtime.spec import parse_job
+from spillway_runtime.core.hardware import NVME_PATH_ANNOTATION
+from spillway_runtime.core.spec import parse_job
 from spillway_runtime.tiny import build_tiny_model, write_dataset
 from tests.e2e.conftest import Cluster
 from tests.e2e.operator_fixtures import running_operator, wait_status

@@ -177,7 +177,7 @@ def test_plan_dry_run(client: Any) -> None:
 def test_plan_of_a_spec_with_the_models_config_plans_its_real_shape(client: Any) -> None:
     """spec.model.config wins over a parameter count, as in the operator: Qwen2-7B's 152k
     vocabulary, not a 32k-vocabulary Llama guess of the same size."""
-    from spillway_runtime.planner import ModelShape
+    from spillway_runtime.core.planner import ModelShape
 
     config = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
               "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
@@ -198,9 +198,9 @@ def test_plan_of_a_spec_with_the_models_config_plans_its_real_shape(client: Any)
 
 @SQLITE_ONLY
 def test_plan_without_a_size_answers_the_largest_model_per_placement(client: Any) -> None:
-    from spillway_runtime.hardware import NodeHardware
-    from spillway_runtime.largest import largest_model
-    from spillway_runtime.spec import Training
+    from spillway_runtime.core.hardware import NodeHardware
+    from spillway_runtime.core.largest import largest_model
+    from spillway_runtime.core.spec import Training
 
     hw = {"name": "box", "gpu_count": 1, "gpu_product": "RTX 4090", "gpu_memory_bytes": 24 << 30,
           "cpu_cores": 16, "cpu_memory_bytes": 64 << 30, "nvme_capacity_bytes": 2 * 10**12,

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from spillway_api.settings import Settings
-from spillway_runtime.plan_summary import PlanSummary
+from spillway_runtime.core.plan_summary import PlanSummary
 from tests import polling
 
 from ..conftest import job_document

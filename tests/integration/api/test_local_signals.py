@@ -28,9 +28,9 @@ from spillway_api.db import make_engine, make_sessionmaker, migrate
 from spillway_api.launchers.local import LocalRun
 from spillway_api.models import Job
 from spillway_api.settings import Settings
-from spillway_runtime.checkpoint import CheckpointStore, checkpoint_name
-from spillway_runtime.processes import TrainingProcess
-from spillway_runtime.reporting import read_events
+from spillway_runtime.checkpoints.store import CheckpointStore, checkpoint_name
+from spillway_runtime.training.processes import TrainingProcess
+from spillway_runtime.training.reporting import read_events
 from tests import polling
 
 from ..conftest import job_document

@@ -51,7 +51,7 @@ def test_the_bundle_was_built_from_the_committed_sources() -> None:
 
 
 def test_the_dashboards_phases_are_the_contracts() -> None:
-    from spillway_runtime.contract import PHASES
+    from spillway_runtime.core.contract import PHASES
 
     source = (REPO / "dashboard" / "src" / "jobs.js").read_text()
     listed = re.search(r"export const PHASES = \[([^\]]*)\]", source)

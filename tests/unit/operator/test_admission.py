@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from spillway_operator.admission import new_job_problems, problems, spec_problems
-from spillway_runtime.spec import parse_job
+from spillway_runtime.core.spec import parse_job
 from tests.bad_jobs import CORPUS, ROOT, example, with_
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))

@@ -15,9 +15,9 @@ from spillway_operator import builders as b
 from spillway_operator import job_cost, pod_outcomes, pod_specs
 from spillway_operator.placement import choose_placement, plan_status
 from spillway_operator.settings import OperatorSettings
-from spillway_runtime.hardware import NVME_PATH_ANNOTATION, AioSettings, hardware_from_node
-from spillway_runtime.plan_summary import PlanSummary
-from spillway_runtime.spec import FineTuneJobSpec, parse_job
+from spillway_runtime.core.hardware import NVME_PATH_ANNOTATION, AioSettings, hardware_from_node
+from spillway_runtime.core.plan_summary import PlanSummary
+from spillway_runtime.core.spec import FineTuneJobSpec, parse_job
 
 NODES_DIR = Path(__file__).resolve().parents[3] / "hack" / "kwok" / "nodes"
 SETTINGS = OperatorSettings(backoff_base_seconds=10, backoff_max_seconds=60)
@@ -230,7 +230,7 @@ def test_cpu_processes_run_under_the_supervisor_with_their_share_of_threads() ->
     assert (choice.plan.accelerator, choice.plan.processes_per_node) == ("cpu", 2)
     pod = pod_specs.build_pod(JOB, s, choice, attempt=0, rank=0, settings=SETTINGS)
     container = pod["spec"]["containers"][0]
-    assert container["command"][:4] == ["python", "-m", "spillway_runtime.supervisor", "--processes=2"]
+    assert container["command"][:4] == ["python", "-m", "spillway_runtime.training.supervisor", "--processes=2"]
     threads = int(next(e["value"] for e in container["env"] if e["name"] == "OMP_NUM_THREADS"))
     assert threads == max(1, int(container["resources"]["requests"]["cpu"]) // 2)
     # DeepSpeed asserts train_batch_size = micro batch x accumulation x world size at start.

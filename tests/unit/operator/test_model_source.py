@@ -1,6 +1,6 @@
 """The model's config.json read from its claim before planning: the reader pod the
 reconciler starts, what it does with each outcome, and the reader itself
-(`spillway_runtime.model_config`) on real files. The pod running on a real node is
+(`spillway_runtime.core.model_config`) on real files. The pod running on a real node is
 tests/e2e/realnode/test_real_pods.py."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from spillway_operator import builders as b
 from spillway_operator import model_source
 from spillway_operator.reconciler import PermanentFailure, reconcile
 from spillway_operator.settings import OperatorSettings
-from spillway_runtime import model_config
-from spillway_runtime.hardware import GPU_RESOURCE
+from spillway_runtime.core import model_config
+from spillway_runtime.core.hardware import GPU_RESOURCE
 
 from .fake_cluster import FakeCluster
 from .test_reconciler import NS, reasons, status, world
@@ -56,7 +56,7 @@ def test_the_reader_pod_mounts_the_claim_read_only_on_the_jobs_nodes_and_holds_n
     spec = pod["spec"]
     (container,) = spec["containers"]
     assert container["image"] == "rt:1"
-    assert container["command"] == ["python", "-m", "spillway_runtime.model_config", "/mnt/pvc/models/qwen/7b"]
+    assert container["command"] == ["python", "-m", "spillway_runtime.core.model_config", "/mnt/pvc/models/qwen/7b"]
     assert container["volumeMounts"] == [{"name": "input-models", "mountPath": "/mnt/pvc/models", "readOnly": True}]
     assert spec["volumes"][0]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
     assert GPU_RESOURCE not in json.dumps(container["resources"])

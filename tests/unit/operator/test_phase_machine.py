@@ -18,7 +18,7 @@ from spillway_operator import phases
 from spillway_operator.reconciler import PermanentFailure, reconcile
 from spillway_operator.settings import OperatorSettings
 from spillway_operator.status import StatusChange
-from spillway_runtime.contract import PHASES, TERMINAL_PHASES, ExitCode
+from spillway_runtime.core.contract import PHASES, TERMINAL_PHASES, ExitCode
 
 from .fake_cluster import FakeCluster
 from .test_queueing import KUEUE, admit, evict, queued_world

@@ -15,10 +15,10 @@ from spillway_operator import builders as b
 from spillway_operator.reconciler import PermanentFailure, Result, reconcile
 from spillway_operator.settings import OperatorSettings
 from spillway_operator.status import StatusChange
-from spillway_runtime.contract import ExitCode
-from spillway_runtime.plan_summary import PlanSummary
-from spillway_runtime.runconfig import RuntimeConfig
-from spillway_runtime.spec import MAX_SECONDS
+from spillway_runtime.core.contract import ExitCode
+from spillway_runtime.core.plan_summary import PlanSummary
+from spillway_runtime.core.spec import MAX_SECONDS
+from spillway_runtime.training.runconfig import RuntimeConfig
 
 from .fake_cluster import FakeCluster, node
 

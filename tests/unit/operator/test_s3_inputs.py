@@ -15,8 +15,8 @@ from spillway_operator import builders as b
 from spillway_operator import pod_specs, s3_inputs
 from spillway_operator.reconciler import PermanentFailure, reconcile
 from spillway_operator.settings import OperatorSettings
-from spillway_runtime.runconfig import RuntimeConfig
-from spillway_runtime.spec import parse_job
+from spillway_runtime.core.spec import parse_job
+from spillway_runtime.training.runconfig import RuntimeConfig
 
 from .fake_cluster import FakeCluster
 from .test_reconciler import NS, SETTINGS, reasons, status, world

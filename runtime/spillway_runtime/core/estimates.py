@@ -1,0 +1,265 @@
+"""The planner's arithmetic: bytes of model states, swap files and activations, and
+seconds per step, for one placement on one node.
+
+Where this sits: `tier_sizing` sizes placements and `planner` times them with these;
+`largest`, the runtime's ZeRO-3 mend (`resident_sub_groups`) and the tests call them
+directly. They read `placement_inputs`' records and import nothing of the planner's.
+Pure arithmetic: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel, Field
+
+from spillway_runtime.core.hardware import (
+    DEFAULT_CPU_ADAM_PARAMS_PER_S,
+    DEFAULT_HOST_DEVICE_BPS,
+    DEFAULT_NVME_READ_BPS,
+    DEFAULT_NVME_WRITE_BPS,
+    matmul_rate_at,
+)
+from spillway_runtime.core.placement_inputs import ModelShape, PlacementInputs, SwapSettings
+from spillway_runtime.core.spec import DType, Tier, Training
+
+# Share of peak FLOPs a fine-tune reaches on one GPU (dense decoder, bf16, good kernels).
+MODEL_FLOPS_UTILISATION = 0.35
+# CPU "accelerator" (DS_ACCELERATOR=cpu): FLOP/s per core assumed when the probe measured no
+# matmuls (`NodeHardware.cpu_matmul`). Real rates span 100x: fp32 on AVX2 reaches ~15-50
+# GFLOP/s per core, bf16 without native bf16 instructions ~2 (measured on a 2-core AMD EPYC).
+CPU_FLOPS_PER_CORE = 25e9
+# Swap files per parameter with the optimizer on NVMe: fp32 master, exp_avg, exp_avg_sq and
+# the fp32 gradient (measured on DeepSpeed 0.19.8: 16.0 B/param on a 6.5M-parameter model).
+# Each is read and written once per step. Gradient fragments under the minimum swap size stay
+# in CPU RAM, which on tiny models leaves 12 B/param (measured on a 0.75M-parameter model).
+OPTIMIZER_SWAP_BYTES_PER_PARAM = 16
+OPTIMIZER_SWAP_BYTES_PER_PARAM_NO_GRADS = 12
+DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+class StepTime(BaseModel):
+    """Predicted seconds per optimizer step, and its parts (see `step_time` for how they add up)."""
+
+    compute: float
+    host_device: float
+    nvme: float = Field(description="parameter_nvme + optimizer_nvme")
+    parameter_nvme: float = 0.0
+    optimizer_nvme: float = 0.0
+    nvme_bytes: int = Field(0, description="Read and written per step and node, parameters and optimizer")
+    cpu_optimizer: float = Field(description="The optimizer step: on the CPU, or fused Adam on the GPU")
+    pipelined: bool = Field(False, description="Optimizer NVMe I/O overlaps the optimizer step")
+    total: float
+    flops: float = Field(0.0, description="Per rank and step: forward, backward and any recomputation")
+    flops_per_s: float = Field(0.0, description="Of one GPU; on the CPU accelerator, of all the node's cores")
+    flops_source: str = ""
+
+    def formula(self) -> str:
+        """The sum `total` is, with the figures in it, as the plan's reasons state it."""
+        forward_backward = (f"max(compute {self.compute:.3g}, host-device {self.host_device:.3g}, "
+                            f"parameter NVMe {self.parameter_nvme:.3g})")
+        if self.pipelined:
+            optimizer_phase = (f"max(optimizer step {self.cpu_optimizer:.3g}, optimizer NVMe "
+                               f"{self.optimizer_nvme:.3g}) (pipelined swap)")
+        else:
+            optimizer_phase = f"optimizer step {self.cpu_optimizer:.3g} + optimizer NVMe {self.optimizer_nvme:.3g}"
+        return f"step {self.total:.3g} s = {forward_backward} + {optimizer_phase}"
+
+    def compute_rate(self) -> str:
+        rate = (f"{self.flops_per_s / 1e12:.3g} TFLOP/s" if self.flops_per_s >= 1e12
+                else f"{self.flops_per_s / 1e9:.3g} GFLOP/s")
+        return f"compute: {self.flops / 1e9:.3g} GFLOP per rank at {rate} ({self.flops_source})"
+
+
+# --- Model-state bytes ---------------------------------------------------------------
+
+
+def model_state_bytes(
+    stage: int, optimizer: Tier, parameters: Tier, params: int, largest_layer: int, gpus_per_node: int, nodes: int,
+    trainable: int | None = None,
+) -> tuple[int, int]:
+    # gpus_per_node counts training processes: GPUs, or processes on a CPU accelerator.
+    """(GPU bytes per GPU, CPU bytes per node) for model states, as DeepSpeed's estimators
+    compute them with additional_buffer_factor=1.0 and zero.Init. NVMe placements extend
+    them: what moves to NVMe leaves the CPU figure (see `nvme_state_bytes`). With LoRA
+    (`trainable` < `params`) the 16-bit weights count every parameter and the gradients and
+    optimizer state (fp32 master, both moments, fp32 gradient: 16 B) only the trainable."""
+    t = params if trainable is None else trainable
+    total_gpus = gpus_per_node * nodes
+    per_node = gpus_per_node
+    large = 4 * largest_layer
+    if stage == 2:
+        if optimizer == "gpu":
+            return 2 * params + 18 * t // total_gpus, 4 * params * per_node
+        return 2 * params, max(4 * total_gpus * params, 16 * t)
+    if optimizer == "gpu":
+        return large + (2 * params + 16 * t) // total_gpus, 4 * largest_layer * per_node
+    if parameters == "gpu":
+        gpu = large + 2 * params // total_gpus
+        cpu_states = 16 * t // nodes
+    else:
+        gpu = large
+        cpu_states = (2 * params + 16 * t) // nodes
+    # Optimizer on NVMe: the fp32 master, both moments and the fp32 gradient (16 B/param) go
+    # to swap files; the 16-bit gradient partition (stage3.grad_partitions_flat_buffer) stays
+    # in CPU RAM, and the fp32 staging buffers are counted with the pinned swap buffers.
+    if optimizer == "nvme":
+        cpu_states -= OPTIMIZER_SWAP_BYTES_PER_PARAM * t // nodes
+        cpu_states += 2 * t // nodes
+    # Parameters on NVMe: the 16-bit partition (2 B/param) leaves RAM for swap files.
+    if parameters == "nvme":
+        cpu_states -= 2 * params // nodes
+    return gpu, cpu_states
+
+
+def nvme_state_bytes(optimizer: Tier, parameters: Tier, params: int, nodes: int, trainable: int | None = None) -> int:
+    per_node = 0
+    if optimizer == "nvme":
+        per_node += OPTIMIZER_SWAP_BYTES_PER_PARAM * (params if trainable is None else trainable) // nodes
+    if parameters == "nvme":
+        per_node += 2 * params // nodes
+    return per_node
+
+
+def resident_sub_groups(share: float, sub_groups: int) -> int:
+    """How many of a rank's optimizer sub-groups a share of them keeps in CPU RAM:
+    floor(share x sub-groups), the planner's count and the runtime's alike (the 1e-9 keeps
+    a product such as 0.29 x 100 = 28.999999999999996 from flooring one short)."""
+    return int(share * sub_groups + 1e-9)
+
+
+def resident_share(share: float, partition: int, sub_group_size: int) -> float:
+    """The part of a rank's optimizer partition (elements) that `share` keeps in CPU RAM once
+    it is cut into whole sub-groups: floor(share x n) of n, so 0.5 of one sub-group keeps
+    nothing (the last sub-group may be short)."""
+    size = max(1, min(sub_group_size, partition))
+    kept = resident_sub_groups(share, -(-partition // size)) * size
+    return min(partition, kept) / max(1, partition)
+
+
+def lora_parameters(shape: ModelShape, rank: int, target_modules: list[str] | str) -> tuple[int, list[str]]:
+    """(LoRA parameters, target names the model has no linear layer of): each adapted layer
+    of in x out features gains rank * (in + out) parameters, as PEFT builds them."""
+    names = sorted(shape.linear_in_out) if target_modules == "all-linear" else list(target_modules)
+    missing = [name for name in names if name not in shape.linear_in_out]
+    return rank * sum(shape.linear_in_out.get(name, 0) for name in names), missing
+
+
+def activation_bytes(shape: ModelShape, training: Training, dtype: DType, checkpointing: bool) -> int:
+    """Peak activation memory of one micro-batch on one GPU.
+
+    Per layer without recomputation 34*s*b*h elements (Korthikanti et al. 2022, with
+    fused/flash attention so the s^2 term vanishes); with full recomputation only each
+    layer's input (s*b*h) is kept plus one layer's full set. Logits add s*b*V in the
+    training dtype, plus fp32 copies for the loss and its gradient.
+    """
+    s, b, h = training.sequence_length, training.micro_batch_size, shape.hidden_size
+    elem = DTYPE_BYTES[dtype]
+    per_layer_full = 34 * s * b * h * elem
+    layers = (2 * s * b * h * elem) * shape.num_layers + per_layer_full if checkpointing else (
+        per_layer_full * shape.num_layers
+    )
+    logits = s * b * shape.vocab_size * (elem + 8)
+    return int(layers + logits)
+
+
+# --- Step time ----------------------------------------------------------------------
+
+
+def compute_rate(placement: PlacementInputs) -> tuple[float, str]:
+    """(FLOP/s of one GPU or of the CPU accelerator's node, where the figure comes from): a GPU's share of its peak; on the CPU
+    accelerator the probe's matmul rate in the training dtype at the model's hidden size, else
+    an assumed rate per core."""
+    hw = placement.hw
+    if placement.on_gpu:
+        per_gpu = hw.peak_tflops * 1e12 * MODEL_FLOPS_UTILISATION
+        return per_gpu, f"{MODEL_FLOPS_UTILISATION:.0%} of the GPU's {hw.peak_tflops:g} TFLOPS peak"
+    hidden, dtype = placement.shape.hidden_size, placement.dtype
+    measured = matmul_rate_at(hw.cpu_matmul, dtype, hidden)
+    if measured is not None:
+        sizes = sorted(r.hidden_size for r in hw.cpu_matmul if r.dtype == dtype)
+        if hidden > sizes[-1]:
+            at = f"at hidden size {sizes[-1]}, the largest measured (the model's is {hidden})"
+        elif hidden < sizes[0]:
+            at = f"at hidden size {sizes[0]}, the smallest measured (the model's is {hidden})"
+        else:
+            at = f"at hidden size {hidden}" + ("" if hidden in sizes else ", interpolated")
+        return measured, f"measured: {dtype} matmuls {at} on the CPU"
+    return CPU_FLOPS_PER_CORE * hw.cpu_cores, (
+        f"assumed: {CPU_FLOPS_PER_CORE / 1e9:g} GFLOP/s per core x {hw.cpu_cores}; the probe measured no "
+        f"{dtype} matmuls"
+    )
+
+
+def _nvme_seconds(placement: PlacementInputs, swap: SwapSettings) -> tuple[float, float, float]:
+    """Seconds per step of the parameters' NVMe reads and writes, of the optimizer state's,
+    and the bytes of both, per node."""
+    hw, parameters, optimizer, nodes = placement.hw, placement.parameters, placement.optimizer, placement.nodes
+    p, t = placement.shape.params, placement.shape.trainable
+    micro_steps = placement.training.gradient_accumulation
+    read_bps = hw.nvme_read_bytes_per_s or DEFAULT_NVME_READ_BPS
+    write_bps = hw.nvme_write_bytes_per_s or DEFAULT_NVME_WRITE_BPS
+    param_nvme = 0.0
+    nvme_bytes = 0.0
+    if parameters == "nvme":
+        param_nvme = (2 * 2 * p / nodes * micro_steps) / read_bps + (2 * t / nodes) / write_bps
+        nvme_bytes += 2 * 2 * p / nodes * micro_steps + 2 * t / nodes
+    opt_nvme = 0.0
+    if optimizer == "nvme":
+        # the sub-groups kept in RAM (`swap.cpu_resident_fraction` of them, whole) are never read or written
+        kept = resident_share(swap.cpu_resident_fraction, -(-t // placement.ranks), swap.sub_group_size)
+        half = OPTIMIZER_SWAP_BYTES_PER_PARAM * t / nodes * (1 - kept)
+        opt_nvme = half / read_bps + half / write_bps
+        nvme_bytes += 2 * half
+    return param_nvme, opt_nvme, nvme_bytes
+
+
+def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSettings) -> StepTime:
+    """Seconds per optimizer step: max(compute, host-device, parameter NVMe) for the forward
+    and backward passes, since parameter transfers overlap with compute (prefetch); then the
+    optimizer phase, max(optimizer step, optimizer NVMe) when the swapper is pipelined, else
+    their sum (the NVMe I/O of the optimizer state waits for the step that needs it)."""
+    shape, hw, training = placement.shape, placement.hw, placement.training
+    optimizer, parameters, nodes = placement.optimizer, placement.parameters, placement.nodes
+    p, t = shape.params, shape.trainable  # t < p with LoRA: only the adapters get gradients and updates
+    ranks = placement.ranks
+    micro_steps = training.gradient_accumulation
+    tokens_per_rank = training.micro_batch_size * training.sequence_length * micro_steps
+    # forward 2P, backward 2P for the activations' gradients and 2T for the weights'; +2P recomputed
+    flops = ((6 if checkpointing else 4) * p + 2 * t) * tokens_per_rank
+    flops_per_s, flops_source = compute_rate(placement)
+    if placement.on_gpu:
+        compute = flops / flops_per_s
+        pcie = hw.host_device_bytes_per_s or DEFAULT_HOST_DEVICE_BPS
+    else:
+        # every process computes its own micro-batches on a share of the cores
+        compute = flops * placement.ranks_per_node / flops_per_s
+        pcie = math.inf  # device memory is host memory
+    host_device = 0.0
+    if optimizer != "gpu":
+        # grads down and updated 16-bit params up, each rank its own partition
+        host_device += 4 * t / ranks / pcie
+    if parameters != "gpu":
+        # fetch for forward and backward, grads down, every micro-step
+        host_device += (2 * 2 * p + 2 * t) / ranks * micro_steps / pcie
+    param_nvme, opt_nvme, nvme_bytes = _nvme_seconds(placement, swap)
+    cpu_adam = hw.cpu_adam_params_per_s or DEFAULT_CPU_ADAM_PARAMS_PER_S
+    # fused Adam on a GPU streams ~16 B/param three times at HBM speed (~2 TB/s)
+    on_hbm = optimizer == "gpu" and placement.on_gpu
+    optimizer_step = 48 * t / ranks / 2e12 if on_hbm else t / nodes / cpu_adam
+    forward_backward = max(compute, host_device, param_nvme)
+    optimizer_phase = max(optimizer_step, opt_nvme) if swap.pipeline else optimizer_step + opt_nvme
+    return StepTime(
+        compute=compute,
+        host_device=host_device,
+        nvme=param_nvme + opt_nvme,
+        parameter_nvme=param_nvme,
+        optimizer_nvme=opt_nvme,
+        nvme_bytes=int(nvme_bytes),
+        cpu_optimizer=optimizer_step,
+        pipelined=swap.pipeline,
+        total=forward_backward + optimizer_phase,
+        flops=flops,
+        flops_per_s=flops_per_s,
+        flops_source=flops_source,
+    )

@@ -1,0 +1,97 @@
+"""The largest model a node fits: "what is the biggest model I can fine-tune here?".
+
+Where this sits: on top of the planner, using its placements and the same arithmetic
+`plan_tiers` scores them with (package-internal helpers); `spillway plan --max-params`
+prints it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from pydantic import BaseModel, Field
+
+from spillway_runtime.core.hardware import NodeHardware
+from spillway_runtime.core.planner import (
+    _PLACEMENTS,
+    ModelShape,
+    OffloadPlan,
+    PlacementInputs,
+    _allowed,
+    _evaluate,
+    _label,
+    _processes,
+)
+from spillway_runtime.core.spec import DType, Offload, Tier, Training
+
+
+class LargestFit(BaseModel):
+    """The largest Llama-shaped model one placement fits on a node, with the settings given."""
+
+    placement: str
+    parameters: int = Field(description="0 when this placement fits no model here")
+    predicted_step_seconds: float | None = None
+    why_not: str | None = Field(None, description="Why the placement is out (the job's settings, no NVMe)")
+
+
+def largest_model(
+    hw: NodeHardware,
+    training: Training | None = None,
+    offload: Offload | None = None,
+    *,
+    dtype: DType = "bf16",
+    gpus_per_node: int | None = None,
+    nodes: int = 1,
+    cpu_processes: int = 1,
+) -> list[LargestFit]:
+    """For each placement the settings allow: the largest parameter count that fits (a
+    Llama shape from `ModelShape.from_param_count`, sequence length and batch as given),
+    found by bisection on the same arithmetic `plan_tiers` uses, to 3 significant digits,
+    and the predicted step time at that size. The answer to "what is the biggest model I
+    can fine-tune here?"."""
+    training = training or Training()
+    offload = offload or Offload()
+    gpus, ranks_per_node = _processes(hw, gpus_per_node, cpu_processes)
+    out: list[LargestFit] = []
+    for stage, optimizer, parameters in _PLACEMENTS:
+        label = _label(stage, optimizer, parameters)
+        why = _allowed(offload, stage, optimizer, parameters)
+        if why is None and "nvme" in (optimizer, parameters) and hw.nvme_free_bytes <= 0:
+            why = "node has no NVMe volume"
+        if why is not None:
+            out.append(LargestFit(placement=label, parameters=0, why_not=why))
+            continue
+
+        def plan_at(params: int, s: int = stage, o: Tier = optimizer, p: Tier = parameters) -> OffloadPlan:
+            return _evaluate(PlacementInputs(
+                shape=ModelShape.from_param_count(params), hw=hw, training=training, dtype=dtype, stage=s,
+                optimizer=o, parameters=p, gpus_per_node=gpus, ranks_per_node=ranks_per_node, nodes=nodes,
+            ))
+
+        params = _largest_fitting(lambda n: plan_at(n).feasible)
+        step = plan_at(params).predicted_step_seconds if params else None
+        out.append(LargestFit(placement=label, parameters=params, predicted_step_seconds=step))
+    return out
+
+
+LARGEST_SEARCHED = 10**13  # 10T parameters: beyond any node
+
+
+def _largest_fitting(fits: Callable[[int], bool], low: int = 10**6) -> int:
+    """The largest count in [low, LARGEST_SEARCHED] that fits, to 3 significant digits
+    (bisection on a log scale: memory grows with the count); 0 when not even `low` fits."""
+    if not fits(low):
+        return 0
+    if fits(LARGEST_SEARCHED):
+        return LARGEST_SEARCHED
+    lo, hi = low, LARGEST_SEARCHED
+    while hi - lo > max(1, lo // 2000):
+        mid = (lo + hi) // 2 if hi < 4 * lo else math.isqrt(lo * hi)
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    digits = len(str(lo)) - 3
+    rounded = lo // 10**digits * 10**digits if digits > 0 else lo
+    return rounded if fits(rounded) else lo

@@ -1,0 +1,678 @@
+"""The FineTuneJob spec: the single source of truth for what a user may ask for.
+
+The CRD's OpenAPI schema is generated from these models, the REST API validates
+submissions with them, and the runtime reads its job from them. Field names are
+camelCase on the wire (Kubernetes convention) and snake_case in Python.
+Importable without torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from spillway_runtime.core.param_counts import FAMILIES, config_problems
+from spillway_runtime.core.units import COUNT_PATTERN, MAX_COUNT, MAX_SIZE, SIZE_PATTERN, parse_count, parse_size
+
+API_GROUP = "spillway.dev"
+API_VERSION = "v1alpha1"
+KIND = "FineTuneJob"
+
+Tier = Literal["gpu", "cpu", "nvme"]
+TierChoice = Literal["auto", "gpu", "cpu", "nvme"]
+OffloadPolicy = Literal["auto", "none", "cpu", "nvme"]
+DType = Literal["bf16", "fp16", "fp32"]
+ActivationCheckpointing = Literal["auto", "on", "off"]
+
+
+class SpecModel(BaseModel):
+    """Base for every spec model: camelCase aliases, unknown fields rejected."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        validate_by_name=True,
+        validate_by_alias=True,
+        serialize_by_alias=True,
+        extra="forbid",
+    )
+
+
+
+
+# Bounds of every free-form string, list and map of the spec (the CRD and the API's OpenAPI
+# are generated from these models): an unbounded one lets a single apply carry megabytes into
+# the API server, the operator and the database, and makes the CEL cost estimator assume the
+# worst of every rule that reads it.
+MAX_URI = 2048  # a URI or a filesystem path
+MAX_DNS_NAME = 253  # a DNS-1123 subdomain: StorageClass, claim, checkpoint names
+MAX_FIELD = 256  # a JSON field name, a module name, a region, an experiment
+MAX_LABEL_KEY = 317  # a Kubernetes label key: a 253-character prefix, '/', a 63-character name
+MAX_LABEL_VALUE = 63
+MAX_ITEMS = 64  # list items and map entries (tolerations, nodeSelector, targetModules)
+# Seconds as Kubernetes types them (int32: Job.ttlSecondsAfterFinished); also what keeps a
+# finish time plus a TTL inside Python's datetime (a TTL of 3e11 s overflowed it).
+MAX_SECONDS = 2**31 - 1
+
+
+# What the wire carries for a size or a count: an integer, or a string such as 500Gi or 13B
+# (the models store the integer). The CRD spells these int-or-string.
+SIZE_SCHEMA: dict[str, Any] = {"anyOf": [
+    {"type": "integer", "minimum": 0, "maximum": MAX_SIZE},
+    {"type": "string", "pattern": SIZE_PATTERN + "|^auto$", "maxLength": 32},
+    {"type": "null"},
+]}
+COUNT_SCHEMA: dict[str, Any] = {"anyOf": [
+    {"type": "integer", "minimum": 1, "maximum": MAX_COUNT},
+    {"type": "string", "pattern": COUNT_PATTERN, "maxLength": 32},
+    {"type": "null"},
+]}
+Size = Annotated[int | None, WithJsonSchema(SIZE_SCHEMA)]
+Count = Annotated[int | None, WithJsonSchema(COUNT_SCHEMA)]
+
+
+def _size_or_none(value: Any) -> Any:
+    if value is None or value == "auto":
+        return None
+    return parse_size(value)
+
+
+class ModelSource(SpecModel):
+    """The model to fine-tune: a Hugging Face model directory."""
+
+    uri: str = Field(
+        description="Hugging Face model directory: s3://BUCKET/PREFIX; in a cluster pvc://CLAIM/PATH; with "
+        "`spillway run` also a local path or file://PATH",
+        min_length=1, max_length=MAX_URI,
+    )
+    dtype: DType = Field("bf16", description="Training precision of the weights and activations")
+    tokenizer_uri: str | None = Field(None, max_length=MAX_URI,
+                                      description="Tokenizer directory when it differs from the model's")
+    parameter_count: Count = Field(
+        None,
+        description="Parameters, e.g. 13B: lets the operator plan before the model's config.json is readable",
+    )
+
+    config: dict[str, Any] | None = Field(
+        None,
+        description="The model's Hugging Face config.json, inline: the operator plans from its real shape "
+        "(vocabulary, grouped-query attention, tied embeddings, every MoE expert) instead of guessing a "
+        f"Llama shape from parameterCount. model_type one of: {', '.join(sorted(FAMILIES))}",
+    )
+
+    @field_validator("parameter_count", mode="before")
+    @classmethod
+    def _parse_count(cls, value: Any) -> Any:
+        return None if value is None else parse_count(value)
+
+    @field_validator("config")
+    @classmethod
+    def _config_gives_a_shape(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        problems = config_problems(value) if value is not None else []
+        if value is None or not problems:
+            return value
+        # Raised as a ValidationError so that each error's path ends in the config key at fault
+        # (spec.model.config.vocab_size), which pydantic joins onto the field's own path.
+        raise ValidationError.from_exception_data("config", [
+            InitErrorDetails(type=PydanticCustomError("missing" if p.field not in value else "model_config", p.message),
+                             loc=(p.field,), input=value.get(p.field))
+            for p in problems
+        ])
+
+
+DatasetFormat = Literal["auto", "jsonl", "text", "chat", "completion", "preference"]
+
+
+class Validation(SpecModel):
+    uri: str | None = Field(
+        None, min_length=1, max_length=MAX_URI,
+        description="A held-out file or directory in the dataset's format (s3://, pvc:// in a cluster; a local "
+        "path or file:// with `spillway run`)",
+    )
+    fraction: float | None = Field(
+        None, gt=0, le=0.5,
+        description="Or: sequences of the training data held out (chosen with training.seed; never trained on)",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Validation:
+        if (self.uri is None) == (self.fraction is None):
+            raise ValueError("give exactly one of validation.uri (a held-out file) and validation.fraction "
+                             "(a share of the training data)")
+        return self
+
+
+MAX_MIXTURE = 16  # dataset.mixture entries
+MAX_WEIGHT = 100.0  # a source's rows per epoch, in multiples of its rows
+
+
+class MixtureSource(SpecModel):
+    """One more dataset of a mixture."""
+
+    uri: str = Field(min_length=1, max_length=MAX_URI,
+                     description="Another dataset in the same format and fields as dataset.uri (s3://, pvc:// in a "
+                     "cluster; a local path or file:// with `spillway run`)")
+    weight: float = Field(1.0, gt=0, le=MAX_WEIGHT,
+                          description="Its rows per epoch: weight x its rows (0.5: a half of them chosen with "
+                          "training.seed; 2: each twice; 1.5: each once and a seeded half again)")
+
+
+class DatasetSource(SpecModel):
+    """The training data: where it is, its format, and how it is packed into sequences."""
+
+    uri: str = Field(
+        description="A .jsonl, .parquet, .arrow or .txt file, a folder of them, or a folder that Hugging Face "
+        "datasets saved (save_to_disk; a DatasetDict's train split)", min_length=1, max_length=MAX_URI)
+    format: DatasetFormat = Field(
+        "auto",
+        description="auto: text for .txt files, jsonl for the others; chat: JSON lines with OpenAI-style `messages`, "
+        "the loss on assistant turns only; completion: JSON lines with a prompt and a completion, the loss on "
+        "the completion only; preference: JSON lines with `prompt`, `chosen` and `rejected` (text, or chat messages "
+        "rendered with the chat template), for method.objective dpo",
+    )
+    text_field: str = Field("text", description="Field of each record (JSON line, Parquet or Arrow row) holding the text",
+                            min_length=1,
+                            max_length=MAX_FIELD)
+    messages_field: str = Field("messages", min_length=1, max_length=MAX_FIELD,
+                                description="chat: field holding the conversation")
+    prompt_field: str = Field("prompt", min_length=1, max_length=MAX_FIELD,
+                              description="completion: field holding the prompt")
+    completion_field: str = Field("completion", min_length=1, max_length=MAX_FIELD,
+                                  description="completion: field holding the answer")
+    chat_template: str | None = Field(
+        None, min_length=1, max_length=65536,
+        description="chat: a Jinja chat template, for a tokenizer without one (it replaces the tokenizer's)",
+    )
+    packing: bool = Field(
+        True,
+        description="chat and completion: pack whole conversations into each sequence, kept apart (positions "
+        "restart, no token attends across); false: one per sequence, padded. text and jsonl always pack",
+    )
+    text_packing: Literal["joined", "apart"] = Field(
+        "joined",
+        description="text and jsonl: joined packs every text and its EOS back to back into sequences (attention "
+        "and positions run across texts); apart packs whole texts kept apart as chat records are (positions "
+        "restart, no token attends to another text; a text longer than a sequence is cut into pieces), at the "
+        "cost of the padding at the end of each sequence",
+    )
+    on_bad_record: Literal["fail", "skip"] = Field(
+        "fail",
+        description="chat and completion: a malformed record ends the run naming file:line (fail), or is "
+        "skipped and counted in the log (skip)",
+    )
+    validation: Validation | None = Field(
+        None, description="Held-out data: its loss is evaluated every training.evalEverySteps and at the end"
+    )
+    weight: float = Field(1.0, gt=0, le=MAX_WEIGHT,
+                          description="With a mixture: dataset.uri's rows per epoch, weight x its rows (as a "
+                          "mixture entry's weight)")
+    mixture: list[MixtureSource] = Field(
+        default_factory=list, max_length=MAX_MIXTURE,
+        description="More datasets trained on with dataset.uri, in its format and fields: each tokenized and packed "
+        "on its own (no sequence mixes two), their rows taken per weight and shuffled together every epoch",
+    )
+
+    @model_validator(mode="after")
+    def _fields_of_its_format(self) -> DatasetSource:
+        if self.text_packing != "joined" and self.format not in ("auto", "text", "jsonl"):
+            raise ValueError(f"textPacking applies to formats text, jsonl and auto, not {self.format!r}: "
+                             f"{self.format} records are always kept apart; remove textPacking")
+        if self.chat_template is not None and self.format not in ("chat", "preference"):
+            raise ValueError(f"chatTemplate applies to formats chat and preference only, not {self.format!r}; "
+                             "remove it or set format: chat")
+        return self
+
+
+# Steps are stored as 32-bit integers (the API's PostgreSQL columns): no run comes near it.
+MAX_STEPS = 2**31 - 1
+
+
+class Training(SpecModel):
+    """The optimization: steps, batch, sequence length, learning-rate schedule, evaluation."""
+
+    max_steps: int = Field(100, ge=1, le=MAX_STEPS, description="Optimizer steps to run")
+    micro_batch_size: int = Field(1, ge=1, le=4096, description="Sequences per GPU per forward pass")
+    gradient_accumulation: int = Field(1, ge=1, le=4096, description="Micro-batches per optimizer step")
+    sequence_length: int = Field(512, ge=8, le=1_048_576, description="Tokens per packed sequence")
+    learning_rate: float = Field(2e-5, gt=0, le=1.0, description="Peak learning rate (AdamW), reached after warmupSteps, then "
+                                 "cosine decay to minLearningRateRatio x it at maxSteps")
+    min_learning_rate_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor as a fraction of learningRate")
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="Steps of linear warmup to learningRate (at most maxSteps)")
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW's decoupled weight decay")
+    eval_every_steps: int = Field(
+        0, ge=0, le=MAX_STEPS,
+        description="Steps between evaluations of dataset.validation (0: at the end only); needs dataset.validation",
+    )
+    eval_batches: int | None = Field(
+        None, ge=1, le=1_000_000, description="At most this many micro-batches per evaluation (none: all of it)"
+    )
+    gradient_clipping: float = Field(1.0, ge=0, le=1e6, description="Max gradient norm; 0 disables clipping")
+    activation_checkpointing: ActivationCheckpointing = Field(
+        "auto", description="auto turns it on when activations would not fit next to the model state"
+    )
+    # numpy's generators take seeds below 2**32: a larger one would fail at the first step.
+    seed: int = Field(1234, ge=0, le=2**32 - 1, description="Seeds every generator a run uses (data order, held-out "
+                      "sequences, new weights, dropout): the same seed and spec give the same losses")
+
+    @model_validator(mode="after")
+    def _warmup_within_run(self) -> Training:
+        if self.warmup_steps > self.max_steps:
+            raise ValueError(
+                f"warmupSteps ({self.warmup_steps}) exceeds maxSteps ({self.max_steps}); lower warmupSteps"
+            )
+        return self
+
+
+# What `targetModules: all-linear` means, as PEFT reads it: every linear layer but the output head.
+ALL_LINEAR = "all-linear"
+
+
+# What the training minimises, orthogonal to which weights train (method.type): the next
+# token's loss (sft), or Direct Preference Optimization against a frozen reference (dpo).
+Objective = Literal["sft", "dpo"]
+DpoLoss = Literal["sigmoid", "ipo"]
+
+
+class Method(SpecModel):
+    """Full fine-tuning or LoRA adapters (PEFT) on a frozen base, on the next token (sft) or preferences (dpo)."""
+
+    type: Literal["full", "lora"] = Field("full", description="full: every weight trains; lora: PEFT adapters on a frozen base")
+    objective: Objective = Field(
+        "sft",
+        description="sft: learn the next token of the data; dpo: Direct Preference Optimization on "
+        "dataset.format preference, the reference being the base model (with LoRA: the adapters switched off)",
+    )
+    beta: float = Field(0.1, gt=0, le=100, description="dpo: strength of the pull toward the reference model "
+                        "(TRL's beta; IPO's tau)")
+    dpo_loss: DpoLoss = Field(
+        "sigmoid",
+        description="dpo: sigmoid (the DPO paper's loss, TRL's default) or ipo (squared, length-normalised as TRL "
+        "does)",
+    )
+    rank: int = Field(16, ge=1, le=4096, description="LoRA: rank r of each adapter")
+    alpha: int = Field(32, ge=1, le=65536, description="LoRA: scaling numerator (the update is scaled by alpha/rank)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA: dropout on the adapters' input")
+    target_modules: list[Annotated[str, Field(max_length=MAX_FIELD)]] = Field(
+        default_factory=lambda: [ALL_LINEAR], max_length=MAX_ITEMS,
+        description="LoRA: names of the linear layers to adapt (q_proj, v_proj, ...); [all-linear]: every one "
+        "but the output head",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_modules(cls, value: list[str]) -> list[str]:
+        if not value or any(not name.strip() for name in value):
+            raise ValueError("targetModules must name at least one module (e.g. [q_proj, v_proj]) or be [all-linear]")
+        if ALL_LINEAR in value and len(value) > 1:
+            raise ValueError("targetModules: all-linear stands alone (it already means every linear layer)")
+        return value
+
+    @model_validator(mode="after")
+    def _objective_is_built(self) -> Method:
+        if self.objective == "dpo" and self.type == "full":
+            raise ValueError("objective dpo with method.type full is not built yet (its frozen reference copy is "
+                             "not placed by the planner); set method.type: lora, whose reference is the base model "
+                             "with the adapters switched off")
+        return self
+
+    @property
+    def peft_targets(self) -> list[str] | str:
+        """As PEFT's LoraConfig takes them: the string all-linear, or the names."""
+        return ALL_LINEAR if self.target_modules == [ALL_LINEAR] else self.target_modules
+
+    @property
+    def lora(self) -> bool:
+        return self.type == "lora"
+
+
+S3_URI = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$"
+
+
+class Export(SpecModel):
+    """The model written when training ends, as a Hugging Face directory (`spillway run`: <run dir>/final;
+    a cluster: export/ on the checkpoint volume)."""
+
+    merge: bool = Field(False, description="LoRA: also write the base model with the adapters merged in (merged/)")
+    uri: str | None = Field(
+        None, pattern=S3_URI, max_length=MAX_URI,
+        description="Also upload the exported model to this s3://BUCKET/PREFIX when training ends (credentials: "
+        "spec.storage)",
+    )
+
+
+class NvmeVolume(SpecModel):
+    """The NVMe space for swap files."""
+
+    path: str | None = Field(None, max_length=MAX_URI,
+                             description="Local mode: directory on a local NVMe drive for swap files")
+    host_path: str | None = Field(
+        None, max_length=MAX_URI,
+        description="Refused: a job never chooses a node directory (it would be mounted read-write on the node). "
+        "In a cluster each job gets its own directory under the NVMe root the cluster admin declared, or a "
+        "volume of storageClassName",
+    )
+    storage_class_name: str | None = Field(
+        None, max_length=MAX_DNS_NAME,
+        description="Cluster mode: StorageClass of a generic ephemeral volume (local, WaitForFirstConsumer)",
+    )
+    size: Size = Field(None, description="Volume size (e.g. 500Gi); omitted or 'auto' sizes it from the plan")
+
+    _parse_size = field_validator("size", mode="before")(_size_or_none)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> NvmeVolume:
+        if self.host_path and self.storage_class_name:
+            raise ValueError("set either hostPath or storageClassName, not both")
+        return self
+
+
+# The tiers each offload policy allows for the optimizer state and the parameters.
+POLICY_TIERS: dict[str, tuple[str, ...]] = {
+    "none": ("auto", "gpu"),
+    "cpu": ("auto", "cpu", "gpu"),
+    "nvme": ("auto", "cpu", "gpu", "nvme"),
+    "auto": ("auto", "cpu", "gpu", "nvme"),
+}
+
+
+class Offload(SpecModel):
+    """Where the training state lives: GPU memory, CPU RAM or NVMe (see docs/one-machine.md)."""
+
+    # The policy rule in the JSON Schema too (the OpenAPI); the CRD states it in CEL (crd.py).
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {"if": {"required": ["policy"], "properties": {"policy": {"const": policy}}},
+         "then": {"properties": {"optimizer": {"enum": list(tiers)}, "parameters": {"enum": list(tiers)}}}}
+        for policy, tiers in POLICY_TIERS.items() if tiers != POLICY_TIERS["auto"]
+    ]})
+
+    policy: OffloadPolicy = Field(
+        "auto", description="auto: the planner picks; none: keep everything on GPU; cpu: never use NVMe; nvme: allow NVMe"
+    )
+    optimizer: TierChoice = Field("auto", description="Where Adam moments and fp32 master weights live")
+    parameters: TierChoice = Field("auto", description="Where the (partitioned) model parameters live")
+    cpu_resident_fraction: float | None = Field(
+        None, ge=0, le=1,
+        description="With the optimizer on NVMe: the share of its sub-groups (fp32 masters and Adam moments) "
+        "kept in CPU RAM, never swapped; the rest on NVMe. Omitted: when the planner chose NVMe "
+        "(optimizer auto), the largest share the node's RAM holds; when optimizer is nvme, 0 (all on NVMe)",
+    )
+    nvme: NvmeVolume = Field(default_factory=lambda: NvmeVolume())
+    deepspeed: dict[str, Any] = Field(
+        default_factory=dict, description="Raw DeepSpeed config overrides, merged last and validated"
+    )
+
+    @model_validator(mode="after")
+    def _consistent_with_policy(self) -> Offload:
+        for field in ("optimizer", "parameters"):
+            choice = getattr(self, field)
+            if choice not in POLICY_TIERS[self.policy]:
+                raise ValueError(
+                    f"{field}: {choice!r} contradicts policy {self.policy!r}; "
+                    f"with that policy {field} may be one of {sorted(POLICY_TIERS[self.policy])}"
+                )
+        if self.cpu_resident_fraction is not None and self.optimizer not in ("auto", "nvme"):
+            raise ValueError(
+                f"cpuResidentFraction is the share of an NVMe optimizer kept in RAM; with optimizer "
+                f"{self.optimizer!r} it means nothing: remove it or set optimizer to nvme"
+            )
+        if self.cpu_resident_fraction is not None and "nvme" not in POLICY_TIERS[self.policy]:
+            raise ValueError(
+                f"cpuResidentFraction applies to an optimizer on NVMe, which policy {self.policy!r} excludes: "
+                "remove it or set policy to nvme or auto"
+            )
+        if self.optimizer == "gpu" and self.parameters in ("cpu", "nvme"):
+            raise ValueError(
+                "parameters offloaded while the optimizer stays on GPU is not a useful placement: "
+                "set optimizer to cpu or nvme, or parameters to gpu"
+            )
+        return self
+
+
+class Toleration(SpecModel):
+    """A Kubernetes toleration for the job's pods (control-plane taints are refused at admission)."""
+
+    key: str | None = Field(None, max_length=MAX_LABEL_KEY, description="The taint's key")
+    operator: Literal["Exists", "Equal"] | None = Field(None, description="Kubernetes' default: Equal")
+    value: str | None = Field(None, max_length=MAX_LABEL_VALUE, description="The taint's value (operator Equal)")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="The taint's effect (none: every effect)")
+    toleration_seconds: int | None = Field(None, ge=0, le=MAX_SECONDS,
+                                           description="NoExecute: how long the pod stays once tainted")
+
+
+class Resources(SpecModel):
+    """The nodes, GPUs and processes a job runs on."""
+
+    # cpuProcesses above 1 only without GPUs, in the JSON Schema too (the CRD: CEL, crd.py).
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"required": ["cpuProcesses"], "properties": {"cpuProcesses": {"minimum": 2}}},
+        "then": {"anyOf": [{"not": {"required": ["gpusPerNode"]}},
+                           {"properties": {"gpusPerNode": {"enum": [0, None]}}}]},
+    })
+
+    nodes: int = Field(1, ge=1, le=1024, description="Nodes the job runs on, a pod each (ZeRO across all their processes)")
+    gpus_per_node: int | None = Field(None, ge=0, le=64, description="Omitted: every GPU of the chosen node")
+    node_selector: dict[Annotated[str, Field(max_length=MAX_LABEL_KEY)],
+                        Annotated[str, Field(max_length=MAX_LABEL_VALUE)]] = Field(
+        default_factory=dict, max_length=MAX_ITEMS,
+        description="Node labels the job's pods require (and the planner plans for: only nodes that match)")
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=MAX_ITEMS,
+                                          description="Taints the job's pods tolerate")
+    placement: Literal["cheapest", "fastest"] = Field(
+        "cheapest", description="How to choose among node shapes that fit"
+    )
+    cpu_processes: int = Field(
+        1, ge=1, le=64,
+        description="Training processes per node with gpusPerNode 0 (DeepSpeed's CPU accelerator); "
+        "with GPUs it is one process per GPU",
+    )
+
+    @model_validator(mode="after")
+    def _cpu_processes_without_gpus(self) -> Resources:
+        if self.cpu_processes > 1 and self.gpus_per_node:
+            raise ValueError(
+                f"resources.cpuProcesses is {self.cpu_processes} with gpusPerNode {self.gpus_per_node}: "
+                "GPU nodes run one process per GPU; set gpusPerNode to 0 or drop cpuProcesses"
+            )
+        return self
+
+
+class CheckpointPolicy(SpecModel):
+    """When checkpoints are written, how many are kept, where, and their mirror in object storage."""
+
+    every_steps: int = Field(50, ge=1, le=MAX_STEPS, description="Checkpoint every N optimizer steps (and on SIGTERM)")
+    keep: int = Field(3, ge=1, le=1000, description="Keep the last K good checkpoints")
+    keep_best: bool = Field(
+        False,
+        description="Also keep the checkpoint with the lowest held-out loss, even outside `keep` (needs "
+        "dataset.validation; a checkpoint counts when its step was evaluated: evalEverySteps a multiple of "
+        "everySteps, or the end)",
+    )
+    path: str | None = Field(None, max_length=MAX_URI,
+                             description="Local mode: checkpoint directory (default: <run dir>/checkpoints)")
+    size: Size = Field(None, description="Cluster mode: checkpoint PVC size; auto from the plan")
+    storage_class_name: str | None = Field(
+        None, max_length=MAX_DNS_NAME,
+        description="Cluster mode: StorageClass of the checkpoint PVC (default: the operator's checkpoint "
+        "StorageClass setting, else the cluster's default)")
+    mirror: str | None = Field(
+        None, pattern=S3_URI, max_length=MAX_URI,
+        description="s3://BUCKET/PREFIX: upload every checkpoint there in the background (its manifest last); "
+        "a job whose checkpoint volume is empty resumes from the newest complete one there (credentials: "
+        "spec.storage)",
+    )
+
+    _parse_size = field_validator("size", mode="before")(_size_or_none)
+
+
+class RollbackPolicy(SpecModel):
+    """What a diverging loss does: roll back to the last good checkpoint, with a lower learning rate."""
+
+    on_divergence: bool = Field(True, description="Reload the last good checkpoint on NaN/Inf or a loss spike")
+    max_rollbacks: int = Field(3, ge=0, le=100, description="Rollbacks allowed in one run; one more ends it as diverged "
+                               "(exit code 4, not retried)")
+    spike_factor: float = Field(
+        4.0, gt=1, le=1e6, description="A loss above this multiple of the running average counts as divergence"
+    )
+    window: int = Field(20, ge=2, le=10_000, description="Steps in the running loss average")
+    lr_backoff: float = Field(0.5, gt=0, le=1, description="Learning rate multiplier applied after each rollback")
+
+
+class SecretRef(SpecModel):
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=253, description="The Secret's name")
+
+
+class Storage(SpecModel):
+    """Where s3:// URIs of the spec are read and written."""
+
+    secret_ref: SecretRef | None = Field(
+        None,
+        description="Cluster mode: a Secret in the job's namespace with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+        "(optionally AWS_SESSION_TOKEN, AWS_REGION); local mode reads the usual AWS variables instead",
+    )
+    endpoint_url: str | None = Field(
+        None, pattern=r"^https?://[^\s/]+(/.*)?$", max_length=MAX_URI,
+        description="The S3 endpoint of a non-AWS server (MinIO, Ceph, SeaweedFS), e.g. http://seaweedfs.storage:8333",
+    )
+    region: str | None = Field(None, min_length=1, max_length=MAX_FIELD,
+                               description="The bucket's region (default: AWS_REGION, else us-east-1)")
+
+
+class MlflowTracking(SpecModel):
+    tracking_uri: str = Field(min_length=1, max_length=MAX_URI,
+                              description="The MLflow tracking server, e.g. http://mlflow.tracking:5000")
+    experiment: str | None = Field(None, min_length=1, max_length=MAX_FIELD,
+                                   description="Experiment name (default: the job's namespace)")
+
+
+class Tracking(SpecModel):
+    """Experiment tracking: MLflow, TensorBoard."""
+
+    mlflow: MlflowTracking | None = Field(
+        None, description="Log the plan, the spec and per-step metrics from rank 0 to this MLflow server; an "
+        "unreachable server warns once and never stops training",
+    )
+    tensorboard: bool = Field(False, description="Write TensorBoard event files beside the checkpoints (tensorboard/)")
+
+
+class Budget(SpecModel):
+    """A spending limit."""
+
+    max_cost_usd: float | None = Field(
+        None, gt=0, le=1e9, alias="maxCostUSD",
+        description="Cluster mode: once the job's cost (GPU hours x the chart's price per node shape) reaches this, "
+        "its pods checkpoint and stop, and it ends BudgetExceeded")
+
+
+class FineTuneJobSpec(SpecModel):
+    model: ModelSource
+    dataset: DatasetSource
+    training: Training = Field(default_factory=lambda: Training())
+    method: Method = Field(default_factory=lambda: Method())
+    export: Export = Field(default_factory=lambda: Export())
+    offload: Offload = Field(default_factory=lambda: Offload())
+    resources: Resources = Field(default_factory=lambda: Resources())
+    checkpoint: CheckpointPolicy = Field(default_factory=lambda: CheckpointPolicy())
+    rollback: RollbackPolicy = Field(default_factory=lambda: RollbackPolicy())
+    resume_from: str | None = Field(None, max_length=MAX_DNS_NAME,
+                                    description="Checkpoint name to restart from; setting it rolls the job back")
+    budget: Budget = Field(default_factory=lambda: Budget())
+    storage: Storage = Field(default_factory=lambda: Storage())
+    tracking: Tracking = Field(default_factory=lambda: Tracking())
+    suspend: bool = Field(False, description="true: the pods checkpoint and stop (no failure counted); false again: "
+                          "it resumes from that checkpoint")
+    queue_name: str | None = Field(
+        None, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        description="A Kueue LocalQueue in the job's namespace: no pod starts until Kueue admits the job's "
+        "Workload; an eviction or preemption by Kueue suspends it (checkpoint, no failure counted) until it is "
+        "admitted again. The label kueue.x-k8s.io/queue-name does the same. Ignored by `spillway run`",
+    )
+    ttl_seconds_after_finished: int | None = Field(
+        None, ge=0, le=MAX_SECONDS,
+        description="Cluster mode: delete the finished FineTuneJob (and its children) this many seconds after it ends")
+    backoff_limit: int = Field(3, ge=0, le=100, description="Failed attempts retried before the job ends Failed "
+                               "(preemptions, evictions and replans do not count)")
+
+    @model_validator(mode="after")
+    def _evaluation_has_data(self) -> FineTuneJobSpec:
+        if (self.method.objective == "dpo") != (self.dataset.format == "preference"):
+            raise ValueError(f"method.objective {self.method.objective} with dataset.format {self.dataset.format}: "
+                             "objective dpo trains on preference data and preference data trains only with dpo; "
+                             "set both (method.objective: dpo, dataset.format: preference) or neither")
+        if self.export.merge and not self.method.lora:
+            raise ValueError("export.merge applies to method.type lora (a full fine-tune exports the whole model); "
+                             "remove it or set method.type: lora")
+        if self.training.eval_every_steps and self.dataset.validation is None:
+            raise ValueError("training.evalEverySteps needs dataset.validation (e.g. validation: {fraction: 0.05}); "
+                             "add it or remove evalEverySteps")
+        if self.checkpoint.keep_best and self.dataset.validation is None:
+            raise ValueError("checkpoint.keepBest needs dataset.validation to tell the best checkpoint; add it or "
+                             "remove keepBest")
+        return self
+
+
+class ObjectMeta(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
+    namespace: str = "default"
+
+
+class FineTuneJob(SpecModel):
+    api_version: Literal["spillway.dev/v1alpha1"] = "spillway.dev/v1alpha1"
+    kind: Literal["FineTuneJob"] = "FineTuneJob"
+    metadata: ObjectMeta
+    spec: FineTuneJobSpec
+    status: dict[str, Any] | None = None
+
+
+class SpecError(ValueError):
+    """A job description that cannot be used, with one line per problem naming the field."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.source = source
+        self.problems = problems
+        super().__init__(f"{source}: cannot use this FineTuneJob\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def describe_validation_error(err: ValidationError) -> list[str]:
+    """One line per error: dotted camelCase field path, the message, and the rejected value."""
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "(document)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field; check the spelling against the FineTuneJob reference"
+        got = e.get("input")
+        shown = "" if e["type"] in ("missing", "extra_forbidden") or isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"{path}: {msg}{shown}")
+    return lines
+
+
+def parse_job(document: dict[str, Any], source: str = "<job>") -> FineTuneJob:
+    if not isinstance(document, dict):
+        raise SpecError(source, ["(document): expected a mapping with apiVersion, kind, metadata and spec"])
+    try:
+        return FineTuneJob.model_validate(document)
+    except ValidationError as err:
+        raise SpecError(source, describe_validation_error(err)) from None
+
+
+def load_job(path: str | Path) -> FineTuneJob:
+    """Read a finetune.yaml (the same file works with kubectl apply and spillway run)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise SpecError(str(path), [f"cannot read the file: {err.strerror}"]) from None
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as err:
+        raise SpecError(str(path), [f"not valid YAML: {err}"]) from None
+    jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
+    if len(jobs) != 1:
+        raise SpecError(str(path), [f"expected exactly one document of kind {KIND}, found {len(jobs)}"])
+    return parse_job(jobs[0], str(path))

@@ -1,0 +1,384 @@
+"""The bytes of one placement in each tier: model states, swap files, pinned buffers and the
+training processes, against what the node leaves usable.
+
+Where this sits: `planner` calls `size_placement` for every placement it scores, then times
+it (`estimates.step_time`) and keeps the fastest that fits. The formulas for model-state and
+activation bytes are in `estimates`; this module adds what DeepSpeed's estimators leave out
+and fits the swap settings to the RAM that is left. Pure arithmetic: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from spillway_runtime.core.estimates import (
+    OPTIMIZER_SWAP_BYTES_PER_PARAM,
+    OPTIMIZER_SWAP_BYTES_PER_PARAM_NO_GRADS,
+    activation_bytes,
+    model_state_bytes,
+    nvme_state_bytes,
+    resident_sub_groups,
+)
+from spillway_runtime.core.hardware import AioSettings
+from spillway_runtime.core.placement_inputs import (
+    OPTIMIZER_SWAP_BUFFERS,
+    OPTIMIZER_SWAP_BUFFERS_PIPELINED,
+    PARAM_SWAP_BUFFER_SIZE,
+    ModelShape,
+    PlacementInputs,
+    SwapSettings,
+)
+from spillway_runtime.core.spec import Tier
+from spillway_runtime.core.units import GiB, format_bytes
+
+# --- Constants, each with its reason -------------------------------------------------
+
+# CUDA context, cuBLAS workspaces and allocator fragmentation on each GPU.
+GPU_RESERVED_BYTES = 1 * GiB
+GPU_RESERVED_FRACTION = 0.05
+# Host memory of one training process before any model state: Python, torch, DeepSpeed,
+# transformers' tokenizer machinery, CUDA host allocations. Measured with the runtime's
+# `memory` events (torch 2.15, DeepSpeed 0.19.8, transformers 5.23, CPU-only): 602 MiB
+# after torch + DeepSpeed + gloo, 787 MiB once AutoTokenizer.from_pretrained has imported
+# its ~1000 modules, ~90 MiB more for DeepSpeed's CPU Adam / aio ops at engine set-up.
+# CUDA's context and host allocations add ~1 GiB (not measured here: no GPU).
+CPU_PROCESS_OVERHEAD_CPU = int(0.8 * GiB)
+CPU_PROCESS_OVERHEAD_GPU = CPU_PROCESS_OVERHEAD_CPU + 1 * GiB
+# On a CPU accelerator the process's resident high-water mark carries ~12 B/param more than
+# the model-state formulas: the safetensors file pages mapped while loading (fp32 on disk)
+# and the cast copy, and "device" gradient buffers that live in host RAM. Fitted on the
+# engine-stage growth of 0.75M-21M parameter runs (benchmarks/bench_planner_fidelity.py).
+CPU_ACCELERATOR_EXTRA_BYTES_PER_PARAM = 12
+# Kept free for the OS, page cache and the kubelet.
+CPU_RESERVED_FRACTION = 0.08
+CPU_RESERVED_MIN = 1 * GiB
+# Swap files are block-aligned and written per sub-group; leave slack on the volume.
+NVME_SLACK_FRACTION = 0.10
+# DeepSpeed swaps a sub-group only when it holds at least max(1 MiB, aio block) bytes of fp32
+# (OptimizerSwapper.swappable_tensor); smaller sub-groups stay in CPU RAM.
+MIN_AIO_BYTES = 1 << 20
+# DeepSpeed's default tile of the CPU optimizer step, in elements.
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
+MIN_SUB_GROUP_SIZE = 10_000_000
+TIERED_SUB_GROUPS = 8  # the fewest sub-groups per rank a RAM-resident share is cut into, above the minimum
+# Pinning more than this share of RAM risks memlock limits and starves the page cache.
+MAX_PINNED_FRACTION = 0.5
+
+OffloadTier = Literal["gpu", "cpu", "nvme"]
+
+
+class TierBytes(BaseModel):
+    """Bytes in each tier: what a placement needs, what the node has, or what is left."""
+
+    gpu: int = Field(0, description="Per GPU")
+    cpu: int = Field(0, description="Per node, pinned + pageable")
+    cpu_pinned: int = 0
+    cpu_pageable: int = 0
+    nvme: int = Field(0, description="Per node")
+
+
+class Shortfall(BaseModel):
+    """A tier that a placement needs more of than the node has."""
+
+    tier: OffloadTier
+    need_bytes: int
+    have_bytes: int
+
+    @property
+    def short_bytes(self) -> int:
+        return max(0, self.need_bytes - self.have_bytes)
+
+    def describe(self) -> str:
+        label = {"gpu": "GPU memory per GPU", "cpu": "CPU RAM", "nvme": "NVMe space"}[self.tier]
+        return (
+            f"{label} is short by {self.short_bytes / GiB:.1f} GiB "
+            f"(needs {format_bytes(self.need_bytes)}, has {format_bytes(self.have_bytes)})"
+        )
+
+
+@dataclass(frozen=True)
+class SizedPlacement:
+    """What `size_placement` works out for one placement: the bytes in each tier, the swap
+    settings fitted to them, and what does not fit."""
+
+    sizing: Sizing
+    swap: SwapSettings
+    aio: AioSettings
+    bytes: TierBytes
+    shortfalls: list[Shortfall]
+    nvme_need: int  # NVMe needed, with slack for block-aligned swap files
+
+
+def size_placement(placement: PlacementInputs) -> SizedPlacement:
+    """Size one placement: memory -> swap settings -> swap minimum -> RAM-resident share of the
+    optimizer -> pinning -> shortfall."""
+    sizing = _size_memory(placement)
+    tiered = placement.cpu_resident is None or placement.cpu_resident > 0
+    swap = _choose_swap(placement.shape, placement.optimizer, placement.parameters, placement.ranks,
+                        sizing.cpu_spare(placement), placement.sub_group_size, tiered)
+    aio = placement.hw.aio or AioSettings()
+    min_swap = max(MIN_AIO_BYTES, aio.block_size)
+    groups = _sub_groups(placement, swap, min_swap)
+    swapped_per_param = _keep_unswappable_in_ram(placement, sizing, swap, min_swap, groups)
+    if swapped_per_param:
+        _keep_share_in_ram(placement, sizing, swap, swapped_per_param, groups)
+    pinned = _pin(placement, sizing, swap)
+    tier_bytes = _tier_bytes(placement, sizing, pinned)
+    shortfalls, nvme_need = _shortfalls(placement, sizing, tier_bytes)
+    return SizedPlacement(sizing=sizing, swap=swap, aio=aio, bytes=tier_bytes, shortfalls=shortfalls,
+                          nvme_need=nvme_need)
+
+
+@dataclass
+class Sizing:
+    """The bytes of one placement as `size_placement` works them out, step by step."""
+
+    gpu_state: int  # model states per GPU (per process on a CPU accelerator)
+    cpu_state: int  # model states in CPU RAM per node
+    nvme: int  # swap files per node
+    overhead: int  # the training processes themselves
+    gpu_usable: int
+    cpu_usable: int
+    checkpointing: bool
+    activations: int
+    reasons: list[str]
+
+    def cpu_spare(self, placement: PlacementInputs) -> int:
+        """CPU RAM left for the swap buffers (on a CPU accelerator the "device" is RAM too)."""
+        device = 0 if placement.on_gpu else (self.gpu_state + self.activations) * placement.ranks_per_node
+        return self.cpu_usable - self.cpu_state - self.overhead - device
+
+
+@dataclass(frozen=True)
+class SubGroups:
+    """One rank's optimizer partition as DeepSpeed cuts it into sub-groups (to whole
+    parameters; here to elements)."""
+
+    size: int  # elements per sub-group
+    count: int
+    last: int  # elements in the last one, what is left of the partition
+    last_stays: bool  # of several, the last is under the minimum swap size: it stays in CPU RAM
+
+    @property
+    def swappable(self) -> int:
+        """The sub-groups that swap at all."""
+        return self.count - 1 if self.last_stays else self.count
+
+
+def _size_memory(placement: PlacementInputs) -> Sizing:
+    """Model states (DeepSpeed's estimators), swap files, process overhead and the usable share
+    of each tier; activation checkpointing on when `auto` and the activations would not fit."""
+    p, shape, hw = placement, placement.shape, placement.hw
+    gpu_state, cpu_state = model_state_bytes(
+        p.stage, p.optimizer, p.parameters, shape.params, shape.largest_layer_params, p.ranks_per_node, p.nodes,
+        shape.trainable_params,
+    )
+    if p.dtype == "fp32":
+        # fp32 training keeps 4-byte weights and grads where the estimators assume 2.
+        gpu_state += gpu_state // 2 if p.optimizer == "gpu" else 0
+    overhead = p.ranks_per_node * (CPU_PROCESS_OVERHEAD_GPU if p.on_gpu else CPU_PROCESS_OVERHEAD_CPU)
+    gpu_capacity = hw.gpu_memory_bytes if p.on_gpu else 0
+    gpu_usable = max(0, int(gpu_capacity * (1 - GPU_RESERVED_FRACTION)) - GPU_RESERVED_BYTES)
+    cpu_capacity = hw.usable_cpu_bytes
+    cpu_usable = max(0, cpu_capacity - max(CPU_RESERVED_MIN, int(cpu_capacity * CPU_RESERVED_FRACTION)))
+
+    reasons: list[str] = []
+    choice = p.training.activation_checkpointing
+    if choice == "auto":
+        act_off = activation_bytes(shape, p.training, p.dtype, checkpointing=False)
+        device_room = gpu_usable - gpu_state if p.on_gpu else cpu_usable - cpu_state - overhead - gpu_state
+        checkpointing = act_off > device_room
+        if checkpointing:
+            reasons.append(
+                f"activation checkpointing on: activations without it need {format_bytes(act_off)}, "
+                f"{format_bytes(max(0, device_room))} is free beside the model state"
+            )
+    else:
+        checkpointing = choice == "on"
+    return Sizing(
+        gpu_state=gpu_state, cpu_state=cpu_state,
+        nvme=nvme_state_bytes(p.optimizer, p.parameters, shape.params, p.nodes, shape.trainable_params),
+        overhead=overhead, gpu_usable=gpu_usable, cpu_usable=cpu_usable, checkpointing=checkpointing,
+        activations=activation_bytes(shape, p.training, p.dtype, checkpointing), reasons=reasons,
+    )
+
+
+def _choose_swap(shape: ModelShape, optimizer: Tier, parameters: Tier, ranks: int, cpu_spare: int,
+                 sub_group_size: int | None = None, tiered: bool = False) -> SwapSettings:
+    """Size sub-groups and swap buffers to the RAM that is left.
+
+    The optimizer swapper pins buffer_count x sub_group x 4 B per rank; DeepSpeed's default
+    sub-group of 1e9 elements pins 16 GB per rank and exhausts host RAM (#3000), so the
+    sub-group is lowered until the buffers take at most half of the spare RAM, and the
+    read/write pipeline is switched on only when its double buffers also fit. A job's own
+    `sub_group_size` (offload.deepspeed) is what DeepSpeed will use: it is taken as it is.
+    `tiered` (a share of the optimizer may stay in RAM): at least TIERED_SUB_GROUPS sub-groups
+    per rank where MIN_SUB_GROUP_SIZE allows, so that a share is kept in whole sub-groups (0.5
+    of one sub-group would keep nothing).
+    """
+    partition = max(1, shape.params // ranks)
+    sub_group = min(DEFAULT_SUB_GROUP_SIZE, max(MIN_SUB_GROUP_SIZE, partition))
+    if tiered and optimizer == "nvme":
+        sub_group = min(sub_group, max(MIN_SUB_GROUP_SIZE, -(-partition // TIERED_SUB_GROUPS)))
+    if sub_group_size is not None:
+        sub_group = sub_group_size
+    param_size = max(PARAM_SWAP_BUFFER_SIZE, shape.largest_param_numel)
+    if optimizer != "nvme":
+        return SwapSettings(sub_group_size=sub_group, param_buffer_size=param_size)
+    budget = max(0, cpu_spare) // 2 // ranks
+    pipeline = False
+    for buffers in (OPTIMIZER_SWAP_BUFFERS_PIPELINED, OPTIMIZER_SWAP_BUFFERS):
+        # +1 for the fp32 gradient staging buffer of the largest sub-group.
+        fits = budget // ((buffers + 1) * 4)
+        if fits >= min(sub_group, 100_000_000) or buffers == OPTIMIZER_SWAP_BUFFERS:
+            pipeline = buffers == OPTIMIZER_SWAP_BUFFERS_PIPELINED
+            if sub_group_size is None:
+                sub_group = max(MIN_SUB_GROUP_SIZE, min(sub_group, fits))
+            break
+    return SwapSettings(
+        sub_group_size=int(sub_group),
+        optimizer_buffer_count=OPTIMIZER_SWAP_BUFFERS_PIPELINED if pipeline else OPTIMIZER_SWAP_BUFFERS,
+        pipeline=pipeline,
+        param_buffer_size=param_size,
+    )
+
+
+def _pinned_bytes(swap: SwapSettings, optimizer: Tier, parameters: Tier, ranks_per_node: int, partition: int) -> int:
+    """Swap buffers per node. DeepSpeed sizes the optimizer's by the largest sub-group it
+    actually formed, which is never more than the rank's partition of the parameters; the
+    parameter swapper's are allocated at their configured size whatever the model."""
+    per_rank = 0
+    if optimizer == "nvme":
+        per_rank += (swap.optimizer_buffer_count + 1) * min(swap.sub_group_size, partition) * 4
+    if parameters == "nvme":
+        per_rank += swap.param_buffer_count * swap.param_buffer_size * 2
+    return per_rank * ranks_per_node
+
+
+def _keep_unswappable_in_ram(placement: PlacementInputs, sizing: Sizing, swap: SwapSettings, min_swap: int,
+                             groups: SubGroups) -> int:
+    """DeepSpeed swaps a tensor only when it holds at least max(1 MiB, aio block) bytes: what is
+    smaller stays in CPU RAM, so its bytes move from the NVMe figure back to the CPU one.
+    Returns the optimizer's bytes per trainable parameter on NVMe (0: nothing of it swapped)."""
+    shape, ranks, nodes = placement.shape, placement.ranks, placement.nodes
+    swapped = OPTIMIZER_SWAP_BYTES_PER_PARAM if placement.optimizer == "nvme" else 0
+    per_node_params = shape.params // nodes
+    per_node_trainable = shape.trainable // nodes
+    if placement.optimizer == "nvme":
+        swap_unit = min(shape.trainable // ranks, swap.sub_group_size) * 4
+        if swap_unit < min_swap:
+            sizing.nvme -= OPTIMIZER_SWAP_BYTES_PER_PARAM * per_node_trainable
+            sizing.cpu_state += (OPTIMIZER_SWAP_BYTES_PER_PARAM - 2) * per_node_trainable
+            sizing.reasons.append(
+                f"optimizer sub-groups of {format_bytes(swap_unit)} are below DeepSpeed's minimum swap size "
+                f"({format_bytes(min_swap)}): the state stays in CPU RAM"
+            )
+            swapped = 0
+        elif shape.largest_param_numel // ranks * 4 < min_swap:
+            # every gradient fragment is too small to swap: fp32 grads stay in RAM
+            moved = (OPTIMIZER_SWAP_BYTES_PER_PARAM - OPTIMIZER_SWAP_BYTES_PER_PARAM_NO_GRADS) * per_node_trainable
+            sizing.nvme -= moved
+            sizing.cpu_state += moved
+            swapped = OPTIMIZER_SWAP_BYTES_PER_PARAM_NO_GRADS
+        if swapped and groups.last_stays:
+            # the last sub-group, what is left of the partition, is too small to swap
+            sizing.nvme -= swapped * groups.last * placement.ranks_per_node
+            sizing.cpu_state += (swapped - 2) * groups.last * placement.ranks_per_node
+    if placement.parameters == "nvme" and shape.largest_param_numel // ranks * 2 < min_swap:
+        sizing.nvme -= 2 * per_node_params
+        sizing.cpu_state += 2 * per_node_params
+        sizing.reasons.append("parameter partitions are below DeepSpeed's minimum swap size: they stay in CPU RAM")
+    return swapped
+
+
+def _keep_share_in_ram(placement: PlacementInputs, sizing: Sizing, swap: SwapSettings, per_param: int,
+                       groups: SubGroups) -> None:
+    """Tiered optimizer state: the first K of each rank's n sub-groups stay in CPU RAM and never
+    touch the disk, the rest swap as before. K is the job's share of n
+    (`estimates.resident_sub_groups`, as the runtime counts it), or (share not given) the most
+    sub-groups that the RAM left beside everything else holds. Their state moves from the NVMe
+    figure to the CPU one, as for a sub-group too small to swap (DeepSpeed 0.19.8 keeps such
+    sub-groups in pageable memory: nothing more is pinned)."""
+    swappable = groups.swappable  # a last one too small to swap is in RAM already
+    ram_per_group = (per_param - 2) * groups.size * placement.ranks_per_node
+    share = placement.cpu_resident
+    if share is not None:
+        keep = resident_sub_groups(share, groups.count)
+    else:
+        pinned = _pin(placement, dataclasses.replace(sizing, reasons=[]), swap.model_copy())
+        room = sizing.cpu_usable - _tier_bytes(placement, sizing, pinned).cpu
+        keep = max(0, min(swappable, room // max(1, ram_per_group)))
+    if keep == 0:
+        swap.cpu_resident_fraction = share or 0.0
+        return
+    resident_params = min(keep, swappable) * groups.size * placement.ranks_per_node
+    resident_bytes = (per_param - 2) * resident_params  # per node
+    sizing.nvme -= per_param * resident_params
+    sizing.cpu_state += resident_bytes
+    # the job's share as it is (the runtime keeps floor(share x its sub-groups), which a pod's
+    # memlock-fitted sub-groups can make more than planned here); the planner's as a fraction
+    swap.cpu_resident_fraction = share if share is not None else keep / groups.count
+    on_nvme = max(0, swappable - keep)
+    sizing.reasons.append(
+        f"optimizer: {keep} of {groups.count} sub-groups per process kept in CPU RAM "
+        f"({format_bytes(resident_bytes)} per node), {on_nvme} on NVMe"
+        + ("" if on_nvme else ": nothing of it is swapped")
+    )
+
+
+def _sub_groups(placement: PlacementInputs, swap: SwapSettings, min_swap: int) -> SubGroups:
+    partition = max(1, -(-placement.shape.trainable // placement.ranks))
+    size = min(swap.sub_group_size, partition)
+    count = -(-partition // size)
+    last = partition - (count - 1) * size
+    return SubGroups(size=size, count=count, last=last, last_stays=count > 1 and last * 4 < min_swap)
+
+
+def _pin(placement: PlacementInputs, sizing: Sizing, swap: SwapSettings) -> tuple[int, int]:
+    """(swap buffers, pinned total) per node. With pin_memory DeepSpeed pins the CPU optimizer
+    partitions too; past MAX_PINNED_FRACTION of RAM pinning is switched off (`swap.pin_memory`)."""
+    pinned = _pinned_bytes(swap, placement.optimizer, placement.parameters, placement.ranks_per_node,
+                           -(-placement.shape.params // placement.ranks))
+    pinned_state = sizing.cpu_state if placement.optimizer == "cpu" and placement.on_gpu else 0
+    capacity = placement.hw.usable_cpu_bytes
+    if pinned + pinned_state > MAX_PINNED_FRACTION * capacity:
+        swap.pin_memory = False
+        sizing.reasons.append(
+            f"pin_memory off: pinning {format_bytes(pinned + pinned_state)} would exceed "
+            f"{int(MAX_PINNED_FRACTION * 100)}% of RAM"
+        )
+        pinned_state = 0
+    return pinned, pinned + (pinned_state if swap.pin_memory else 0)
+
+
+def _tier_bytes(placement: PlacementInputs, sizing: Sizing, pinned: tuple[int, int]) -> TierBytes:
+    buffers, pinned_total = pinned
+    if placement.on_gpu:
+        gpu_total = sizing.gpu_state + sizing.activations
+        cpu_total = sizing.cpu_state + sizing.overhead + buffers
+    else:
+        # CPU accelerator: "device" memory is host memory; report it all under cpu.
+        gpu_total = 0
+        extra = CPU_ACCELERATOR_EXTRA_BYTES_PER_PARAM * placement.shape.params // placement.nodes
+        cpu_total = (sizing.cpu_state + (sizing.gpu_state + sizing.activations) * placement.ranks_per_node
+                     + sizing.overhead + buffers + extra)
+    return TierBytes(gpu=gpu_total, cpu=cpu_total, cpu_pinned=pinned_total,
+                     cpu_pageable=max(0, cpu_total - pinned_total), nvme=sizing.nvme)
+
+
+def _shortfalls(placement: PlacementInputs, sizing: Sizing, need: TierBytes) -> tuple[list[Shortfall], int]:
+    """(what does not fit, NVMe needed with slack for block-aligned swap files)."""
+    nvme_free = placement.hw.nvme_free_bytes
+    nvme_need = int(need.nvme * (1 + NVME_SLACK_FRACTION))
+    shortfalls: list[Shortfall] = []
+    if placement.on_gpu and need.gpu > sizing.gpu_usable:
+        shortfalls.append(Shortfall(tier="gpu", need_bytes=need.gpu, have_bytes=sizing.gpu_usable))
+    if need.cpu > sizing.cpu_usable:
+        shortfalls.append(Shortfall(tier="cpu", need_bytes=need.cpu, have_bytes=sizing.cpu_usable))
+    if need.nvme and nvme_need > nvme_free:
+        shortfalls.append(Shortfall(tier="nvme", need_bytes=nvme_need, have_bytes=nvme_free))
+    return shortfalls, nvme_need

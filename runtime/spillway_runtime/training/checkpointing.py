@@ -1,0 +1,592 @@
+"""The recipe's checkpoints: set-up and resume, save in the background, settle, load.
+
+A part of `recipe.FineTuneRecipe` (its base class), kept apart because it is the part that
+decides what "exact resume" means: what a checkpoint holds beyond DeepSpeed's own state
+(step, data position, RNG, rollback and divergence state: `_state`), when it becomes
+durable (`settle_checkpoint`, before the next optimizer step), and which checkpoint a
+restart trusts (`_load_good`: a damaged file rejects its checkpoint on every rank). A
+checkpoint written by another number of processes or ZeRO stage is loaded through DeepSpeed's
+universal checkpoint (`_load_resharded`, `universal.write_universal`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from spillway_runtime.checkpoints import unpickle
+from spillway_runtime.checkpoints.optimizer_state import (
+    OptimizerStateError,
+    load_with_parameters_on_nvme,
+    partition_states,
+    replay_adam_kernel,
+    restore_in_memory_subgroups,
+    restore_swapped_state,
+    strip_swapped_subgroups,
+)
+from spillway_runtime.checkpoints.store import (
+    STAGING,
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointStore,
+    PendingSave,
+    pending_rollback,
+    write_problem,
+)
+from spillway_runtime.core.contract import ExitCode
+from spillway_runtime.core.hardware import memlock_limit
+from spillway_runtime.training import k8s_status
+
+STATE_FILE = "spillway_state.pt"
+DS_TAG = "ds"
+
+if TYPE_CHECKING:
+    from spillway_runtime.checkpoints.mirror import CheckpointMirror
+
+
+class RunFailed(RuntimeError):
+    """The run cannot go on: a message that names what to change, and the exit code (here
+    because this module is the lower of the recipe's two)."""
+
+    def __init__(self, message: str, exit_code: int = ExitCode.FAILED):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class Checkpointing:
+    """Checkpoint methods of `FineTuneRecipe`, which sets what they use (below)."""
+
+    cfg: Any
+    spec: Any
+    plan: Any
+    rank: int
+    world_size: int
+    engine: Any
+    torch: Any
+    reporter: Any
+    divergence: Any
+    step: int
+    data_position: int
+    skip_ranges: list[tuple[int, int]]
+    rollbacks: int
+    lr_scale: float
+    last_saved_step: int
+    _barrier: Any
+    _broadcast: Any
+    _first_failure: Any
+    _log: Any
+
+    def _setup_checkpoints(self) -> None:
+        from spillway_runtime.checkpoints.engine import SpillwayCheckpointEngine, SwapFiles, direct_io
+
+        self.pending: PendingSave | None = None
+        self.mirror: CheckpointMirror | None = None
+        self.swap_files = SwapFiles.of(self.engine)  # the optimizer's, on NVMe
+        io = direct_io(self.plan.aio, memlock_limit(), Path(self.cfg.checkpoint_dir))
+        if io.fallback and self.rank == 0:
+            self._log(f"checkpoints are written through the page cache: {io.fallback}")
+        self.ckpt = SpillwayCheckpointEngine(io, functools.partial(strip_swapped_subgroups, self.engine))
+        self.engine.checkpoint_engine = self.ckpt
+        self.store = CheckpointStore(
+            Path(self.cfg.checkpoint_dir),
+            self.spec.checkpoint.keep,
+            rank=self.rank,
+            barrier=self._barrier,
+            broadcast=self._broadcast,
+            first_failure=self._first_failure,
+            log=self._log,
+            pinned=self._pinned,
+            keep_best=self.spec.checkpoint.keep_best,
+            digest=self.ckpt.io.digest,
+        )
+        if self.rank == 0:
+            self._check_writable(Path(self.cfg.checkpoint_dir), "checkpoint.path")
+        self._setup_mirror()
+        # resumeFrom rolls back once: later restarts of the same job (preemption, node loss)
+        # continue from the newest checkpoint of the new timeline, not from the rollback point.
+        resume_from = self.spec.resume_from
+        if resume_from is not None and self.store.applied_rollback() == resume_from:
+            resume_from = None
+        info = self._load_good(resume_from)
+        abandoned: list[str] = []
+        if info is not None and resume_from is not None:
+            abandoned = self.store.adopt(info.name) if self.rank == 0 else []
+            if self.mirror is not None:
+                self.mirror.point_to(info.name)
+            self._barrier()
+        self._list_checkpoints_in_status()
+        if info is not None:
+            if resume_from is not None:
+                self.reporter.event("rolled_back", checkpoint=info.name, step=self.step, abandoned=abandoned)
+            self.reporter.event("resumed", checkpoint=info.name, step=self.step)
+
+    def keep_checkpoints_share(self) -> None:
+        """Before the engine is built: when the planner chose the share of an NVMe optimizer kept
+        in RAM (the job did not pin `offload.cpuResidentFraction`), a restart keeps the share its
+        checkpoint was written with, not the one that this attempt's free RAM gave: the share
+        moves with free RAM from run to run, and another one costs a conversion at every
+        restart, or (parameters on NVMe) cannot be converted at all. A larger share than planned
+        is kept only where it cannot be converted (it is what the job ran with before); else
+        the load converts it to the planned one."""
+        from spillway_runtime.checkpoints.store import LATEST, MANIFEST
+
+        if self.plan.optimizer != "nvme" or self.spec.offload.cpu_resident_fraction is not None:
+            return
+        root = Path(self.cfg.checkpoint_dir)
+        try:
+            name = self.spec.resume_from or (root / LATEST).read_text().strip()
+            manifest = json.loads((root / name / MANIFEST).read_text())
+        except (OSError, ValueError):
+            return  # nothing to resume from here (or a mirror's, restored later: converted then)
+        written = manifest.get("cpuResidentFraction") if isinstance(manifest, dict) else None
+        if (not isinstance(written, int | float) or written == self.plan.swap.cpu_resident_fraction
+                or manifest.get("plan") != self.plan.label or manifest.get("worldSize") != self.world_size):
+            return
+        if written > self.plan.swap.cpu_resident_fraction and self.plan.parameters != "nvme":
+            return  # more than this attempt's RAM holds: converted to the planned share on load
+        self._log(f"optimizer: {written:.0%} of its sub-groups kept in RAM as checkpoint {name} was written, "
+                  f"not the {self.plan.swap.cpu_resident_fraction:.0%} planned")
+        self.plan.swap.cpu_resident_fraction = float(written)
+
+    def _pinned(self) -> set[str]:
+        """What pruning the volume must spare: a pending rollback's target and what the
+        mirror is still uploading."""
+        return self._pending_rollback() | (self.mirror.in_flight() if self.mirror is not None else set())
+
+    def _setup_mirror(self) -> None:
+        """spec.checkpoint.mirror: check it can be written (a wrong Secret or bucket fails
+        the job now, exit 2), bring its newest checkpoint onto an empty volume (or the one
+        resumeFrom names, when the volume lacks it), then start the uploader (rank 0)."""
+        from spillway_runtime.checkpoints.mirror import CheckpointMirror, Mirror, check_writable
+        from spillway_runtime.objectstore import Endpoint, ObjectStoreError, S3Location, open_store
+
+        uri, export = self.spec.checkpoint.mirror, self.spec.export.uri
+        if uri is None and export is None:
+            return
+        problem: str | None = None
+        mirror: Mirror | None = None
+        if self.rank == 0:
+            where = Endpoint.of(self.spec.storage, in_pod=k8s_status.in_pod())
+            field = "export.uri"
+            try:
+                if export is not None:
+                    loc = S3Location.parse(export)
+                    check_writable(open_store(loc.bucket, where), loc, where)
+                if uri is not None:
+                    field = "checkpoint.mirror"
+                    mirror = Mirror(uri, where=where)
+                    mirror.check()
+                    self._restore_from_mirror(mirror)
+            except ObjectStoreError as err:
+                problem = f"{field}: {err}"
+        problem = self._first_failure(problem)
+        if problem is not None:
+            raise RunFailed(problem, ExitCode.BAD_INPUT)
+        if mirror is not None:
+            self.mirror = CheckpointMirror(mirror, self.spec.checkpoint.keep,
+                                           spared=lambda: {c.name for c in self.store.list()})
+
+    def _restore_from_mirror(self, mirror: Any) -> None:
+        wanted = self.spec.resume_from
+        local = {c.name for c in self.store.list()}
+        if local and (wanted is None or wanted in local or self.store.applied_rollback() == wanted):
+            return
+        name = mirror.newest(wanted if wanted not in local else None)
+        if name is None:
+            self._log(f"checkpoint.mirror {mirror.uri} holds no complete checkpoint"
+                      + (f" named {wanted}" if wanted else "") + "; starting from the volume")
+            return
+        started = time.monotonic()
+        _path, nbytes = mirror.restore(name, self.store.root)
+        seconds = time.monotonic() - started
+        self.reporter.event("mirror_restored", checkpoint=name, uri=mirror.uri, bytes=nbytes,
+                            seconds=round(seconds, 3), bytes_per_s=round(nbytes / max(seconds, 1e-6)))
+
+    def report_mirror(self) -> None:
+        """The uploader's news since the last call, as events (the training thread's, so
+        the events file and the status are written from one thread)."""
+        if self.mirror is None:
+            return
+        for kind, fields in self.mirror.take_events():
+            self.reporter.event(kind, uri=self.mirror.mirror.uri, **fields)
+
+    def finish_mirror(self, budget_seconds: float) -> None:
+        """Wait for the uploads (the end of training, a stop's grace), then stop the uploader."""
+        if self.mirror is None:
+            return
+        if not self.mirror.drain(budget_seconds):
+            state = self.mirror.state
+            self.reporter.event("mirror_behind", uri=self.mirror.mirror.uri, uploaded=state.uploaded,
+                                waited_seconds=round(budget_seconds, 1), reason=state.last_error)
+        self.report_mirror()
+        self.mirror.close()
+
+    def _pending_rollback(self) -> set[str]:
+        """In a pod: the checkpoint a rollback asked for after this attempt began. The operator
+        stops this pod and starts one that resumes from it; until then, this pod's own
+        checkpoints must not prune it (it would fail the rollback it was asked for)."""
+        sink = self.reporter.sink
+        if not isinstance(sink, k8s_status.StatusPublisher):
+            return set()
+        return pending_rollback(sink.requested_rollback(), self.spec.resume_from, self.store.applied_rollback())
+
+    def _list_checkpoints_in_status(self) -> None:
+        """In a pod: status.checkpoints lists what the volume holds, earlier attempts' included
+        (server-side apply drops what this manager leaves out) and pruned ones not (a rollback
+        to one is refused by the operator, not failed by the runtime)."""
+        if self.rank == 0 and isinstance(self.reporter.sink, k8s_status.StatusPublisher):
+            self.reporter.sink.known([c.public() for c in self.store.list()])
+
+    def _check_writable(self, directory: Path, field: str) -> None:
+        """Fail before training, not hours in, when a checkpoint could never be written."""
+        problem = write_problem(directory)
+        if problem:
+            raise RunFailed(f"{field} {directory} is not writable ({problem}); choose a writable directory",
+                            ExitCode.BAD_INPUT)
+
+    def _state(self) -> dict[str, Any]:
+        import numpy as np
+
+        return {
+            "step": self.step,
+            "data_position": self.data_position,
+            "skip_ranges": self.skip_ranges,
+            "rollbacks": self.rollbacks,
+            "lr_scale": self.lr_scale,
+            "loss_history": list(self.divergence.history),
+            "optimizer_steps": [state.get("step") for state in partition_states(self.engine)],
+            "micro_steps": self.engine.micro_steps,
+            "rng": {
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+                "torch": self.torch.get_rng_state(),
+                "cuda": self.torch.cuda.get_rng_state_all() if self.plan.accelerator == "cuda" else None,
+            },
+        }
+
+    def save_checkpoint(self, loss: float | None) -> None:
+        """Begin a checkpoint of this step: what is small is written now, the tensors in the
+        background while the next step's forward and backward run (`settle_checkpoint`)."""
+        from spillway_runtime.checkpoints.engine import BackgroundWrite, without_swap_copy
+
+        self.settle_checkpoint()
+        background: list[BackgroundWrite] = []
+
+        def write(staging: Path) -> Any:
+            try:
+                with without_swap_copy(self.engine), self.ckpt.deferring():
+                    # LoRA: the frozen base is the model's own files, not part of any checkpoint
+                    self.engine.save_checkpoint(str(staging), tag=DS_TAG, save_latest=False,
+                                                exclude_frozen_parameters=self.spec.method.lora)
+                self.torch.save(self._state(), staging / f"rank{self.rank}-{STATE_FILE}")
+            finally:
+                jobs = self.ckpt.take_jobs()  # a failed save leaves none queued for the next
+            if self.swap_files is not None:
+                jobs += self.swap_files.save_jobs(staging / DS_TAG, self.rank)
+            background.append(BackgroundWrite(self.ckpt.io, jobs))
+            return lambda: [(w.path, w.size, w.digest) for w in background[0].wait()]
+
+        meta = {"loss": loss, "worldSize": self.world_size, "plan": self.plan.label,
+                "dataPosition": self.data_position, "config": self.spec.model_dump(mode="json"),
+                # what a resume elsewhere must plan with (local.py, from a mirrored checkpoint)
+                "aioBlockSize": self.plan.aio.block_size, "cpuResidentFraction": self._shape().resident,
+                # the base model and tokenizer as this run found them (a job file's relative
+                # model.uri resolved), for `spillway export` (export.py)
+                "modelDir": self.cfg.model_dir, "tokenizerDir": self.cfg.tokenizer_dir}
+        evaluated = getattr(self, "last_eval", None)
+        if evaluated is not None and evaluated[0] == self.step:
+            meta["evalLoss"] = evaluated[1]
+        self.pending = self.store.begin(self.step, write, meta)
+        self.pending_stall = time.monotonic() - self.pending.began
+        self.pending_background = background
+
+    def settle_checkpoint(self) -> CheckpointInfo | None:
+        """Wait for the checkpoint in flight to be durable and commit it (every rank)."""
+        pending, self.pending = getattr(self, "pending", None), None
+        if pending is None:
+            return None
+        waited = time.monotonic()
+        try:
+            info = self.store.finish(pending)
+        except CheckpointError as err:
+            self.reporter.event("checkpoint_failed", step=pending.step, reason=str(err))
+            raise RunFailed(str(err)) from None
+        if self.swap_files is not None:
+            self.swap_files.committed(pending.staging, info.path)
+        if self.mirror is not None:
+            self.mirror.submit(info.name, info.step, info.path)
+        stall = self.pending_stall + time.monotonic() - waited
+        background = self.pending_background[0].seconds if self.pending_background else 0.0
+        self.last_saved_step = pending.step
+        self._list_checkpoints_in_status()
+        self.reporter.event("checkpoint", **info.public(), stall_seconds=round(stall, 4),
+                            background_seconds=round(background, 4))
+        self.report_mirror()
+        return info
+
+    def _load_good(self, name: str | None) -> CheckpointInfo | None:
+        """Load the named checkpoint, or the newest good one: a file found damaged as it is
+        read rejects that checkpoint (on every rank) and the previous one is tried."""
+        from spillway_runtime.checkpoints.tensor_io import CheckpointIOError
+
+        rejected: set[str] = set()
+        while True:
+            try:
+                info = self.store.find_good(name, deep=False, rejected=rejected)
+            except CheckpointError as err:
+                raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
+            if info is None:
+                return None
+            problem: str | None = None
+            try:
+                self._load(info)
+            except CheckpointIOError as err:
+                problem = str(err)
+            problem = self._first_failure(problem)
+            if problem is None:
+                return info
+            if name is not None:
+                raise RunFailed(f"resumeFrom: checkpoint {name} is damaged ({problem})", ExitCode.BAD_INPUT)
+            self._log(f"checkpoint {info.name} rejected: {problem}; falling back to the previous one")
+            rejected.add(info.name)
+
+    def _load(self, info: CheckpointInfo) -> None:
+        written = self._written_shape(info)
+        # With the optimizer moved to or from NVMe alone, or another share of it kept in RAM, a
+        # sub-group's state is in swap files on one side and in the ZeRO file on the other: the
+        # load below would take the checkpoint for damaged and fall back, where the universal
+        # checkpoint carries it across.
+        if written is not None and (written.layout != self._shape().layout or written.swapped != self._shape().swapped):
+            self._load_resharded(info, written)
+            return
+        self.ckpt.expected = self.store.deferred(info.path)
+        scratch = self.store.root / f"{STAGING}load-view-rank{self.rank}"
+        view = contextlib.nullcontext(info.path) if self.swap_files is None else self.swap_files.load_view(
+            self.ckpt.io, info.path, DS_TAG, scratch, self.rank, self.ckpt.expected)
+        with view as root, load_with_parameters_on_nvme(self.engine), self.ckpt.reading():
+            load_path, _ = self.engine.load_checkpoint(
+                str(root), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False,
+                load_module_strict=not self.spec.method.lora,  # the frozen base is not in it
+            )
+            if load_path is None:
+                raise RunFailed(f"DeepSpeed could not load checkpoint {info.name} from {info.path}")
+            state_file = info.path / f"rank{self.rank}-{STATE_FILE}"
+            if not state_file.exists():
+                written_by = (self.store.read_manifest(info.path) or {}).get("worldSize")
+                raise RunFailed(
+                    f"checkpoint {info.name} was written by {written_by} processes and holds no state for rank "
+                    f"{self.rank}; resume with the same number of processes",
+                    ExitCode.BAD_INPUT,
+                )
+            try:
+                restore_in_memory_subgroups(self.engine, str(root), DS_TAG, self.ckpt.load)
+            except OptimizerStateError as err:
+                raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
+        state = unpickle.load(state_file)
+        steps = state.get("optimizer_steps", [])
+        try:
+            restore_swapped_state(self.engine, steps, self.swap_files.where if self.swap_files else None)
+        except OptimizerStateError as err:
+            raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
+        replay_adam_kernel(self.engine, max((s for s in steps if s is not None), default=0))
+        self.engine.micro_steps = state.get("micro_steps", self.engine.micro_steps)
+        self._restore_progress(state)
+        self._restore_rng(state["rng"])
+
+    def _restore_progress(self, state: dict[str, Any], samples_scale: tuple[int, int] = (1, 1)) -> None:
+        """Step, data position, skipped batches, rollback state from a state file. A data
+        position counts global micro-batches (`micro_batch_size` x processes samples): written by
+        `old` processes, it is `old / new` times as many for `new` (`samples_scale`)."""
+        self.step = state["step"]
+        self.data_position = _rescaled(state["data_position"], samples_scale, "the data position")
+        self.skip_ranges = [(_rescaled(a, samples_scale, "a skipped range"), _rescaled(b, samples_scale, "a skipped range"))
+                            for a, b in state["skip_ranges"]]
+        self.rollbacks = state["rollbacks"]
+        self.lr_scale = state["lr_scale"]
+        self.divergence.history.clear()
+        self.divergence.history.extend(state["loss_history"])
+        self.last_saved_step = self.step
+
+    def _restore_rng(self, rng: dict[str, Any]) -> None:
+        import numpy as np
+
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        self.torch.set_rng_state(rng["torch"])
+        if rng.get("cuda") is not None and self.plan.accelerator == "cuda":
+            self.torch.cuda.set_rng_state_all(rng["cuda"])
+
+    # --- resume across shapes ------------------------------------------------------------
+
+    def _shape(self) -> Shape:
+        resident = self.plan.swap.cpu_resident_fraction if self.plan.optimizer == "nvme" else 0.0
+        return Shape(self.world_size, self.plan.zero_stage, self.plan.optimizer, self.plan.parameters, resident)
+
+    def _written_shape(self, info: CheckpointInfo) -> Shape | None:
+        """The shape that wrote a checkpoint, from its manifest (None: an older manifest)."""
+        from spillway_runtime.core.planner import parse_label
+
+        manifest = self.store.read_manifest(info.path) or {}
+        world, label = manifest.get("worldSize"), manifest.get("plan")
+        resident = manifest.get("cpuResidentFraction", 0.0)
+        if not isinstance(world, int) or not isinstance(label, str) or not isinstance(resident, int | float):
+            return None
+        try:
+            stage, optimizer, parameters = parse_label(label)
+        except ValueError:
+            return None
+        return Shape(world, stage, optimizer, parameters, float(resident))
+
+    def _load_resharded(self, info: CheckpointInfo, written: Shape) -> None:
+        """Resume from a checkpoint of another number of processes or ZeRO stage, or whose
+        optimizer moved to or from NVMe: rank 0 converts it into DeepSpeed's universal form
+        (`universal.write_universal`), every rank loads that (its swapped optimizer state
+        through `universal.filling_swapped_state`), and our own state comes from rank 0's state
+        file, its data positions rescaled to the new number of processes. With the same number
+        of processes and ZeRO stage (only where the optimizer state lives changed), each rank takes
+        its own state file, random generators included: the run goes on as if uninterrupted."""
+        import numpy as np
+
+        self._refuse_reshard(info, written)
+        scratch = self.store.root / f"{STAGING}universal-{info.name}"
+        try:
+            self._load_universal(info, scratch)
+        finally:
+            self._barrier()  # every rank has read the converted files before rank 0 removes them
+            if self.rank == 0:
+                shutil.rmtree(scratch, ignore_errors=True)
+        same_layout = written.layout == self._shape().layout
+        state = unpickle.load(info.path / f"rank{self.rank if same_layout else 0}-{STATE_FILE}")
+        replay_adam_kernel(self.engine, max((s for s in state.get("optimizer_steps", []) if s is not None),
+                                            default=state["step"]))
+        self.engine.micro_steps = self.engine.global_steps * self.engine.gradient_accumulation_steps()
+        self._restore_progress(state, (written.world_size, self.world_size))
+        if same_layout:
+            self._restore_rng(state["rng"])
+        else:
+            # Each rank's generators cannot be mapped onto another number of ranks: seeded from
+            # the step instead, the same way on every attempt that makes this change.
+            seed = self.spec.training.seed + self.step + self.rank
+            random.seed(seed)
+            np.random.seed(seed)
+            self.torch.manual_seed(seed)
+        if self.rank == 0:
+            self._log(f"checkpoint {info.name} resharded from {written.describe()} to {self._shape().describe()}"
+                      + ("" if same_layout else "; random generators reseeded from the step"))
+        self.reporter.event("resharded", checkpoint=info.name, step=self.step,
+                            **{"from": written.public(), "to": self._shape().public()})
+
+    def _refuse_reshard(self, info: CheckpointInfo, written: Shape) -> None:
+        # The optimizer on NVMe converts both ways (its swap files are read into the universal
+        # checkpoint, and a ZeRO-3 engine's are filled from it); parameters on NVMe do not yet.
+        on_nvme = [f"{side} parameters" for side, shape in (("written with", written), ("planned with", self._shape()))
+                   if shape.parameters == "nvme"]
+        unsupported = None
+        if on_nvme:
+            unsupported = f"state on NVMe ({', '.join(on_nvme)} on NVMe)"
+        elif self.spec.method.lora:
+            unsupported = "LoRA (method.lora)"
+        if unsupported is not None:
+            raise RunFailed(
+                f"checkpoint {info.name} was written by {written.describe()} and this attempt runs "
+                f"{self._shape().describe()}; resuming across that change with {unsupported} is not supported "
+                "yet: resume with the same number of processes and placement (offload.deepspeed.zero_optimization"
+                ".stage, offload.optimizer, offload.parameters, offload.cpuResidentFraction)",
+                ExitCode.BAD_INPUT,
+            )
+
+    def _load_universal(self, info: CheckpointInfo, scratch: Path) -> None:
+        from spillway_runtime.checkpoints.engine import read_swap_file
+        from spillway_runtime.checkpoints.tensor_io import CheckpointIOError
+        from spillway_runtime.checkpoints.universal import UniversalError, write_universal
+
+        damaged: str | None = None
+        problem: str | None = None
+        if self.rank == 0:
+            self.ckpt.expected = self.store.deferred(info.path)
+            try:
+                write_universal(info.path, DS_TAG, scratch, self.ckpt.load,
+                                functools.partial(read_swap_file, self.ckpt))
+            except CheckpointIOError as err:  # on every rank below: `_load_good` tries the previous checkpoint
+                damaged = str(err)
+            except (UniversalError, OSError, RuntimeError, KeyError, IndexError, TypeError, ValueError,
+                    AssertionError) as err:
+                problem = f"checkpoint {info.name} could not be converted for another shape: {err}"
+        damaged = self._first_failure(damaged)
+        if damaged is not None:
+            raise CheckpointIOError(damaged)
+        problem = self._first_failure(problem)
+        if problem is not None:
+            raise RunFailed(problem, ExitCode.BAD_INPUT)
+        swapped: Any = contextlib.nullcontext()
+        if self.swap_files is not None:
+            from spillway_runtime.checkpoints.engine import saved_swap_dir
+            from spillway_runtime.checkpoints.universal import filling_swapped_state
+
+            # an empty folder of swap files for DeepSpeed's NVMe load to copy: the state comes
+            # from the universal files, filled in where it calls `reset_swap_buffers`
+            saved_swap_dir(scratch / DS_TAG, self.rank).mkdir(parents=True, exist_ok=True)
+            swapped = filling_swapped_state(self.engine.optimizer, scratch / DS_TAG)
+        config = self.engine._config
+        config.load_universal_checkpoint = True  # read by load_checkpoint only: set for this load alone
+        try:
+            with swapped:
+                load_path, _ = self.engine.load_checkpoint(
+                    str(scratch), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
+        finally:
+            config.load_universal_checkpoint = False
+        if load_path is None:
+            raise RunFailed(f"DeepSpeed could not load checkpoint {info.name} converted in {scratch}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The number of processes and the placement that a checkpoint was written with, or that
+    this attempt runs with."""
+
+    world_size: int
+    zero_stage: int
+    optimizer: str
+    parameters: str
+    resident: float = 0.0  # with the optimizer on NVMe, the share of its sub-groups kept in RAM
+
+    @property
+    def layout(self) -> tuple[int, int]:
+        """What the files' partitioning depends on; where state was offloaded to does not change it."""
+        return self.world_size, self.zero_stage
+
+    @property
+    def swapped(self) -> tuple[bool, float]:
+        """Which sub-groups' state is in swap files rather than in the ZeRO files."""
+        return self.optimizer == "nvme", self.resident
+
+    def describe(self) -> str:
+        optimizer = self.optimizer
+        if self.optimizer == "nvme" and self.resident:
+            optimizer = f"nvme with {self.resident:.0%} of its sub-groups in RAM"
+        return (f"{self.world_size} process(es), ZeRO-{self.zero_stage}, optimizer on {optimizer}, "
+                f"parameters on {self.parameters}")
+
+    def public(self) -> dict[str, Any]:
+        return {"worldSize": self.world_size, "stage": self.zero_stage,
+                "optimizer": self.optimizer, "parameters": self.parameters, "cpuResidentFraction": self.resident}
+
+
+def _rescaled(position: int, scale: tuple[int, int], what: str) -> int:
+    """A count of global micro-batches of `old` processes as one of `new` processes' (same samples)."""
+    old, new = scale
+    rescaled, left = divmod(position * old, new)
+    if left:
+        raise RunFailed(
+            f"{what} ({position} micro-batches of {old} processes) is not a whole number of micro-batches of "
+            f"{new} processes; resume with a number of processes that divides {position * old}",
+            ExitCode.BAD_INPUT,
+        )
+    return rescaled

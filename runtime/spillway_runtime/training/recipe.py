@@ -1,0 +1,663 @@
+"""The training run: one recipe with setup / train / save_checkpoint / cleanup.
+
+Runs in each training process (one per GPU, or one on a CPU accelerator), alone
+or as one rank of several (see supervisor.py). DeepSpeed carries the offload; this
+module owns the policy around it: the learning-rate schedule, checkpoint cadence, exact resume
+(step, data position, RNG, rollback state), divergence rollback and preemption.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import shutil
+import signal
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from spillway_runtime import library_output
+from spillway_runtime.core.contract import STOP_GRACE_SECONDS_ENV, ExitCode
+from spillway_runtime.core.hardware import memlock_limit
+from spillway_runtime.core.units import format_bytes
+from spillway_runtime.training import k8s_status, startup
+from spillway_runtime.training.checkpointing import Checkpointing, RunFailed
+from spillway_runtime.training.data import CACHE_DIR_NAME, PackedDataset, sources_fingerprint, token_cache_path, tokenize_sources
+from spillway_runtime.training.dataset_files import DatasetError
+from spillway_runtime.training.dsconfig import DeepSpeedConfigError, fit_swap_buffers_to_memlock
+from spillway_runtime.training.lora import MERGED_DIR, lora_config, save_merged
+from spillway_runtime.training.processes import free_port
+from spillway_runtime.training.reporting import Reporter
+from spillway_runtime.training.runconfig import RuntimeConfig
+from spillway_runtime.training.tracking import build_listeners
+
+# checkpoint.mirror: how long the end of training waits for the last upload (the object
+# store away: the run still succeeds, with a mirror_behind event), and a stop's grace
+# outside a pod (in one, the pod's own) less what the exit needs.
+MIRROR_WAIT_SECONDS = 600.0
+STOP_GRACE_SECONDS = 30.0
+STOP_MARGIN_SECONDS = 10.0
+
+
+class DivergencePolicy:
+    """Decides whether a step's loss means the run has diverged."""
+
+    def __init__(self, spike_factor: float, window: int):
+        self.spike_factor = spike_factor
+        self.history: deque[float] = deque(maxlen=window)
+
+    def check(self, loss: float) -> str | None:
+        if not math.isfinite(loss):
+            return f"loss is {loss}"
+        if len(self.history) >= 3:
+            average = sum(self.history) / len(self.history)
+            if loss > self.spike_factor * average:
+                return f"loss {loss:.4g} is above {self.spike_factor} x the running average {average:.4g}"
+        return None
+
+    def record(self, loss: float) -> None:
+        self.history.append(loss)
+
+
+def learning_rate(step: int, base: float, warmup: int, total: int, floor_ratio: float) -> float:
+    """Linear warmup, then cosine decay to floor_ratio * base at the last step."""
+    if warmup and step < warmup:
+        return base * (step + 1) / warmup
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    floor = base * floor_ratio
+    return floor + (base - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class FineTuneRecipe(Checkpointing):
+    def __init__(self, config: RuntimeConfig):
+        self.cfg = config
+        self.spec = config.job.spec
+        self.plan = config.plan
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.step = 0
+        self.data_position = 0  # global micro-batch index
+        self.skip_ranges: list[tuple[int, int]] = []
+        self.rollbacks = 0
+        self.lr_scale = 1.0
+        self.stop_requested = False
+        self.last_saved_step = -1
+        self.reporter = Reporter(
+            Path(config.events_path), self.spec.training.max_steps, enabled=self.rank == 0,
+            sink=k8s_status.sink_from_env(self.spec.training.max_steps),
+        )
+        if self.rank == 0:  # MLflow, TensorBoard, /metrics (spec.tracking): closed with the reporter
+            self.reporter.listeners = build_listeners(config, self.reporter.warn_soon)
+        # On a terminal, what DeepSpeed, transformers and Python's warnings print goes to the run's folder
+        self.library_log = library_output.for_terminal(Path(config.run_dir), self.rank, self.reporter.interactive,
+                                                       self.reporter.verbose)
+        self.divergence = DivergencePolicy(self.spec.rollback.spike_factor, self.spec.rollback.window)
+        # From construction on, not after set-up: a stop request during set-up is a stop, not a death
+        signal.signal(signal.SIGTERM, self._on_stop_signal)
+        signal.signal(signal.SIGINT, self._on_stop_signal)
+
+    # --- setup ---------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        self._setup_distributed()
+        self._memory("runtime")
+        self._setup_data()
+        self._memory("dataset")
+        self._setup_engine()
+        self._memory("engine")
+        self._setup_checkpoints()
+
+    def _memory(self, stage: str) -> None:
+        """Where the resident memory goes during set-up (the plan's CPU figure covers all of it)."""
+        self.reporter.event("memory", stage=stage, bytes=self._tier_bytes())
+
+    def _log(self, message: str) -> None:
+        self.reporter.event("log", message=message)
+
+    def _setup_distributed(self) -> None:
+        if self.plan.accelerator == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:  # one process, no supervisor
+            os.environ["MASTER_PORT"] = str(free_port())
+        startup.ask_cpuinfo_once()
+        startup.ask_numa_once()
+        import deepspeed
+        import numpy as np
+        import torch
+
+        with library_output.stdout_of(self.library_log):  # DeepSpeed prints which comm ops it built
+            deepspeed.init_distributed(dist_backend="gloo" if self.plan.accelerator == "cpu" else "nccl")
+        self.torch = torch
+        self.dist = torch.distributed
+        seed = self.spec.training.seed
+        # Every generator a checkpoint restores is seeded, so that a fresh run and a resumed one
+        # hold the same state whoever draws from it (numpy's was left to OS entropy).
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        self._log(f"rank {self.rank}/{self.world_size} on {self.plan.accelerator}, plan {self.plan.label}")
+
+    def _setup_data(self) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.tokenizer_dir)
+        except (OSError, ValueError) as err:
+            raise RunFailed(
+                f"model.tokenizerUri/model.uri {self.cfg.tokenizer_dir}: cannot load a tokenizer ({err})",
+                ExitCode.BAD_INPUT,
+            ) from None
+        cache = Path(self.cfg.checkpoint_dir) / CACHE_DIR_NAME
+        mixture = [(Path(where), entry.weight, f"spec.dataset.mixture[{i}].uri")
+                   for i, (where, entry) in enumerate(zip(self.cfg.mixture_paths, self.spec.dataset.mixture, strict=True))]
+        self.dataset, built, path = self._cached_tokens(Path(self.cfg.dataset_path), cache, "spec.dataset.uri", mixture)
+        self.held_out: PackedDataset | None = None
+        validation = self.spec.dataset.validation
+        if validation is not None and self.cfg.validation_path:
+            self.held_out, _, _ = self._cached_tokens(Path(self.cfg.validation_path), cache / "validation",
+                                                      "spec.dataset.validation.uri")
+            self._log(f"validation: {len(self.held_out)} sequences from {self.cfg.validation_path}")
+        elif validation is not None and validation.fraction is not None:
+            try:
+                self.dataset, self.held_out = self.dataset.split(validation.fraction, self.spec.training.seed)
+            except DatasetError as err:
+                raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
+            self._log(f"validation: {len(self.held_out)} sequences held out, {len(self.dataset)} to train on")
+        self._log(
+            f"dataset: {built}{self.dataset.tokens} tokens in {len(self.dataset)} sequences "
+            f"({'written to' if built else 'mapped from'} {path})"
+        )
+
+    def _cached_tokens(self, source: Path, cache: Path, field: str,
+                       mixture: list[tuple[Path, float, str]] | None = None) -> tuple[PackedDataset, str, Path]:
+        """The tokens of ``source`` (with ``mixture``: of it, weighted, and of each (path, weight,
+        field) mixed in): tokenized once, by rank 0, into a cache beside the checkpoints that the
+        other ranks, restarts and resumes map instead of tokenizing again. (The dataset, what
+        was built (for the log), the cache file.)"""
+        sequence_length, seed = self.spec.training.sequence_length, self.spec.training.seed
+        sources = [(source, self.spec.dataset.weight if mixture else 1.0, field), *(mixture or [])]
+        failure, built = None, ""
+        path = cache / "unset"
+        try:
+            path = token_cache_path(cache, sources_fingerprint(self.spec.dataset, sources, Path(self.cfg.tokenizer_dir),
+                                                               sequence_length, seed))
+            if self.rank == 0 and not path.is_file():
+                dataset, built = tokenize_sources(self.spec.dataset, sources, self.tokenizer, sequence_length, seed)
+                dataset.save(path)
+        except DatasetError as err:
+            failure = str(err)
+        except OSError as err:
+            failure = (
+                f"checkpoint.path {self.cfg.checkpoint_dir}: cannot write the tokenized dataset "
+                f"({err.strerror}); choose a writable directory with room for it"
+            )
+        failure = self._first_failure(failure)
+        if failure is not None:
+            raise RunFailed(failure, ExitCode.BAD_INPUT)
+        return PackedDataset.load(path), built, path
+
+    def _setup_engine(self) -> None:
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        from spillway_runtime import deepspeed_fixes
+        self.keep_checkpoints_share()
+        deepspeed_fixes.apply(self.plan)
+        if self.plan.uses_nvme:
+            self._log(f"up to {format_bytes(self.plan.bytes.nvme)} is written to NVMe swap files every step: "
+                      "sustained offloading wears a consumer SSD's rated write endurance (TBW); datacenter SSDs "
+                      "are made for it")
+        ds_config = dict(self.cfg.deepspeed)
+        params_per_rank = -(-self.plan.model.params // max(1, self.world_size))
+        try:
+            ds_config, fitted = fit_swap_buffers_to_memlock(ds_config, params_per_rank, memlock_limit())
+        except DeepSpeedConfigError as err:
+            raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
+        if fitted:
+            self._log(fitted)
+        dtype = self.spec.model.dtype
+        if dtype == "bf16" and self.plan.accelerator == "cuda" and not self.torch.cuda.is_bf16_supported():
+            # Pre-Ampere GPUs (V100, T4) have no bf16: train in fp16 with dynamic loss scaling.
+            dtype = "fp16"
+            ds_config["bf16"] = {"enabled": False}
+            ds_config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+            self._log("model.dtype bf16 is not supported by this GPU: training in fp16 with loss scaling")
+        torch_dtype = {"bf16": self.torch.bfloat16, "fp16": self.torch.float16, "fp32": self.torch.float32}[dtype]
+        self.torch_dtype = torch_dtype
+        self._hf_ds_config = None
+        if self.plan.zero_stage == 3:
+            # Keeps transformers' zero.Init path on: from_pretrained partitions each layer as it
+            # loads, so the whole model never sits in one process's RAM.
+            from transformers.integrations.deepspeed import HfDeepSpeedConfig
+
+            self._hf_ds_config = HfDeepSpeedConfig(ds_config)
+        from safetensors import SafetensorError
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(self.cfg.model_dir, dtype=torch_dtype)
+        except (OSError, ValueError, SafetensorError) as err:  # a weights file cut short: SafetensorError
+            raise RunFailed(f"model.uri {self.cfg.model_dir}: cannot load the model ({err})", ExitCode.BAD_INPUT) from None
+        if self.spec.training.activation_checkpointing == "on" or self.plan.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        if self.spec.method.lora:
+            model = self._with_lora(model)
+        startup.import_muon_without_compiling()
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
+        )
+        self._log(
+            f"engine: ZeRO-{self.plan.zero_stage}, optimizer {type(self.engine.optimizer).__name__}"
+            f"/{type(getattr(self.engine.optimizer, 'optimizer', None)).__name__}"
+        )
+
+    def _with_lora(self, model: Any) -> Any:
+        """The model with PEFT's LoRA adapters on `method.targetModules`, everything else frozen.
+        The adapters take the model's dtype (DeepSpeed keeps their fp32 masters)."""
+        from peft import get_peft_model
+
+        method = self.spec.method
+        try:
+            model = get_peft_model(model, lora_config(method), autocast_adapter_dtype=False)
+        except ValueError as err:  # PEFT: "Target modules {...} not found in the base model"
+            raise RunFailed(f"method.targetModules: {err}", ExitCode.BAD_INPUT) from None
+
+        def numel(p: Any) -> int:
+            return int(getattr(p, "ds_numel", p.numel()))  # ZeRO-3 has partitioned the base already
+
+        trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
+        total = sum(numel(p) for p in model.parameters())
+        self.reporter.event("lora", trainable=trainable, total=total, rank=method.rank,
+                            target_modules=method.target_modules)
+        return model
+
+    # --- collectives -----------------------------------------------------------------------
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            self.dist.barrier()
+
+    def _broadcast(self, value: Any) -> Any:
+        if self.world_size == 1:
+            return value
+        box = [value]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _first_failure(self, value: str | None) -> str | None:
+        if self.world_size == 1:
+            return value
+        gathered: list[Any] = [None] * self.world_size
+        self.dist.all_gather_object(gathered, value)
+        return next((v for v in gathered if v is not None), None)
+
+    def _mean_across_ranks(self, value: float) -> float:
+        if self.world_size == 1:
+            return value
+        t = self.torch.tensor([value], dtype=self.torch.float64)
+        self.dist.all_reduce(t)
+        return float(t.item()) / self.world_size
+
+    def _any_rank(self, flag: bool) -> bool:
+        if self.world_size == 1:
+            return flag
+        t = self.torch.tensor([1 if flag else 0], dtype=self.torch.int64)
+        self.dist.all_reduce(t)
+        return bool(t.item())
+
+    # --- training --------------------------------------------------------------------------
+
+    def _on_stop_signal(self, signum: int, _frame: Any) -> None:
+        if not self.stop_requested:
+            self.stop_signalled_at = time.monotonic()
+        self.stop_requested = True
+
+    def _grace_left(self) -> float:
+        """Seconds of the stop's grace left for the mirror, keeping a margin for the exit
+        (a pod's terminationGracePeriodSeconds, in SPILLWAY_STOP_GRACE_SECONDS)."""
+        grace = float(os.environ.get(STOP_GRACE_SECONDS_ENV, STOP_GRACE_SECONDS))
+        since = time.monotonic() - getattr(self, "stop_signalled_at", time.monotonic())
+        return max(0.0, grace - since - STOP_MARGIN_SECONDS)
+
+    def _next_position(self) -> int:
+        for start, end in self.skip_ranges:
+            if start <= self.data_position < end:
+                self.data_position = end
+        return self.data_position
+
+    def _micro_loss(self, position: int) -> Any:
+        t = self.spec.training
+        batch = self.dataset.micro_batch(position, self.rank, self.world_size, t.micro_batch_size, t.seed)
+        if self.spec.method.objective == "dpo":
+            loss = self._preference_loss(batch)
+        else:
+            loss = self.engine(**{k: v.to(self.engine.device) for k, v in batch.items()}).loss
+        faults = self.cfg.faults
+        if position in faults.nan_micro_batches:
+            loss = loss * float("nan")
+        elif position in faults.spike_micro_batches:
+            loss = loss * 1000.0
+        return loss
+
+    def _preference_loss(self, batch: dict[str, Any]) -> Any:
+        """DPO on a micro-batch of pairs; its statistics are added to the step's (`dpo.STATS`).
+        The reference is the base model: the LoRA adapters switched off, no second copy."""
+        from spillway_runtime.training.dpo import preference_loss
+
+        method = self.spec.method
+        loss, stats = preference_loss(self.engine, self.engine.module.disable_adapter,
+                                      {k: v.to(self.engine.device) for k, v in batch.items()},
+                                      method.beta, method.dpo_loss)
+        self.preference_stats = stats.cpu() + getattr(self, "preference_stats", 0)
+        return loss
+
+    def _objective_metrics(self) -> dict[str, float]:
+        """The step's DPO metrics as TRL names them (rewards/chosen, ...), over all ranks; none for sft."""
+        if self.spec.method.objective != "dpo":
+            return {}
+        from spillway_runtime.training.dpo import step_metrics
+
+        stats, self.preference_stats = self.preference_stats, 0
+        if self.world_size > 1:
+            self.dist.all_reduce(stats)
+        return step_metrics(stats)
+
+    def train_step(self) -> tuple[float, int, int]:
+        """One optimizer step; returns (mean loss across ranks, first, end data position)."""
+        t = self.spec.training
+        lr = self.lr_scale * learning_rate(
+            self.step, t.learning_rate, t.warmup_steps, t.max_steps, t.min_learning_rate_ratio
+        )
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+        first = self._next_position()
+        self.preference_stats = 0  # a rolled-back step's statistics go with it
+        total = 0.0
+        for _ in range(t.gradient_accumulation):
+            position = self._next_position()
+            loss = self._micro_loss(position)
+            self.engine.backward(loss)
+            if self.pending is not None and self.engine.is_gradient_accumulation_boundary():
+                self.settle_checkpoint()  # the optimizer step changes what it is writing
+            self.engine.step()
+            total += float(loss.detach().float().item())
+            self.data_position = position + 1
+        self.current_lr = lr
+        return self._mean_across_ranks(total / t.gradient_accumulation), first, self.data_position
+
+    def train(self) -> int:
+        t = self.spec.training
+        every = self.spec.checkpoint.every_steps
+        tokens_per_step = t.micro_batch_size * t.sequence_length * t.gradient_accumulation * self.world_size
+        self.reporter.event("started", step=self.step, total_steps=t.max_steps, plan=self.plan.label,
+                            world_size=self.world_size)
+        started = time.monotonic()
+        start_step = self.step
+        while self.step < t.max_steps:
+            if self._any_rank(self.stop_requested):
+                return self._preempt()
+            step_started = time.monotonic()
+            loss, first, end = self.train_step()
+            if self.cfg.faults.step_sleep_seconds:
+                time.sleep(self.cfg.faults.step_sleep_seconds)
+            problem = self.divergence.check(loss) if self.spec.rollback.on_divergence else None
+            if problem is not None:
+                self._rollback(problem, first, end)
+                continue
+            self.divergence.record(loss)
+            self.step += 1
+            objective_metrics = self._objective_metrics()
+            elapsed = time.monotonic() - step_started
+            done = self.step - start_step
+            rate = (time.monotonic() - started) / max(1, done)
+            self.reporter.step(
+                self.step,
+                loss=loss,  # full precision: users check determinism with it
+                lr=self.current_lr,
+                step_seconds=round(elapsed, 4),
+                tokens_per_s=round(tokens_per_step / max(elapsed, 1e-9), 1),
+                eta_seconds=round(rate * (t.max_steps - self.step), 1),
+                data_position=self.data_position,
+                bytes=self._tier_bytes(),
+                **objective_metrics,
+            )
+            self.last_loss = loss
+            self.report_mirror()
+            if self.held_out is not None and (self.step == t.max_steps or (
+                    t.eval_every_steps and self.step % t.eval_every_steps == 0)):
+                self.evaluate()
+            if self.step % every == 0 or self.step == t.max_steps:
+                self.save_checkpoint(loss)
+        self.settle_checkpoint()
+        self.export()
+        self.finish_mirror(float(os.environ.get("SPILLWAY_MIRROR_WAIT_SECONDS", MIRROR_WAIT_SECONDS)))
+        self.reporter.event("finished", step=self.step, loss=getattr(self, "last_loss", None),
+                            rollbacks=self.rollbacks, disk=_disk_bytes())
+        return ExitCode.OK
+
+    def evaluate(self) -> float:
+        """The held-out loss (mean over its learned tokens, all ranks) of the weights now;
+        reported as an `eval` event. No gradient, no optimizer, no random state is touched,
+        so training goes on exactly as without it."""
+        import torch
+
+        assert self.held_out is not None
+        if self.spec.method.objective == "dpo":
+            return self._evaluate_preferences()
+        t = self.spec.training
+        per_forward = t.micro_batch_size * self.world_size
+        batches = -(-len(self.held_out) // per_forward)
+        if t.eval_batches:
+            batches = min(batches, t.eval_batches)
+        total = torch.zeros(2, dtype=torch.float64)
+        self.engine.eval()
+        try:
+            with torch.no_grad():
+                for index in range(batches):
+                    batch = self.held_out.eval_batch(index, self.rank, self.world_size, t.micro_batch_size)
+                    tokens = int((batch["labels"][:, 1:] != -100).sum())
+                    loss = self.engine(**{k: v.to(self.engine.device) for k, v in batch.items()}).loss
+                    if tokens:
+                        total += torch.tensor([float(loss.float().item()) * tokens, tokens], dtype=torch.float64)
+        finally:
+            self.engine.train()
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(total)
+        value = float(total[0] / total[1]) if total[1] else float("nan")
+        self.last_eval = (self.step, value)
+        self.reporter.event("eval", step=self.step, eval_loss=value,
+                            perplexity=float(torch.tensor(value).exp()) if value == value else None,
+                            tokens=int(total[1]))
+        return value
+
+    def _evaluate_preferences(self) -> float:
+        """The held-out DPO loss and TRL's metrics (eval_rewards/chosen, ...) over every held-out
+        pair, all ranks; an `eval` event, as `evaluate`. Nothing that training reads is touched."""
+        import torch
+
+        from spillway_runtime.training.dpo import preference_loss, step_metrics
+
+        assert self.held_out is not None
+        t, method = self.spec.training, self.spec.method
+        batches = -(-len(self.held_out) // (t.micro_batch_size * self.world_size))
+        if t.eval_batches:
+            batches = min(batches, t.eval_batches)
+        stats = torch.zeros(8, dtype=torch.float64)
+        self.engine.eval()
+        try:
+            with torch.no_grad():
+                for index in range(batches):
+                    batch = self.held_out.eval_batch(index, self.rank, self.world_size, t.micro_batch_size)
+                    stats += preference_loss(self.engine, self.engine.module.disable_adapter,
+                                             {k: v.to(self.engine.device) for k, v in batch.items()},
+                                             method.beta, method.dpo_loss)[1].cpu()
+        finally:
+            self.engine.train()
+        if self.world_size > 1:
+            self.dist.all_reduce(stats)
+        value = float(stats[1] / stats[0]) if stats[0] else float("nan")
+        self.last_eval = (self.step, value)
+        self.reporter.event("eval", step=self.step, eval_loss=value, pairs=int(stats[0]),
+                            **step_metrics(stats, prefix="eval_"))
+        return value
+
+    def _preempt(self) -> int:
+        self.settle_checkpoint()  # the checkpoint in flight first: SIGTERM waits for it
+        if self.step > 0 and self.last_saved_step != self.step:  # at step 0 there is nothing to keep
+            self.save_checkpoint(getattr(self, "last_loss", None))
+            self.settle_checkpoint()
+        self.finish_mirror(self._grace_left())
+        self.reporter.event("preempted", step=self.step)
+        return ExitCode.PREEMPTED
+
+    def _rollback(self, problem: str, first: int, end: int) -> None:
+        policy = self.spec.rollback
+        self.rollbacks += 1
+        if self.rollbacks > policy.max_rollbacks:
+            self.reporter.event("diverged", step=self.step, reason=problem, rollbacks=self.rollbacks - 1)
+            raise RunFailed(
+                f"training diverged at step {self.step + 1} ({problem}) after {self.rollbacks - 1} rollbacks; "
+                f"rollback.maxRollbacks is {policy.max_rollbacks}: lower training.learningRate or inspect the data",
+                ExitCode.DIVERGED,
+            )
+        self.settle_checkpoint()
+        rollbacks, skips = self.rollbacks, [*self.skip_ranges, (first, end)]
+        lr_scale = self.lr_scale * policy.lr_backoff
+        bad_step = self.step + 1
+        info = self._load_good(None)
+        if info is None:
+            raise RunFailed(
+                f"training diverged at step {self.step + 1} ({problem}) before the first checkpoint; "
+                "lower checkpoint.everySteps so there is one to roll back to",
+                ExitCode.DIVERGED,
+            )
+        # What happened since the checkpoint is kept: the count, the skipped batches, the lower LR.
+        self.rollbacks, self.skip_ranges, self.lr_scale = rollbacks, skips, lr_scale
+        self.reporter.event(
+            "rollback", step=bad_step, reason=problem, checkpoint=info.name, to_step=self.step,
+            skipped_micro_batches=[first, end], lr_scale=self.lr_scale, rollbacks=self.rollbacks,
+        )
+
+    def _tier_bytes(self) -> dict[str, int]:
+        import psutil
+
+        out = {"cpu": psutil.Process().memory_info().rss}
+        if self.plan.accelerator == "cuda":
+            out["gpu"] = int(self.torch.cuda.memory_allocated())
+        if self.cfg.nvme_dir and self.plan.bytes.nvme:
+            out["nvme"] = _dir_bytes(Path(self.cfg.nvme_dir))
+        return out
+
+    # --- export and cleanup ----------------------------------------------------------------
+
+    def export(self) -> None:
+        """Consolidate ZeRO shards into a Hugging Face directory (safetensors). With LoRA: the
+        adapter (PEFT's layout: `PeftModel.from_pretrained` loads it onto the base model),
+        and with `export.merge` the merged model in `merged/` too."""
+        if self.plan.zero_stage == 3:
+            state_dict = self.engine._zero3_consolidated_16bit_state_dict()
+        else:
+            state_dict = self.engine.module.state_dict()
+        if self.rank == 0:
+            out = Path(self.cfg.export_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            self.engine.module.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+            self.tokenizer.save_pretrained(out)
+            if self.spec.method.lora and self.spec.export.merge:
+                self._export_merged(out, out / MERGED_DIR)
+            self.reporter.event("exported", path=str(out), bytes=_dir_bytes(out))
+            if self.spec.export.uri:
+                self._upload_export(out, self.spec.export.uri)
+        self._barrier()
+
+    def _upload_export(self, out: Path, uri: str) -> None:
+        """The exported model to spec.export.uri; a failure fails the run (its checkpoints
+        stay, and a restart exports and uploads again)."""
+        from spillway_runtime.checkpoints.mirror import upload_directory
+        from spillway_runtime.objectstore import Endpoint, ObjectStoreError
+
+        started = time.monotonic()
+        try:
+            nbytes = upload_directory(uri, out, Endpoint.of(self.spec.storage, in_pod=k8s_status.in_pod()))
+        except ObjectStoreError as err:
+            raise RunFailed(f"export.uri: {err}") from None
+        seconds = time.monotonic() - started
+        self.reporter.event("export_uploaded", uri=uri, bytes=nbytes, seconds=round(seconds, 3),
+                            bytes_per_s=round(nbytes / max(seconds, 1e-6)))
+
+    def _export_merged(self, adapter: Path, target: Path) -> None:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()  # a plain load, not partitioned by ZeRO-3 (training is over)
+        save_merged(Path(self.cfg.model_dir), adapter, target, self.torch_dtype, self.tokenizer)
+
+    def cleanup(self) -> None:
+        for write in getattr(self, "pending_background", []):
+            write.thread.join()  # a failed run's checkpoint in flight: its staging is swept later
+        if getattr(self, "ckpt", None) is not None:
+            self.ckpt.io.close()
+        engine = getattr(self, "engine", None)
+        if engine is not None and hasattr(engine, "destroy"):
+            engine.destroy()
+        if self.cfg.remove_swap_at_exit and self.cfg.nvme_dir:
+            removed = remove_swap_files(Path(self.cfg.nvme_dir), self.rank)
+            self.reporter.event("swap_removed", bytes=removed, path=self.cfg.nvme_dir)
+        library_log: library_output.LibraryLog | None = getattr(self, "library_log", None)
+        if library_log is not None:
+            with contextlib.suppress(OSError):  # a count the run could not make is no reason to stop cleaning up
+                if (said := library_log.summary()) is not None:
+                    self._log(said)
+            library_log.close()
+        self.reporter.close()
+        if getattr(self, "dist", None) is not None and self.dist.is_initialized():
+            self.dist.destroy_process_group()
+
+
+def _disk_bytes() -> dict[str, int]:
+    """What this process read from and wrote to block devices (its swap I/O, checkpoints and
+    data: DeepSpeed's async I/O runs in it); empty where the platform does not say."""
+    import psutil
+
+    try:
+        io = psutil.Process().io_counters()
+    except (AttributeError, psutil.AccessDenied):
+        return {}
+    return {"read": int(io.read_bytes), "written": int(io.write_bytes)}
+
+
+def remove_swap_files(nvme_dir: Path, rank: int) -> int:
+    """Delete what DeepSpeed's swappers wrote for `rank` (`zero_stage_3/optimizer/rankN`,
+    `zero_stage_3/<dtype>params/rankN`) and the folders left empty; returns the bytes freed.
+    Other ranks of the pod remove their own."""
+    freed = 0
+    stage = nvme_dir / "zero_stage_3"
+    for folder in stage.glob(f"*/rank{rank}"):
+        freed += _dir_bytes(folder)
+        shutil.rmtree(folder, ignore_errors=True)
+        for parent in (folder.parent, stage):
+            try:
+                parent.rmdir()  # only once empty: another rank may still be removing its own
+            except OSError:
+                break
+    return freed
+
+
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError:
+                continue
+    return total
