@@ -64,12 +64,12 @@ def plan_of(status: dict[str, Any]) -> PlanSummary | None:
 
 
 def cost_so_far(change: StatusChange, live_seconds: float) -> dict[str, Any]:
-    old = change.old.get("cost") or {}
-    plan = plan_of(change.status) or plan_of(change.old)
+    settled = change.was.cost
+    plan = plan_of(change.status) or change.was.plan
     return job_cost.cost_status(
         change.now,
-        float(old.get("settledUSD", 0.0)),
-        float(old.get("settledGpuHours", 0.0)),
+        (settled.settled_usd if settled else None) or 0.0,
+        (settled.settled_gpu_hours if settled else None) or 0.0,
         live_seconds,
         (plan.price_per_hour_usd or 0.0) if plan is not None else 0.0,
         plan.gpus if plan is not None else 0,
@@ -94,10 +94,10 @@ def commit_attempt_end(
     retry_after: float = 0.0,
 ) -> Result:
     """Settle cost and move to the next attempt in one conditional patch; then stop the pods."""
-    old = change.old
-    change.status["attempt"] = int(old.get("attempt", 0)) + 1
+    was = change.was
+    change.status["attempt"] = was.attempt + 1
     if counted:
-        change.status[counted] = int(old.get(counted, 0)) + 1
+        change.status[counted] = int(getattr(was, counted)) + 1
     if retry_after > 0:
         change.status["retryAfter"] = b.rfc3339(change.now + timedelta(seconds=retry_after))
     settle(change, pods)
@@ -132,8 +132,10 @@ def fail_before_pods(change: StatusChange, reason: str, message: str) -> NoRetur
 
 def model_config_read(change: StatusChange, spec: FineTuneJobSpec) -> dict[str, Any]:
     """status.modelConfig when it was read from the model's present URI, else {}."""
-    read = change.old.get("modelConfig") or {}
-    return dict(read) if read.get("source") == spec.model.uri and spec.model.config is None else {}
+    read = change.was.model_config_read
+    if read is None or read.source != spec.model.uri or spec.model.config is not None:
+        return {}
+    return read.model_dump(by_alias=True, exclude_unset=True)
 
 
 def checkpoints_block_size(change: StatusChange) -> int | None:
@@ -141,7 +143,7 @@ def checkpoints_block_size(change: StatusChange) -> int | None:
     in swap files: from the runtime config of the attempt that wrote them, which the job's
     ConfigMap holds until the next attempt's replaces it (every attempt since the first
     checkpoint kept the same one)."""
-    if not change.old.get("checkpoints"):
+    if not change.was.checkpoints:
         return None
     meta = change.job["metadata"]
     data = change.cluster.configmap_data(meta["namespace"], b.configmap_name(meta["name"]))

@@ -20,6 +20,7 @@ from spillway_operator import builders as b
 from spillway_operator.settings import OperatorSettings
 from spillway_runtime.core.param_counts import count_decoder
 from spillway_runtime.core.spec import FineTuneJobSpec
+from spillway_runtime.core.status import FineTuneJobStatus
 from spillway_runtime.training.runconfig import PVC_MOUNT_ROOT
 
 COMPONENT = "model-config"
@@ -34,11 +35,12 @@ def is_reader(pod: dict[str, Any]) -> bool:
     return (pod["metadata"].get("labels") or {}).get(b.LABEL_COMPONENT) == COMPONENT
 
 
-def needs_read(spec: FineTuneJobSpec, status: dict[str, Any]) -> bool:
+def needs_read(spec: FineTuneJobSpec, status: FineTuneJobStatus) -> bool:
     """A pvc:// model without an inline config, not yet read from this URI."""
     if spec.model.config is not None or not spec.model.uri.startswith("pvc://"):
         return False
-    return (status.get("modelConfig") or {}).get("source") != spec.model.uri
+    read = status.model_config_read
+    return read is None or read.source != spec.model.uri
 
 
 def claim_of(uri: str) -> str:

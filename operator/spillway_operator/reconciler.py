@@ -48,7 +48,6 @@ from spillway_operator.attempts import (
     finish,
     is_active,
     may_still_write,
-    plan_of,
 )
 from spillway_operator.cluster import KUBE, Cluster
 from spillway_operator.settings import OperatorSettings
@@ -149,7 +148,7 @@ def _spec_refused(change: StatusChange, problems: list[str], current: list[dict[
     pods stopped and its Workload finished); what is left of it, after a kill between the two,
     goes on a later pass as it does for any finished job."""
     message = "; ".join(problems)
-    if change.old.get("phase") not in b.FINISHED_PHASES and any(is_active(p) for p in current):
+    if change.was.phase not in b.FINISHED_PHASES and any(is_active(p) for p in current):
         finish(change, b.PHASE_FAILED, "InvalidSpec", message, current)
     else:
         change.cond(b.PHASE_FAILED, True, "InvalidSpec", message)
@@ -177,9 +176,9 @@ def _reconcile_once(cluster: Cluster, namespace: str, name: str, settings: Opera
         refused: list[str] = []
     except SpecError as err:
         spec, refused = None, err.problems
-    status = change.old
-    phase = status.get("phase") or b.PHASE_PENDING
-    attempt = int(status.get("attempt", 0))
+    was = change.was
+    phase: str = was.phase or b.PHASE_PENDING
+    attempt = was.attempt
     uid = job["metadata"]["uid"]
     owned = [p for p in cluster.job_pods(namespace, name)
              if any(o.get("uid") == uid for o in p["metadata"].get("ownerReferences") or [])]
@@ -225,15 +224,15 @@ def _rollback(change: StatusChange, spec: FineTuneJobSpec, current: list[dict[st
               settings: OperatorSettings) -> Result | None:
     """spec.resumeFrom names a checkpoint the runtime reported: a new attempt from it. One it
     did not report is refused by a condition and a Warning, and nothing restarts."""
-    status = change.old
-    if not spec.resume_from or spec.resume_from == status.get("appliedResumeFrom"):
+    was = change.was
+    if not spec.resume_from or spec.resume_from == was.applied_resume_from:
         return None
-    known = [c.get("name") for c in status.get("checkpoints") or []]
+    known = [c.name for c in was.checkpoints]
     if spec.resume_from in known:
         return _start_new_attempt(
             change, spec, current, settings, reason="RollingBack",
             message=f"restarting from checkpoint {spec.resume_from}",
-            extra={"appliedResumeFrom": spec.resume_from, "resumeAttempt": int(status.get("attempt", 0)) + 1},
+            extra={"appliedResumeFrom": spec.resume_from, "resumeAttempt": was.attempt + 1},
             rollback=True,
         )
     message = (
@@ -271,13 +270,13 @@ def _follow_attempt(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict
                     current: list[dict[str, Any]], settings: OperatorSettings) -> Result:
     """The current attempt: judge its pods by their worst outcome, or start them once the
     previous attempt's pods have stopped writing."""
-    cluster, status = change.cluster, change.old
+    cluster, was = change.cluster, change.was
     meta = change.job["metadata"]
     namespace, name = meta["namespace"], meta["name"]
-    attempt = int(status.get("attempt", 0))
-    planned = plan_of(status)
+    attempt = was.attempt
+    planned = was.plan
     ranks = planned.node_count if planned is not None else spec.resources.nodes
-    if current and int(status.get("childrenAttempt", -1)) != attempt:
+    if current and was.children_attempt != attempt:
         if (namespace, name, attempt) in starting.children_done:
             change.piggyback["childrenAttempt"] = attempt
         elif children.ensure_later_children(cluster, change.job, spec, settings):
@@ -331,7 +330,7 @@ def _start_new_attempt(
         for type_ in (b.PHASE_SUCCEEDED, b.PHASE_FAILED, "BudgetExceeded", "Diverged"):
             if b.condition(change.conditions, type_):
                 change.cond(type_, False, "RollingBack", message)
-        if change.old.get("phase") in b.FINISHED_PHASES:
+        if change.was.phase in b.FINISHED_PHASES:
             change.enter(b.PHASE_PENDING)
             change.status["finishedAt"] = None
             change.status["failures"] = 0
@@ -342,7 +341,7 @@ def _finished(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[str, 
     _stop(change, pods, queued=bool(queueing.queue_name(change.job, spec)))
     meta = change.job["metadata"]
     ttl = spec.ttl_seconds_after_finished
-    finished = b.parse_time(change.old.get("finishedAt"))
+    finished = b.parse_time(change.was.finished_at)
     if ttl is None or finished is None:
         return Result()
     remaining = (finished + timedelta(seconds=ttl) - change.now).total_seconds()
@@ -371,16 +370,16 @@ def _stop(change: StatusChange, pods: list[dict[str, Any]], queued: bool) -> Non
     change.commit()
     if queued:
         # Kueue releases the quota of a Finished Workload (marked on every pass until it is)
-        phase = change.status.get("phase") or change.old.get("phase")
+        phase = change.status.get("phase") or change.was.phase
         queueing.finish(change.cluster, change.job, phase == b.PHASE_SUCCEEDED,
-                        str(change.status.get("message") or change.old.get("message") or phase))
+                        str(change.status.get("message") or change.was.message or phase))
 
 
 def _attempt_ended(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[str, Any]], worst: pod_outcomes.PodOutcome,
                    settings: OperatorSettings) -> Result | None:
     """The attempt's pods exited or lost their node: finish the job, or count the failure
     or preemption and move to the next attempt. None while the attempt lives."""
-    old = change.old
+    was = change.was
     code = f" (exit code {worst.exit_code})" if worst.exit_code is not None else ""
     # The pod's own last words (its termination message: the runtime's error, or the end of
     # its log), so that `kubectl describe ftj` says why without a trip to the pod's logs.
@@ -397,7 +396,7 @@ def _attempt_ended(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[
         change.commit()
         return _finished(change, spec, pods)
     if worst.kind == pod_outcomes.OUTCOME_RETRYABLE:
-        failures = int(old.get("failures", 0)) + 1
+        failures = was.failures + 1
         if failures > spec.backoff_limit:
             message = f"attempt failed{code} ({worst.reason}); backoffLimit {spec.backoff_limit} reached{said}"
             change.status["failures"] = failures
@@ -406,7 +405,7 @@ def _attempt_ended(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[
             return _finished(change, spec, pods)
         delay = pod_outcomes.backoff_seconds(failures, settings)
         message = (
-            f"attempt {old.get('attempt', 0)} failed{code} ({worst.reason}); retry {failures} of "
+            f"attempt {was.attempt} failed{code} ({worst.reason}); retry {failures} of "
             f"{spec.backoff_limit} in {delay:.0f} s from the latest checkpoint{said}"
         )
         change.event("Warning", "AttemptFailed", message)
@@ -427,12 +426,11 @@ def _attempt_live(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[s
                   live: float, ranks: int, settings: OperatorSettings) -> Result:
     """The attempt lives: its cost so far (and the budget), and Running, Scheduled or
     waiting for the scheduler (re-planned when the scheduler keeps refusing it)."""
-    old = change.old
     cost = cost_so_far(change, live)
     # Live cost changes on every reconcile of a running job: written with the next patch,
     # or on its own once `cost_update_seconds` have passed (300 running jobs would
     # otherwise patch their status on every resync).
-    written = b.parse_time((old.get("cost") or {}).get("asOf"))
+    written = b.parse_time(change.was.cost.as_of if change.was.cost else None)
     if written is None or (change.now - written).total_seconds() >= settings.cost_update_seconds:
         change.status["cost"] = cost
     else:
@@ -482,7 +480,7 @@ def _unscheduled(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[st
             return replanned
     if pool:
         # Planned on a declared pool: the pods wait for the autoscaler to add its nodes.
-        plan = plan_of(change.old)
+        plan = change.was.plan
         waiting = (f"waiting for {len(pods)} node(s) of declared pool {pool} "
                    f"({plan.shape if plan else '?'}) to come up")
         change.cond(b.PHASE_SCHEDULED, False, "WaitingForNode",
@@ -495,6 +493,6 @@ def _unscheduled(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[st
             "Unschedulable" if unscheduled else "Pending",
             unscheduled or "waiting for the scheduler",
         )
-    if change.old.get("phase") not in (b.PHASE_PLANNED,):
+    if change.was.phase != b.PHASE_PLANNED:
         change.phase(b.PHASE_PLANNED, "Planned", unscheduled or "pods created, waiting for the scheduler")
     return None

@@ -153,7 +153,8 @@ def progress(change: StatusChange, spec: FineTuneJobSpec, nodes: list[str], atte
     wanted = uris(spec)
     nodes = sorted(nodes)
     record = {"attempt": attempt, "nodes": nodes, "uris": wanted}
-    if not wanted or change.old.get("inputsFetched") == record:
+    fetched = change.was.inputs_fetched
+    if not wanted or (fetched is not None and fetched.model_dump(exclude_unset=True) == record):
         return Fetch(done=True)
     meta = change.job["metadata"]
     namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]

@@ -40,7 +40,7 @@ def start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorSe
     held = _held(change, spec)
     if held is not None:
         return held
-    if settings.read_model_config and model_source.needs_read(spec, change.old):
+    if settings.read_model_config and model_source.needs_read(spec, change.was):
         decided = _read_model_config(change, spec, settings)
         if decided is not None:
             return decided
@@ -59,8 +59,8 @@ def start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorSe
     if chosen is None or chosen.plan is None:
         metrics.PLANNING_FAILURES.inc()
         _fail_planning(change, "NoFit", "; ".join([placement.failure, *flavour_problems]))
-    attempt = int(change.old.get("attempt", 0))
-    resume = spec.resume_from if int(change.old.get("resumeAttempt", -1)) == attempt else None
+    attempt = change.was.attempt
+    resume = spec.resume_from if change.was.resume_attempt == attempt else None
     try:
         # What the pods would read, built once before anything is created: DeepSpeed settings
         # that contradict the plan or the training settings end the job here, by name, rather
@@ -74,12 +74,12 @@ def start_pods(change: StatusChange, spec: FineTuneJobSpec, settings: OperatorSe
 def _held(change: StatusChange, spec: FineTuneJobSpec) -> Result | None:
     """Not yet (a retry's backoff runs until retryAfter), or never (the settled cost reached
     the budget: the job ends BudgetExceeded); None: plan now."""
-    retry_at = b.parse_time(change.old.get("retryAfter"))
+    retry_at = b.parse_time(change.was.retry_after)
     if retry_at is not None and retry_at > change.now:
         change.commit()
         return Result(requeue_after=(retry_at - change.now).total_seconds())
     budget = spec.budget.max_cost_usd
-    settled = float((change.old.get("cost") or {}).get("settledUSD", 0.0))
+    settled = (change.was.cost.settled_usd if change.was.cost else None) or 0.0
     if budget is not None and settled >= budget:
         finish(change, b.PHASE_BUDGET_EXCEEDED, "BudgetExceeded", f"settled cost ${settled:.2f} >= budget", [])
         change.commit()
@@ -171,7 +171,7 @@ def _wait_for_inputs(change: StatusChange, message: str) -> Result:
     if (b.condition(change.conditions, "InputsReady") or {}).get("message") != message:
         change.event("Warning", "InputsMissing", message)
     change.cond("InputsReady", False, "InputsMissing", message)
-    if not change.old.get("phase"):
+    if not change.was.phase:
         change.enter(b.PHASE_PENDING)
     if change.status.get("phase") == b.PHASE_PENDING:
         change.status["message"] = f"waiting for inputs: {message}"
@@ -183,7 +183,7 @@ def _create_attempt(change: StatusChange, spec: FineTuneJobSpec, settings: Opera
                     config: Any) -> Result:
     """The plan is made: once every input exists, store it and create the attempt's children."""
     namespace = change.job["metadata"]["namespace"]
-    attempt = int(change.old.get("attempt", 0))
+    attempt = change.was.attempt
     plan = chosen.plan
     assert plan is not None
     missing = children.missing_inputs(change.cluster, namespace, spec, plan, settings)
@@ -212,7 +212,7 @@ def _create_attempt(change: StatusChange, spec: FineTuneJobSpec, settings: Opera
     change.cond(b.PHASE_SCHEDULED, False, "Pending", "pods created, waiting for the scheduler")
     change.status["retryAfter"] = None
     # Pending as stored, or as this reconcile just decided (a resumed job).
-    if change.status.get("phase", change.old.get("phase")) in (None, b.PHASE_PENDING, b.PHASE_QUEUED):
+    if change.status.get("phase", change.was.phase) in (None, b.PHASE_PENDING, b.PHASE_QUEUED):
         change.phase(b.PHASE_PLANNED, "Planned", message)
     change.status.setdefault("cost", cost_so_far(change, 0.0))
     # The plan is stored before any child exists: killed after this line, the next

@@ -19,7 +19,7 @@ from pydantic import TypeAdapter, ValidationError
 from spillway_operator import builders as b
 from spillway_operator import k8s, metrics, phases
 from spillway_operator.cluster import Cluster
-from spillway_runtime.core.status import FineTuneJobStatus
+from spillway_runtime.core.status import FineTuneJobStatus, read_status
 
 log = logging.getLogger("spillway.operator")
 
@@ -103,7 +103,14 @@ class StatusChange:
 
     @property
     def old(self) -> dict[str, Any]:
+        """The stored status as it is on the wire: what a commit's patch is diffed against."""
         return dict(self.job.get("status") or {})
+
+    @property
+    def was(self) -> FineTuneJobStatus:
+        """The stored status, typed: what a decision reads. Another version's value of a known
+        field that this one cannot read reads as absent (`read_status`)."""
+        return read_status(self.job.get("status"))
 
     @property
     def generation(self) -> int:
@@ -118,7 +125,7 @@ class StatusChange:
         """Move to `phase` if the phase machine allows it, else see `_illegal`; no message and
         no Event (`phase` adds both; a rollback posts its own Event and keeps the message).
         Every phase the operator writes passes here."""
-        source = self.status.get("phase") or self.old.get("phase") or phases.INITIAL
+        source = self.status.get("phase") or self.was.phase or phases.INITIAL
         if not phases.allowed(source, phase):
             self._illegal(phases.IllegalTransition(source, phase))
         self.status["phase"] = phase
@@ -139,7 +146,7 @@ class StatusChange:
         self.status["message"] = message
         # A change of phase is an Event, once: a step that already queued this one (say
         # Replanned, Evicted, Preempted) is not told twice.
-        if self.old.get("phase") != phase and not any(r == reason and m == message for _, r, m in self.events):
+        if self.was.phase != phase and not any(r == reason and m == message for _, r, m in self.events):
             self.events.append(("Warning" if warning else "Normal", reason, message))
 
     def event(self, type_: str, reason: str, message: str) -> None:

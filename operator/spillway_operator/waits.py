@@ -23,7 +23,6 @@ from spillway_operator.attempts import (
     fail_before_pods,
     may_still_write,
     model_config_read,
-    plan_of,
     pricing_of,
 )
 from spillway_operator.placement import choose_placement
@@ -62,7 +61,7 @@ def queue_gate(change: StatusChange, spec: FineTuneJobSpec, queue: str, chosen: 
     plan = chosen.plan
     meta = change.job["metadata"]
     cluster = change.cluster
-    pod = pod_specs.build_pod(change.job, spec, chosen, int(change.old.get("attempt", 0)), 0, settings)
+    pod = pod_specs.build_pod(change.job, spec, chosen, change.was.attempt, 0, settings)
     nvme = b.nvme_volume_bytes(spec, plan, settings) if plan.uses_nvme else 0
     writing = any(may_still_write(cluster, p) for p in cluster.job_pods(meta["namespace"], meta["name"]))
     try:
@@ -103,7 +102,7 @@ def replan_unschedulable(
         return None
     placement = choose_placement(spec, change.cluster.nodes(), pricing_of(change.cluster, settings), settings,
                                  model_config_read(change, spec), checkpoints_block_size(change))
-    old_plan = plan_of(change.old)
+    old_plan = change.was.plan
     chosen = placement.chosen
     if chosen is None or chosen.plan is None or (old_plan and sorted(chosen.nodes) == old_plan.node_names):
         return None
@@ -141,7 +140,7 @@ def check_arrived_node(change: StatusChange, spec: FineTuneJobSpec, pods: list[d
         return None
     placement = choose_placement(spec, change.cluster.nodes(), pricing_of(change.cluster, settings), settings,
                                  model_config_read(change, spec), checkpoints_block_size(change))
-    old_plan = plan_of(change.old)
+    old_plan = change.was.plan
     chosen = placement.chosen
     if chosen is not None and chosen.plan is not None and old_plan is not None and \
             chosen.plan.label == old_plan.label and set(differs) <= set(chosen.nodes):

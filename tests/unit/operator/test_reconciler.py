@@ -158,6 +158,20 @@ def test_a_retryable_failure_backs_off_then_starts_the_next_attempt() -> None:
     assert "j-a1-0" in cluster.names("Pod") and status(cluster)["plan"]["attempt"] == 1
 
 
+def test_a_status_field_another_version_wrote_in_a_shape_this_one_cannot_read_reads_as_absent() -> None:
+    # Decisions read the stored status through FineTuneJobStatus (StatusChange.was): a count
+    # or a time of another type is what it would be unset, where int() and the time parser
+    # used to stop every reconcile of the job.
+    cluster = world()
+    pod = running(cluster)
+    cluster.patch_job_status(NS, "j", {"status": {"failures": "many", "retryAfter": 12}})
+    cluster.exit(NS, pod, 1)
+    step(cluster)
+    st = status(cluster)
+    assert (st["phase"], st["failures"], st["attempt"]) == ("Pending", 1, 1)
+    assert reasons(cluster)[-2:] == ["AttemptFailed", "BackingOff"]
+
+
 def test_the_backoff_limit_ends_the_job_failed() -> None:
     cluster = world(backoffLimit=0)
     pod = running(cluster)
