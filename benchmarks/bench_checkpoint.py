@@ -136,22 +136,22 @@ def run(placement: str, steps: int) -> dict[str, float]:
     events: list[dict] = []
     original = recipe.reporter.event
     recipe.reporter.event = lambda kind, **fields: (events.append({"event": kind, **fields}), original(kind, **fields))
-    recipe.save_checkpoint(1.0)
+    recipe.checkpoints.save(1.0)
     start = time.perf_counter()
     recipe.train_step()  # settles the checkpoint before its optimizer step
     recipe.step += 1
     with_checkpoint_s = time.perf_counter() - start
     [saved] = [e for e in events if e["event"] == "checkpoint"]
     # the same write with nothing else running: the I/O path against the disk
-    recipe.save_checkpoint(1.0)
-    recipe.settle_checkpoint()
+    recipe.checkpoints.save(1.0)
+    recipe.checkpoints.settle()
     alone = [e for e in events if e["event"] == "checkpoint"][-1]
-    info = recipe.store.list()[-1]
+    info = recipe.checkpoints.store.list()[-1]
 
     write_s, read_s = direct_baselines(Path(config.checkpoint_dir), info.size_bytes, config.plan.aio)
     evict(info.path)
     checking = {"s": 0.0}  # the load's pass over the swap files, which stay where they are
-    digest = recipe.ckpt.io.digest
+    digest = recipe.checkpoints.ckpt.io.digest
 
     def timed_digest(*args):
         began = time.perf_counter()
@@ -160,9 +160,9 @@ def run(placement: str, steps: int) -> dict[str, float]:
         finally:
             checking["s"] += time.perf_counter() - began
 
-    recipe.ckpt.io.digest = timed_digest
+    recipe.checkpoints.ckpt.io.digest = timed_digest
     start = time.perf_counter()
-    recipe._load(info)
+    recipe.checkpoints._load(info)
     load_s = time.perf_counter() - start
     recipe.cleanup()
     return {

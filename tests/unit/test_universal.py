@@ -19,16 +19,16 @@ from spillway_runtime.training.checkpointing import Checkpointing, RunFailed, Sh
 
 def attempt(shape: Shape, lora: bool = False, pinned_share: float | None = None,
             checkpoint_dir: Path | None = None) -> Checkpointing:
-    recipe = Checkpointing()
-    recipe.world_size = shape.world_size
-    recipe.plan = SimpleNamespace(zero_stage=shape.zero_stage, optimizer=shape.optimizer, parameters=shape.parameters,
-                                  swap=SimpleNamespace(cpu_resident_fraction=shape.resident),
-                                  label=f"Z{shape.zero_stage} opt:{shape.optimizer} par:{shape.parameters}")
-    recipe.spec = SimpleNamespace(method=SimpleNamespace(lora=lora), resume_from=None,
-                                  offload=SimpleNamespace(cpu_resident_fraction=pinned_share))
-    recipe.cfg = SimpleNamespace(checkpoint_dir=str(checkpoint_dir))
-    recipe._log = lambda message: None
-    return recipe
+    run: Any = SimpleNamespace(
+        world_size=shape.world_size,
+        plan=SimpleNamespace(zero_stage=shape.zero_stage, optimizer=shape.optimizer, parameters=shape.parameters,
+                             swap=SimpleNamespace(cpu_resident_fraction=shape.resident),
+                             label=f"Z{shape.zero_stage} opt:{shape.optimizer} par:{shape.parameters}"),
+        spec=SimpleNamespace(method=SimpleNamespace(lora=lora), resume_from=None,
+                             offload=SimpleNamespace(cpu_resident_fraction=pinned_share)),
+        cfg=SimpleNamespace(checkpoint_dir=str(checkpoint_dir)),
+        log=lambda message: None)
+    return Checkpointing(run)
 
 
 CHECKPOINT: Any = SimpleNamespace(name="step-00000004")
@@ -82,12 +82,12 @@ def test_a_restart_keeps_the_share_its_checkpoint_was_written_with_unless_the_jo
     (tmp_path / "latest").write_text("step-00000004")
     (tmp_path / "step-00000004" / "manifest.json").write_text(
         f'{{"plan": "Z3 opt:nvme par:nvme", "worldSize": 1, "cpuResidentFraction": {written}}}')
-    recipe = attempt(Shape(1, 3, "nvme", "nvme", planned), pinned_share=pinned, checkpoint_dir=tmp_path)
-    recipe.keep_checkpoints_share()
-    assert recipe.plan.swap.cpu_resident_fraction == kept
+    checkpoints = attempt(Shape(1, 3, "nvme", "nvme", planned), pinned_share=pinned, checkpoint_dir=tmp_path)
+    checkpoints.keep_share()
+    assert checkpoints.run.plan.swap.cpu_resident_fraction == kept
     onto_cpu = attempt(Shape(1, 3, "nvme", "cpu", 0.25), checkpoint_dir=tmp_path)
-    onto_cpu.keep_checkpoints_share()  # another placement: the load converts
-    assert onto_cpu.plan.swap.cpu_resident_fraction == 0.25
+    onto_cpu.keep_share()  # another placement: the load converts
+    assert onto_cpu.run.plan.swap.cpu_resident_fraction == 0.25
 
 
 def zero3_rank_files(tag: Path, rank: int, flats: list[torch.Tensor], shapes: list[dict[str, tuple[int, ...]]],

@@ -1,10 +1,10 @@
 """The recipe's checkpoints: set-up and resume, save in the background, settle, load.
 
-A part of `recipe.FineTuneRecipe` (its base class), kept apart because it is the part that
+A part of `recipe.FineTuneRecipe` (which holds it as `checkpoints`), kept apart because it is the part that
 decides what "exact resume" means: what a checkpoint holds beyond DeepSpeed's own state
 (step, data position, RNG, rollback and divergence state: `_state`), when it becomes
-durable (`settle_checkpoint`, before the next optimizer step), and which checkpoint a
-restart trusts (`_load_good`: a damaged file rejects its checkpoint on every rank). A
+durable (`settle`, before the next optimizer step), and which checkpoint a
+restart trusts (`load_good`: a damaged file rejects its checkpoint on every rank). A
 checkpoint written by another number of processes or ZeRO stage is loaded through DeepSpeed's
 universal checkpoint (`_load_resharded`, `universal.write_universal`).
 """
@@ -19,7 +19,7 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from spillway_runtime.checkpoints import unpickle
 from spillway_runtime.checkpoints.optimizer_state import (
@@ -48,7 +48,15 @@ STATE_FILE = "spillway_state.pt"
 DS_TAG = "ds"
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
+    from spillway_runtime.checkpoints.engine import BackgroundWrite, SpillwayCheckpointEngine, SwapFiles
     from spillway_runtime.checkpoints.mirror import CheckpointMirror
+    from spillway_runtime.core.planner import OffloadPlan
+    from spillway_runtime.core.spec import FineTuneJobSpec
+    from spillway_runtime.training.reporting import Reporter
+    from spillway_runtime.training.runconfig import RuntimeConfig
+    from spillway_runtime.training.schedule import DivergencePolicy
 
 
 class RunFailed(RuntimeError):
@@ -60,74 +68,100 @@ class RunFailed(RuntimeError):
         self.exit_code = exit_code
 
 
-class Checkpointing:
-    """Checkpoint methods of `FineTuneRecipe`, which sets what they use (below)."""
+class TrainingRun(Protocol):
+    """What the checkpoints read of the run they belong to (`recipe.FineTuneRecipe`), and the
+    progress a resume restores into it (`_restore_progress`)."""
 
-    cfg: Any
-    spec: Any
-    plan: Any
+    cfg: RuntimeConfig
+    spec: FineTuneJobSpec
+    plan: OffloadPlan
     rank: int
     world_size: int
-    engine: Any
-    torch: Any
-    reporter: Any
-    divergence: Any
+    engine: Any  # DeepSpeed's engine (DeepSpeed ships no types)
+    reporter: Reporter
+    divergence: DivergencePolicy
+    # Where training is: what a checkpoint holds beyond DeepSpeed's own state
     step: int
     data_position: int
     skip_ranges: list[tuple[int, int]]
     rollbacks: int
     lr_scale: float
     last_saved_step: int
-    _barrier: Any
-    _broadcast: Any
-    _first_failure: Any
-    _log: Any
+    last_eval: tuple[int, float] | None
 
-    def _setup_checkpoints(self) -> None:
+    @property
+    def torch(self) -> ModuleType: ...
+
+    def barrier(self) -> None: ...
+
+    def broadcast(self, value: Any) -> Any: ...
+
+    def first_failure(self, value: str | None) -> str | None: ...
+
+    def log(self, message: str) -> None: ...
+
+
+class Checkpointing:
+    """The recipe's checkpoints, a part the recipe holds (`recipe.checkpoints`): `keep_share`
+    before the engine is built, `setup` (and resume) after, then `save` and `settle` at each
+    checkpoint step, `load_good` on a rollback."""
+
+    ckpt: SpillwayCheckpointEngine  # from setup on
+    store: CheckpointStore
+
+    def __init__(self, run: TrainingRun):
+        self.run = run
+        self.pending: PendingSave | None = None
+        self.pending_stall = 0.0
+        self.pending_background: list[BackgroundWrite] = []
+        self.mirror: CheckpointMirror | None = None
+        self.swap_files: SwapFiles | None = None
+
+    def setup(self) -> None:
+        """Once the engine is built: the checkpoint engine, the store, the mirror; then resume
+        from the newest good checkpoint (or the one `resumeFrom` names)."""
         from spillway_runtime.checkpoints.engine import SpillwayCheckpointEngine, SwapFiles, direct_io
 
-        self.pending: PendingSave | None = None
-        self.mirror: CheckpointMirror | None = None
-        self.swap_files = SwapFiles.of(self.engine)  # the optimizer's, on NVMe
-        io = direct_io(self.plan.aio, memlock_limit(), Path(self.cfg.checkpoint_dir))
-        if io.fallback and self.rank == 0:
-            self._log(f"checkpoints are written through the page cache: {io.fallback}")
-        self.ckpt = SpillwayCheckpointEngine(io, functools.partial(strip_swapped_subgroups, self.engine))
-        self.engine.checkpoint_engine = self.ckpt
+        self.swap_files = SwapFiles.of(self.run.engine)  # the optimizer's, on NVMe
+        io = direct_io(self.run.plan.aio, memlock_limit(), Path(self.run.cfg.checkpoint_dir))
+        if io.fallback and self.run.rank == 0:
+            self.run.log(f"checkpoints are written through the page cache: {io.fallback}")
+        self.ckpt = SpillwayCheckpointEngine(io, functools.partial(strip_swapped_subgroups, self.run.engine))
+        self.run.engine.checkpoint_engine = self.ckpt
         self.store = CheckpointStore(
-            Path(self.cfg.checkpoint_dir),
-            self.spec.checkpoint.keep,
-            rank=self.rank,
-            barrier=self._barrier,
-            broadcast=self._broadcast,
-            first_failure=self._first_failure,
-            log=self._log,
+            Path(self.run.cfg.checkpoint_dir),
+            self.run.spec.checkpoint.keep,
+            rank=self.run.rank,
+            barrier=self.run.barrier,
+            broadcast=self.run.broadcast,
+            first_failure=self.run.first_failure,
+            log=self.run.log,
             pinned=self._pinned,
-            keep_best=self.spec.checkpoint.keep_best,
+            keep_best=self.run.spec.checkpoint.keep_best,
             digest=self.ckpt.io.digest,
         )
-        if self.rank == 0:
-            self._check_writable(Path(self.cfg.checkpoint_dir), "checkpoint.path")
+        if self.run.rank == 0:
+            self._check_writable(Path(self.run.cfg.checkpoint_dir), "checkpoint.path")
         self._setup_mirror()
         # resumeFrom rolls back once: later restarts of the same job (preemption, node loss)
         # continue from the newest checkpoint of the new timeline, not from the rollback point.
-        resume_from = self.spec.resume_from
+        resume_from = self.run.spec.resume_from
         if resume_from is not None and self.store.applied_rollback() == resume_from:
             resume_from = None
-        info = self._load_good(resume_from)
+        info = self.load_good(resume_from)
         abandoned: list[str] = []
         if info is not None and resume_from is not None:
-            abandoned = self.store.adopt(info.name) if self.rank == 0 else []
+            abandoned = self.store.adopt(info.name) if self.run.rank == 0 else []
             if self.mirror is not None:
                 self.mirror.point_to(info.name)
-            self._barrier()
+            self.run.barrier()
         self._list_checkpoints_in_status()
         if info is not None:
             if resume_from is not None:
-                self.reporter.event("rolled_back", checkpoint=info.name, step=self.step, abandoned=abandoned)
-            self.reporter.event("resumed", checkpoint=info.name, step=self.step)
+                self.run.reporter.event("rolled_back", checkpoint=info.name, step=self.run.step, abandoned=abandoned)
+            self.run.reporter.event("resumed", checkpoint=info.name, step=self.run.step)
 
-    def keep_checkpoints_share(self) -> None:
+    def keep_share(self) -> None:
         """Before the engine is built: when the planner chose the share of an NVMe optimizer kept
         in RAM (the job did not pin `offload.cpuResidentFraction`), a restart keeps the share its
         checkpoint was written with, not the one that this attempt's free RAM gave: the share
@@ -137,23 +171,23 @@ class Checkpointing:
         the load converts it to the planned one."""
         from spillway_runtime.checkpoints.store import LATEST, MANIFEST
 
-        if self.plan.optimizer != "nvme" or self.spec.offload.cpu_resident_fraction is not None:
+        if self.run.plan.optimizer != "nvme" or self.run.spec.offload.cpu_resident_fraction is not None:
             return
-        root = Path(self.cfg.checkpoint_dir)
+        root = Path(self.run.cfg.checkpoint_dir)
         try:
-            name = self.spec.resume_from or (root / LATEST).read_text().strip()
+            name = self.run.spec.resume_from or (root / LATEST).read_text().strip()
             manifest = json.loads((root / name / MANIFEST).read_text())
         except (OSError, ValueError):
             return  # nothing to resume from here (or a mirror's, restored later: converted then)
         written = manifest.get("cpuResidentFraction") if isinstance(manifest, dict) else None
-        if (not isinstance(written, int | float) or written == self.plan.swap.cpu_resident_fraction
-                or manifest.get("plan") != self.plan.label or manifest.get("worldSize") != self.world_size):
+        if (not isinstance(written, int | float) or written == self.run.plan.swap.cpu_resident_fraction
+                or manifest.get("plan") != self.run.plan.label or manifest.get("worldSize") != self.run.world_size):
             return
-        if written > self.plan.swap.cpu_resident_fraction and self.plan.parameters != "nvme":
+        if written > self.run.plan.swap.cpu_resident_fraction and self.run.plan.parameters != "nvme":
             return  # more than this attempt's RAM holds: converted to the planned share on load
-        self._log(f"optimizer: {written:.0%} of its sub-groups kept in RAM as checkpoint {name} was written, "
-                  f"not the {self.plan.swap.cpu_resident_fraction:.0%} planned")
-        self.plan.swap.cpu_resident_fraction = float(written)
+        self.run.log(f"optimizer: {written:.0%} of its sub-groups kept in RAM as checkpoint {name} was written, "
+                  f"not the {self.run.plan.swap.cpu_resident_fraction:.0%} planned")
+        self.run.plan.swap.cpu_resident_fraction = float(written)
 
     def _pinned(self) -> set[str]:
         """What pruning the volume must spare: a pending rollback's target and what the
@@ -167,13 +201,13 @@ class Checkpointing:
         from spillway_runtime.checkpoints.mirror import CheckpointMirror, Mirror, check_writable
         from spillway_runtime.objectstore import Endpoint, ObjectStoreError, S3Location, open_store
 
-        uri, export = self.spec.checkpoint.mirror, self.spec.export.uri
+        uri, export = self.run.spec.checkpoint.mirror, self.run.spec.export.uri
         if uri is None and export is None:
             return
         problem: str | None = None
         mirror: Mirror | None = None
-        if self.rank == 0:
-            where = Endpoint.of(self.spec.storage, in_pod=k8s_status.in_pod())
+        if self.run.rank == 0:
+            where = Endpoint.of(self.run.spec.storage, in_pod=k8s_status.in_pod())
             field = "export.uri"
             try:
                 if export is not None:
@@ -186,27 +220,27 @@ class Checkpointing:
                     self._restore_from_mirror(mirror)
             except ObjectStoreError as err:
                 problem = f"{field}: {err}"
-        problem = self._first_failure(problem)
+        problem = self.run.first_failure(problem)
         if problem is not None:
             raise RunFailed(problem, ExitCode.BAD_INPUT)
         if mirror is not None:
-            self.mirror = CheckpointMirror(mirror, self.spec.checkpoint.keep,
+            self.mirror = CheckpointMirror(mirror, self.run.spec.checkpoint.keep,
                                            spared=lambda: {c.name for c in self.store.list()})
 
     def _restore_from_mirror(self, mirror: Any) -> None:
-        wanted = self.spec.resume_from
+        wanted = self.run.spec.resume_from
         local = {c.name for c in self.store.list()}
         if local and (wanted is None or wanted in local or self.store.applied_rollback() == wanted):
             return
         name = mirror.newest(wanted if wanted not in local else None)
         if name is None:
-            self._log(f"checkpoint.mirror {mirror.uri} holds no complete checkpoint"
+            self.run.log(f"checkpoint.mirror {mirror.uri} holds no complete checkpoint"
                       + (f" named {wanted}" if wanted else "") + "; starting from the volume")
             return
         started = time.monotonic()
         _path, nbytes = mirror.restore(name, self.store.root)
         seconds = time.monotonic() - started
-        self.reporter.event("mirror_restored", checkpoint=name, uri=mirror.uri, bytes=nbytes,
+        self.run.reporter.event("mirror_restored", checkpoint=name, uri=mirror.uri, bytes=nbytes,
                             seconds=round(seconds, 3), bytes_per_s=round(nbytes / max(seconds, 1e-6)))
 
     def report_mirror(self) -> None:
@@ -215,7 +249,7 @@ class Checkpointing:
         if self.mirror is None:
             return
         for kind, fields in self.mirror.take_events():
-            self.reporter.event(kind, uri=self.mirror.mirror.uri, **fields)
+            self.run.reporter.event(kind, uri=self.mirror.mirror.uri, **fields)
 
     def finish_mirror(self, budget_seconds: float) -> None:
         """Wait for the uploads (the end of training, a stop's grace), then stop the uploader."""
@@ -223,7 +257,7 @@ class Checkpointing:
             return
         if not self.mirror.drain(budget_seconds):
             state = self.mirror.state
-            self.reporter.event("mirror_behind", uri=self.mirror.mirror.uri, uploaded=state.uploaded,
+            self.run.reporter.event("mirror_behind", uri=self.mirror.mirror.uri, uploaded=state.uploaded,
                                 waited_seconds=round(budget_seconds, 1), reason=state.last_error)
         self.report_mirror()
         self.mirror.close()
@@ -232,17 +266,17 @@ class Checkpointing:
         """In a pod: the checkpoint a rollback asked for after this attempt began. The operator
         stops this pod and starts one that resumes from it; until then, this pod's own
         checkpoints must not prune it (it would fail the rollback it was asked for)."""
-        sink = self.reporter.sink
+        sink = self.run.reporter.sink
         if not isinstance(sink, k8s_status.StatusPublisher):
             return set()
-        return pending_rollback(sink.requested_rollback(), self.spec.resume_from, self.store.applied_rollback())
+        return pending_rollback(sink.requested_rollback(), self.run.spec.resume_from, self.store.applied_rollback())
 
     def _list_checkpoints_in_status(self) -> None:
         """In a pod: status.checkpoints lists what the volume holds, earlier attempts' included
         (server-side apply drops what this manager leaves out) and pruned ones not (a rollback
         to one is refused by the operator, not failed by the runtime)."""
-        if self.rank == 0 and isinstance(self.reporter.sink, k8s_status.StatusPublisher):
-            self.reporter.sink.known([c.public() for c in self.store.list()])
+        if self.run.rank == 0 and isinstance(self.run.reporter.sink, k8s_status.StatusPublisher):
+            self.run.reporter.sink.known([c.public() for c in self.store.list()])
 
     def _check_writable(self, directory: Path, field: str) -> None:
         """Fail before training, not hours in, when a checkpoint could never be written."""
@@ -255,68 +289,68 @@ class Checkpointing:
         import numpy as np
 
         return {
-            "step": self.step,
-            "data_position": self.data_position,
-            "skip_ranges": self.skip_ranges,
-            "rollbacks": self.rollbacks,
-            "lr_scale": self.lr_scale,
-            "loss_history": list(self.divergence.history),
-            "optimizer_steps": [state.get("step") for state in partition_states(self.engine)],
-            "micro_steps": self.engine.micro_steps,
+            "step": self.run.step,
+            "data_position": self.run.data_position,
+            "skip_ranges": self.run.skip_ranges,
+            "rollbacks": self.run.rollbacks,
+            "lr_scale": self.run.lr_scale,
+            "loss_history": list(self.run.divergence.history),
+            "optimizer_steps": [state.get("step") for state in partition_states(self.run.engine)],
+            "micro_steps": self.run.engine.micro_steps,
             "rng": {
                 "python": random.getstate(),
                 "numpy": np.random.get_state(),
-                "torch": self.torch.get_rng_state(),
-                "cuda": self.torch.cuda.get_rng_state_all() if self.plan.accelerator == "cuda" else None,
+                "torch": self.run.torch.get_rng_state(),
+                "cuda": self.run.torch.cuda.get_rng_state_all() if self.run.plan.accelerator == "cuda" else None,
             },
         }
 
-    def save_checkpoint(self, loss: float | None) -> None:
+    def save(self, loss: float | None) -> None:
         """Begin a checkpoint of this step: what is small is written now, the tensors in the
-        background while the next step's forward and backward run (`settle_checkpoint`)."""
+        background while the next step's forward and backward run (`settle`)."""
         from spillway_runtime.checkpoints.engine import BackgroundWrite, without_swap_copy
 
-        self.settle_checkpoint()
+        self.settle()
         background: list[BackgroundWrite] = []
 
         def write(staging: Path) -> Any:
             try:
-                with without_swap_copy(self.engine), self.ckpt.deferring():
+                with without_swap_copy(self.run.engine), self.ckpt.deferring():
                     # LoRA: the frozen base is the model's own files, not part of any checkpoint
-                    self.engine.save_checkpoint(str(staging), tag=DS_TAG, save_latest=False,
-                                                exclude_frozen_parameters=self.spec.method.lora)
-                self.torch.save(self._state(), staging / f"rank{self.rank}-{STATE_FILE}")
+                    self.run.engine.save_checkpoint(str(staging), tag=DS_TAG, save_latest=False,
+                                                exclude_frozen_parameters=self.run.spec.method.lora)
+                self.run.torch.save(self._state(), staging / f"rank{self.run.rank}-{STATE_FILE}")
             finally:
                 jobs = self.ckpt.take_jobs()  # a failed save leaves none queued for the next
             if self.swap_files is not None:
-                jobs += self.swap_files.save_jobs(staging / DS_TAG, self.rank)
+                jobs += self.swap_files.save_jobs(staging / DS_TAG, self.run.rank)
             background.append(BackgroundWrite(self.ckpt.io, jobs))
             return lambda: [(w.path, w.size, w.digest) for w in background[0].wait()]
 
-        meta = {"loss": loss, "worldSize": self.world_size, "plan": self.plan.label,
-                "dataPosition": self.data_position, "config": self.spec.model_dump(mode="json"),
+        meta = {"loss": loss, "worldSize": self.run.world_size, "plan": self.run.plan.label,
+                "dataPosition": self.run.data_position, "config": self.run.spec.model_dump(mode="json"),
                 # what a resume elsewhere must plan with (local.py, from a mirrored checkpoint)
-                "aioBlockSize": self.plan.aio.block_size, "cpuResidentFraction": self._shape().resident,
+                "aioBlockSize": self.run.plan.aio.block_size, "cpuResidentFraction": self._shape().resident,
                 # the base model and tokenizer as this run found them (a job file's relative
                 # model.uri resolved), for `spillway export` (export.py)
-                "modelDir": self.cfg.model_dir, "tokenizerDir": self.cfg.tokenizer_dir}
-        evaluated = getattr(self, "last_eval", None)
-        if evaluated is not None and evaluated[0] == self.step:
+                "modelDir": self.run.cfg.model_dir, "tokenizerDir": self.run.cfg.tokenizer_dir}
+        evaluated = self.run.last_eval
+        if evaluated is not None and evaluated[0] == self.run.step:
             meta["evalLoss"] = evaluated[1]
-        self.pending = self.store.begin(self.step, write, meta)
+        self.pending = self.store.begin(self.run.step, write, meta)
         self.pending_stall = time.monotonic() - self.pending.began
         self.pending_background = background
 
-    def settle_checkpoint(self) -> CheckpointInfo | None:
+    def settle(self) -> CheckpointInfo | None:
         """Wait for the checkpoint in flight to be durable and commit it (every rank)."""
-        pending, self.pending = getattr(self, "pending", None), None
+        pending, self.pending = self.pending, None
         if pending is None:
             return None
         waited = time.monotonic()
         try:
             info = self.store.finish(pending)
         except CheckpointError as err:
-            self.reporter.event("checkpoint_failed", step=pending.step, reason=str(err))
+            self.run.reporter.event("checkpoint_failed", step=pending.step, reason=str(err))
             raise RunFailed(str(err)) from None
         if self.swap_files is not None:
             self.swap_files.committed(pending.staging, info.path)
@@ -324,14 +358,14 @@ class Checkpointing:
             self.mirror.submit(info.name, info.step, info.path)
         stall = self.pending_stall + time.monotonic() - waited
         background = self.pending_background[0].seconds if self.pending_background else 0.0
-        self.last_saved_step = pending.step
+        self.run.last_saved_step = pending.step
         self._list_checkpoints_in_status()
-        self.reporter.event("checkpoint", **info.public(), stall_seconds=round(stall, 4),
+        self.run.reporter.event("checkpoint", **info.public(), stall_seconds=round(stall, 4),
                             background_seconds=round(background, 4))
         self.report_mirror()
         return info
 
-    def _load_good(self, name: str | None) -> CheckpointInfo | None:
+    def load_good(self, name: str | None) -> CheckpointInfo | None:
         """Load the named checkpoint, or the newest good one: a file found damaged as it is
         read rejects that checkpoint (on every rank) and the previous one is tried."""
         from spillway_runtime.checkpoints.tensor_io import CheckpointIOError
@@ -349,12 +383,12 @@ class Checkpointing:
                 self._load(info)
             except CheckpointIOError as err:
                 problem = str(err)
-            problem = self._first_failure(problem)
+            problem = self.run.first_failure(problem)
             if problem is None:
                 return info
             if name is not None:
                 raise RunFailed(f"resumeFrom: checkpoint {name} is damaged ({problem})", ExitCode.BAD_INPUT)
-            self._log(f"checkpoint {info.name} rejected: {problem}; falling back to the previous one")
+            self.run.log(f"checkpoint {info.name} rejected: {problem}; falling back to the previous one")
             rejected.add(info.name)
 
     def _load(self, info: CheckpointInfo) -> None:
@@ -367,36 +401,36 @@ class Checkpointing:
             self._load_resharded(info, written)
             return
         self.ckpt.expected = self.store.deferred(info.path)
-        scratch = self.store.root / f"{STAGING}load-view-rank{self.rank}"
+        scratch = self.store.root / f"{STAGING}load-view-rank{self.run.rank}"
         view = contextlib.nullcontext(info.path) if self.swap_files is None else self.swap_files.load_view(
-            self.ckpt.io, info.path, DS_TAG, scratch, self.rank, self.ckpt.expected)
-        with view as root, load_with_parameters_on_nvme(self.engine), self.ckpt.reading():
-            load_path, _ = self.engine.load_checkpoint(
+            self.ckpt.io, info.path, DS_TAG, scratch, self.run.rank, self.ckpt.expected)
+        with view as root, load_with_parameters_on_nvme(self.run.engine), self.ckpt.reading():
+            load_path, _ = self.run.engine.load_checkpoint(
                 str(root), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False,
-                load_module_strict=not self.spec.method.lora,  # the frozen base is not in it
+                load_module_strict=not self.run.spec.method.lora,  # the frozen base is not in it
             )
             if load_path is None:
                 raise RunFailed(f"DeepSpeed could not load checkpoint {info.name} from {info.path}")
-            state_file = info.path / f"rank{self.rank}-{STATE_FILE}"
+            state_file = info.path / f"rank{self.run.rank}-{STATE_FILE}"
             if not state_file.exists():
                 written_by = (self.store.read_manifest(info.path) or {}).get("worldSize")
                 raise RunFailed(
                     f"checkpoint {info.name} was written by {written_by} processes and holds no state for rank "
-                    f"{self.rank}; resume with the same number of processes",
+                    f"{self.run.rank}; resume with the same number of processes",
                     ExitCode.BAD_INPUT,
                 )
             try:
-                restore_in_memory_subgroups(self.engine, str(root), DS_TAG, self.ckpt.load)
+                restore_in_memory_subgroups(self.run.engine, str(root), DS_TAG, self.ckpt.load)
             except OptimizerStateError as err:
                 raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
         state = unpickle.load(state_file)
         steps = state.get("optimizer_steps", [])
         try:
-            restore_swapped_state(self.engine, steps, self.swap_files.where if self.swap_files else None)
+            restore_swapped_state(self.run.engine, steps, self.swap_files.where if self.swap_files else None)
         except OptimizerStateError as err:
             raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
-        replay_adam_kernel(self.engine, max((s for s in steps if s is not None), default=0))
-        self.engine.micro_steps = state.get("micro_steps", self.engine.micro_steps)
+        replay_adam_kernel(self.run.engine, max((s for s in steps if s is not None), default=0))
+        self.run.engine.micro_steps = state.get("micro_steps", self.run.engine.micro_steps)
         self._restore_progress(state)
         self._restore_rng(state["rng"])
 
@@ -404,30 +438,30 @@ class Checkpointing:
         """Step, data position, skipped batches, rollback state from a state file. A data
         position counts global micro-batches (`micro_batch_size` x processes samples): written by
         `old` processes, it is `old / new` times as many for `new` (`samples_scale`)."""
-        self.step = state["step"]
-        self.data_position = _rescaled(state["data_position"], samples_scale, "the data position")
-        self.skip_ranges = [(_rescaled(a, samples_scale, "a skipped range"), _rescaled(b, samples_scale, "a skipped range"))
+        self.run.step = state["step"]
+        self.run.data_position = _rescaled(state["data_position"], samples_scale, "the data position")
+        self.run.skip_ranges = [(_rescaled(a, samples_scale, "a skipped range"), _rescaled(b, samples_scale, "a skipped range"))
                             for a, b in state["skip_ranges"]]
-        self.rollbacks = state["rollbacks"]
-        self.lr_scale = state["lr_scale"]
-        self.divergence.history.clear()
-        self.divergence.history.extend(state["loss_history"])
-        self.last_saved_step = self.step
+        self.run.rollbacks = state["rollbacks"]
+        self.run.lr_scale = state["lr_scale"]
+        self.run.divergence.history.clear()
+        self.run.divergence.history.extend(state["loss_history"])
+        self.run.last_saved_step = self.run.step
 
     def _restore_rng(self, rng: dict[str, Any]) -> None:
         import numpy as np
 
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
-        self.torch.set_rng_state(rng["torch"])
-        if rng.get("cuda") is not None and self.plan.accelerator == "cuda":
-            self.torch.cuda.set_rng_state_all(rng["cuda"])
+        self.run.torch.set_rng_state(rng["torch"])
+        if rng.get("cuda") is not None and self.run.plan.accelerator == "cuda":
+            self.run.torch.cuda.set_rng_state_all(rng["cuda"])
 
     # --- resume across shapes ------------------------------------------------------------
 
     def _shape(self) -> Shape:
-        resident = self.plan.swap.cpu_resident_fraction if self.plan.optimizer == "nvme" else 0.0
-        return Shape(self.world_size, self.plan.zero_stage, self.plan.optimizer, self.plan.parameters, resident)
+        resident = self.run.plan.swap.cpu_resident_fraction if self.run.plan.optimizer == "nvme" else 0.0
+        return Shape(self.run.world_size, self.run.plan.zero_stage, self.run.plan.optimizer, self.run.plan.parameters, resident)
 
     def _written_shape(self, info: CheckpointInfo) -> Shape | None:
         """The shape that wrote a checkpoint, from its manifest (None: an older manifest)."""
@@ -459,28 +493,28 @@ class Checkpointing:
         try:
             self._load_universal(info, scratch)
         finally:
-            self._barrier()  # every rank has read the converted files before rank 0 removes them
-            if self.rank == 0:
+            self.run.barrier()  # every rank has read the converted files before rank 0 removes them
+            if self.run.rank == 0:
                 shutil.rmtree(scratch, ignore_errors=True)
         same_layout = written.layout == self._shape().layout
-        state = unpickle.load(info.path / f"rank{self.rank if same_layout else 0}-{STATE_FILE}")
-        replay_adam_kernel(self.engine, max((s for s in state.get("optimizer_steps", []) if s is not None),
+        state = unpickle.load(info.path / f"rank{self.run.rank if same_layout else 0}-{STATE_FILE}")
+        replay_adam_kernel(self.run.engine, max((s for s in state.get("optimizer_steps", []) if s is not None),
                                             default=state["step"]))
-        self.engine.micro_steps = self.engine.global_steps * self.engine.gradient_accumulation_steps()
-        self._restore_progress(state, (written.world_size, self.world_size))
+        self.run.engine.micro_steps = self.run.engine.global_steps * self.run.engine.gradient_accumulation_steps()
+        self._restore_progress(state, (written.world_size, self.run.world_size))
         if same_layout:
             self._restore_rng(state["rng"])
         else:
             # Each rank's generators cannot be mapped onto another number of ranks: seeded from
             # the step instead, the same way on every attempt that makes this change.
-            seed = self.spec.training.seed + self.step + self.rank
+            seed = self.run.spec.training.seed + self.run.step + self.run.rank
             random.seed(seed)
             np.random.seed(seed)
-            self.torch.manual_seed(seed)
-        if self.rank == 0:
-            self._log(f"checkpoint {info.name} resharded from {written.describe()} to {self._shape().describe()}"
+            self.run.torch.manual_seed(seed)
+        if self.run.rank == 0:
+            self.run.log(f"checkpoint {info.name} resharded from {written.describe()} to {self._shape().describe()}"
                       + ("" if same_layout else "; random generators reseeded from the step"))
-        self.reporter.event("resharded", checkpoint=info.name, step=self.step,
+        self.run.reporter.event("resharded", checkpoint=info.name, step=self.run.step,
                             **{"from": written.public(), "to": self._shape().public()})
 
     def _refuse_reshard(self, info: CheckpointInfo, written: Shape) -> None:
@@ -491,7 +525,7 @@ class Checkpointing:
         unsupported = None
         if on_nvme:
             unsupported = f"state on NVMe ({', '.join(on_nvme)} on NVMe)"
-        elif self.spec.method.lora:
+        elif self.run.spec.method.lora:
             unsupported = "LoRA (method.lora)"
         if unsupported is not None:
             raise RunFailed(
@@ -509,20 +543,20 @@ class Checkpointing:
 
         damaged: str | None = None
         problem: str | None = None
-        if self.rank == 0:
+        if self.run.rank == 0:
             self.ckpt.expected = self.store.deferred(info.path)
             try:
                 write_universal(info.path, DS_TAG, scratch, self.ckpt.load,
                                 functools.partial(read_swap_file, self.ckpt))
-            except CheckpointIOError as err:  # on every rank below: `_load_good` tries the previous checkpoint
+            except CheckpointIOError as err:  # on every rank below: `load_good` tries the previous checkpoint
                 damaged = str(err)
             except (UniversalError, OSError, RuntimeError, KeyError, IndexError, TypeError, ValueError,
                     AssertionError) as err:
                 problem = f"checkpoint {info.name} could not be converted for another shape: {err}"
-        damaged = self._first_failure(damaged)
+        damaged = self.run.first_failure(damaged)
         if damaged is not None:
             raise CheckpointIOError(damaged)
-        problem = self._first_failure(problem)
+        problem = self.run.first_failure(problem)
         if problem is not None:
             raise RunFailed(problem, ExitCode.BAD_INPUT)
         swapped: Any = contextlib.nullcontext()
@@ -532,13 +566,13 @@ class Checkpointing:
 
             # an empty folder of swap files for DeepSpeed's NVMe load to copy: the state comes
             # from the universal files, filled in where it calls `reset_swap_buffers`
-            saved_swap_dir(scratch / DS_TAG, self.rank).mkdir(parents=True, exist_ok=True)
-            swapped = filling_swapped_state(self.engine.optimizer, scratch / DS_TAG)
-        config = self.engine._config
+            saved_swap_dir(scratch / DS_TAG, self.run.rank).mkdir(parents=True, exist_ok=True)
+            swapped = filling_swapped_state(self.run.engine.optimizer, scratch / DS_TAG)
+        config = self.run.engine._config
         config.load_universal_checkpoint = True  # read by load_checkpoint only: set for this load alone
         try:
             with swapped:
-                load_path, _ = self.engine.load_checkpoint(
+                load_path, _ = self.run.engine.load_checkpoint(
                     str(scratch), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
         finally:
             config.load_universal_checkpoint = False

@@ -1,4 +1,4 @@
-"""The training run: one recipe with setup / train / save_checkpoint / cleanup.
+"""The training run: one recipe with setup / train / cleanup, and its checkpoints as a part.
 
 Runs in each training process (one per GPU, or one on a CPU accelerator), alone
 or as one rank of several (see supervisor.py). DeepSpeed carries the offload; this
@@ -9,13 +9,11 @@ module owns the policy around it: the learning-rate schedule, checkpoint cadence
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import random
 import shutil
 import signal
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +30,7 @@ from spillway_runtime.training.lora import MERGED_DIR, lora_config, save_merged
 from spillway_runtime.training.processes import free_port
 from spillway_runtime.training.reporting import Reporter
 from spillway_runtime.training.runconfig import RuntimeConfig
+from spillway_runtime.training.schedule import DivergencePolicy, learning_rate
 from spillway_runtime.training.tracking import build_listeners
 
 # checkpoint.mirror: how long the end of training waits for the last upload (the object
@@ -42,37 +41,9 @@ STOP_GRACE_SECONDS = 30.0
 STOP_MARGIN_SECONDS = 10.0
 
 
-class DivergencePolicy:
-    """Decides whether a step's loss means the run has diverged."""
+class FineTuneRecipe:
+    """One training run: set up, train, checkpoint (its `checkpoints` part), clean up."""
 
-    def __init__(self, spike_factor: float, window: int):
-        self.spike_factor = spike_factor
-        self.history: deque[float] = deque(maxlen=window)
-
-    def check(self, loss: float) -> str | None:
-        if not math.isfinite(loss):
-            return f"loss is {loss}"
-        if len(self.history) >= 3:
-            average = sum(self.history) / len(self.history)
-            if loss > self.spike_factor * average:
-                return f"loss {loss:.4g} is above {self.spike_factor} x the running average {average:.4g}"
-        return None
-
-    def record(self, loss: float) -> None:
-        self.history.append(loss)
-
-
-def learning_rate(step: int, base: float, warmup: int, total: int, floor_ratio: float) -> float:
-    """Linear warmup, then cosine decay to floor_ratio * base at the last step."""
-    if warmup and step < warmup:
-        return base * (step + 1) / warmup
-    span = max(1, total - warmup)
-    progress = min(1.0, (step - warmup) / span)
-    floor = base * floor_ratio
-    return floor + (base - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-class FineTuneRecipe(Checkpointing):
     def __init__(self, config: RuntimeConfig):
         self.cfg = config
         self.spec = config.job.spec
@@ -86,6 +57,8 @@ class FineTuneRecipe(Checkpointing):
         self.lr_scale = 1.0
         self.stop_requested = False
         self.last_saved_step = -1
+        self.last_eval: tuple[int, float] | None = None  # (step, held-out loss)
+        self.checkpoints = Checkpointing(self)
         self.reporter = Reporter(
             Path(config.events_path), self.spec.training.max_steps, enabled=self.rank == 0,
             sink=k8s_status.sink_from_env(self.spec.training.max_steps),
@@ -109,13 +82,13 @@ class FineTuneRecipe(Checkpointing):
         self._memory("dataset")
         self._setup_engine()
         self._memory("engine")
-        self._setup_checkpoints()
+        self.checkpoints.setup()
 
     def _memory(self, stage: str) -> None:
         """Where the resident memory goes during set-up (the plan's CPU figure covers all of it)."""
         self.reporter.event("memory", stage=stage, bytes=self._tier_bytes())
 
-    def _log(self, message: str) -> None:
+    def log(self, message: str) -> None:
         self.reporter.event("log", message=message)
 
     def _setup_distributed(self) -> None:
@@ -143,7 +116,7 @@ class FineTuneRecipe(Checkpointing):
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)
-        self._log(f"rank {self.rank}/{self.world_size} on {self.plan.accelerator}, plan {self.plan.label}")
+        self.log(f"rank {self.rank}/{self.world_size} on {self.plan.accelerator}, plan {self.plan.label}")
 
     def _setup_data(self) -> None:
         from transformers import AutoTokenizer
@@ -164,14 +137,14 @@ class FineTuneRecipe(Checkpointing):
         if validation is not None and self.cfg.validation_path:
             self.held_out, _, _ = self._cached_tokens(Path(self.cfg.validation_path), cache / "validation",
                                                       "spec.dataset.validation.uri")
-            self._log(f"validation: {len(self.held_out)} sequences from {self.cfg.validation_path}")
+            self.log(f"validation: {len(self.held_out)} sequences from {self.cfg.validation_path}")
         elif validation is not None and validation.fraction is not None:
             try:
                 self.dataset, self.held_out = self.dataset.split(validation.fraction, self.spec.training.seed)
             except DatasetError as err:
                 raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
-            self._log(f"validation: {len(self.held_out)} sequences held out, {len(self.dataset)} to train on")
-        self._log(
+            self.log(f"validation: {len(self.held_out)} sequences held out, {len(self.dataset)} to train on")
+        self.log(
             f"dataset: {built}{self.dataset.tokens} tokens in {len(self.dataset)} sequences "
             f"({'written to' if built else 'mapped from'} {path})"
         )
@@ -199,7 +172,7 @@ class FineTuneRecipe(Checkpointing):
                 f"checkpoint.path {self.cfg.checkpoint_dir}: cannot write the tokenized dataset "
                 f"({err.strerror}); choose a writable directory with room for it"
             )
-        failure = self._first_failure(failure)
+        failure = self.first_failure(failure)
         if failure is not None:
             raise RunFailed(failure, ExitCode.BAD_INPUT)
         return PackedDataset.load(path), built, path
@@ -209,10 +182,10 @@ class FineTuneRecipe(Checkpointing):
         from transformers import AutoModelForCausalLM
 
         from spillway_runtime import deepspeed_fixes
-        self.keep_checkpoints_share()
+        self.checkpoints.keep_share()
         deepspeed_fixes.apply(self.plan)
         if self.plan.uses_nvme:
-            self._log(f"up to {format_bytes(self.plan.bytes.nvme)} is written to NVMe swap files every step: "
+            self.log(f"up to {format_bytes(self.plan.bytes.nvme)} is written to NVMe swap files every step: "
                       "sustained offloading wears a consumer SSD's rated write endurance (TBW); datacenter SSDs "
                       "are made for it")
         ds_config = dict(self.cfg.deepspeed)
@@ -222,14 +195,14 @@ class FineTuneRecipe(Checkpointing):
         except DeepSpeedConfigError as err:
             raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
         if fitted:
-            self._log(fitted)
+            self.log(fitted)
         dtype = self.spec.model.dtype
         if dtype == "bf16" and self.plan.accelerator == "cuda" and not self.torch.cuda.is_bf16_supported():
             # Pre-Ampere GPUs (V100, T4) have no bf16: train in fp16 with dynamic loss scaling.
             dtype = "fp16"
             ds_config["bf16"] = {"enabled": False}
             ds_config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
-            self._log("model.dtype bf16 is not supported by this GPU: training in fp16 with loss scaling")
+            self.log("model.dtype bf16 is not supported by this GPU: training in fp16 with loss scaling")
         torch_dtype = {"bf16": self.torch.bfloat16, "fp16": self.torch.float16, "fp32": self.torch.float32}[dtype]
         self.torch_dtype = torch_dtype
         self._hf_ds_config = None
@@ -254,7 +227,7 @@ class FineTuneRecipe(Checkpointing):
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
         )
-        self._log(
+        self.log(
             f"engine: ZeRO-{self.plan.zero_stage}, optimizer {type(self.engine.optimizer).__name__}"
             f"/{type(getattr(self.engine.optimizer, 'optimizer', None)).__name__}"
         )
@@ -281,18 +254,18 @@ class FineTuneRecipe(Checkpointing):
 
     # --- collectives -----------------------------------------------------------------------
 
-    def _barrier(self) -> None:
+    def barrier(self) -> None:
         if self.world_size > 1:
             self.dist.barrier()
 
-    def _broadcast(self, value: Any) -> Any:
+    def broadcast(self, value: Any) -> Any:
         if self.world_size == 1:
             return value
         box = [value]
         self.dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _first_failure(self, value: str | None) -> str | None:
+    def first_failure(self, value: str | None) -> str | None:
         if self.world_size == 1:
             return value
         gathered: list[Any] = [None] * self.world_size
@@ -385,8 +358,8 @@ class FineTuneRecipe(Checkpointing):
             position = self._next_position()
             loss = self._micro_loss(position)
             self.engine.backward(loss)
-            if self.pending is not None and self.engine.is_gradient_accumulation_boundary():
-                self.settle_checkpoint()  # the optimizer step changes what it is writing
+            if self.checkpoints.pending is not None and self.engine.is_gradient_accumulation_boundary():
+                self.checkpoints.settle()  # the optimizer step changes what it is writing
             self.engine.step()
             total += float(loss.detach().float().item())
             self.data_position = position + 1
@@ -430,15 +403,15 @@ class FineTuneRecipe(Checkpointing):
                 **objective_metrics,
             )
             self.last_loss = loss
-            self.report_mirror()
+            self.checkpoints.report_mirror()
             if self.held_out is not None and (self.step == t.max_steps or (
                     t.eval_every_steps and self.step % t.eval_every_steps == 0)):
                 self.evaluate()
             if self.step % every == 0 or self.step == t.max_steps:
-                self.save_checkpoint(loss)
-        self.settle_checkpoint()
+                self.checkpoints.save(loss)
+        self.checkpoints.settle()
         self.export()
-        self.finish_mirror(float(os.environ.get("SPILLWAY_MIRROR_WAIT_SECONDS", MIRROR_WAIT_SECONDS)))
+        self.checkpoints.finish_mirror(float(os.environ.get("SPILLWAY_MIRROR_WAIT_SECONDS", MIRROR_WAIT_SECONDS)))
         self.reporter.event("finished", step=self.step, loss=getattr(self, "last_loss", None),
                             rollbacks=self.rollbacks, disk=_disk_bytes())
         return ExitCode.OK
@@ -512,11 +485,11 @@ class FineTuneRecipe(Checkpointing):
         return value
 
     def _preempt(self) -> int:
-        self.settle_checkpoint()  # the checkpoint in flight first: SIGTERM waits for it
+        self.checkpoints.settle()  # the checkpoint in flight first: SIGTERM waits for it
         if self.step > 0 and self.last_saved_step != self.step:  # at step 0 there is nothing to keep
-            self.save_checkpoint(getattr(self, "last_loss", None))
-            self.settle_checkpoint()
-        self.finish_mirror(self._grace_left())
+            self.checkpoints.save(getattr(self, "last_loss", None))
+            self.checkpoints.settle()
+        self.checkpoints.finish_mirror(self._grace_left())
         self.reporter.event("preempted", step=self.step)
         return ExitCode.PREEMPTED
 
@@ -530,11 +503,11 @@ class FineTuneRecipe(Checkpointing):
                 f"rollback.maxRollbacks is {policy.max_rollbacks}: lower training.learningRate or inspect the data",
                 ExitCode.DIVERGED,
             )
-        self.settle_checkpoint()
+        self.checkpoints.settle()
         rollbacks, skips = self.rollbacks, [*self.skip_ranges, (first, end)]
         lr_scale = self.lr_scale * policy.lr_backoff
         bad_step = self.step + 1
-        info = self._load_good(None)
+        info = self.checkpoints.load_good(None)
         if info is None:
             raise RunFailed(
                 f"training diverged at step {self.step + 1} ({problem}) before the first checkpoint; "
@@ -578,7 +551,7 @@ class FineTuneRecipe(Checkpointing):
             self.reporter.event("exported", path=str(out), bytes=_dir_bytes(out))
             if self.spec.export.uri:
                 self._upload_export(out, self.spec.export.uri)
-        self._barrier()
+        self.barrier()
 
     def _upload_export(self, out: Path, uri: str) -> None:
         """The exported model to spec.export.uri; a failure fails the run (its checkpoints
@@ -602,10 +575,10 @@ class FineTuneRecipe(Checkpointing):
         save_merged(Path(self.cfg.model_dir), adapter, target, self.torch_dtype, self.tokenizer)
 
     def cleanup(self) -> None:
-        for write in getattr(self, "pending_background", []):
+        for write in self.checkpoints.pending_background:
             write.thread.join()  # a failed run's checkpoint in flight: its staging is swept later
-        if getattr(self, "ckpt", None) is not None:
-            self.ckpt.io.close()
+        if getattr(self.checkpoints, "ckpt", None) is not None:  # a run that failed before setup has none
+            self.checkpoints.ckpt.io.close()
         engine = getattr(self, "engine", None)
         if engine is not None and hasattr(engine, "destroy"):
             engine.destroy()
@@ -616,7 +589,7 @@ class FineTuneRecipe(Checkpointing):
         if library_log is not None:
             with contextlib.suppress(OSError):  # a count the run could not make is no reason to stop cleaning up
                 if (said := library_log.summary()) is not None:
-                    self._log(said)
+                    self.log(said)
             library_log.close()
         self.reporter.close()
         if getattr(self, "dist", None) is not None and self.dist.is_initialized():
