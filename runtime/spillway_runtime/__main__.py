@@ -33,10 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     startup.import_deepspeed()
 
     from spillway_runtime.checkpoints.store import CheckpointError
-    from spillway_runtime.training.checkpointing import RunFailed
     from spillway_runtime.training.dataset_files import DatasetError
     from spillway_runtime.training.k8s_status import in_pod
     from spillway_runtime.training.recipe import FineTuneRecipe
+    from spillway_runtime.training.run import RunFailed
     from spillway_runtime.training.runconfig import RuntimeConfig, check_cached_inputs, nvme_problem
 
     parser = argparse.ArgumentParser(prog="python -m spillway_runtime")

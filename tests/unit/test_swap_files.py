@@ -95,7 +95,7 @@ def test_across_filesystems_the_files_are_copied_and_stay_in_the_swap_folder(tmp
 
 
 def test_at_exit_a_rank_removes_its_own_swap_files_and_the_folders_left_empty(tmp_path: Path) -> None:
-    from spillway_runtime.training.recipe import remove_swap_files
+    from spillway_runtime.training.disk_usage import remove_swap_files
 
     nvme = tmp_path / "nvme"
     for rank in (0, 1):

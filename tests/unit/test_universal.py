@@ -14,7 +14,9 @@ import torch
 from spillway_runtime.checkpoints.engine import saved_swap_dir
 from spillway_runtime.checkpoints.universal import UniversalError, _write_native
 from spillway_runtime.core.contract import ExitCode
-from spillway_runtime.training.checkpointing import Checkpointing, RunFailed, Shape
+from spillway_runtime.training.checkpointing import Checkpointing
+from spillway_runtime.training.resharding import Shape, refuse_reshard
+from spillway_runtime.training.run import RunFailed
 
 
 def attempt(shape: Shape, lora: bool = False, pinned_share: float | None = None,
@@ -40,7 +42,7 @@ CHECKPOINT: Any = SimpleNamespace(name="step-00000004")
     (Shape(2, 3, "nvme", "gpu"), Shape(1, 2, "cpu", "gpu")),  # from NVMe
 ])
 def test_optimizer_on_nvme_takes_the_universal_path(written, planned):
-    attempt(planned)._refuse_reshard(CHECKPOINT, written)  # no RunFailed
+    refuse_reshard(CHECKPOINT, written, planned, lora=False)  # no RunFailed
 
 
 @pytest.mark.parametrize(("written", "planned", "converted"), [
@@ -64,7 +66,7 @@ def test_a_change_of_the_optimizers_share_in_ram_is_a_conversion(written, planne
 ])
 def test_refused_with_bad_input_naming_what_to_change(written, planned, lora, named):
     with pytest.raises(RunFailed) as refused:
-        attempt(planned, lora)._refuse_reshard(CHECKPOINT, written)
+        refuse_reshard(CHECKPOINT, written, planned, lora)
     assert refused.value.exit_code == ExitCode.BAD_INPUT
     assert named in str(refused.value) and "offload.parameters" in str(refused.value)
 

@@ -12,14 +12,13 @@ universal checkpoint (`_load_resharded`, `universal.write_universal`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import random
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from spillway_runtime.checkpoints import unpickle
 from spillway_runtime.checkpoints.optimizer_state import (
@@ -42,63 +41,17 @@ from spillway_runtime.checkpoints.store import (
 )
 from spillway_runtime.core.contract import ExitCode
 from spillway_runtime.core.hardware import memlock_limit
-from spillway_runtime.training import k8s_status
+from spillway_runtime.training import k8s_status, mirroring
+from spillway_runtime.training.resharding import Shape, refuse_reshard, rescaled, written_shape
+from spillway_runtime.training.run import RunFailed, TrainingRun
 
 STATE_FILE = "spillway_state.pt"
 DS_TAG = "ds"
 
 if TYPE_CHECKING:
-    from types import ModuleType
 
     from spillway_runtime.checkpoints.engine import BackgroundWrite, SpillwayCheckpointEngine, SwapFiles
     from spillway_runtime.checkpoints.mirror import CheckpointMirror
-    from spillway_runtime.core.planner import OffloadPlan
-    from spillway_runtime.core.spec import FineTuneJobSpec
-    from spillway_runtime.training.reporting import Reporter
-    from spillway_runtime.training.runconfig import RuntimeConfig
-    from spillway_runtime.training.schedule import DivergencePolicy
-
-
-class RunFailed(RuntimeError):
-    """The run cannot go on: a message that names what to change, and the exit code (here
-    because this module is the lower of the recipe's two)."""
-
-    def __init__(self, message: str, exit_code: int = ExitCode.FAILED):
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-class TrainingRun(Protocol):
-    """What the checkpoints read of the run they belong to (`recipe.FineTuneRecipe`), and the
-    progress a resume restores into it (`_restore_progress`)."""
-
-    cfg: RuntimeConfig
-    spec: FineTuneJobSpec
-    plan: OffloadPlan
-    rank: int
-    world_size: int
-    engine: Any  # DeepSpeed's engine (DeepSpeed ships no types)
-    reporter: Reporter
-    divergence: DivergencePolicy
-    # Where training is: what a checkpoint holds beyond DeepSpeed's own state
-    step: int
-    data_position: int
-    skip_ranges: list[tuple[int, int]]
-    rollbacks: int
-    lr_scale: float
-    last_saved_step: int
-    last_eval: tuple[int, float] | None
-
-    @property
-    def torch(self) -> ModuleType: ...
-
-    def barrier(self) -> None: ...
-
-    def broadcast(self, value: Any) -> Any: ...
-
-    def first_failure(self, value: str | None) -> str | None: ...
-
-    def log(self, message: str) -> None: ...
 
 
 class Checkpointing:
@@ -132,9 +85,9 @@ class Checkpointing:
             Path(self.run.cfg.checkpoint_dir),
             self.run.spec.checkpoint.keep,
             rank=self.run.rank,
-            barrier=self.run.barrier,
-            broadcast=self.run.broadcast,
-            first_failure=self.run.first_failure,
+            barrier=self.run.ranks.barrier,
+            broadcast=self.run.ranks.broadcast,
+            first_failure=self.run.ranks.first_failure,
             log=self.run.log,
             pinned=self._pinned,
             keep_best=self.run.spec.checkpoint.keep_best,
@@ -142,7 +95,7 @@ class Checkpointing:
         )
         if self.run.rank == 0:
             self._check_writable(Path(self.run.cfg.checkpoint_dir), "checkpoint.path")
-        self._setup_mirror()
+        self.mirror = mirroring.open_mirror(self.run, self.store)
         # resumeFrom rolls back once: later restarts of the same job (preemption, node loss)
         # continue from the newest checkpoint of the new timeline, not from the rollback point.
         resume_from = self.run.spec.resume_from
@@ -154,7 +107,7 @@ class Checkpointing:
             abandoned = self.store.adopt(info.name) if self.run.rank == 0 else []
             if self.mirror is not None:
                 self.mirror.point_to(info.name)
-            self.run.barrier()
+            self.run.ranks.barrier()
         self._list_checkpoints_in_status()
         if info is not None:
             if resume_from is not None:
@@ -186,62 +139,13 @@ class Checkpointing:
         if written > self.run.plan.swap.cpu_resident_fraction and self.run.plan.parameters != "nvme":
             return  # more than this attempt's RAM holds: converted to the planned share on load
         self.run.log(f"optimizer: {written:.0%} of its sub-groups kept in RAM as checkpoint {name} was written, "
-                  f"not the {self.run.plan.swap.cpu_resident_fraction:.0%} planned")
+                     f"not the {self.run.plan.swap.cpu_resident_fraction:.0%} planned")
         self.run.plan.swap.cpu_resident_fraction = float(written)
 
     def _pinned(self) -> set[str]:
         """What pruning the volume must spare: a pending rollback's target and what the
         mirror is still uploading."""
         return self._pending_rollback() | (self.mirror.in_flight() if self.mirror is not None else set())
-
-    def _setup_mirror(self) -> None:
-        """spec.checkpoint.mirror: check it can be written (a wrong Secret or bucket fails
-        the job now, exit 2), bring its newest checkpoint onto an empty volume (or the one
-        resumeFrom names, when the volume lacks it), then start the uploader (rank 0)."""
-        from spillway_runtime.checkpoints.mirror import CheckpointMirror, Mirror, check_writable
-        from spillway_runtime.objectstore import Endpoint, ObjectStoreError, S3Location, open_store
-
-        uri, export = self.run.spec.checkpoint.mirror, self.run.spec.export.uri
-        if uri is None and export is None:
-            return
-        problem: str | None = None
-        mirror: Mirror | None = None
-        if self.run.rank == 0:
-            where = Endpoint.of(self.run.spec.storage, in_pod=k8s_status.in_pod())
-            field = "export.uri"
-            try:
-                if export is not None:
-                    loc = S3Location.parse(export)
-                    check_writable(open_store(loc.bucket, where), loc, where)
-                if uri is not None:
-                    field = "checkpoint.mirror"
-                    mirror = Mirror(uri, where=where)
-                    mirror.check()
-                    self._restore_from_mirror(mirror)
-            except ObjectStoreError as err:
-                problem = f"{field}: {err}"
-        problem = self.run.first_failure(problem)
-        if problem is not None:
-            raise RunFailed(problem, ExitCode.BAD_INPUT)
-        if mirror is not None:
-            self.mirror = CheckpointMirror(mirror, self.run.spec.checkpoint.keep,
-                                           spared=lambda: {c.name for c in self.store.list()})
-
-    def _restore_from_mirror(self, mirror: Any) -> None:
-        wanted = self.run.spec.resume_from
-        local = {c.name for c in self.store.list()}
-        if local and (wanted is None or wanted in local or self.store.applied_rollback() == wanted):
-            return
-        name = mirror.newest(wanted if wanted not in local else None)
-        if name is None:
-            self.run.log(f"checkpoint.mirror {mirror.uri} holds no complete checkpoint"
-                      + (f" named {wanted}" if wanted else "") + "; starting from the volume")
-            return
-        started = time.monotonic()
-        _path, nbytes = mirror.restore(name, self.store.root)
-        seconds = time.monotonic() - started
-        self.run.reporter.event("mirror_restored", checkpoint=name, uri=mirror.uri, bytes=nbytes,
-                            seconds=round(seconds, 3), bytes_per_s=round(nbytes / max(seconds, 1e-6)))
 
     def report_mirror(self) -> None:
         """The uploader's news since the last call, as events (the training thread's, so
@@ -258,7 +162,7 @@ class Checkpointing:
         if not self.mirror.drain(budget_seconds):
             state = self.mirror.state
             self.run.reporter.event("mirror_behind", uri=self.mirror.mirror.uri, uploaded=state.uploaded,
-                                waited_seconds=round(budget_seconds, 1), reason=state.last_error)
+                                    waited_seconds=round(budget_seconds, 1), reason=state.last_error)
         self.report_mirror()
         self.mirror.close()
 
@@ -318,7 +222,7 @@ class Checkpointing:
                 with without_swap_copy(self.run.engine), self.ckpt.deferring():
                     # LoRA: the frozen base is the model's own files, not part of any checkpoint
                     self.run.engine.save_checkpoint(str(staging), tag=DS_TAG, save_latest=False,
-                                                exclude_frozen_parameters=self.run.spec.method.lora)
+                                                    exclude_frozen_parameters=self.run.spec.method.lora)
                 self.run.torch.save(self._state(), staging / f"rank{self.run.rank}-{STATE_FILE}")
             finally:
                 jobs = self.ckpt.take_jobs()  # a failed save leaves none queued for the next
@@ -361,7 +265,7 @@ class Checkpointing:
         self.run.last_saved_step = pending.step
         self._list_checkpoints_in_status()
         self.run.reporter.event("checkpoint", **info.public(), stall_seconds=round(stall, 4),
-                            background_seconds=round(background, 4))
+                                background_seconds=round(background, 4))
         self.report_mirror()
         return info
 
@@ -383,7 +287,7 @@ class Checkpointing:
                 self._load(info)
             except CheckpointIOError as err:
                 problem = str(err)
-            problem = self.run.first_failure(problem)
+            problem = self.run.ranks.first_failure(problem)
             if problem is None:
                 return info
             if name is not None:
@@ -392,7 +296,7 @@ class Checkpointing:
             rejected.add(info.name)
 
     def _load(self, info: CheckpointInfo) -> None:
-        written = self._written_shape(info)
+        written = written_shape(self.store, info)
         # With the optimizer moved to or from NVMe alone, or another share of it kept in RAM, a
         # sub-group's state is in swap files on one side and in the ZeRO file on the other: the
         # load below would take the checkpoint for damaged and fall back, where the universal
@@ -439,9 +343,9 @@ class Checkpointing:
         position counts global micro-batches (`micro_batch_size` x processes samples): written by
         `old` processes, it is `old / new` times as many for `new` (`samples_scale`)."""
         self.run.step = state["step"]
-        self.run.data_position = _rescaled(state["data_position"], samples_scale, "the data position")
-        self.run.skip_ranges = [(_rescaled(a, samples_scale, "a skipped range"), _rescaled(b, samples_scale, "a skipped range"))
-                            for a, b in state["skip_ranges"]]
+        self.run.data_position = rescaled(state["data_position"], samples_scale, "the data position")
+        self.run.skip_ranges = [(rescaled(a, samples_scale, "a skipped range"), rescaled(b, samples_scale, "a skipped range"))
+                                for a, b in state["skip_ranges"]]
         self.run.rollbacks = state["rollbacks"]
         self.run.lr_scale = state["lr_scale"]
         self.run.divergence.history.clear()
@@ -463,21 +367,6 @@ class Checkpointing:
         resident = self.run.plan.swap.cpu_resident_fraction if self.run.plan.optimizer == "nvme" else 0.0
         return Shape(self.run.world_size, self.run.plan.zero_stage, self.run.plan.optimizer, self.run.plan.parameters, resident)
 
-    def _written_shape(self, info: CheckpointInfo) -> Shape | None:
-        """The shape that wrote a checkpoint, from its manifest (None: an older manifest)."""
-        from spillway_runtime.core.planner import parse_label
-
-        manifest = self.store.read_manifest(info.path) or {}
-        world, label = manifest.get("worldSize"), manifest.get("plan")
-        resident = manifest.get("cpuResidentFraction", 0.0)
-        if not isinstance(world, int) or not isinstance(label, str) or not isinstance(resident, int | float):
-            return None
-        try:
-            stage, optimizer, parameters = parse_label(label)
-        except ValueError:
-            return None
-        return Shape(world, stage, optimizer, parameters, float(resident))
-
     def _load_resharded(self, info: CheckpointInfo, written: Shape) -> None:
         """Resume from a checkpoint of another number of processes or ZeRO stage, or whose
         optimizer moved to or from NVMe: rank 0 converts it into DeepSpeed's universal form
@@ -488,18 +377,18 @@ class Checkpointing:
         its own state file, random generators included: the run goes on as if uninterrupted."""
         import numpy as np
 
-        self._refuse_reshard(info, written)
+        refuse_reshard(info, written, self._shape(), self.run.spec.method.lora)
         scratch = self.store.root / f"{STAGING}universal-{info.name}"
         try:
             self._load_universal(info, scratch)
         finally:
-            self.run.barrier()  # every rank has read the converted files before rank 0 removes them
+            self.run.ranks.barrier()  # every rank has read the converted files before rank 0 removes them
             if self.run.rank == 0:
                 shutil.rmtree(scratch, ignore_errors=True)
         same_layout = written.layout == self._shape().layout
         state = unpickle.load(info.path / f"rank{self.run.rank if same_layout else 0}-{STATE_FILE}")
         replay_adam_kernel(self.run.engine, max((s for s in state.get("optimizer_steps", []) if s is not None),
-                                            default=state["step"]))
+                                                default=state["step"]))
         self.run.engine.micro_steps = self.run.engine.global_steps * self.run.engine.gradient_accumulation_steps()
         self._restore_progress(state, (written.world_size, self.run.world_size))
         if same_layout:
@@ -513,28 +402,9 @@ class Checkpointing:
             self.run.torch.manual_seed(seed)
         if self.run.rank == 0:
             self.run.log(f"checkpoint {info.name} resharded from {written.describe()} to {self._shape().describe()}"
-                      + ("" if same_layout else "; random generators reseeded from the step"))
+                         + ("" if same_layout else "; random generators reseeded from the step"))
         self.run.reporter.event("resharded", checkpoint=info.name, step=self.run.step,
-                            **{"from": written.public(), "to": self._shape().public()})
-
-    def _refuse_reshard(self, info: CheckpointInfo, written: Shape) -> None:
-        # The optimizer on NVMe converts both ways (its swap files are read into the universal
-        # checkpoint, and a ZeRO-3 engine's are filled from it); parameters on NVMe do not yet.
-        on_nvme = [f"{side} parameters" for side, shape in (("written with", written), ("planned with", self._shape()))
-                   if shape.parameters == "nvme"]
-        unsupported = None
-        if on_nvme:
-            unsupported = f"state on NVMe ({', '.join(on_nvme)} on NVMe)"
-        elif self.run.spec.method.lora:
-            unsupported = "LoRA (method.lora)"
-        if unsupported is not None:
-            raise RunFailed(
-                f"checkpoint {info.name} was written by {written.describe()} and this attempt runs "
-                f"{self._shape().describe()}; resuming across that change with {unsupported} is not supported "
-                "yet: resume with the same number of processes and placement (offload.deepspeed.zero_optimization"
-                ".stage, offload.optimizer, offload.parameters, offload.cpuResidentFraction)",
-                ExitCode.BAD_INPUT,
-            )
+                                **{"from": written.public(), "to": self._shape().public()})
 
     def _load_universal(self, info: CheckpointInfo, scratch: Path) -> None:
         from spillway_runtime.checkpoints.engine import read_swap_file
@@ -553,10 +423,10 @@ class Checkpointing:
             except (UniversalError, OSError, RuntimeError, KeyError, IndexError, TypeError, ValueError,
                     AssertionError) as err:
                 problem = f"checkpoint {info.name} could not be converted for another shape: {err}"
-        damaged = self.run.first_failure(damaged)
+        damaged = self.run.ranks.first_failure(damaged)
         if damaged is not None:
             raise CheckpointIOError(damaged)
-        problem = self.run.first_failure(problem)
+        problem = self.run.ranks.first_failure(problem)
         if problem is not None:
             raise RunFailed(problem, ExitCode.BAD_INPUT)
         swapped: Any = contextlib.nullcontext()
@@ -580,47 +450,3 @@ class Checkpointing:
             raise RunFailed(f"DeepSpeed could not load checkpoint {info.name} converted in {scratch}")
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """The number of processes and the placement that a checkpoint was written with, or that
-    this attempt runs with."""
-
-    world_size: int
-    zero_stage: int
-    optimizer: str
-    parameters: str
-    resident: float = 0.0  # with the optimizer on NVMe, the share of its sub-groups kept in RAM
-
-    @property
-    def layout(self) -> tuple[int, int]:
-        """What the files' partitioning depends on; where state was offloaded to does not change it."""
-        return self.world_size, self.zero_stage
-
-    @property
-    def swapped(self) -> tuple[bool, float]:
-        """Which sub-groups' state is in swap files rather than in the ZeRO files."""
-        return self.optimizer == "nvme", self.resident
-
-    def describe(self) -> str:
-        optimizer = self.optimizer
-        if self.optimizer == "nvme" and self.resident:
-            optimizer = f"nvme with {self.resident:.0%} of its sub-groups in RAM"
-        return (f"{self.world_size} process(es), ZeRO-{self.zero_stage}, optimizer on {optimizer}, "
-                f"parameters on {self.parameters}")
-
-    def public(self) -> dict[str, Any]:
-        return {"worldSize": self.world_size, "stage": self.zero_stage,
-                "optimizer": self.optimizer, "parameters": self.parameters, "cpuResidentFraction": self.resident}
-
-
-def _rescaled(position: int, scale: tuple[int, int], what: str) -> int:
-    """A count of global micro-batches of `old` processes as one of `new` processes' (same samples)."""
-    old, new = scale
-    rescaled, left = divmod(position * old, new)
-    if left:
-        raise RunFailed(
-            f"{what} ({position} micro-batches of {old} processes) is not a whole number of micro-batches of "
-            f"{new} processes; resume with a number of processes that divides {position * old}",
-            ExitCode.BAD_INPUT,
-        )
-    return rescaled

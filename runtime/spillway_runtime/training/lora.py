@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from spillway_runtime.core.spec import Method
+
 MERGED_DIR = "merged"  # LoRA with export.merge: the merged model, beside the adapter
 
 
@@ -29,3 +31,18 @@ def save_merged(base_dir: Path, adapter: Path, target: Path, dtype: Any, tokeniz
     merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
     merged.save_pretrained(target, safe_serialization=True)
     tokenizer.save_pretrained(target)
+
+
+def with_lora(model: Any, method: Method) -> tuple[Any, int, int]:
+    """The model with PEFT's LoRA adapters on `method.targetModules`, everything else frozen,
+    and its trainable and total parameter counts. The adapters take the model's dtype
+    (DeepSpeed keeps their fp32 masters). Raises PEFT's ValueError for a module it lacks."""
+    from peft import get_peft_model
+
+    model = get_peft_model(model, lora_config(method), autocast_adapter_dtype=False)
+
+    def numel(p: Any) -> int:
+        return int(getattr(p, "ds_numel", p.numel()))  # ZeRO-3 has partitioned the base already
+
+    trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
+    return model, trainable, sum(numel(p) for p in model.parameters())

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -21,14 +20,15 @@ from spillway_runtime import library_output
 from spillway_runtime.core.contract import STOP_GRACE_SECONDS_ENV, ExitCode
 from spillway_runtime.core.hardware import memlock_limit
 from spillway_runtime.core.units import format_bytes
-from spillway_runtime.training import k8s_status, startup
-from spillway_runtime.training.checkpointing import Checkpointing, RunFailed
+from spillway_runtime.training import disk_usage, evaluation, k8s_status, startup
+from spillway_runtime.training.checkpointing import Checkpointing
 from spillway_runtime.training.data import CACHE_DIR_NAME, PackedDataset, sources_fingerprint, token_cache_path, tokenize_sources
 from spillway_runtime.training.dataset_files import DatasetError
 from spillway_runtime.training.dsconfig import DeepSpeedConfigError, fit_swap_buffers_to_memlock
-from spillway_runtime.training.lora import MERGED_DIR, lora_config, save_merged
+from spillway_runtime.training.lora import MERGED_DIR, save_merged, with_lora
 from spillway_runtime.training.processes import free_port
 from spillway_runtime.training.reporting import Reporter
+from spillway_runtime.training.run import Ranks, RunFailed
 from spillway_runtime.training.runconfig import RuntimeConfig
 from spillway_runtime.training.schedule import DivergencePolicy, learning_rate
 from spillway_runtime.training.tracking import build_listeners
@@ -50,6 +50,7 @@ class FineTuneRecipe:
         self.plan = config.plan
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.ranks = Ranks(self.rank, self.world_size)
         self.step = 0
         self.data_position = 0  # global micro-batch index
         self.skip_ranges: list[tuple[int, int]] = []
@@ -86,7 +87,7 @@ class FineTuneRecipe:
 
     def _memory(self, stage: str) -> None:
         """Where the resident memory goes during set-up (the plan's CPU figure covers all of it)."""
-        self.reporter.event("memory", stage=stage, bytes=self._tier_bytes())
+        self.reporter.event("memory", stage=stage, bytes=disk_usage.tier_bytes(self.plan, self.cfg.nvme_dir, self.torch))
 
     def log(self, message: str) -> None:
         self.reporter.event("log", message=message)
@@ -172,7 +173,7 @@ class FineTuneRecipe:
                 f"checkpoint.path {self.cfg.checkpoint_dir}: cannot write the tokenized dataset "
                 f"({err.strerror}); choose a writable directory with room for it"
             )
-        failure = self.first_failure(failure)
+        failure = self.ranks.first_failure(failure)
         if failure is not None:
             raise RunFailed(failure, ExitCode.BAD_INPUT)
         return PackedDataset.load(path), built, path
@@ -186,8 +187,8 @@ class FineTuneRecipe:
         deepspeed_fixes.apply(self.plan)
         if self.plan.uses_nvme:
             self.log(f"up to {format_bytes(self.plan.bytes.nvme)} is written to NVMe swap files every step: "
-                      "sustained offloading wears a consumer SSD's rated write endurance (TBW); datacenter SSDs "
-                      "are made for it")
+                     "sustained offloading wears a consumer SSD's rated write endurance (TBW); datacenter SSDs "
+                     "are made for it")
         ds_config = dict(self.cfg.deepspeed)
         params_per_rank = -(-self.plan.model.params // max(1, self.world_size))
         try:
@@ -233,58 +234,15 @@ class FineTuneRecipe:
         )
 
     def _with_lora(self, model: Any) -> Any:
-        """The model with PEFT's LoRA adapters on `method.targetModules`, everything else frozen.
-        The adapters take the model's dtype (DeepSpeed keeps their fp32 masters)."""
-        from peft import get_peft_model
-
+        """The model with PEFT's LoRA adapters on `method.targetModules`, everything else frozen."""
         method = self.spec.method
         try:
-            model = get_peft_model(model, lora_config(method), autocast_adapter_dtype=False)
+            model, trainable, total = with_lora(model, method)
         except ValueError as err:  # PEFT: "Target modules {...} not found in the base model"
             raise RunFailed(f"method.targetModules: {err}", ExitCode.BAD_INPUT) from None
-
-        def numel(p: Any) -> int:
-            return int(getattr(p, "ds_numel", p.numel()))  # ZeRO-3 has partitioned the base already
-
-        trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
-        total = sum(numel(p) for p in model.parameters())
         self.reporter.event("lora", trainable=trainable, total=total, rank=method.rank,
                             target_modules=method.target_modules)
         return model
-
-    # --- collectives -----------------------------------------------------------------------
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            self.dist.barrier()
-
-    def broadcast(self, value: Any) -> Any:
-        if self.world_size == 1:
-            return value
-        box = [value]
-        self.dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def first_failure(self, value: str | None) -> str | None:
-        if self.world_size == 1:
-            return value
-        gathered: list[Any] = [None] * self.world_size
-        self.dist.all_gather_object(gathered, value)
-        return next((v for v in gathered if v is not None), None)
-
-    def _mean_across_ranks(self, value: float) -> float:
-        if self.world_size == 1:
-            return value
-        t = self.torch.tensor([value], dtype=self.torch.float64)
-        self.dist.all_reduce(t)
-        return float(t.item()) / self.world_size
-
-    def _any_rank(self, flag: bool) -> bool:
-        if self.world_size == 1:
-            return flag
-        t = self.torch.tensor([1 if flag else 0], dtype=self.torch.int64)
-        self.dist.all_reduce(t)
-        return bool(t.item())
 
     # --- training --------------------------------------------------------------------------
 
@@ -364,7 +322,7 @@ class FineTuneRecipe:
             total += float(loss.detach().float().item())
             self.data_position = position + 1
         self.current_lr = lr
-        return self._mean_across_ranks(total / t.gradient_accumulation), first, self.data_position
+        return self.ranks.mean(total / t.gradient_accumulation), first, self.data_position
 
     def train(self) -> int:
         t = self.spec.training
@@ -375,7 +333,7 @@ class FineTuneRecipe:
         started = time.monotonic()
         start_step = self.step
         while self.step < t.max_steps:
-            if self._any_rank(self.stop_requested):
+            if self.ranks.any(self.stop_requested):
                 return self._preempt()
             step_started = time.monotonic()
             loss, first, end = self.train_step()
@@ -399,7 +357,7 @@ class FineTuneRecipe:
                 tokens_per_s=round(tokens_per_step / max(elapsed, 1e-9), 1),
                 eta_seconds=round(rate * (t.max_steps - self.step), 1),
                 data_position=self.data_position,
-                bytes=self._tier_bytes(),
+                bytes=disk_usage.tier_bytes(self.plan, self.cfg.nvme_dir, self.torch),
                 **objective_metrics,
             )
             self.last_loss = loss
@@ -413,75 +371,25 @@ class FineTuneRecipe:
         self.export()
         self.checkpoints.finish_mirror(float(os.environ.get("SPILLWAY_MIRROR_WAIT_SECONDS", MIRROR_WAIT_SECONDS)))
         self.reporter.event("finished", step=self.step, loss=getattr(self, "last_loss", None),
-                            rollbacks=self.rollbacks, disk=_disk_bytes())
+                            rollbacks=self.rollbacks, disk=disk_usage.process_io_bytes())
         return ExitCode.OK
 
     def evaluate(self) -> float:
-        """The held-out loss (mean over its learned tokens, all ranks) of the weights now;
-        reported as an `eval` event. No gradient, no optimizer, no random state is touched,
-        so training goes on exactly as without it."""
-        import torch
-
-        assert self.held_out is not None
-        if self.spec.method.objective == "dpo":
-            return self._evaluate_preferences()
-        t = self.spec.training
-        per_forward = t.micro_batch_size * self.world_size
-        batches = -(-len(self.held_out) // per_forward)
-        if t.eval_batches:
-            batches = min(batches, t.eval_batches)
-        total = torch.zeros(2, dtype=torch.float64)
-        self.engine.eval()
-        try:
-            with torch.no_grad():
-                for index in range(batches):
-                    batch = self.held_out.eval_batch(index, self.rank, self.world_size, t.micro_batch_size)
-                    tokens = int((batch["labels"][:, 1:] != -100).sum())
-                    loss = self.engine(**{k: v.to(self.engine.device) for k, v in batch.items()}).loss
-                    if tokens:
-                        total += torch.tensor([float(loss.float().item()) * tokens, tokens], dtype=torch.float64)
-        finally:
-            self.engine.train()
-        if self.world_size > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(total)
-        value = float(total[0] / total[1]) if total[1] else float("nan")
-        self.last_eval = (self.step, value)
-        self.reporter.event("eval", step=self.step, eval_loss=value,
-                            perplexity=float(torch.tensor(value).exp()) if value == value else None,
-                            tokens=int(total[1]))
-        return value
-
-    def _evaluate_preferences(self) -> float:
-        """The held-out DPO loss and TRL's metrics (eval_rewards/chosen, ...) over every held-out
-        pair, all ranks; an `eval` event, as `evaluate`. Nothing that training reads is touched."""
-        import torch
-
-        from spillway_runtime.training.dpo import preference_loss, step_metrics
-
+        """The held-out loss of the weights now (with DPO: the held-out DPO loss and TRL's
+        eval_ metrics), reported as an `eval` event. No gradient, no optimizer, no random
+        state is touched, so training goes on exactly as without it."""
         assert self.held_out is not None
         t, method = self.spec.training, self.spec.method
-        batches = -(-len(self.held_out) // (t.micro_batch_size * self.world_size))
-        if t.eval_batches:
-            batches = min(batches, t.eval_batches)
-        stats = torch.zeros(8, dtype=torch.float64)
-        self.engine.eval()
-        try:
-            with torch.no_grad():
-                for index in range(batches):
-                    batch = self.held_out.eval_batch(index, self.rank, self.world_size, t.micro_batch_size)
-                    stats += preference_loss(self.engine, self.engine.module.disable_adapter,
-                                             {k: v.to(self.engine.device) for k, v in batch.items()},
-                                             method.beta, method.dpo_loss)[1].cpu()
-        finally:
-            self.engine.train()
-        if self.world_size > 1:
-            self.dist.all_reduce(stats)
-        value = float(stats[1] / stats[0]) if stats[0] else float("nan")
+        if method.objective == "dpo":
+            value, pairs, metrics = evaluation.held_out_preferences(
+                self.engine, self.held_out, t, method, self.rank, self.world_size)
+            self.reporter.event("eval", step=self.step, eval_loss=value, pairs=pairs, **metrics)
+        else:
+            value, tokens = evaluation.held_out_loss(self.engine, self.held_out, t, self.rank, self.world_size)
+            self.reporter.event("eval", step=self.step, eval_loss=value,
+                                perplexity=float(self.torch.tensor(value).exp()) if value == value else None,
+                                tokens=tokens)
         self.last_eval = (self.step, value)
-        self.reporter.event("eval", step=self.step, eval_loss=value, pairs=int(stats[0]),
-                            **step_metrics(stats, prefix="eval_"))
         return value
 
     def _preempt(self) -> int:
@@ -521,16 +429,6 @@ class FineTuneRecipe:
             skipped_micro_batches=[first, end], lr_scale=self.lr_scale, rollbacks=self.rollbacks,
         )
 
-    def _tier_bytes(self) -> dict[str, int]:
-        import psutil
-
-        out = {"cpu": psutil.Process().memory_info().rss}
-        if self.plan.accelerator == "cuda":
-            out["gpu"] = int(self.torch.cuda.memory_allocated())
-        if self.cfg.nvme_dir and self.plan.bytes.nvme:
-            out["nvme"] = _dir_bytes(Path(self.cfg.nvme_dir))
-        return out
-
     # --- export and cleanup ----------------------------------------------------------------
 
     def export(self) -> None:
@@ -548,10 +446,10 @@ class FineTuneRecipe:
             self.tokenizer.save_pretrained(out)
             if self.spec.method.lora and self.spec.export.merge:
                 self._export_merged(out, out / MERGED_DIR)
-            self.reporter.event("exported", path=str(out), bytes=_dir_bytes(out))
+            self.reporter.event("exported", path=str(out), bytes=disk_usage.dir_bytes(out))
             if self.spec.export.uri:
                 self._upload_export(out, self.spec.export.uri)
-        self.barrier()
+        self.ranks.barrier()
 
     def _upload_export(self, out: Path, uri: str) -> None:
         """The exported model to spec.export.uri; a failure fails the run (its checkpoints
@@ -583,7 +481,7 @@ class FineTuneRecipe:
         if engine is not None and hasattr(engine, "destroy"):
             engine.destroy()
         if self.cfg.remove_swap_at_exit and self.cfg.nvme_dir:
-            removed = remove_swap_files(Path(self.cfg.nvme_dir), self.rank)
+            removed = disk_usage.remove_swap_files(Path(self.cfg.nvme_dir), self.rank)
             self.reporter.event("swap_removed", bytes=removed, path=self.cfg.nvme_dir)
         library_log: library_output.LibraryLog | None = getattr(self, "library_log", None)
         if library_log is not None:
@@ -594,43 +492,3 @@ class FineTuneRecipe:
         self.reporter.close()
         if getattr(self, "dist", None) is not None and self.dist.is_initialized():
             self.dist.destroy_process_group()
-
-
-def _disk_bytes() -> dict[str, int]:
-    """What this process read from and wrote to block devices (its swap I/O, checkpoints and
-    data: DeepSpeed's async I/O runs in it); empty where the platform does not say."""
-    import psutil
-
-    try:
-        io = psutil.Process().io_counters()
-    except (AttributeError, psutil.AccessDenied):
-        return {}
-    return {"read": int(io.read_bytes), "written": int(io.write_bytes)}
-
-
-def remove_swap_files(nvme_dir: Path, rank: int) -> int:
-    """Delete what DeepSpeed's swappers wrote for `rank` (`zero_stage_3/optimizer/rankN`,
-    `zero_stage_3/<dtype>params/rankN`) and the folders left empty; returns the bytes freed.
-    Other ranks of the pod remove their own."""
-    freed = 0
-    stage = nvme_dir / "zero_stage_3"
-    for folder in stage.glob(f"*/rank{rank}"):
-        freed += _dir_bytes(folder)
-        shutil.rmtree(folder, ignore_errors=True)
-        for parent in (folder.parent, stage):
-            try:
-                parent.rmdir()  # only once empty: another rank may still be removing its own
-            except OSError:
-                break
-    return freed
-
-
-def _dir_bytes(path: Path) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.stat(os.path.join(dirpath, name)).st_blocks * 512
-            except OSError:
-                continue
-    return total

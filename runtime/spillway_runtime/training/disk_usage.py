@@ -1,0 +1,64 @@
+"""Bytes a run uses where: resident memory per tier, what this process read and wrote on block
+devices, and the swap files a rank leaves on NVMe (removed at exit when the job says so).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from spillway_runtime.core.planner import OffloadPlan
+
+
+def tier_bytes(plan: OffloadPlan, nvme_dir: str | None, torch: Any) -> dict[str, int]:
+    """In use now: this process's resident memory, the GPU's allocated memory, the swap files."""
+    import psutil
+
+    out = {"cpu": psutil.Process().memory_info().rss}
+    if plan.accelerator == "cuda":
+        out["gpu"] = int(torch.cuda.memory_allocated())
+    if nvme_dir and plan.bytes.nvme:
+        out["nvme"] = dir_bytes(Path(nvme_dir))
+    return out
+
+
+def process_io_bytes() -> dict[str, int]:
+    """What this process read from and wrote to block devices (its swap I/O, checkpoints and
+    data: DeepSpeed's async I/O runs in it); empty where the platform does not say."""
+    import psutil
+
+    try:
+        io = psutil.Process().io_counters()
+    except (AttributeError, psutil.AccessDenied):
+        return {}
+    return {"read": int(io.read_bytes), "written": int(io.write_bytes)}
+
+
+def remove_swap_files(nvme_dir: Path, rank: int) -> int:
+    """Delete what DeepSpeed's swappers wrote for `rank` (`zero_stage_3/optimizer/rankN`,
+    `zero_stage_3/<dtype>params/rankN`) and the folders left empty; returns the bytes freed.
+    Other ranks of the pod remove their own."""
+    freed = 0
+    stage = nvme_dir / "zero_stage_3"
+    for folder in stage.glob(f"*/rank{rank}"):
+        freed += dir_bytes(folder)
+        shutil.rmtree(folder, ignore_errors=True)
+        for parent in (folder.parent, stage):
+            try:
+                parent.rmdir()  # only once empty: another rank may still be removing its own
+            except OSError:
+                break
+    return freed
+
+
+def dir_bytes(path: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError:
+                continue
+    return total
