@@ -25,7 +25,8 @@ from spillway_runtime.core.contract import AttemptPhase, JobPhase
 from spillway_runtime.core.hardware import NodeHardware
 from spillway_runtime.core.plan_summary import PlanSummary
 from spillway_runtime.core.planner import plan_summary
-from spillway_runtime.core.spec import COUNT_SCHEMA, FineTuneJobSpec, Method, Offload, Training
+from spillway_runtime.core.spec import FineTuneJobSpec, Method, Offload, Training
+from spillway_runtime.core.spec_types import COUNT_SCHEMA
 
 
 class WireModel(BaseModel):

@@ -21,7 +21,8 @@ from spillway_runtime.core.contract import (
     Phase,
 )
 from spillway_runtime.core.planner import OffloadPlan
-from spillway_runtime.core.spec import API_GROUP, API_VERSION, KIND, FineTuneJob, FineTuneJobSpec
+from spillway_runtime.core.spec import FineTuneJob, FineTuneJobSpec
+from spillway_runtime.core.spec_types import API_GROUP, API_VERSION, KIND
 from spillway_runtime.core.units import GiB
 from spillway_runtime.training.dsconfig import build_deepspeed_config
 from spillway_runtime.training.runconfig import S3_CACHE_MOUNT, RuntimeConfig, input_uris, resolve_uri

@@ -16,7 +16,8 @@ from typing import Any
 
 import yaml
 
-from spillway_runtime.core.spec import API_GROUP, API_VERSION, KIND, MAX_LABEL_KEY, POLICY_TIERS, FineTuneJobSpec
+from spillway_runtime.core.spec import POLICY_TIERS, FineTuneJobSpec
+from spillway_runtime.core.spec_types import API_GROUP, API_VERSION, KIND, MAX_LABEL_KEY
 from spillway_runtime.core.status import FineTuneJobStatus
 
 PLURAL = "finetunejobs"

@@ -29,7 +29,7 @@ from spillway_operator import k8s, metrics, queueing, reconciler, store
 from spillway_operator.builders import LABEL_JOB
 from spillway_operator.settings import get_settings
 from spillway_operator.workqueue import WorkQueue
-from spillway_runtime.core.spec import API_GROUP, API_VERSION
+from spillway_runtime.core.spec_types import API_GROUP, API_VERSION
 
 PLURAL = "finetunejobs"
 SETTINGS = get_settings()

@@ -21,7 +21,7 @@ from kubernetes.client.exceptions import ApiException
 
 from spillway_operator import metrics
 from spillway_operator.builders import rfc3339
-from spillway_runtime.core.spec import API_GROUP, API_VERSION, KIND
+from spillway_runtime.core.spec_types import API_GROUP, API_VERSION, KIND
 
 PLURAL = "finetunejobs"
 FIELD_MANAGER = "spillway-operator"

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from spillway_runtime.core.spec import DatasetSource
+from spillway_runtime.core.spec_inputs import DatasetSource
 from spillway_runtime.training.data import PackedDataset, read_pairs
 from spillway_runtime.training.dpo import preference_loss, step_metrics
 from spillway_runtime.training.runconfig import FaultInjection

@@ -98,7 +98,7 @@ def test_spillway_run_fine_tunes_on_chat_data_learning_the_answers_only(tmp_path
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from spillway_runtime.core.spec import DatasetSource
+    from spillway_runtime.core.spec_inputs import DatasetSource
     from spillway_runtime.training.data import PackedDataset, read_documents
 
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run" / "final")

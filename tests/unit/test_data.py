@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from spillway_runtime.core.spec import DatasetSource
+from spillway_runtime.core.spec_inputs import DatasetSource
 from spillway_runtime.tiny import build_tiny_model, synthetic_texts, write_dataset
 from spillway_runtime.training.data import DatasetError, PackedDataset, dataset_fingerprint, read_texts, token_cache_path
 

@@ -13,7 +13,7 @@ import pyarrow.ipc
 import pyarrow.parquet
 import pytest
 
-from spillway_runtime.core.spec import DatasetSource
+from spillway_runtime.core.spec_inputs import DatasetSource
 from spillway_runtime.training.data import PackedDataset, dataset_fingerprint, read_documents, read_pairs, read_texts
 from spillway_runtime.training.dataset_files import DatasetError, dataset_files
 

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from spillway_runtime.core.spec import DatasetSource, SpecError, parse_job
+from spillway_runtime.core.spec import SpecError, parse_job
+from spillway_runtime.core.spec_inputs import DatasetSource
 from spillway_runtime.training.data import DatasetError, PackedDataset, read_pairs
 from spillway_runtime.training.dpo import dpo_loss, preference_loss, sequence_logps, step_metrics
 

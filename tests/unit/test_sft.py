@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from spillway_runtime.core.spec import DatasetSource
+from spillway_runtime.core.spec_inputs import DatasetSource
 from spillway_runtime.training.data import (
     DatasetError,
     PackedDataset,

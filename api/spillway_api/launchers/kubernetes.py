@@ -24,7 +24,7 @@ from spillway_api.errors import ApiError
 from spillway_api.models import CostEntry, Job, ProgressPoint, WatchBookmark, utcnow
 from spillway_api.service import ATTEMPT_ENDS, JobService, _insert_once, _iso
 from spillway_api.settings import Settings
-from spillway_runtime.core.spec import API_GROUP, API_VERSION
+from spillway_runtime.core.spec_types import API_GROUP, API_VERSION
 from spillway_runtime.core.status import FineTuneJobStatus, Progress, read_status
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,8 @@ from spillway_runtime.core.hardware import (
     matmul_rate_at,
 )
 from spillway_runtime.core.placement_inputs import ModelShape, PlacementInputs, SwapSettings
-from spillway_runtime.core.spec import DType, Tier, Training
+from spillway_runtime.core.spec import Training
+from spillway_runtime.core.spec_types import DType, Tier
 
 # Share of peak FLOPs a fine-tune reaches on one GPU (dense decoder, bf16, good kernels).
 MODEL_FLOPS_UTILISATION = 0.35

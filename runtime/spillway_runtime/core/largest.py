@@ -23,7 +23,8 @@ from spillway_runtime.core.planner import (
     _label,
     _processes,
 )
-from spillway_runtime.core.spec import DType, Offload, Tier, Training
+from spillway_runtime.core.spec import Offload, Training
+from spillway_runtime.core.spec_types import DType, Tier
 
 
 class LargestFit(BaseModel):

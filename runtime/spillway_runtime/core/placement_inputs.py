@@ -17,7 +17,8 @@ from pydantic import BaseModel, Field
 
 from spillway_runtime.core.hardware import NodeHardware
 from spillway_runtime.core.param_counts import count_decoder
-from spillway_runtime.core.spec import DType, Tier, Training
+from spillway_runtime.core.spec import Training
+from spillway_runtime.core.spec_types import DType, Tier
 from spillway_runtime.core.units import format_count
 
 # The optimizer swapper needs one pinned buffer per swapped tensor (param, 2 moments, grad);

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from spillway_runtime.core.spec import Tier
+from spillway_runtime.core.spec_types import Tier
 
 
 class SummaryModel(BaseModel):

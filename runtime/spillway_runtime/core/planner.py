@@ -28,7 +28,8 @@ from spillway_runtime.core.estimates import StepTime, activation_bytes, lora_par
 from spillway_runtime.core.hardware import AioSettings, NodeHardware
 from spillway_runtime.core.placement_inputs import OPTIMIZER_SWAP_BUFFERS, ModelShape, PlacementInputs, SwapSettings
 from spillway_runtime.core.plan_summary import PlanSummary
-from spillway_runtime.core.spec import POLICY_TIERS, DType, Method, Offload, Tier, Training
+from spillway_runtime.core.spec import POLICY_TIERS, Method, Offload, Training
+from spillway_runtime.core.spec_types import DType, Tier
 from spillway_runtime.core.tier_sizing import (
     CPU_RESERVED_FRACTION,
     CPU_RESERVED_MIN,

@@ -12,222 +12,26 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
-from pydantic.alias_generators import to_camel
-from pydantic_core import InitErrorDetails, PydanticCustomError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from spillway_runtime.core.param_counts import FAMILIES, config_problems
-from spillway_runtime.core.units import COUNT_PATTERN, MAX_COUNT, MAX_SIZE, SIZE_PATTERN, parse_count, parse_size
+from spillway_runtime.core.spec_inputs import DatasetSource, ModelSource
+from spillway_runtime.core.spec_types import (
+    KIND,
+    MAX_DNS_NAME,
+    MAX_FIELD,
+    MAX_ITEMS,
+    MAX_LABEL_KEY,
+    MAX_LABEL_VALUE,
+    MAX_SECONDS,
+    MAX_URI,
+    ActivationCheckpointing,
+    OffloadPolicy,
+    Size,
+    SpecModel,
+    TierChoice,
+    size_or_none,
+)
 
-API_GROUP = "spillway.dev"
-API_VERSION = "v1alpha1"
-KIND = "FineTuneJob"
-
-Tier = Literal["gpu", "cpu", "nvme"]
-TierChoice = Literal["auto", "gpu", "cpu", "nvme"]
-OffloadPolicy = Literal["auto", "none", "cpu", "nvme"]
-DType = Literal["bf16", "fp16", "fp32"]
-ActivationCheckpointing = Literal["auto", "on", "off"]
-
-
-class SpecModel(BaseModel):
-    """Base for every spec model: camelCase aliases, unknown fields rejected."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        validate_by_name=True,
-        validate_by_alias=True,
-        serialize_by_alias=True,
-        extra="forbid",
-    )
-
-
-
-
-# Bounds of every free-form string, list and map of the spec (the CRD and the API's OpenAPI
-# are generated from these models): an unbounded one lets a single apply carry megabytes into
-# the API server, the operator and the database, and makes the CEL cost estimator assume the
-# worst of every rule that reads it.
-MAX_URI = 2048  # a URI or a filesystem path
-MAX_DNS_NAME = 253  # a DNS-1123 subdomain: StorageClass, claim, checkpoint names
-MAX_FIELD = 256  # a JSON field name, a module name, a region, an experiment
-MAX_LABEL_KEY = 317  # a Kubernetes label key: a 253-character prefix, '/', a 63-character name
-MAX_LABEL_VALUE = 63
-MAX_ITEMS = 64  # list items and map entries (tolerations, nodeSelector, targetModules)
-# Seconds as Kubernetes types them (int32: Job.ttlSecondsAfterFinished); also what keeps a
-# finish time plus a TTL inside Python's datetime (a TTL of 3e11 s overflowed it).
-MAX_SECONDS = 2**31 - 1
-
-
-# What the wire carries for a size or a count: an integer, or a string such as 500Gi or 13B
-# (the models store the integer). The CRD spells these int-or-string.
-SIZE_SCHEMA: dict[str, Any] = {"anyOf": [
-    {"type": "integer", "minimum": 0, "maximum": MAX_SIZE},
-    {"type": "string", "pattern": SIZE_PATTERN + "|^auto$", "maxLength": 32},
-    {"type": "null"},
-]}
-COUNT_SCHEMA: dict[str, Any] = {"anyOf": [
-    {"type": "integer", "minimum": 1, "maximum": MAX_COUNT},
-    {"type": "string", "pattern": COUNT_PATTERN, "maxLength": 32},
-    {"type": "null"},
-]}
-Size = Annotated[int | None, WithJsonSchema(SIZE_SCHEMA)]
-Count = Annotated[int | None, WithJsonSchema(COUNT_SCHEMA)]
-
-
-def _size_or_none(value: Any) -> Any:
-    if value is None or value == "auto":
-        return None
-    return parse_size(value)
-
-
-class ModelSource(SpecModel):
-    """The model to fine-tune: a Hugging Face model directory."""
-
-    uri: str = Field(
-        description="Hugging Face model directory: s3://BUCKET/PREFIX; in a cluster pvc://CLAIM/PATH; with "
-        "`spillway run` also a local path or file://PATH",
-        min_length=1, max_length=MAX_URI,
-    )
-    dtype: DType = Field("bf16", description="Training precision of the weights and activations")
-    tokenizer_uri: str | None = Field(None, max_length=MAX_URI,
-                                      description="Tokenizer directory when it differs from the model's")
-    parameter_count: Count = Field(
-        None,
-        description="Parameters, e.g. 13B: lets the operator plan before the model's config.json is readable",
-    )
-
-    config: dict[str, Any] | None = Field(
-        None,
-        description="The model's Hugging Face config.json, inline: the operator plans from its real shape "
-        "(vocabulary, grouped-query attention, tied embeddings, every MoE expert) instead of guessing a "
-        f"Llama shape from parameterCount. model_type one of: {', '.join(sorted(FAMILIES))}",
-    )
-
-    @field_validator("parameter_count", mode="before")
-    @classmethod
-    def _parse_count(cls, value: Any) -> Any:
-        return None if value is None else parse_count(value)
-
-    @field_validator("config")
-    @classmethod
-    def _config_gives_a_shape(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        problems = config_problems(value) if value is not None else []
-        if value is None or not problems:
-            return value
-        # Raised as a ValidationError so that each error's path ends in the config key at fault
-        # (spec.model.config.vocab_size), which pydantic joins onto the field's own path.
-        raise ValidationError.from_exception_data("config", [
-            InitErrorDetails(type=PydanticCustomError("missing" if p.field not in value else "model_config", p.message),
-                             loc=(p.field,), input=value.get(p.field))
-            for p in problems
-        ])
-
-
-DatasetFormat = Literal["auto", "jsonl", "text", "chat", "completion", "preference"]
-
-
-class Validation(SpecModel):
-    uri: str | None = Field(
-        None, min_length=1, max_length=MAX_URI,
-        description="A held-out file or directory in the dataset's format (s3://, pvc:// in a cluster; a local "
-        "path or file:// with `spillway run`)",
-    )
-    fraction: float | None = Field(
-        None, gt=0, le=0.5,
-        description="Or: sequences of the training data held out (chosen with training.seed; never trained on)",
-    )
-
-    @model_validator(mode="after")
-    def _one_source(self) -> Validation:
-        if (self.uri is None) == (self.fraction is None):
-            raise ValueError("give exactly one of validation.uri (a held-out file) and validation.fraction "
-                             "(a share of the training data)")
-        return self
-
-
-MAX_MIXTURE = 16  # dataset.mixture entries
-MAX_WEIGHT = 100.0  # a source's rows per epoch, in multiples of its rows
-
-
-class MixtureSource(SpecModel):
-    """One more dataset of a mixture."""
-
-    uri: str = Field(min_length=1, max_length=MAX_URI,
-                     description="Another dataset in the same format and fields as dataset.uri (s3://, pvc:// in a "
-                     "cluster; a local path or file:// with `spillway run`)")
-    weight: float = Field(1.0, gt=0, le=MAX_WEIGHT,
-                          description="Its rows per epoch: weight x its rows (0.5: a half of them chosen with "
-                          "training.seed; 2: each twice; 1.5: each once and a seeded half again)")
-
-
-class DatasetSource(SpecModel):
-    """The training data: where it is, its format, and how it is packed into sequences."""
-
-    uri: str = Field(
-        description="A .jsonl, .parquet, .arrow or .txt file, a folder of them, or a folder that Hugging Face "
-        "datasets saved (save_to_disk; a DatasetDict's train split)", min_length=1, max_length=MAX_URI)
-    format: DatasetFormat = Field(
-        "auto",
-        description="auto: text for .txt files, jsonl for the others; chat: JSON lines with OpenAI-style `messages`, "
-        "the loss on assistant turns only; completion: JSON lines with a prompt and a completion, the loss on "
-        "the completion only; preference: JSON lines with `prompt`, `chosen` and `rejected` (text, or chat messages "
-        "rendered with the chat template), for method.objective dpo",
-    )
-    text_field: str = Field("text", description="Field of each record (JSON line, Parquet or Arrow row) holding the text",
-                            min_length=1,
-                            max_length=MAX_FIELD)
-    messages_field: str = Field("messages", min_length=1, max_length=MAX_FIELD,
-                                description="chat: field holding the conversation")
-    prompt_field: str = Field("prompt", min_length=1, max_length=MAX_FIELD,
-                              description="completion: field holding the prompt")
-    completion_field: str = Field("completion", min_length=1, max_length=MAX_FIELD,
-                                  description="completion: field holding the answer")
-    chat_template: str | None = Field(
-        None, min_length=1, max_length=65536,
-        description="chat: a Jinja chat template, for a tokenizer without one (it replaces the tokenizer's)",
-    )
-    packing: bool = Field(
-        True,
-        description="chat and completion: pack whole conversations into each sequence, kept apart (positions "
-        "restart, no token attends across); false: one per sequence, padded. text and jsonl always pack",
-    )
-    text_packing: Literal["joined", "apart"] = Field(
-        "joined",
-        description="text and jsonl: joined packs every text and its EOS back to back into sequences (attention "
-        "and positions run across texts); apart packs whole texts kept apart as chat records are (positions "
-        "restart, no token attends to another text; a text longer than a sequence is cut into pieces), at the "
-        "cost of the padding at the end of each sequence",
-    )
-    on_bad_record: Literal["fail", "skip"] = Field(
-        "fail",
-        description="chat and completion: a malformed record ends the run naming file:line (fail), or is "
-        "skipped and counted in the log (skip)",
-    )
-    validation: Validation | None = Field(
-        None, description="Held-out data: its loss is evaluated every training.evalEverySteps and at the end"
-    )
-    weight: float = Field(1.0, gt=0, le=MAX_WEIGHT,
-                          description="With a mixture: dataset.uri's rows per epoch, weight x its rows (as a "
-                          "mixture entry's weight)")
-    mixture: list[MixtureSource] = Field(
-        default_factory=list, max_length=MAX_MIXTURE,
-        description="More datasets trained on with dataset.uri, in its format and fields: each tokenized and packed "
-        "on its own (no sequence mixes two), their rows taken per weight and shuffled together every epoch",
-    )
-
-    @model_validator(mode="after")
-    def _fields_of_its_format(self) -> DatasetSource:
-        if self.text_packing != "joined" and self.format not in ("auto", "text", "jsonl"):
-            raise ValueError(f"textPacking applies to formats text, jsonl and auto, not {self.format!r}: "
-                             f"{self.format} records are always kept apart; remove textPacking")
-        if self.chat_template is not None and self.format not in ("chat", "preference"):
-            raise ValueError(f"chatTemplate applies to formats chat and preference only, not {self.format!r}; "
-                             "remove it or set format: chat")
-        return self
-
-
-# Steps are stored as 32-bit integers (the API's PostgreSQL columns): no run comes near it.
 MAX_STEPS = 2**31 - 1
 
 
@@ -361,7 +165,7 @@ class NvmeVolume(SpecModel):
     )
     size: Size = Field(None, description="Volume size (e.g. 500Gi); omitted or 'auto' sizes it from the plan")
 
-    _parse_size = field_validator("size", mode="before")(_size_or_none)
+    _parse_size = field_validator("size", mode="before")(size_or_none)
 
     @model_validator(mode="after")
     def _one_source(self) -> NvmeVolume:
@@ -506,7 +310,7 @@ class CheckpointPolicy(SpecModel):
         "spec.storage)",
     )
 
-    _parse_size = field_validator("size", mode="before")(_size_or_none)
+    _parse_size = field_validator("size", mode="before")(size_or_none)
 
 
 class RollbackPolicy(SpecModel):

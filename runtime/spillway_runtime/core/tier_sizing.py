@@ -32,7 +32,7 @@ from spillway_runtime.core.placement_inputs import (
     PlacementInputs,
     SwapSettings,
 )
-from spillway_runtime.core.spec import Tier
+from spillway_runtime.core.spec_types import Tier
 from spillway_runtime.core.units import GiB, format_bytes
 
 # --- Constants, each with its reason -------------------------------------------------

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spillway_runtime.core.spec import DatasetSource
+from spillway_runtime.core.spec_inputs import DatasetSource
 from spillway_runtime.training.dataset_files import DatasetError, RecordError, records
 
 ROLES = ("system", "user", "assistant", "tool")

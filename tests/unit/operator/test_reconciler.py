@@ -17,7 +17,7 @@ from spillway_operator.settings import OperatorSettings
 from spillway_operator.status import StatusChange
 from spillway_runtime.core.contract import ExitCode
 from spillway_runtime.core.plan_summary import PlanSummary
-from spillway_runtime.core.spec import MAX_SECONDS
+from spillway_runtime.core.spec_types import MAX_SECONDS
 from spillway_runtime.training.runconfig import RuntimeConfig
 
 from .fake_cluster import FakeCluster, node
