@@ -12,7 +12,7 @@ models, every stage still run: tests/integration/test_gpu_kit.py). Stages:
   b. a ~3x larger model under the same cap with ZeRO-3 and the optimizer on the CPU
      (DeepSpeedCPUAdam), then the optimizer on NVMe with the parameters on the CPU;
   c. beside every measurement, the planner's prediction for the same shape on this machine
-     (plan_tiers on probe_basic's NodeHardware): bytes per tier and step time as ratios.
+     (plan_placement on probe_basic's NodeHardware): bytes per tier and step time as ratios.
 
 A stage that needs a DeepSpeed op that did not build (run.sh's ops.json) is skipped with the
 build's error. The NVMe model is sized from the planner's own swap bytes, and stage b's from the
@@ -142,7 +142,7 @@ def node_hardware(settings: Settings) -> Any:
 
 def plan_for(settings: Settings, hw: Any, config: dict[str, Any], placement: Placement) -> tuple[Any, Any]:
     """The planner's plan of `config` forced to `placement`, and the job spec it was made for."""
-    from spillway_runtime.core.planner import ModelShape, plan_tiers
+    from spillway_runtime.core.planner import ModelShape, PlanInputs, plan_placement
     from spillway_runtime.core.spec import FineTuneJobSpec
 
     stage, optimizer, parameters, *share = placement
@@ -156,7 +156,7 @@ def plan_for(settings: Settings, hw: Any, config: dict[str, Any], placement: Pla
         "offload": offload,
     })
     shape = ModelShape.from_hf_config(config, name=f"llama-h{config['hidden_size']}-l{config['num_hidden_layers']}")
-    plan = plan_tiers(shape, hw, spec.training, spec.offload, dtype="bf16")
+    plan = plan_placement(PlanInputs.of_spec(spec, shape), hw)
     return plan, spec
 
 

@@ -17,7 +17,7 @@ from spillway_operator.settings import OperatorSettings
 from spillway_runtime.core.hardware import AioSettings, NodeHardware, hardware_from_node
 from spillway_runtime.core.param_counts import count_decoder
 from spillway_runtime.core.plan_summary import PlanSummary
-from spillway_runtime.core.planner import ModelShape, OffloadPlan, plan_tiers
+from spillway_runtime.core.planner import ModelShape, OffloadPlan, PlanInputs, plan_placement
 from spillway_runtime.core.spec import FineTuneJobSpec, Toleration
 from spillway_runtime.core.units import format_count
 
@@ -210,18 +210,7 @@ def _plan_shape(choice: ShapeChoice, spec: FineTuneJobSpec, shape: ModelShape, s
         choice.why_not = f"resources.nodes is {spec.resources.nodes} but only {len(choice.nodes)} such nodes"
         return
     try:
-        plan = plan_tiers(
-            shape,
-            hw,
-            spec.training,
-            spec.offload,
-            dtype=spec.model.dtype,
-            gpus_per_node=gpus,
-            nodes=spec.resources.nodes,
-            price_per_hour=node_price,
-            cpu_processes=spec.resources.cpu_processes,
-            method=spec.method,
-        )
+        plan = plan_placement(PlanInputs.of_spec(spec, shape, gpus_per_node=gpus, price_per_hour=node_price), hw)
     except ValueError as err:
         choice.why_not = str(err)
         return

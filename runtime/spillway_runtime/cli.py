@@ -7,6 +7,7 @@ API package's: it records the job for `spillway api`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ from rich.table import Table
 from spillway_runtime.core.contract import ExitCode
 from spillway_runtime.core.hardware import NodeHardware
 from spillway_runtime.core.largest import LargestFit, largest_model
-from spillway_runtime.core.planner import ModelShape, OffloadPlan, plan_tiers
+from spillway_runtime.core.planner import ModelShape, OffloadPlan, PlanInputs, plan_placement
 from spillway_runtime.core.spec import FineTuneJob, Method, SpecError, Training, load_job
 from spillway_runtime.core.units import format_bytes, format_count, parse_count, parse_size
 
@@ -240,16 +241,12 @@ def plan(
         if method is not None or lora_rank is not None:
             chosen = chosen.model_copy(update={"type": method or "lora",
                                                **({"rank": lora_rank} if lora_rank is not None else {})})
-        result = plan_tiers(
-            shape, hw,
-            spec.training if spec else Training(),
-            spec.offload if spec else None,
-            dtype=spec.model.dtype if spec else "bf16",
-            gpus_per_node=gpus_per_node if gpus_per_node is not None else None,
-            nodes=nodes,
-            price_per_hour=price_per_hour,
-            method=chosen,
-        )
+        # A job's settings with this command's nodes (one process per CPU node, as before)
+        inputs = PlanInputs(shape, method=chosen, gpus_per_node=gpus_per_node, nodes=nodes,
+                            price_per_hour=price_per_hour)
+        if spec is not None:
+            inputs = dataclasses.replace(inputs, training=spec.training, offload=spec.offload, dtype=spec.model.dtype)
+        result = plan_placement(inputs, hw)
     except SpecError as err:
         raise _fail(str(err)) from None
     except ValueError as err:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from spillway_runtime.checkpoints.store import LATEST, write_problem
 from spillway_runtime.core.hardware import AioSettings, NodeHardware
-from spillway_runtime.core.planner import OffloadPlan, PlanningError, plan_tiers
+from spillway_runtime.core.planner import OffloadPlan, PlanInputs, PlanningError, plan_placement
 from spillway_runtime.core.spec import FineTuneJob, FineTuneJobSpec, SpecError, load_job
 from spillway_runtime.probe_cache import ProbeRecord
 from spillway_runtime.training.dsconfig import build_deepspeed_config, validate_deepspeed_config
@@ -79,10 +79,8 @@ def plan_for_job(job: FineTuneJob, hw: NodeHardware, model_dir: Path, processes:
     spec = job.spec
     shape = shape_from_config(model_dir)
     gpus = min(hw.gpu_count, spec.resources.gpus_per_node or hw.gpu_count)
-    plan = plan_tiers(
-        shape, hw, spec.training, spec.offload, dtype=spec.model.dtype, gpus_per_node=gpus,
-        nodes=spec.resources.nodes, price_per_hour=price_per_hour, cpu_processes=processes, method=spec.method,
-    )
+    plan = plan_placement(PlanInputs.of_spec(spec, shape, gpus_per_node=gpus, price_per_hour=price_per_hour,
+                                             cpu_processes=processes), hw)
     if not plan.feasible:
         raise PlanningError(plan)
     return plan

@@ -11,7 +11,7 @@ from spillway_api.errors import PROBLEM_RESPONSES, ApiError
 from spillway_api.schemas import LargestFitPublic, LargestPublic, PlanPublic, PlanRequest, PlansPublic
 from spillway_runtime.core.hardware import NodeHardware, hardware_from_node
 from spillway_runtime.core.largest import largest_model
-from spillway_runtime.core.planner import ModelShape, plan_tiers
+from spillway_runtime.core.planner import ModelShape, PlanInputs, plan_placement
 from spillway_runtime.core.spec import FineTuneJobSpec, Offload, Training
 from spillway_runtime.core.units import parse_count
 
@@ -163,9 +163,10 @@ def plan(_caller: MayPlan, request: Request, body: PlanRequest) -> PlansPublic:
             continue
         seen.add(key)
         try:
-            result = plan_tiers(shape, hw, training, offload, dtype=dtype, gpus_per_node=body.gpus_per_node,
-                                nodes=body.node_count, price_per_hour=body.price_per_hour,
-                                method=body.method or (body.spec.method if body.spec else None))
+            inputs = PlanInputs(shape, training or Training(), offload or Offload(),
+                                body.method or (body.spec.method if body.spec else None), dtype, body.gpus_per_node,
+                                body.node_count, body.price_per_hour)
+            result = plan_placement(inputs, hw)
         except ValueError as err:
             plans.append(PlanPublic(node=hw.name, feasible=False, label="-", plan=None, shortfalls=[str(err)]))
             continue

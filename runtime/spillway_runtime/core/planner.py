@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationError
@@ -28,7 +29,7 @@ from spillway_runtime.core.estimates import StepTime, activation_bytes, lora_par
 from spillway_runtime.core.hardware import AioSettings, NodeHardware
 from spillway_runtime.core.placement_inputs import OPTIMIZER_SWAP_BUFFERS, ModelShape, PlacementInputs, SwapSettings
 from spillway_runtime.core.plan_summary import PlanSummary
-from spillway_runtime.core.spec import POLICY_TIERS, Method, Offload, Training
+from spillway_runtime.core.spec import POLICY_TIERS, FineTuneJobSpec, Method, Offload, Training
 from spillway_runtime.core.spec_types import DType, Tier
 from spillway_runtime.core.tier_sizing import (
     CPU_RESERVED_FRACTION,
@@ -249,6 +250,32 @@ def _processes(hw: NodeHardware, gpus_per_node: int | None, cpu_processes: int) 
     return gpus, gpus if gpus else max(1, cpu_processes)
 
 
+@dataclass(frozen=True)
+class PlanInputs:
+    """What the planner places, whoever asks (a job, `spillway plan`'s flags, the REST API): the
+    model's shape and what the job says about training, offload, method and its processes. A
+    job's are built by `of_spec`; the node's hardware is the planner's other input."""
+
+    shape: ModelShape
+    training: Training = field(default_factory=Training)
+    offload: Offload = field(default_factory=Offload)
+    method: Method | None = None
+    dtype: DType = "bf16"
+    gpus_per_node: int | None = None  # None: every GPU of the node
+    nodes: int = 1
+    price_per_hour: float | None = None  # of one node
+    cpu_processes: int = 1  # processes per CPU node (no GPU)
+
+    @classmethod
+    def of_spec(cls, spec: FineTuneJobSpec, shape: ModelShape, *, gpus_per_node: int | None = None,
+                price_per_hour: float | None = None, cpu_processes: int | None = None,
+                method: Method | None = None) -> PlanInputs:
+        """A job's: its training, offload, method (or `method`), dtype and nodes."""
+        return cls(shape, spec.training, spec.offload, method or spec.method, spec.model.dtype, gpus_per_node,
+                   spec.resources.nodes, price_per_hour,
+                   spec.resources.cpu_processes if cpu_processes is None else cpu_processes)
+
+
 def plan_tiers(
     shape: ModelShape,
     hw: NodeHardware,
@@ -262,15 +289,21 @@ def plan_tiers(
     cpu_processes: int = 1,
     method: Method | None = None,
 ) -> OffloadPlan:
+    """`plan_placement` with its inputs one by one (the planner's tests vary one at a time)."""
+    return plan_placement(PlanInputs(shape, training or Training(), offload or Offload(), method, dtype,
+                                     gpus_per_node, nodes, price_per_hour, cpu_processes), hw)
+
+
+def plan_placement(inputs: PlanInputs, hw: NodeHardware) -> OffloadPlan:
     """Choose the fastest placement that fits and is allowed; explain the others.
 
     Returns an infeasible plan (feasible=False, shortfalls set) when nothing fits: the
     candidate with the smallest total shortfall, so the caller can say what is missing.
     """
-    training = training or Training()
-    offload = offload or Offload()
-    shape, lora_notes = _with_lora(shape, method)
-    gpus, ranks_per_node = _processes(hw, gpus_per_node, cpu_processes)
+    training, offload, dtype, nodes = inputs.training, inputs.offload, inputs.dtype, inputs.nodes
+    price_per_hour = inputs.price_per_hour
+    shape, lora_notes = _with_lora(inputs.shape, inputs.method)
+    gpus, ranks_per_node = _processes(hw, inputs.gpus_per_node, inputs.cpu_processes)
 
     candidates: list[OffloadPlan] = []
     rejected: list[Rejection] = []
