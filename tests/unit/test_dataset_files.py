@@ -1,9 +1,11 @@
-"""The data formats users keep: Parquet, Arrow and folders that Hugging Face `datasets` saved
-read as the same records as JSON lines (written here by pyarrow and by `datasets` itself, not
+"""The data formats users keep: Parquet, Arrow, gzip'ed JSON lines and text, and folders that
+Hugging Face `datasets` saved read as the same records as JSON lines (written here by pyarrow and by `datasets` itself, not
 by us), and a bad row or file refused by name."""
 
 from __future__ import annotations
 
+import gzip
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +104,52 @@ def test_a_bad_row_or_file_is_refused_by_file_and_row(tokenizer: Any, tmp_path: 
     (tmp_path / "broken.parquet").write_bytes(b"PAR1 this is not parquet")
     with pytest.raises(DatasetError, match=r"broken\.parquet: cannot be read as Parquet .*convert it to JSON lines"):
         read_texts(DatasetSource(uri="x", format="jsonl"), tmp_path / "broken.parquet")
+
+
+def gzipped(path: Path) -> Path:
+    """`path` compressed as `gzip -k` would, beside it."""
+    target = path.with_name(path.name + ".gz")
+    with path.open("rb") as src, gzip.open(target, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    return target
+
+
+def test_gzipped_json_lines_and_text_and_a_folder_of_mixed_shards_read_as_uncompressed(
+        tokenizer: Any, tmp_path: Path) -> None:
+    jsonl = DatasetSource(uri="x", format="jsonl")
+    plain = write_jsonl(tmp_path / "t.jsonl", TEXTS)
+    want = read_texts(jsonl, plain)
+    assert read_texts(jsonl, gzipped(plain)) == want
+    assert read_texts(DatasetSource(uri="x"), tmp_path / "t.jsonl.gz") == want  # format auto
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_jsonl(shards / "part-0.jsonl", TEXTS[:3])
+    gzipped(write_jsonl(shards / "part-1.jsonl", TEXTS[3:6])).rename(shards / "part-1.jsonl.gz")
+    (shards / "part-1.jsonl").unlink()
+    parquet(shards / "part-2.parquet", TEXTS[6:])
+    assert [p.name for p in dataset_files(shards, "jsonl")] == ["part-0.jsonl", "part-1.jsonl.gz", "part-2.parquet"]
+    assert read_texts(jsonl, shards) == want
+
+    text = tmp_path / "book.txt"
+    text.write_text("A first paragraph.\n\nA second one.\n")
+    assert read_texts(DatasetSource(uri="x", format="text"), gzipped(text)) == ["A first paragraph.", "A second one.\n"]
+    assert read_texts(DatasetSource(uri="x"), tmp_path / "book.txt.gz") == read_texts(DatasetSource(uri="x"), text)
+
+    preference = DatasetSource(uri="x", format="preference")
+    pairs = write_jsonl(tmp_path / "p.jsonl", PAIRS)
+    assert (read_pairs(preference, gzipped(pairs), tokenizer, 64).pairs
+            == read_pairs(preference, pairs, tokenizer, 64).pairs)
+
+
+def test_a_damaged_gzip_file_is_refused_by_name(tmp_path: Path) -> None:
+    whole = gzipped(write_jsonl(tmp_path / "t.jsonl", TEXTS)).read_bytes()
+    (tmp_path / "cut.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(DatasetError, match=r"cut\.jsonl\.gz: cannot be read as gzip .*compress it again"):
+        read_texts(DatasetSource(uri="x", format="jsonl"), tmp_path / "cut.jsonl.gz")
+    (tmp_path / "not.txt.gz").write_bytes(b"plain text, never compressed")
+    with pytest.raises(DatasetError, match=r"not\.txt\.gz: cannot be read as gzip"):
+        read_texts(DatasetSource(uri="x", format="text"), tmp_path / "not.txt.gz")
 
 
 def test_the_token_cache_follows_a_parquet_file(model_dir: Path, tmp_path: Path) -> None:

@@ -98,7 +98,8 @@ class DatasetSource(SpecModel):
     """The training data: where it is, its format, and how it is packed into sequences."""
 
     uri: str = Field(
-        description="A .jsonl, .parquet, .arrow or .txt file, a folder of them, or a folder that Hugging Face "
+        description="A .jsonl, .parquet, .arrow or .txt file (.jsonl.gz, .txt.gz gzip'ed), a folder of them, or a "
+        "folder that Hugging Face "
         "datasets saved (save_to_disk; a DatasetDict's train split)", min_length=1, max_length=MAX_URI)
     format: DatasetFormat = Field(
         "auto",

@@ -33,6 +33,8 @@ from spillway_runtime.training.dataset_files import (
     RecordError,
     dataset_files,
     decode_utf8,
+    kind,
+    read_bytes,
     records,
 )
 
@@ -43,8 +45,8 @@ def read_texts(source: DatasetSource, path: Path) -> list[str]:
     texts: list[str] = []
     files = dataset_files(path, source.format)
     for file in files:
-        if source.format == "text" or (source.format == "auto" and file.suffix in TEXT_SUFFIXES):
-            texts.extend(chunk for chunk in decode_utf8(file, file.read_bytes()).split("\n\n") if chunk.strip())
+        if source.format == "text" or (source.format == "auto" and kind(file) in TEXT_SUFFIXES):
+            texts.extend(chunk for chunk in decode_utf8(file, read_bytes(file)).split("\n\n") if chunk.strip())
             continue
         for where, record in records([file]):
             if isinstance(record, RecordError):

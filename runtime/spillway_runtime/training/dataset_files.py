@@ -3,7 +3,8 @@
 A dataset's URI (after an s3:// or pvc:// one is made local) is a file or a folder. Records
 come from JSON lines (`.jsonl`), Parquet (`.parquet`, as Hugging Face Hub datasets and most
 data tools write them) and Arrow (`.arrow`: the IPC file or stream format, as `datasets`'
-`save_to_disk` writes them); plain text (`.txt`) is read whole by the text format. A folder
+`save_to_disk` writes them); plain text (`.txt`) is read whole by the text format. JSON lines
+and text may be gzip'ed (`.jsonl.gz`, `.txt.gz`), read as they are decompressed. A folder
 that `datasets` saved is read as `datasets` would: a `DatasetDict`'s `train` split, a
 `Dataset`'s files in the order its `state.json` lists them. Every record is named by where it
 came from (`file:line` for JSON lines, `file: row N` for columnar files), so a bad one is
@@ -15,7 +16,9 @@ imported only when a Parquet or Arrow file is read.
 
 from __future__ import annotations
 
+import gzip
 import json
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,9 +33,30 @@ class RecordError(ValueError):
 
 
 COLUMNAR = (".parquet", ".arrow")
-RECORD_SUFFIXES = (".jsonl", *COLUMNAR)
-TEXT_SUFFIXES = (".txt",)
+RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", *COLUMNAR)
+TEXT_SUFFIXES = (".txt", ".txt.gz")
 ROWS_PER_BATCH = 1024  # rows of a columnar file in memory at once
+
+
+def kind(path: Path) -> str:
+    """A dataset file's suffix, with the compression: `.jsonl.gz` for `a.jsonl.gz`."""
+    return "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
+
+
+def read_bytes(file: Path) -> bytes:
+    """A whole file's bytes, decompressed when it is gzip'ed."""
+    if file.suffix != ".gz":
+        return file.read_bytes()
+    try:
+        with gzip.open(file, "rb") as fh:
+            return fh.read()
+    except (OSError, EOFError, zlib.error) as err:
+        raise _bad_gzip(file, err) from None
+
+
+def _bad_gzip(file: Path, err: Exception) -> DatasetError:
+    return DatasetError(f"{file}: cannot be read as gzip ({err or type(err).__name__}); compress it again "
+                        "(gzip -k), or give it uncompressed")
 
 
 def suffixes_for(fmt: str) -> tuple[str, ...]:
@@ -55,7 +79,7 @@ def dataset_files(root: Path, fmt: str) -> list[Path]:
     if saved is not None:
         return saved
     suffixes = suffixes_for(fmt)
-    found = sorted(p for p in root.rglob("*") if p.suffix in suffixes and p.is_file())
+    found = sorted(p for p in root.rglob("*") if kind(p) in suffixes and p.is_file())
     if found:
         return found
     raise DatasetError(f"dataset.uri {root}: directory holds no {' or '.join(sorted(suffixes))} files")
@@ -115,16 +139,20 @@ def records(files: list[Path]) -> Iterator[tuple[str, Any]]:
 
 
 def _json_lines(file: Path) -> Iterator[tuple[str, Any]]:
-    with file.open("rb") as fh:
-        for lineno, raw in enumerate(fh, 1):
-            line = decode_utf8(file, raw, lineno)
-            if not line.strip():
-                continue
-            where = f"{file}:{lineno}"
-            try:
-                yield where, json.loads(line)
-            except json.JSONDecodeError as err:
-                yield where, RecordError(f"not valid JSON ({err.msg}); each line must be one object")
+    """Line by line, so that a file larger than RAM is read (a gzip'ed one as it decompresses)."""
+    try:
+        with gzip.open(file, "rb") if file.suffix == ".gz" else file.open("rb") as fh:
+            for lineno, raw in enumerate(fh, 1):
+                line = decode_utf8(file, raw, lineno)
+                if not line.strip():
+                    continue
+                where = f"{file}:{lineno}"
+                try:
+                    yield where, json.loads(line)
+                except json.JSONDecodeError as err:
+                    yield where, RecordError(f"not valid JSON ({err.msg}); each line must be one object")
+    except (EOFError, zlib.error, gzip.BadGzipFile) as err:
+        raise _bad_gzip(file, err) from None
 
 
 def _columnar_rows(file: Path) -> Iterator[tuple[str, Any]]:
@@ -153,5 +181,5 @@ def _batches(file: Path) -> Iterator[Any]:
                 batches = iter(pyarrow.ipc.open_stream(source))
             yield from batches
     except (pa.ArrowException, OSError) as err:
-        kind = "Parquet" if file.suffix == ".parquet" else "Arrow IPC"
-        raise DatasetError(f"{file}: cannot be read as {kind} ({err}); write it again, or convert it to JSON lines") from None
+        what = "Parquet" if file.suffix == ".parquet" else "Arrow IPC"
+        raise DatasetError(f"{file}: cannot be read as {what} ({err}); write it again, or convert it to JSON lines") from None
