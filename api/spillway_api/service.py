@@ -371,7 +371,8 @@ class JobService:
             phase = "Suspended" if job.spec.get("suspend") else "Preempted"
             self.transition(job, phase, f"stopped at step {event.get('step')} after a checkpoint", key, at)
         elif kind == "finished":
-            self.transition(job, "Succeeded", f"finished at step {event.get('step')}, loss {event.get('loss')}",
+            said = event.get("message")  # a run that stopped early says why
+            self.transition(job, "Succeeded", said or f"finished at step {event.get('step')}, loss {event.get('loss')}",
                             key, at)
         elif kind == "failed":
             phase = phase_for_exit(int(event.get("exit_code") or ExitCode.FAILED))

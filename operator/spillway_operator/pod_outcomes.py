@@ -41,6 +41,12 @@ def _exit_code(pod: dict[str, Any]) -> tuple[int | None, str, str]:
     return None, "", ""
 
 
+def termination_message(pod: dict[str, Any]) -> str:
+    """What the container said as it ended (the runtime's reason for a success, such as an early
+    stop; the end of its log for a failure), or ""."""
+    return _exit_code(pod)[2]
+
+
 def classify_pod(pod: dict[str, Any], node_exists: bool) -> PodOutcome:
     """What a training pod's state means for the job; an exit code means what the contract's
     `exit_outcome` says it means in a cluster."""

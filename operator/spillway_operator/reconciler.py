@@ -385,7 +385,9 @@ def _attempt_ended(change: StatusChange, spec: FineTuneJobSpec, pods: list[dict[
     # its log), so that `kubectl describe ftj` says why without a trip to the pod's logs.
     said = f": {_tail_of(worst.message)}" if worst.message else ""
     if worst.kind == pod_outcomes.OUTCOME_SUCCEEDED:
-        finish(change, b.PHASE_SUCCEEDED, "Completed", "training finished", pods)
+        # The runtime's own words when it has some (training.earlyStopping: the step and the best checkpoint)
+        said_by_runtime = next((m for p in pods if (m := pod_outcomes.termination_message(p).strip())), "")
+        finish(change, b.PHASE_SUCCEEDED, "Completed", _tail_of(said_by_runtime) or "training finished", pods)
         change.commit()
         return _finished(change, spec, [])
     if worst.kind == pod_outcomes.OUTCOME_PERMANENT:

@@ -76,3 +76,35 @@ def test_a_validation_file_is_evaluated_and_its_bad_line_named(tmp_path: Path, m
     bad = run_job(path, tmp_path / "bad")
     assert bad.returncode == 2, bad.log[-3000:]
     assert f"{held_out}:2: no field 'text'" in bad.log
+
+
+def test_early_stopping_ends_the_run_at_the_evaluation_that_ran_out_of_patience_and_resumes_to_the_same(
+        tmp_path: Path, make_job: Any) -> None:
+    # minDelta 5: no later evaluation improves on the step-3 one by that much, so patience 1
+    # runs out at the step-6 evaluation (the held-out loss falls less than 5 in 3 steps).
+    def stopping(name: str) -> Path:
+        path = _job(make_job, name, 3)
+        doc = yaml.safe_load(path.read_text())
+        doc["spec"]["training"]["earlyStopping"] = {"patience": 1, "minDelta": 5.0}
+        path.write_text(yaml.safe_dump(doc))
+        return path
+
+    run = run_job(stopping("stops"), tmp_path / "stops")
+    assert run.returncode == 0, run.log[-3000:]
+    assert sorted(run.losses()) == list(range(1, 7)) and sorted(_evals(run)) == [3, 6]
+    [stopped] = run.of("early_stopped")
+    assert (stopped["step"], stopped["best_step"], stopped["best_eval_loss"]) == (6, 3, _evals(run)[3])
+    # The checkpoint named and kept as the best is the lowest held-out loss (a smaller gain than
+    # minDelta is no reason to go on, but it is the better model).
+    best = min(run.of("checkpoint"), key=lambda c: (c["evalLoss"], c["step"]))["name"]
+    assert stopped["best_checkpoint"] == best and (run.run_dir / "checkpoints" / best / "manifest.json").is_file()
+    [finished] = run.of("finished")
+    assert finished["stopped_early"] and finished["step"] == 6
+    assert f"stopped early at step 6 of {STEPS}" in finished["message"] and f"best checkpoint {best}" in finished["message"]
+
+    # Restarted from step 3, it stops at step 6 again: the early-stopping state is in the checkpoint.
+    copy_checkpoint(run.run_dir, tmp_path / "restarted", checkpoint_name(3))
+    resumed = run_job(stopping("restarted"), tmp_path / "restarted")
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    assert resumed.losses() == {s: loss for s, loss in run.losses().items() if s > 3}
+    assert [e["step"] for e in resumed.of("early_stopped")] == [6] and _evals(resumed) == {6: _evals(run)[6]}

@@ -63,6 +63,36 @@ def test_warmup_longer_than_run_is_refused():
         parse_job(minimal(training={"maxSteps": 5, "warmupSteps": 10}))
 
 
+def test_early_stopping_needs_evaluations_that_have_checkpoints():
+    validation = {"uri": "/data/train.jsonl", "validation": {"fraction": 0.1}}
+    stopping = {"earlyStopping": {"patience": 3, "minDelta": 0.01}}
+    job = parse_job(minimal(dataset=validation, training={"evalEverySteps": 100, **stopping},
+                            checkpoint={"everySteps": 50}))
+    assert (job.spec.training.early_stopping.patience, job.spec.training.early_stopping.min_delta) == (3, 0.01)
+    with pytest.raises(SpecError, match=r"training.earlyStopping needs training.evalEverySteps \(0\) set to a "
+                                        r"multiple of checkpoint.everySteps \(50\)"):
+        parse_job(minimal(dataset=validation, training=stopping))
+    with pytest.raises(SpecError, match=r"evalEverySteps \(30\) set to a multiple of checkpoint.everySteps \(20\)"):
+        parse_job(minimal(dataset=validation, training={"evalEverySteps": 30, **stopping}, checkpoint={"everySteps": 20}))
+    with pytest.raises(SpecError, match=r"spec.training.earlyStopping.patience: Input should be greater than or equal to 1"):
+        parse_job(minimal(dataset=validation, training={"evalEverySteps": 50, "earlyStopping": {"patience": 0}}))
+
+
+def test_early_stopping_counts_evaluations_without_an_improvement_beyond_min_delta():
+    from spillway_runtime.training.schedule import EarlyStopping
+
+    stopping = EarlyStopping(patience=2, min_delta=0.1)
+    assert [stopping.record(step, loss) for step, loss in [(10, 2.0), (20, 1.95), (30, 1.5), (40, float("nan")),
+                                                           (50, 1.45)]] == [False, False, False, False, True]
+    assert (stopping.best, stopping.best_step, stopping.waited) == (1.5, 30, 2)
+    resumed = EarlyStopping(patience=2, min_delta=0.1)
+    resumed.restore(EarlyStopping(2, 0.1, best=1.5, best_step=30, waited=1).state())
+    assert resumed.record(50, 1.45) is True
+    fresh = EarlyStopping(patience=1)
+    fresh.restore(None)  # a checkpoint written without early stopping
+    assert fresh.record(10, 3.0) is False and fresh.best_step == 10
+
+
 def test_load_job_reports_yaml_errors_and_missing_files(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("spec: [unclosed")

@@ -35,6 +35,15 @@ from spillway_runtime.core.spec_types import (
 MAX_STEPS = 2**31 - 1
 
 
+class EarlyStopping(SpecModel):
+    """Stop when the held-out loss has stopped improving (as transformers' EarlyStoppingCallback)."""
+
+    patience: int = Field(ge=1, le=10_000, description="Evaluations in a row that do not improve the best held-out "
+                          "loss by more than minDelta before training stops")
+    min_delta: float = Field(0.0, ge=0, le=1e6, description="How much lower than the best a held-out loss must be "
+                             "to count as an improvement")
+
+
 class Training(SpecModel):
     """The optimization: steps, batch, sequence length, learning-rate schedule, evaluation."""
 
@@ -54,6 +63,9 @@ class Training(SpecModel):
     eval_batches: int | None = Field(
         None, ge=1, le=1_000_000, description="At most this many micro-batches per evaluation (none: all of it)"
     )
+    early_stopping: EarlyStopping | None = Field(
+        None, description="Stop before maxSteps when the held-out loss stops improving: the job succeeds, naming the "
+        "step and the best checkpoint, which is kept; needs evalEverySteps, a multiple of checkpoint.everySteps")
     gradient_clipping: float = Field(1.0, ge=0, le=1e6, description="Max gradient norm; 0 disables clipping")
     activation_checkpointing: ActivationCheckpointing = Field(
         "auto", description="auto turns it on when activations would not fit next to the model state"
@@ -413,6 +425,13 @@ class FineTuneJobSpec(SpecModel):
         if self.training.eval_every_steps and self.dataset.validation is None:
             raise ValueError("training.evalEverySteps needs dataset.validation (e.g. validation: {fraction: 0.05}); "
                              "add it or remove evalEverySteps")
+        stopping = self.training.early_stopping
+        if stopping is not None and (not self.training.eval_every_steps
+                                     or self.training.eval_every_steps % self.checkpoint.every_steps):
+            raise ValueError(
+                f"training.earlyStopping needs training.evalEverySteps ({self.training.eval_every_steps}) set to a "
+                f"multiple of checkpoint.everySteps ({self.checkpoint.every_steps}), so that every evaluation has "
+                "a checkpoint to keep as the best; set evalEverySteps (and dataset.validation) or remove earlyStopping")
         if self.checkpoint.keep_best and self.dataset.validation is None:
             raise ValueError("checkpoint.keepBest needs dataset.validation to tell the best checkpoint; add it or "
                              "remove keepBest")

@@ -49,7 +49,6 @@ STATE_FILE = "spillway_state.pt"
 DS_TAG = "ds"
 
 if TYPE_CHECKING:
-
     from spillway_runtime.checkpoints.engine import BackgroundWrite, SpillwayCheckpointEngine, SwapFiles
     from spillway_runtime.checkpoints.mirror import CheckpointMirror
 
@@ -90,7 +89,8 @@ class Checkpointing:
             first_failure=self.run.ranks.first_failure,
             log=self.run.log,
             pinned=self._pinned,
-            keep_best=self.run.spec.checkpoint.keep_best,
+            # early stopping names the best checkpoint: it is kept
+            keep_best=self.run.spec.checkpoint.keep_best or self.run.spec.training.early_stopping is not None,
             digest=self.ckpt.io.digest,
         )
         if self.run.rank == 0:
@@ -199,6 +199,7 @@ class Checkpointing:
             "rollbacks": self.run.rollbacks,
             "lr_scale": self.run.lr_scale,
             "loss_history": list(self.run.divergence.history),
+            "early_stopping": self.run.early_stopping.state() if self.run.early_stopping is not None else None,
             "optimizer_steps": [state.get("step") for state in partition_states(self.run.engine)],
             "micro_steps": self.run.engine.micro_steps,
             "rng": {
@@ -350,6 +351,8 @@ class Checkpointing:
         self.run.lr_scale = state["lr_scale"]
         self.run.divergence.history.clear()
         self.run.divergence.history.extend(state["loss_history"])
+        if self.run.early_stopping is not None:
+            self.run.early_stopping.restore(state.get("early_stopping"))
         self.run.last_saved_step = self.run.step
 
     def _restore_rng(self, rng: dict[str, Any]) -> None:

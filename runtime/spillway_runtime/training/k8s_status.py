@@ -12,10 +12,12 @@ client is imported lazily: the runtime image does not need it for local runs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from spillway_runtime.core.contract import JOB_NAME_ENV, JOB_NAMESPACE_ENV
@@ -209,6 +211,18 @@ def _server_side_apply(name: str, namespace: str, api: Any = None) -> Callable[[
         )
 
     return patch
+
+
+TERMINATION_LOG = Path("/dev/termination-log")  # the kubelet's default terminationMessagePath
+
+
+def termination_message(text: str, path: Path = TERMINATION_LOG) -> None:
+    """In a pod: `text` as the container's termination message (the kubelet keeps at most 4 KiB),
+    which the operator reads into the job's status when the pod succeeds. Nothing elsewhere."""
+    if not in_pod():
+        return
+    with contextlib.suppress(OSError):  # no such mount (a pod spec that moved it): the events say it
+        path.write_text(text[:4096])
 
 
 def in_pod() -> bool:

@@ -30,7 +30,7 @@ from spillway_runtime.training.processes import free_port
 from spillway_runtime.training.reporting import Reporter
 from spillway_runtime.training.run import Ranks, RunFailed
 from spillway_runtime.training.runconfig import RuntimeConfig
-from spillway_runtime.training.schedule import DivergencePolicy, learning_rate
+from spillway_runtime.training.schedule import DivergencePolicy, EarlyStopping, learning_rate
 from spillway_runtime.training.tracking import build_listeners
 
 # checkpoint.mirror: how long the end of training waits for the last upload (the object
@@ -70,6 +70,8 @@ class FineTuneRecipe:
         self.library_log = library_output.for_terminal(Path(config.run_dir), self.rank, self.reporter.interactive,
                                                        self.reporter.verbose)
         self.divergence = DivergencePolicy(self.spec.rollback.spike_factor, self.spec.rollback.window)
+        stopping = self.spec.training.early_stopping
+        self.early_stopping = EarlyStopping(stopping.patience, stopping.min_delta) if stopping else None
         # From construction on, not after set-up: a stop request during set-up is a stop, not a death
         signal.signal(signal.SIGTERM, self._on_stop_signal)
         signal.signal(signal.SIGINT, self._on_stop_signal)
@@ -362,17 +364,42 @@ class FineTuneRecipe:
             )
             self.last_loss = loss
             self.checkpoints.report_mirror()
+            stop = False
             if self.held_out is not None and (self.step == t.max_steps or (
                     t.eval_every_steps and self.step % t.eval_every_steps == 0)):
-                self.evaluate()
-            if self.step % every == 0 or self.step == t.max_steps:
+                held_out = self.evaluate()
+                stop = self.early_stopping is not None and self.early_stopping.record(self.step, held_out)
+            if self.step % every == 0 or self.step == t.max_steps or stop:
                 self.checkpoints.save(loss)
+            if stop:
+                break
         self.checkpoints.settle()
+        early = self._early_stop_summary() if self.step < t.max_steps else None
         self.export()
         self.checkpoints.finish_mirror(float(os.environ.get("SPILLWAY_MIRROR_WAIT_SECONDS", MIRROR_WAIT_SECONDS)))
         self.reporter.event("finished", step=self.step, loss=getattr(self, "last_loss", None),
-                            rollbacks=self.rollbacks, disk=disk_usage.process_io_bytes())
+                            rollbacks=self.rollbacks, disk=disk_usage.process_io_bytes(), **(early or {}))
+        if early is not None and self.rank == 0:
+            k8s_status.termination_message(early["message"])  # the job's Succeeded message in a cluster
         return ExitCode.OK
+
+    def _early_stop_summary(self) -> dict[str, Any]:
+        """Why training stopped before maxSteps (training.earlyStopping), as the `early_stopped`
+        event says it and the `finished` event carries it: the step, the best held-out loss and
+        its step, and the checkpoint kept as the best: the lowest held-out loss on the volume, which
+        may be a later one than the best step's when it improved by less than minDelta."""
+        stopping = self.early_stopping
+        assert stopping is not None
+        best = self.checkpoints.store.best(self.checkpoints.store.list())
+        early = {"stopped_early": True, "best_eval_loss": stopping.best, "best_step": stopping.best_step,
+                 "best_checkpoint": best.name if best is not None else None, "patience": stopping.patience}
+        kept = f"{best.name} (held-out loss {best.eval_loss:.4g})" if best is not None else "none"
+        early["message"] = (
+            f"stopped early at step {self.step} of {self.spec.training.max_steps} (training.earlyStopping): the "
+            f"held-out loss has not gone below {stopping.best:.4g} (step {stopping.best_step}) by more than "
+            f"{stopping.min_delta:g} for {stopping.patience} evaluation(s); best checkpoint {kept} is kept")
+        self.reporter.event("early_stopped", step=self.step, **{k: v for k, v in early.items() if k != "stopped_early"})
+        return early
 
     def evaluate(self) -> float:
         """The held-out loss of the weights now (with DPO: the held-out DPO loss and TRL's

@@ -67,7 +67,8 @@ _TERMINAL: dict[str, Callable[[dict[str, Any]], str | None]] = {
     "mirror_restored": lambda f: f"{f.get('checkpoint')} restored from {f.get('uri')} ({_bytes(f.get('bytes'))})",
     "mirror_behind": lambda f: f"[yellow]mirror {f.get('uri')} is behind:[/yellow] {f.get('reason')}",
     "resharded": lambda f: f"{f.get('checkpoint')} resharded for this run's processes",
-    "finished": lambda f: f"finished at step {f.get('step')}, loss {_loss(f.get('loss'))}",
+    "finished": lambda f: f.get("message") or f"finished at step {f.get('step')}, loss {_loss(f.get('loss'))}",
+    "early_stopped": lambda f: None,  # the finished line says it
     "failed": lambda f: f"[red]failed:[/red] {f.get('reason')}",
 }
 

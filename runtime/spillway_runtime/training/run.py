@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from spillway_runtime.core.spec import FineTuneJobSpec
     from spillway_runtime.training.reporting import Reporter
     from spillway_runtime.training.runconfig import RuntimeConfig
-    from spillway_runtime.training.schedule import DivergencePolicy
+    from spillway_runtime.training.schedule import DivergencePolicy, EarlyStopping
 
 
 class RunFailed(RuntimeError):
@@ -40,6 +40,7 @@ class TrainingRun(Protocol):
     reporter: Reporter
     ranks: Ranks
     divergence: DivergencePolicy
+    early_stopping: EarlyStopping | None
     # Where training is: what a checkpoint holds beyond DeepSpeed's own state
     step: int
     data_position: int

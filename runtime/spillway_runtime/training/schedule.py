@@ -1,11 +1,14 @@
-"""The run's schedule and its guard: the learning rate at each step, and whether a step's loss
-means the run has diverged (`spec.rollback`). Pure functions of what a checkpoint restores.
+"""The run's schedule and its guards: the learning rate at each step, whether a step's loss
+means the run has diverged (`spec.rollback`), and whether the held-out loss has stopped
+improving (`training.earlyStopping`). Pure functions of what a checkpoint restores.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
+from typing import Any
 
 
 class DivergencePolicy:
@@ -36,3 +39,32 @@ def learning_rate(step: int, base: float, warmup: int, total: int, floor_ratio: 
     progress = min(1.0, (step - warmup) / span)
     floor = base * floor_ratio
     return floor + (base - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class EarlyStopping:
+    """`training.earlyStopping`: stop once `patience` evaluations in a row have not lowered the
+    best held-out loss by more than `min_delta` (a NaN is no improvement). Its state goes into
+    every checkpoint, so that a resumed run stops where the uninterrupted one does."""
+
+    patience: int
+    min_delta: float = 0.0
+    best: float | None = None
+    best_step: int | None = None
+    waited: int = 0  # evaluations since the best
+
+    def record(self, step: int, loss: float) -> bool:
+        """The held-out loss at `step`; True: stop training now."""
+        if loss == loss and (self.best is None or loss < self.best - self.min_delta):
+            self.best, self.best_step, self.waited = loss, step, 0
+            return False
+        self.waited += 1
+        return self.waited >= self.patience
+
+    def state(self) -> dict[str, Any]:
+        return {"best": self.best, "best_step": self.best_step, "waited": self.waited}
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        """From a checkpoint's state (None: one written without early stopping: from scratch)."""
+        state = state or {}
+        self.best, self.best_step, self.waited = state.get("best"), state.get("best_step"), int(state.get("waited", 0))

@@ -141,6 +141,22 @@ def test_scheduled_then_running_then_succeeded() -> None:
     assert reasons(cluster)[-1] == "Completed"
 
 
+def test_a_run_that_says_why_it_succeeded_is_quoted_in_the_status() -> None:
+    # training.earlyStopping: the runtime writes its reason as the pod's termination message
+    said = ("stopped early at step 40 of 100 (training.earlyStopping): the held-out loss has not improved on 1.2 "
+            "(step 20) for 2 evaluation(s); best checkpoint step-00000020 is kept")
+    cluster = world()
+    cluster.exit(NS, running(cluster), 0, said)
+    step(cluster)
+    st = status(cluster)
+    assert (st["phase"], st["message"]) == ("Succeeded", said)
+    assert {c["type"]: c for c in st["conditions"]}["Succeeded"]["message"] == said
+    plain = world()
+    plain.exit(NS, running(plain), 0)
+    step(plain)
+    assert status(plain)["message"] == "training finished"
+
+
 def test_a_retryable_failure_backs_off_then_starts_the_next_attempt() -> None:
     cluster = world()
     pod = running(cluster)
