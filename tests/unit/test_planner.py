@@ -330,6 +330,25 @@ def test_lora_moves_only_the_adapters_state_and_keeps_the_frozen_base_in_its_tie
     assert same.predicted_step_seconds < full_same.predicted_step_seconds
 
 
+def test_dpo_is_planned_as_two_sequences_per_pair_and_one_more_forward_pass():
+    from spillway_runtime.core.spec import Method
+
+    pinned = Offload(optimizer="cpu", parameters="cpu")
+    lora = Method(type="lora", rank=16)
+    dpo = plan_tiers(P13, rtx4090(64), TRAIN, pinned, method=lora.model_copy(update={"objective": "dpo"}))
+    sft = plan_tiers(P13, rtx4090(64), TRAIN, pinned, method=lora)
+    doubled = plan_tiers(P13, rtx4090(64), TRAIN.model_copy(update={"micro_batch_size": 2}), pinned, method=lora)
+    # chosen and rejected: the activations and tokens of a micro-batch twice the size
+    assert dpo.activation_bytes == doubled.activation_bytes
+    assert dpo.activation_bytes > sft.activation_bytes and dpo.tokens_per_step == 2 * sft.tokens_per_step
+    # the reference's forward, 2 FLOPs per parameter and token, on top
+    tokens = doubled.tokens_per_step
+    assert dpo.step.flops == pytest.approx(doubled.step.flops + 2 * P13.params * tokens)
+    assert dpo.predicted_step_seconds > doubled.predicted_step_seconds
+    assert any("DPO: 1 pair(s) per micro-batch are 2 sequences" in reason for reason in dpo.reasons)
+    assert not any("DPO" in reason for reason in sft.reasons)
+
+
 def test_a_plan_label_reads_back_as_stage_and_tiers():
     """A checkpoint's manifest records the label; a resume reads the shape that wrote it from it."""
     plan = plan_tiers(P13, rtx4090(64), TRAIN)

@@ -226,8 +226,9 @@ def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSetting
     ranks = placement.ranks
     micro_steps = training.gradient_accumulation
     tokens_per_rank = training.micro_batch_size * training.sequence_length * micro_steps
-    # forward 2P, backward 2P for the activations' gradients and 2T for the weights'; +2P recomputed
-    flops = ((6 if checkpointing else 4) * p + 2 * t) * tokens_per_rank
+    # forward 2P, backward 2P for the activations' gradients and 2T for the weights'; +2P recomputed;
+    # a frozen reference's forward (DPO) 2P more
+    flops = ((6 if checkpointing else 4) * p + 2 * t + 2 * p * placement.reference_forwards) * tokens_per_rank
     flops_per_s, flops_source = compute_rate(placement)
     if placement.on_gpu:
         compute = flops / flops_per_s

@@ -135,6 +135,7 @@ class PlacementInputs:
     # or 0 when the job asked for NVMe), or None: the largest share the RAM holds.
     cpu_resident: float | None = 0.0
     sub_group_size: int | None = None  # the job's own (offload.deepspeed), which DeepSpeed uses
+    reference_forwards: int = 0  # DPO: forward passes of a frozen reference per micro-batch, no gradient
 
     @property
     def on_gpu(self) -> bool:

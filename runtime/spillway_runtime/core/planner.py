@@ -303,6 +303,7 @@ def plan_placement(inputs: PlanInputs, hw: NodeHardware) -> OffloadPlan:
     training, offload, dtype, nodes = inputs.training, inputs.offload, inputs.dtype, inputs.nodes
     price_per_hour = inputs.price_per_hour
     shape, lora_notes = _with_lora(inputs.shape, inputs.method)
+    training, reference_forwards, objective_notes = _with_objective(training, inputs.method)
     gpus, ranks_per_node = _processes(hw, inputs.gpus_per_node, inputs.cpu_processes)
 
     candidates: list[OffloadPlan] = []
@@ -320,7 +321,7 @@ def plan_placement(inputs: PlanInputs, hw: NodeHardware) -> OffloadPlan:
             shape=shape, hw=hw, training=training, dtype=dtype, stage=stage, optimizer=optimizer,
             parameters=parameters, gpus_per_node=gpus, ranks_per_node=ranks_per_node, nodes=nodes,
             price_per_hour=price_per_hour, cpu_resident=_cpu_resident(offload),
-            sub_group_size=_sub_group_override(offload),
+            sub_group_size=_sub_group_override(offload), reference_forwards=reference_forwards,
         ))
         candidates.append(plan)
     if not candidates:
@@ -330,7 +331,7 @@ def plan_placement(inputs: PlanInputs, hw: NodeHardware) -> OffloadPlan:
         )
 
     best = _best(candidates, rejected)
-    best.reasons = [*_explain(best), *lora_notes, *best.reasons]
+    best.reasons = [*_explain(best), *lora_notes, *objective_notes, *best.reasons]
     return best
 
 
@@ -346,6 +347,20 @@ def _with_lora(shape: ModelShape, method: Method | None) -> tuple[ModelShape, li
     if missing:
         notes.append(f"LoRA: the model has no linear layers named {', '.join(missing)} (not counted)")
     return shape.model_copy(update={"trainable_params": max(1, trainable)}), notes
+
+
+def _with_objective(training: Training, method: Method | None) -> tuple[Training, int, list[str]]:
+    """DPO (method.objective): a micro-batch of microBatchSize pairs puts twice as many
+    sequences through the policy (each pair's chosen and rejected answers), and once more
+    through the reference without gradients (the base with the adapters off: no second copy of
+    the weights). Sized and timed as a micro-batch twice the size plus one forward pass; the
+    reference's activations are freed layer by layer (no gradient), below the policy's."""
+    if method is None or method.objective != "dpo":
+        return training, 0, []
+    pairs = training.micro_batch_size
+    note = (f"DPO: {pairs} pair(s) per micro-batch are {2 * pairs} sequences through the policy (chosen and "
+            "rejected), sized as such, and one more forward pass each through the reference")
+    return training.model_copy(update={"micro_batch_size": 2 * pairs}), 1, [note]
 
 
 def _best(candidates: list[OffloadPlan], rejected: list[Rejection]) -> OffloadPlan:

@@ -329,7 +329,7 @@ class FineTuneRecipe:
     def train(self) -> int:
         t = self.spec.training
         every = self.spec.checkpoint.every_steps
-        tokens_per_step = t.micro_batch_size * t.sequence_length * t.gradient_accumulation * self.world_size
+        tokens_per_step = self.plan.tokens_per_step  # every rank's sequences (DPO: chosen and rejected)
         self.reporter.event("started", step=self.step, total_steps=t.max_steps, plan=self.plan.label,
                             world_size=self.world_size)
         started = time.monotonic()
