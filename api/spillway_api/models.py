@@ -156,6 +156,8 @@ class ProgressPoint(Base):
     gpu_bytes: Mapped[int | None] = mapped_column(BigInteger)
     cpu_bytes: Mapped[int | None] = mapped_column(BigInteger)
     nvme_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    # DPO: the step's rewards and log-probabilities under TRL's names (rewards/margins, ...)
+    preference: Mapped[dict[str, Any] | None]
     at: Mapped[datetime] = mapped_column(default=utcnow)
     source_key: Mapped[str] = mapped_column(String(128))
     attempt: Mapped[int | None] = mapped_column(Integer)
@@ -172,6 +174,7 @@ class Evaluation(Base):
     step: Mapped[int] = mapped_column(Integer)
     loss: Mapped[float | None] = mapped_column(Float)
     tokens: Mapped[int | None] = mapped_column(BigInteger)
+    preference: Mapped[dict[str, Any] | None]  # DPO: held-out pairs' metrics (eval_rewards/margins, ...)
     at: Mapped[datetime] = mapped_column(default=utcnow)
     source_key: Mapped[str] = mapped_column(String(128))
     attempt: Mapped[int | None] = mapped_column(Integer)

@@ -161,6 +161,8 @@ class ProgressPointPublic(WireModel):
     gpu_bytes: int | None
     cpu_bytes: int | None
     nvme_bytes: int | None
+    preference: dict[str, float] | None = Field(
+        None, description="Preference tuning (DPO): the step's rewards and log-probabilities under TRL's names")
     at: datetime
     attempt: int | None
 
@@ -180,6 +182,8 @@ class EvaluationPublic(WireModel):
     step: int
     loss: float | None = Field(description="Mean loss over the held-out data's learned tokens")
     tokens: int | None
+    preference: dict[str, float] | None = Field(
+        None, description="Preference tuning (DPO): the held-out pairs' metrics (eval_rewards/margins, ...)")
     at: datetime
     attempt: int | None
 

@@ -35,7 +35,14 @@ from spillway_api.models import (
 )
 from spillway_api.schemas import JobCreate
 from spillway_operator.admission import new_job_problems
-from spillway_runtime.core.contract import RECORD_PHASES, TERMINAL_PHASES, ExitCode, Phase, exit_outcome
+from spillway_runtime.core.contract import (
+    RECORD_PHASES,
+    TERMINAL_PHASES,
+    ExitCode,
+    Phase,
+    exit_outcome,
+    preference_metrics,
+)
 from spillway_runtime.core.planner import plan_summary
 from spillway_runtime.core.spec import FineTuneJob
 from spillway_runtime.core.status import CheckpointRecord, Progress
@@ -338,7 +345,8 @@ class JobService:
                 job_id=job.id, step=int(event.get("step", 0)), loss=event.get("loss"), learning_rate=event.get("lr"),
                 step_seconds=event.get("step_seconds"), tokens_per_second=event.get("tokens_per_s"),
                 eta_seconds=event.get("eta_seconds"), gpu_bytes=tiers.get("gpu"), cpu_bytes=tiers.get("cpu"),
-                nvme_bytes=tiers.get("nvme"), at=at, source_key=key, attempt=job.attempt or None,
+                nvme_bytes=tiers.get("nvme"), preference=preference_metrics(event), at=at, source_key=key,
+                attempt=job.attempt or None,
             )
             if _insert_once(self.session, point):
                 seconds = float(event.get("step_seconds") or 0.0)
@@ -352,7 +360,8 @@ class JobService:
                                eta_seconds=point.eta_seconds)
             job.progress = {**(job.progress or {}), **stepped.model_dump(exclude_unset=True)}
         elif kind == "eval":
-            self.add_evaluation(job, event.get("step"), event.get("eval_loss"), event.get("tokens"), key, at)
+            self.add_evaluation(job, event.get("step"), event.get("eval_loss"), event.get("tokens"), key, at,
+                                preference_metrics(event, "eval_"))
         elif kind == "checkpoint":
             try:
                 self.add_checkpoint(job, CheckpointRecord.model_validate(event))
@@ -382,14 +391,15 @@ class JobService:
             job.message = f"model exported to {event.get('path')}"
 
     def add_evaluation(self, job: Job, step: Any, loss: Any, tokens: Any, key: str,
-                       at: datetime | None = None) -> None:
-        """A held-out loss at a step; the job's progress shows the latest."""
+                       at: datetime | None = None, preference: dict[str, float] | None = None) -> None:
+        """A held-out loss at a step (with DPO, the held-out pairs' metrics); the job's progress
+        shows the latest."""
         if step is None:
             return
         value = float(loss) if isinstance(loss, int | float) and loss == loss else None
         if _insert_once(self.session, Evaluation(job_id=job.id, step=int(step), loss=value,
                                                  tokens=int(tokens) if isinstance(tokens, int) else None,
-                                                 at=at or utcnow(), source_key=key[:128],
+                                                 preference=preference, at=at or utcnow(), source_key=key[:128],
                                                  attempt=job.attempt or None)):
             held_out = Progress(eval_loss=value, eval_step=int(step))
             job.progress = {**(job.progress or {}), **held_out.model_dump(exclude_unset=True)}

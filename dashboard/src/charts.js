@@ -1,4 +1,4 @@
-// The two line charts of the detail page, drawn by uPlot. Vertical markers (checkpoints,
+// The line charts of the detail page (loss, throughput and, for preference tuning, rewards), drawn by uPlot. Vertical markers (checkpoints,
 // rollbacks, restarts) are painted by a small draw hook; the same markers are listed as text.
 import uPlot from "uplot";
 import "uplot/dist/uPlot.min.css";
@@ -66,6 +66,41 @@ export function lossChart(el, runs, markers, evaluations = []) {
     plugins: [markerPlugin(markers)],
   }, data, el);
   el.uplot = u; // the chart's own data, for tests and the curious
+  return u;
+}
+
+/** Preference tuning (DPO): the reward margin and accuracy of each recorded step (TRL's
+ * rewards/margins and rewards/accuracies), and the held-out pairs' (dashed), over steps. The
+ * accuracy is a share (0-1) on its own scale. */
+export function rewardsChart(el, points, evaluations = []) {
+  const withRewards = points.filter((p) => p.preference);
+  const evals = evaluations.filter((e) => e.preference);
+  const steps = [...new Set([...withRewards.map((p) => p.step), ...evals.map((e) => e.step)])].sort((a, b) => a - b);
+  const index = new Map(steps.map((s, i) => [s, i]));
+  const column = (rows, name) => {
+    const ys = new Array(steps.length).fill(null);
+    for (const r of rows) ys[index.get(r.step)] = r.preference[name] ?? null; // a repeated step shows its latest
+    return ys;
+  };
+  const data = [steps, column(withRewards, "rewards/margins"), column(withRewards, "rewards/accuracies")];
+  const series = [{ label: "step" },
+    { label: "margin", stroke: "#7c3aed", width: 2, points: { show: true, size: 5 }, scale: "reward" },
+    { label: "accuracy", stroke: "#047857", width: 2, points: { show: true, size: 5 }, scale: "share" }];
+  if (evals.length) {
+    data.push(column(evals, "rewards/margins"), column(evals, "rewards/accuracies"));
+    series.push(
+      { label: "held-out margin", stroke: "#7c3aed", width: 2, dash: [6, 4], points: { show: true, size: 6 },
+        spanGaps: true, scale: "reward" },
+      { label: "held-out accuracy", stroke: "#047857", width: 2, dash: [6, 4], points: { show: true, size: 6 },
+        spanGaps: true, scale: "share" });
+  }
+  const u = new uPlot({
+    width: width(el), height: 220, series,
+    scales: { x: { time: false }, share: { range: [0, 1] } },
+    axes: [{ label: "step", incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000] },
+      { label: "reward margin", scale: "reward" }, { label: "accuracy", scale: "share", side: 1 }],
+  }, data, el);
+  el.uplot = u;
   return u;
 }
 

@@ -2,7 +2,7 @@
 // lives (plan bytes against the node's capacity per tier), the plan's reasons and rejected
 // alternatives, checkpoints with a rollback action, and cost accrued and projected.
 import { api } from "./api.js";
-import { lossChart, MARKER_COLORS, throughputChart } from "./charts.js";
+import { lossChart, MARKER_COLORS, rewardsChart, throughputChart } from "./charts.js";
 import { bytes, duration, errorBox, h, num, planLabel, stepSeconds, time, usd } from "./format.js";
 
 const POLL_MS = 2500;
@@ -29,6 +29,9 @@ export function detailPage(main, ns, name) {
     loss: h("div", { class: "chart", id: "loss-chart", role: "img", "aria-label": "Loss over steps" }),
     markers: h("ul", { class: "markers", id: "marker-list" }),
     tput: h("div", { class: "chart", id: "tput-chart", role: "img", "aria-label": "Tokens per second over time" }),
+    rewards: h("div", { class: "chart", id: "rewards-chart", role: "img",
+      "aria-label": "Preference tuning: reward margin and accuracy over steps" }),
+    rewardsSection: null,
     tiers: h("div", { id: "tiers" }),
     reasons: h("div", { id: "reasons" }),
     checkpoints: h("div", { id: "checkpoints" }),
@@ -41,6 +44,8 @@ export function detailPage(main, ns, name) {
     els.title, els.error, els.notice, els.summary,
     h("section", { "aria-labelledby": "h-loss" }, h("h2", { id: "h-loss" }, "Loss"), els.loss,
       legend(), els.markers),
+    els.rewardsSection = h("section", { "aria-labelledby": "h-rewards", hidden: true },
+      h("h2", { id: "h-rewards" }, "Rewards (DPO)"), els.rewards),
     h("section", { "aria-labelledby": "h-tput" }, h("h2", { id: "h-tput" }, "Throughput"), els.tput),
     h("div", { class: "two" },
       h("section", { "aria-labelledby": "h-tiers" }, h("h2", { id: "h-tiers" }, "Where the training state lives"),
@@ -140,8 +145,13 @@ export function detailPage(main, ns, name) {
       els.loss.setAttribute("aria-label", `Loss over steps: ${plotted} points in ${runs.length} run(s)`);
       els.loss.replaceChildren();
       els.tput.replaceChildren();
+      els.rewards.replaceChildren();
+      const rewarded = hist.progress.filter((x) => x.preference).length;
+      els.rewardsSection.hidden = rewarded === 0; // preference tuning only
+      els.rewards.dataset.points = String(rewarded);
       if (hist.progress.length) {
         charts.push(lossChart(els.loss, runs, markers, hist.evaluations), throughputChart(els.tput, hist.progress));
+        if (rewarded) charts.push(rewardsChart(els.rewards, hist.progress, hist.evaluations));
       } else {
         els.loss.append(h("p", { class: "muted" }, "No steps recorded yet."));
       }

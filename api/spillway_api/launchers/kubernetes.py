@@ -24,6 +24,7 @@ from spillway_api.errors import ApiError
 from spillway_api.models import CostEntry, Job, ProgressPoint, WatchBookmark, utcnow
 from spillway_api.service import ATTEMPT_ENDS, JobService, _insert_once, _iso
 from spillway_api.settings import Settings
+from spillway_runtime.core.contract import preference_metrics
 from spillway_runtime.core.spec_types import API_GROUP, API_VERSION
 from spillway_runtime.core.status import FineTuneJobStatus, Progress, read_status
 
@@ -130,7 +131,8 @@ def record_object(session: Session, obj: dict[str, Any], event_type: str, price_
         # keyed by the values as written, as every recorded point since the first
         written = raw["progress"]
         service.add_evaluation(job, progress.eval_step, progress.eval_loss, None,
-                               f"eval:{written.get('evalStep')}:{written.get('evalLoss')}")
+                               f"eval:{written.get('evalStep')}:{written.get('evalLoss')}",
+                               preference=preference_metrics(progress.preference, "eval_"))
     for ckpt in status.checkpoints:
         if ckpt.name:
             service.add_checkpoint(job, ckpt)
@@ -186,7 +188,8 @@ def _record_progress(service: JobService, job: Job, progress: Progress, written:
         job_id=job.id, step=step, loss=progress.loss, learning_rate=progress.learning_rate,
         tokens_per_second=progress.tokens_per_second, eta_seconds=progress.eta_seconds,
         gpu_bytes=progress.bytes.get("gpu"), cpu_bytes=progress.bytes.get("cpu"), nvme_bytes=progress.bytes.get("nvme"),
-        at=_iso(progress.updated_at) or utcnow(), source_key=key[:128], attempt=job.attempt or None))
+        preference=preference_metrics(progress.preference), at=_iso(progress.updated_at) or utcnow(),
+        source_key=key[:128], attempt=job.attempt or None))
     if new and not stale:  # every status event repeats the last progress: only a new point is a step
         service.record_step(job, step, progress.loss)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 
 class ExitCode(IntEnum):
@@ -110,3 +110,17 @@ def exit_outcome(code: int, where: Where) -> ExitOutcome:
     if where == "cluster" and code in _CLUSTER_OUTCOMES:
         return _CLUSTER_OUTCOMES[code]
     return _OUTCOMES.get(code, _UNFORESEEN)
+
+
+# Preference tuning (DPO): the metrics of a step and of held-out pairs (`eval_`-prefixed), by
+# TRL's names, as the runtime reports them and the trackers, the API and the dashboard read them.
+PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                      "logps/chosen", "logps/rejected")
+
+
+def preference_metrics(fields: dict[str, Any], prefix: str = "") -> dict[str, float] | None:
+    """The DPO metrics among `fields` (with `prefix`: eval_ for held-out pairs), unprefixed;
+    None when there are none (a step of another objective)."""
+    found = {name: float(value) for name in PREFERENCE_METRICS
+             if isinstance(value := fields.get(prefix + name), int | float) and not isinstance(value, bool)}
+    return found or None

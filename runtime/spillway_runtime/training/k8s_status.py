@@ -20,9 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from spillway_runtime.core.contract import JOB_NAME_ENV, JOB_NAMESPACE_ENV
+from spillway_runtime.core.contract import JOB_NAME_ENV, JOB_NAMESPACE_ENV, PREFERENCE_METRICS
 from spillway_runtime.core.status import CheckpointRecord, Mirror, Progress
-from spillway_runtime.training.tracking import PREFERENCE_METRICS
 
 FIELD_MANAGER = "spillway-runtime"
 GROUP, VERSION, PLURAL = "spillway.dev", "v1alpha1", "finetunejobs"

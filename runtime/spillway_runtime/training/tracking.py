@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from spillway_runtime.core.contract import ATTEMPT_ENV, METRICS_PORT_ENV
+from spillway_runtime.core.contract import ATTEMPT_ENV, METRICS_PORT_ENV, PREFERENCE_METRICS
 from spillway_runtime.core.spec import MlflowTracking
 from spillway_runtime.training.reporting import EventListener
 from spillway_runtime.training.runconfig import RuntimeConfig
@@ -47,8 +47,6 @@ MLFLOW_BATCH_METRICS = 1000  # MLflow's limit per log_batch request
 MLFLOW_BATCH_PARAMS = 100  # likewise for params
 MLFLOW_PARAM_CHARS = 6000  # MLflow's limit on a param's value
 # What a DPO step and evaluation report beside the loss, as TRL names them (dpo.STATS)
-PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-                      "logps/chosen", "logps/rejected")
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:

@@ -2,8 +2,9 @@
 a real `uvicorn` serving the API on a temporary SQLite database, with a tiny job that really
 trains on the CPU through the local launcher.
 
-The jobs table shows the job submitted over HTTP; the loss curve has one point per recorded
-step; the rollback button sets spec.resumeFrom through the API and the page shows the restart;
+The jobs table shows the job submitted over HTTP (preference tuning, DPO with LoRA); the loss
+curve has one point per recorded step, the rewards chart the step's and the held-out pairs'
+reward margin and accuracy; the rollback button sets spec.resumeFrom through the API and the page shows the restart;
 the plan explorer's numbers are POST /v1/plan's. Screenshots land in artifacts/screenshots/.
 A missing Chromium or Playwright fails the test: nothing here is skipped."""
 
@@ -16,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from spillway_api.settings import Settings
 from tests import polling
@@ -26,6 +28,8 @@ from .conftest import job_body
 from .servers import serve
 
 pytestmark = pytest.mark.integration
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 def wait_for(predicate: Any, timeout: float = 120, what: str = "condition") -> Any:
     return polling.wait_for(predicate, timeout, what)
@@ -67,11 +71,16 @@ def test_dashboard_jobs_detail_rollback_and_plan(server: dict[str, Any], browser
     assert page.evaluate("sessionStorage.getItem('spillway.token')") == server["token"]
 
     # -- jobs table: a job created through the API appears without reloading -------------------
-    doc = job_document("tiny", tiny_model["model"], tiny_model["data"],
-                       training={"maxSteps": 6, "warmupSteps": 1, "evalEverySteps": 3},
+    # DPO with LoRA on the DPO example's preference pairs (its chat template for the chat records)
+    example = yaml.safe_load((EXAMPLES / "dpo-lora-local.yaml").read_text())["spec"]
+    doc = job_document("tiny", tiny_model["model"], EXAMPLES / example["dataset"]["uri"],
+                       training={"maxSteps": 6, "warmupSteps": 1, "evalEverySteps": 3, "sequenceLength": 64,
+                                 "evalBatches": 2},
                        checkpoint={"everySteps": 2, "keep": 5})
-    doc["spec"]["dataset"]["validation"] = {"fraction": 0.1}
-    doc["spec"]["method"] = {"type": "lora", "rank": 8}  # said beside the plan on the detail page
+    doc["spec"]["dataset"].update(format="preference", chatTemplate=example["dataset"]["chatTemplate"],
+                                  validation={"fraction": 0.1})
+    # LoRA is said beside the plan on the detail page
+    doc["spec"]["method"] = {"type": "lora", "rank": 8, "objective": "dpo", "beta": 0.1}
     r = api.post("/v1/namespaces/local/jobs", json={"metadata": doc["metadata"], "spec": doc["spec"]})
     assert r.status_code == 201, r.text
     r = api.post("/v1/namespaces/team-b/jobs", json=job_body("refused"))  # no such model: fails at planning
@@ -120,6 +129,17 @@ def test_dashboard_jobs_detail_rollback_and_plan(server: dict[str, Any], browser
     assert sorted(evals) == [3, 6] and loss.get_attribute("data-evaluations") == "2"
     assert ys == [[p["loss"] for p in history["progress"]], [evals.get(s) for s in xs]]
     assert page.evaluate("document.querySelector('#loss-chart').uplot.series[2].label") == "held-out"
+    # the rewards chart: TRL's rewards/margins and rewards/accuracies of every step, and the
+    # held-out pairs' at the evaluated steps
+    page.locator('#rewards-chart[data-points="6"]').wait_for()
+    steps, margins, accuracies, held_margins, held_accuracies = page.evaluate(
+        "document.querySelector('#rewards-chart').uplot.data")
+    assert steps == xs and all(p["preference"] for p in history["progress"])
+    assert margins == [p["preference"]["rewards/margins"] for p in history["progress"]]
+    assert accuracies == [p["preference"]["rewards/accuracies"] for p in history["progress"]]
+    held = {e["step"]: e["preference"] for e in history["evaluations"]}
+    assert held_margins == [held[s]["rewards/margins"] if s in held else None for s in steps]
+    assert held_accuracies == [held[s]["rewards/accuracies"] if s in held else None for s in steps]
     assert page.locator("#marker-list li[data-kind=checkpoint]").count() == 3
     for tier in ("gpu", "cpu", "nvme"):
         bar = page.locator(f'.tier[data-tier="{tier}"]')
