@@ -60,8 +60,11 @@ def test_cluster_attempts_keep_their_own_outcome_steps_and_cost(database_url: st
         # A rollback restarts it while Running: neither a failure nor a preemption.
         _object(9, phase="Running", attempt=3, failures=1, preemptions=1,
                 progress={"step": 4, "loss": 2.3, "updatedAt": "t4d"}, cost={"usd": 4.0, "gpuHours": 2.0}),
+        # (a DPO job's status carries TRL's metrics of the step and of the held-out pairs)
         _object(10, phase="Succeeded", attempt=3, failures=1, preemptions=1,
-                progress={"step": 8, "loss": 1.9, "updatedAt": "t8d", "evalLoss": 2.05, "evalStep": 8},
+                progress={"step": 8, "loss": 1.9, "updatedAt": "t8d", "evalLoss": 2.05, "evalStep": 8,
+                          "preference": {"rewards/margins": 0.4, "rewards/accuracies": 0.75,
+                                         "eval_rewards/margins": 0.3, "eval_rewards/accuracies": 0.5}},
                 cost={"usd": 5.0, "gpuHours": 2.5}),
     ]
     for obj in events:
@@ -88,6 +91,9 @@ def test_cluster_attempts_keep_their_own_outcome_steps_and_cost(database_url: st
             ("Running", 3), ("Succeeded", 4)]
         assert [(p.step, p.attempt) for p in history["progress"]] == [(3, 1), (6, 1), (5, 2), (6, 3), (4, 4), (8, 4)]
         assert [(e.step, e.loss, e.attempt) for e in history["evaluations"]] == [(8, 2.05, 4)]
+        assert [p.preference for p in history["progress"]] == [None] * 5 + [
+            {"rewards/margins": 0.4, "rewards/accuracies": 0.75}]
+        assert history["evaluations"][0].preference == {"rewards/margins": 0.3, "rewards/accuracies": 0.5}
         assert job.progress["evalLoss"] == 2.05
     engine.dispose()
 
