@@ -21,7 +21,7 @@ import torch
 
 from spillway_runtime.core.spec_inputs import DatasetSource
 from spillway_runtime.training.data import PackedDataset, read_pairs
-from spillway_runtime.training.dpo import preference_loss, step_metrics
+from spillway_runtime.training.dpo import adapters_off, preference_loss, step_metrics
 from spillway_runtime.training.runconfig import FaultInjection
 
 from .conftest import run_job
@@ -101,7 +101,7 @@ def our_quantities(model: Any, data: PackedDataset, examples: int, start: int, b
                    loss: str) -> dict[str, float]:
     batch = data.eval_batch(start, 0, 1, examples)
     with torch.no_grad():
-        mean, stats = preference_loss(model, model.disable_adapter, batch, beta, loss)
+        mean, stats = preference_loss(model, adapters_off(model, model.disable_adapter), batch, beta, loss)
     return {"loss": float(mean), **step_metrics(stats)}
 
 
@@ -194,3 +194,83 @@ def test_dpo_with_lora_trains_under_zero_3_offload(tmp_path: Path, tiny_model: d
     resumed_steps = range(6, 11)
     assert {s: [again[s][q] for q in quantities] for s in resumed_steps} == {
         s: [steps[s][q] for q in quantities] for s in resumed_steps}
+
+
+def test_full_fine_tuning_against_a_frozen_copy_equals_trl_s(tmp_path: Path, tiny_model: dict[str, Path]) -> None:
+    """DPO without LoRA: the reference is a second, frozen model (TRL's ref_model). Our loss,
+    rewards and log-probabilities of a batch and of each pair equal TRL's DPOTrainer's."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    beta, records = 0.1, arithmetic_pairs(3, seed=1)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model["model"])
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model["model"], dtype=torch.float32)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # trained a little: the policy is no longer the reference
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.02)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model["model"], dtype=torch.float32)
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=beta, loss_type=["sigmoid"], max_length=SEQUENCE,
+                     report_to=[], use_cpu=True, save_strategy="no", per_device_train_batch_size=len(records))
+    trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=Dataset.from_list(records),
+                         processing_class=tokenizer)
+    source = DatasetSource(uri="x", format="preference")
+    pairs = read_pairs(source, write_jsonl(tmp_path / "pairs.jsonl", records), tokenizer, SEQUENCE).pairs
+    data = PackedDataset.build_pairs(pairs, tokenizer.pad_token_id, SEQUENCE)
+    differences: dict[str, float] = {}
+    for examples, size, start in [([0, 1, 2], 3, 0), ([0], 1, 0), ([1], 1, 1), ([2], 1, 2)]:
+        theirs = trl_quantities(trainer, examples)
+        with torch.no_grad():
+            mean, stats = preference_loss(trainer.model, trainer.ref_model, data.eval_batch(start, 0, 1, size),
+                                          beta, "sigmoid")
+        mine = {"loss": float(mean), **step_metrics(stats)}
+        for name, value in theirs.items():
+            differences[name] = max(differences.get(name, 0.0), abs(mine[name] - value))
+    print("max |ours - TRL| (full fine-tuning):", ", ".join(f"{k} {v:.2e}" for k, v in differences.items()))
+    assert max(differences.values()) < 1e-4, differences
+    assert abs(theirs["rewards/margins"]) > 1e-3, "the policy should differ from the reference"
+
+
+def test_dpo_with_full_fine_tuning_trains_against_a_frozen_copy_on_nvme(tmp_path: Path,
+                                                                       tiny_model: dict[str, Path]) -> None:
+    """Full fine-tuning DPO under ZeRO-3 with the parameters on NVMe: the reference is a frozen
+    copy of the base, partitioned and swapped like the policy's parameters in a folder of its
+    own; the plan counts its 2 B/param; the policy starts as the reference (loss ln 2) and
+    learns; checkpoints hold the policy only."""
+    import yaml
+
+    example = EXAMPLES / "dpo-lora-local.yaml"
+    doc = yaml.safe_load(example.read_text())
+    spec = doc["spec"]
+    spec["model"]["uri"] = str(tiny_model["wide"])  # every matrix above DeepSpeed's minimum swap size
+    spec["dataset"]["uri"] = str((example.parent / spec["dataset"]["uri"]).resolve())
+    spec["method"] = {"type": "full", "objective": "dpo", "beta": 0.1}
+    spec["training"].update({"maxSteps": 6, "microBatchSize": 2, "gradientAccumulation": 1, "learningRate": 1e-3,
+                             "evalEverySteps": 0, "warmupSteps": 0})
+    spec["dataset"].pop("validation")
+    spec["offload"] = {"optimizer": "cpu", "parameters": "nvme", "deepspeed": {"zero_optimization": {"stage": 3}}}
+    spec["checkpoint"] = {"everySteps": 6, "keep": 1}
+    job = tmp_path / "dpo-full.yaml"
+    job.write_text(yaml.safe_dump(doc))
+
+    run = run_job(job, tmp_path / "run")
+    assert run.returncode == 0, run.log[-3000:]
+    plan = run.config.plan
+    assert (plan.zero_stage, plan.optimizer, plan.parameters) == (3, "cpu", "nvme")
+    assert any("frozen copy of the base" in r for r in plan.reasons), plan.reasons
+    assert any("DPO reference: a frozen copy of the base (ZeRO-3, parameters on nvme)" in e.get("message", "")
+               for e in run.of("log"))
+    # the two engines' parameter swap files, each in its own folder
+    nvme = Path(run.config.nvme_dir)
+    for root in (nvme, nvme / "reference"):
+        assert list((root / "zero_stage_3").glob("*params/rank0/*")), sorted(map(str, nvme.rglob("*")))
+    steps = {e["step"]: e for e in run.of("step")}
+    assert sorted(steps) == list(range(1, 7))
+    assert steps[1]["loss"] == pytest.approx(math.log(2), abs=2e-3) and steps[1]["rewards/margins"] == pytest.approx(
+        0, abs=2e-2)
+    assert steps[6]["loss"] < steps[1]["loss"], [(s, e["loss"]) for s, e in sorted(steps.items())]
+    # the policy's checkpoint: the trainable model's 12-14 B/param, nothing of the reference
+    [checkpoint] = run.of("checkpoint")
+    assert checkpoint["sizeBytes"] < 16 * plan.model.params, checkpoint
+

@@ -15,7 +15,7 @@ import torch
 from spillway_runtime.core.spec import SpecError, parse_job
 from spillway_runtime.core.spec_inputs import DatasetSource
 from spillway_runtime.training.data import DatasetError, PackedDataset, read_pairs
-from spillway_runtime.training.dpo import dpo_loss, preference_loss, sequence_logps, step_metrics
+from spillway_runtime.training.dpo import adapters_off, dpo_loss, preference_loss, sequence_logps, step_metrics
 
 from .conftest import write_jsonl
 
@@ -39,16 +39,17 @@ def test_dpo_is_an_objective_beside_the_method_type_with_trl_s_defaults() -> Non
     with_template = job({"type": "lora", "objective": "dpo", "dpoLoss": "ipo", "beta": 0.5},
                         {"format": "preference", "chatTemplate": TEMPLATE})
     assert parse_job(with_template).spec.dataset.chat_template == TEMPLATE
+    full = parse_job(job({"type": "full", "objective": "dpo"}, {"format": "preference"})).spec.method
+    assert (full.type, full.objective) == ("full", "dpo")  # its reference is a frozen copy of the base
 
 
 @pytest.mark.parametrize("method,dataset,says", [
     ({"type": "lora", "objective": "dpo"}, {"format": "chat"}, "method.objective dpo with dataset.format chat"),
     ({"type": "lora"}, {"format": "preference"}, "method.objective sft with dataset.format preference"),
-    ({"type": "full", "objective": "dpo"}, {"format": "preference"}, "method.type full is not built yet"),
     ({"type": "lora", "objective": "dpo", "beta": 0}, {"format": "preference"}, "spec.method.beta"),
     ({"type": "lora", "objective": "dpo", "beta": 1000}, {"format": "preference"}, "spec.method.beta"),
     ({"type": "lora", "objective": "dpo", "dpoLoss": "hinge"}, {"format": "preference"}, "spec.method.dpoLoss"),
-], ids=["dpo-on-chat", "sft-on-preference", "dpo-full", "beta-0", "beta-1000", "hinge"])
+], ids=["dpo-on-chat", "sft-on-preference", "beta-0", "beta-1000", "hinge"])
 def test_combinations_that_cannot_train_are_refused_by_field(method: dict[str, Any], dataset: dict[str, Any],
                                                              says: str) -> None:
     with pytest.raises(SpecError, match=says):
@@ -163,7 +164,7 @@ def test_fresh_adapters_are_the_reference_and_only_they_learn(model_dir: Path, t
     torch.manual_seed(0)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
                            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
-    loss, stats = preference_loss(model, model.disable_adapter, batch, 0.1, "sigmoid")
+    loss, stats = preference_loss(model, adapters_off(model, model.disable_adapter), batch, 0.1, "sigmoid")
     metrics = step_metrics(stats)
     assert loss.item() == pytest.approx(math.log(2), abs=1e-6)
     assert stats[0] == 2 and metrics["rewards/chosen"] == metrics["rewards/margins"] == 0
@@ -174,5 +175,5 @@ def test_fresh_adapters_are_the_reference_and_only_they_learn(model_dir: Path, t
         for p in model.parameters():
             if p.grad is not None:
                 p -= 1.0 * p.grad
-    after = step_metrics(preference_loss(model, model.disable_adapter, batch, 0.1, "sigmoid")[1])
+    after = step_metrics(preference_loss(model, adapters_off(model, model.disable_adapter), batch, 0.1, "sigmoid")[1])
     assert after["rewards/margins"] > 0 and after["rewards/accuracies"] == 1.0

@@ -349,6 +349,28 @@ def test_dpo_is_planned_as_two_sequences_per_pair_and_one_more_forward_pass():
     assert not any("DPO" in reason for reason in sft.reasons)
 
 
+@pytest.mark.parametrize(("offload", "tier", "per_gpu"), [
+    (Offload(optimizer="cpu", parameters="nvme"), "nvme", False),
+    (Offload(optimizer="cpu", parameters="cpu"), "cpu", False),
+    (Offload(optimizer="cpu", parameters="gpu", deepspeed={"zero_optimization": {"stage": 3}}), "gpu", True),
+    (Offload(optimizer="cpu", deepspeed={"zero_optimization": {"stage": 2}}), "gpu", False),
+], ids=["z3-par-nvme", "z3-par-cpu", "z3-par-gpu", "z2"])
+def test_dpo_with_full_fine_tuning_places_a_frozen_copy_beside_the_parameters(offload, tier, per_gpu):
+    from spillway_runtime.core.spec import Method
+
+    small, gpus = ModelShape.from_param_count(1_000_000_000), 2
+    node = rtx4090(256).model_copy(update={"gpu_count": gpus})
+    full_dpo = plan_tiers(small, node, TRAIN, offload, method=Method(type="full", objective="dpo"))
+    full_sft = plan_tiers(small, node, TRAIN.model_copy(update={"micro_batch_size": 2}), offload)
+    assert (full_dpo.label, full_dpo.feasible) == (full_sft.label, True)
+    # 2 B/param where the parameters live: partitioned under ZeRO-3, whole on each GPU otherwise
+    added = {t: getattr(full_dpo.bytes, t) - getattr(full_sft.bytes, t) for t in ("gpu", "cpu", "nvme")}
+    want = 2 * small.params // (gpus if per_gpu else 1)
+    assert added == {t: (want if t == tier else 0) for t in added}, added
+    assert full_dpo.checkpoint_bytes == full_sft.checkpoint_bytes  # the reference is the base: not saved
+    assert any("frozen copy of the base, 2 B/param" in reason for reason in full_dpo.reasons)
+
+
 def test_a_plan_label_reads_back_as_stage_and_tiers():
     """A checkpoint's manifest records the label; a resume reads the shape that wrote it from it."""
     plan = plan_tiers(P13, rtx4090(64), TRAIN)

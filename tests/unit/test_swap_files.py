@@ -99,8 +99,8 @@ def test_at_exit_a_rank_removes_its_own_swap_files_and_the_folders_left_empty(tm
 
     nvme = tmp_path / "nvme"
     for rank in (0, 1):
-        for kind in ("optimizer", "fp16params"):
-            folder = nvme / "zero_stage_3" / kind / f"rank{rank}"
+        for kind in ("optimizer", "fp16params", "reference/zero_stage_3/fp16params"):  # DPO's reference's too
+            folder = nvme / ("" if kind.startswith("reference") else "zero_stage_3") / kind / f"rank{rank}"
             folder.mkdir(parents=True)
             (folder / "state.tensor.swp").write_bytes(b"x" * 8192)
     checkpoint = tmp_path / "ckpt.swp"
@@ -108,10 +108,11 @@ def test_at_exit_a_rank_removes_its_own_swap_files_and_the_folders_left_empty(tm
     os.link(checkpoint, nvme / "zero_stage_3" / "optimizer" / "rank0" / "linked.swp")  # a checkpoint's file
 
     freed = remove_swap_files(nvme, 0)
-    assert freed >= 2 * 8192
+    assert freed >= 3 * 8192
     left = sorted(str(p.relative_to(nvme)) for p in nvme.rglob("*") if p.is_file())
-    assert left == ["zero_stage_3/fp16params/rank1/state.tensor.swp", "zero_stage_3/optimizer/rank1/state.tensor.swp"]
+    assert left == ["reference/zero_stage_3/fp16params/rank1/state.tensor.swp",
+                    "zero_stage_3/fp16params/rank1/state.tensor.swp", "zero_stage_3/optimizer/rank1/state.tensor.swp"]
     assert checkpoint.read_bytes() == b"y" * 4096  # a checkpoint linked to a swap file keeps its bytes
-    assert remove_swap_files(nvme, 1) >= 2 * 8192
+    assert remove_swap_files(nvme, 1) >= 3 * 8192
     assert list(nvme.iterdir()) == []  # nothing of DeepSpeed's layout is left; the mount itself stays
     assert remove_swap_files(nvme, 0) == 0  # nothing to remove: a rank that never swapped

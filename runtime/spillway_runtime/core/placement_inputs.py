@@ -136,6 +136,7 @@ class PlacementInputs:
     cpu_resident: float | None = 0.0
     sub_group_size: int | None = None  # the job's own (offload.deepspeed), which DeepSpeed uses
     reference_forwards: int = 0  # DPO: forward passes of a frozen reference per micro-batch, no gradient
+    reference_params: int = 0  # DPO with full fine-tuning: the frozen copy's parameters, beside the model's
 
     @property
     def on_gpu(self) -> bool:

@@ -304,6 +304,8 @@ def plan_placement(inputs: PlanInputs, hw: NodeHardware) -> OffloadPlan:
     price_per_hour = inputs.price_per_hour
     shape, lora_notes = _with_lora(inputs.shape, inputs.method)
     training, reference_forwards, objective_notes = _with_objective(training, inputs.method)
+    # DPO with full fine-tuning: a frozen copy of the base is the reference
+    reference_params = shape.params if reference_forwards and not (inputs.method and inputs.method.lora) else 0
     gpus, ranks_per_node = _processes(hw, inputs.gpus_per_node, inputs.cpu_processes)
 
     candidates: list[OffloadPlan] = []
@@ -322,6 +324,7 @@ def plan_placement(inputs: PlanInputs, hw: NodeHardware) -> OffloadPlan:
             parameters=parameters, gpus_per_node=gpus, ranks_per_node=ranks_per_node, nodes=nodes,
             price_per_hour=price_per_hour, cpu_resident=_cpu_resident(offload),
             sub_group_size=_sub_group_override(offload), reference_forwards=reference_forwards,
+            reference_params=reference_params,
         ))
         candidates.append(plan)
     if not candidates:
@@ -358,9 +361,13 @@ def _with_objective(training: Training, method: Method | None) -> tuple[Training
     if method is None or method.objective != "dpo":
         return training, 0, []
     pairs = training.micro_batch_size
-    note = (f"DPO: {pairs} pair(s) per micro-batch are {2 * pairs} sequences through the policy (chosen and "
-            "rejected), sized as such, and one more forward pass each through the reference")
-    return training.model_copy(update={"micro_batch_size": 2 * pairs}), 1, [note]
+    notes = [f"DPO: {pairs} pair(s) per micro-batch are {2 * pairs} sequences through the policy (chosen and "
+             "rejected), sized as such, and one more forward pass each through the reference"]
+    if not method.lora:
+        notes.append("DPO with full fine-tuning: the reference is a frozen copy of the base, 2 B/param beside the "
+                     "16-bit parameters and placed as they are; no gradient or optimizer state, and not "
+                     "checkpointed (it is the base)")
+    return training.model_copy(update={"micro_batch_size": 2 * pairs}), 1, notes
 
 
 def _best(candidates: list[OffloadPlan], rejected: list[Rejection]) -> OffloadPlan:

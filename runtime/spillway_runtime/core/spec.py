@@ -100,7 +100,8 @@ class Method(SpecModel):
     objective: Objective = Field(
         "sft",
         description="sft: learn the next token of the data; dpo: Direct Preference Optimization on "
-        "dataset.format preference, the reference being the base model (with LoRA: the adapters switched off)",
+        "dataset.format preference, the reference being the base model (with LoRA: the adapters switched off; "
+        "with full fine-tuning: a frozen copy, placed with the parameters)",
     )
     beta: float = Field(0.1, gt=0, le=100, description="dpo: strength of the pull toward the reference model "
                         "(TRL's beta; IPO's tau)")
@@ -126,14 +127,6 @@ class Method(SpecModel):
         if ALL_LINEAR in value and len(value) > 1:
             raise ValueError("targetModules: all-linear stands alone (it already means every linear layer)")
         return value
-
-    @model_validator(mode="after")
-    def _objective_is_built(self) -> Method:
-        if self.objective == "dpo" and self.type == "full":
-            raise ValueError("objective dpo with method.type full is not built yet (its frozen reference copy is "
-                             "not placed by the planner); set method.type: lora, whose reference is the base model "
-                             "with the adapters switched off")
-        return self
 
     @property
     def peft_targets(self) -> list[str] | str:

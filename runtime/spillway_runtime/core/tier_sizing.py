@@ -180,6 +180,7 @@ def _size_memory(placement: PlacementInputs) -> Sizing:
     if p.dtype == "fp32":
         # fp32 training keeps 4-byte weights and grads where the estimators assume 2.
         gpu_state += gpu_state // 2 if p.optimizer == "gpu" else 0
+    gpu_state, cpu_state, reference_nvme = _with_reference(p, gpu_state, cpu_state)
     overhead = p.ranks_per_node * (CPU_PROCESS_OVERHEAD_GPU if p.on_gpu else CPU_PROCESS_OVERHEAD_CPU)
     gpu_capacity = hw.gpu_memory_bytes if p.on_gpu else 0
     gpu_usable = max(0, int(gpu_capacity * (1 - GPU_RESERVED_FRACTION)) - GPU_RESERVED_BYTES)
@@ -201,10 +202,27 @@ def _size_memory(placement: PlacementInputs) -> Sizing:
         checkpointing = choice == "on"
     return Sizing(
         gpu_state=gpu_state, cpu_state=cpu_state,
-        nvme=nvme_state_bytes(p.optimizer, p.parameters, shape.params, p.nodes, shape.trainable_params),
+        nvme=nvme_state_bytes(p.optimizer, p.parameters, shape.params, p.nodes, shape.trainable_params)
+        + reference_nvme,
         overhead=overhead, gpu_usable=gpu_usable, cpu_usable=cpu_usable, checkpointing=checkpointing,
         activations=activation_bytes(shape, p.training, p.dtype, checkpointing), reasons=reasons,
     )
+
+
+def _with_reference(p: PlacementInputs, gpu_state: int, cpu_state: int) -> tuple[int, int, int]:
+    """(GPU per GPU, CPU per node, NVMe per node) with DPO's frozen reference of a full fine-tune:
+    its 16-bit weights (2 B/param in the training dtype) where the parameters live. Under ZeRO-3
+    partitioned like them (in GPU memory, CPU RAM or NVMe); under ZeRO-0-2 a whole copy on each
+    GPU (as TRL places it: a plain module beside the engine). No gradient, no optimizer state."""
+    if not p.reference_params:
+        return gpu_state, cpu_state, 0
+    weights = (4 if p.dtype == "fp32" else 2) * p.reference_params
+    if p.stage != 3 or p.parameters == "gpu":
+        share = weights if p.stage != 3 else weights // max(1, p.ranks_per_node * p.nodes)
+        return gpu_state + share, cpu_state, 0
+    if p.parameters == "cpu":
+        return gpu_state, cpu_state + weights // p.nodes, 0
+    return gpu_state, cpu_state, weights // p.nodes
 
 
 def _choose_swap(shape: ModelShape, optimizer: Tier, parameters: Tier, ranks: int, cpu_spare: int,

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from spillway_runtime.core.planner import OffloadPlan
+from spillway_runtime.training.dsconfig import REFERENCE_DIR
 
 
 def tier_bytes(plan: OffloadPlan, nvme_dir: str | None, torch: Any) -> dict[str, int]:
@@ -38,18 +39,19 @@ def process_io_bytes() -> dict[str, int]:
 
 def remove_swap_files(nvme_dir: Path, rank: int) -> int:
     """Delete what DeepSpeed's swappers wrote for `rank` (`zero_stage_3/optimizer/rankN`,
-    `zero_stage_3/<dtype>params/rankN`) and the folders left empty; returns the bytes freed.
-    Other ranks of the pod remove their own."""
+    `zero_stage_3/<dtype>params/rankN`, and DPO's frozen reference's under `reference/`) and the
+    folders left empty; returns the bytes freed. Other ranks of the pod remove their own."""
     freed = 0
-    stage = nvme_dir / "zero_stage_3"
-    for folder in stage.glob(f"*/rank{rank}"):
-        freed += dir_bytes(folder)
-        shutil.rmtree(folder, ignore_errors=True)
-        for parent in (folder.parent, stage):
-            try:
-                parent.rmdir()  # only once empty: another rank may still be removing its own
-            except OSError:
-                break
+    for root in (nvme_dir, nvme_dir / REFERENCE_DIR):
+        stage = root / "zero_stage_3"
+        for folder in stage.glob(f"*/rank{rank}"):
+            freed += dir_bytes(folder)
+            shutil.rmtree(folder, ignore_errors=True)
+            for parent in (folder.parent, stage, *([root] if root != nvme_dir else [])):
+                try:
+                    parent.rmdir()  # only once empty: another rank may still be removing its own
+                except OSError:
+                    break
     return freed
 
 

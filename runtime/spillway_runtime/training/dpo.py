@@ -184,18 +184,29 @@ def dpo_loss(policy: tuple[Any, Any], reference: tuple[Any, Any], beta: float, k
     return loss, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
 
 
-def preference_loss(model: Callable[..., Any], reference: Callable[[], contextlib.AbstractContextManager[Any]],
+def adapters_off(model: Callable[..., Any],
+                 disable_adapter: Callable[[], contextlib.AbstractContextManager[Any]]) -> Callable[..., Any]:
+    """LoRA's reference: `model` itself with its adapters switched off (PEFT's `disable_adapter`),
+    so that no second copy of the weights is held."""
+    def forward(**inputs: Any) -> Any:
+        with disable_adapter():
+            return model(**inputs)
+    return forward
+
+
+def preference_loss(model: Callable[..., Any], reference: Callable[..., Any],
                     inputs: dict[str, Any], beta: float, kind: str) -> tuple[Any, Any]:
     """The DPO loss of one micro-batch of pairs (`data.pair_inputs`' layout: chosen rows, then
     rejected rows), averaged over its pairs, and its statistics summed (`STATS`). The reference
-    forward runs first, without gradients, inside `reference()` (for LoRA: the adapters off);
-    the policy's follows, so that backward comes straight after it. Pairs without a learned
-    token (an evaluation's padding past the end) count for nothing."""
+    forward runs first, without gradients: `reference` is the model with its adapters off
+    (LoRA, `adapters_off`) or a frozen copy of the base (full fine-tuning); the policy's
+    follows, so that backward comes straight after it. Pairs without a learned token (an
+    evaluation's padding past the end) count for nothing."""
     import torch
 
     model_inputs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
-    with torch.no_grad(), reference():
-        ref = sequence_logps(model(**model_inputs).logits, inputs["labels"])
+    with torch.no_grad():
+        ref = sequence_logps(reference(**model_inputs).logits, inputs["labels"])
     policy = sequence_logps(model(**model_inputs).logits, inputs["labels"])
     tokens = (inputs["labels"] != -100).sum(dim=1)
     chosen_tokens, rejected_tokens = tokens.chunk(2)
@@ -217,3 +228,32 @@ def step_metrics(stats: Any, prefix: str = "") -> dict[str, float]:
     pairs = float(stats[0])
     return {f"{prefix}{name}": (float(value) / pairs if pairs else math.nan)
             for name, value in zip(STATS[2:], stats[2:].tolist(), strict=True)}
+
+
+def frozen_reference(model_dir: str, torch_dtype: Any, config: dict[str, Any], policy_hf_config: Any) -> Any:
+    """DPO with full fine-tuning: a frozen copy of the base as the reference, as TRL's
+    `prepare_deepspeed` makes it, from `config` (`dsconfig.reference_config`): under ZeRO-3 an
+    engine of its own without an optimizer, its weights partitioned and offloaded where the
+    plan keeps the parameters (on NVMe in a folder of its own); under the other stages the
+    whole base on the device. Never checkpointed: it is the base, read again on every start.
+    `policy_hf_config` is the policy's HfDeepSpeedConfig (ZeRO-3), made current again after."""
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    stage3 = (config.get("zero_optimization") or {}).get("stage") == 3
+    loading = None
+    if stage3:  # zero.Init partitions the copy as it loads, with the reference's offload settings
+        from transformers.integrations.deepspeed import HfDeepSpeedConfig, set_hf_deepspeed_config
+
+        loading = HfDeepSpeedConfig(config)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+    finally:
+        if stage3:
+            set_hf_deepspeed_config(policy_hf_config)
+            del loading
+    model.config.use_cache = False
+    model.requires_grad_(False)
+    reference, *_ = deepspeed.initialize(model=model, config=config)
+    reference.eval()
+    return reference

@@ -34,6 +34,31 @@ BATCH_SETTINGS = {
 }
 
 
+REFERENCE_DIR = "reference"  # under the NVMe folder: DPO's frozen reference's parameter swap files
+
+
+def reference_config(config: dict[str, Any]) -> dict[str, Any]:
+    """DeepSpeed's config for DPO's frozen reference, an engine that only runs forward (TRL's
+    `prepare_deepspeed`): no optimizer and no scheduler. ZeRO-3 keeps its parameter partitioning
+    and offload, with parameters on NVMe in a folder of their own (`REFERENCE_DIR`), so that the
+    two engines' swap files never meet; the other stages become stage 0, the whole model on
+    the device."""
+    out = copy.deepcopy(config)
+    out.pop("optimizer", None)
+    out.pop("scheduler", None)
+    zero = dict(out.get("zero_optimization") or {})
+    if zero.get("stage") != 3:
+        out["zero_optimization"] = {"stage": 0}
+        return out
+    zero.pop("offload_optimizer", None)
+    param = dict(zero.get("offload_param") or {})
+    if param.get("device") == "nvme" and param.get("nvme_path"):
+        param["nvme_path"] = f"{str(param['nvme_path']).rstrip('/')}/{REFERENCE_DIR}"
+        zero["offload_param"] = param
+    out["zero_optimization"] = zero
+    return out
+
+
 def fit_swap_buffers_to_memlock(
     config: dict[str, Any], params_per_rank: int, limit: int | None
 ) -> tuple[dict[str, Any], str | None]:

@@ -44,10 +44,10 @@ def held_out_loss(engine: Any, held_out: PackedDataset, training: Training, rank
     return (float(total[0] / total[1]) if total[1] else float("nan")), int(total[1])
 
 
-def held_out_preferences(engine: Any, held_out: PackedDataset, training: Training, method: Method, rank: int,
-                         world_size: int) -> tuple[float, int, dict[str, float]]:
-    """The held-out DPO loss, the number of pairs, and TRL's metrics (eval_rewards/chosen, ...).
-    The reference is the base: the LoRA adapters switched off."""
+def held_out_preferences(engine: Any, reference: Any, held_out: PackedDataset, training: Training, method: Method,
+                         rank: int, world_size: int) -> tuple[float, int, dict[str, float]]:
+    """The held-out DPO loss, the number of pairs, and TRL's metrics (eval_rewards/chosen, ...),
+    against `reference` (`dpo.preference_loss`)."""
     import torch
 
     from spillway_runtime.training.dpo import preference_loss, step_metrics
@@ -58,7 +58,7 @@ def held_out_preferences(engine: Any, held_out: PackedDataset, training: Trainin
         with torch.no_grad():
             for index in range(_batches(held_out, training, world_size)):
                 batch = held_out.eval_batch(index, rank, world_size, training.micro_batch_size)
-                stats += preference_loss(engine, engine.module.disable_adapter,
+                stats += preference_loss(engine, reference,
                                          {k: v.to(engine.device) for k, v in batch.items()},
                                          method.beta, method.dpo_loss)[1].cpu()
     finally:

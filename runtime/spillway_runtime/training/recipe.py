@@ -20,12 +20,12 @@ from spillway_runtime import library_output
 from spillway_runtime.core.contract import STOP_GRACE_SECONDS_ENV, ExitCode
 from spillway_runtime.core.hardware import memlock_limit
 from spillway_runtime.core.units import format_bytes
-from spillway_runtime.training import disk_usage, evaluation, k8s_status, startup
+from spillway_runtime.training import disk_usage, evaluation, exporting, k8s_status, startup
 from spillway_runtime.training.checkpointing import Checkpointing
 from spillway_runtime.training.data import CACHE_DIR_NAME, PackedDataset, sources_fingerprint, token_cache_path, tokenize_sources
 from spillway_runtime.training.dataset_files import DatasetError
-from spillway_runtime.training.dsconfig import DeepSpeedConfigError, fit_swap_buffers_to_memlock
-from spillway_runtime.training.lora import MERGED_DIR, save_merged, with_lora
+from spillway_runtime.training.dsconfig import DeepSpeedConfigError, fit_swap_buffers_to_memlock, reference_config
+from spillway_runtime.training.lora import with_lora
 from spillway_runtime.training.processes import free_port
 from spillway_runtime.training.reporting import Reporter
 from spillway_runtime.training.run import Ranks, RunFailed
@@ -234,6 +234,20 @@ class FineTuneRecipe:
             f"engine: ZeRO-{self.plan.zero_stage}, optimizer {type(self.engine.optimizer).__name__}"
             f"/{type(getattr(self.engine.optimizer, 'optimizer', None)).__name__}"
         )
+        self.reference: Any = None  # DPO's: the base, as the policy was before training
+        if self.spec.method.objective == "dpo":
+            from spillway_runtime.training.dpo import adapters_off
+
+            self.reference = (adapters_off(self.engine, self.engine.module.disable_adapter) if self.spec.method.lora
+                              else self._frozen_reference(torch_dtype, ds_config))
+
+    def _frozen_reference(self, torch_dtype: Any, ds_config: dict[str, Any]) -> Any:
+        from spillway_runtime.training.dpo import frozen_reference
+
+        reference = frozen_reference(self.cfg.model_dir, torch_dtype, reference_config(ds_config), self._hf_ds_config)
+        where = f"ZeRO-3, parameters on {self.plan.parameters}" if self.plan.zero_stage == 3 else "whole, on the device"
+        self.log(f"DPO reference: a frozen copy of the base ({where})")
+        return reference
 
     def _with_lora(self, model: Any) -> Any:
         """The model with PEFT's LoRA adapters on `method.targetModules`, everything else frozen."""
@@ -282,11 +296,11 @@ class FineTuneRecipe:
 
     def _preference_loss(self, batch: dict[str, Any]) -> Any:
         """DPO on a micro-batch of pairs; its statistics are added to the step's (`dpo.STATS`).
-        The reference is the base model: the LoRA adapters switched off, no second copy."""
+        The reference is the base model (`self.reference`)."""
         from spillway_runtime.training.dpo import preference_loss
 
         method = self.spec.method
-        loss, stats = preference_loss(self.engine, self.engine.module.disable_adapter,
+        loss, stats = preference_loss(self.engine, self.reference,
                                       {k: v.to(self.engine.device) for k, v in batch.items()},
                                       method.beta, method.dpo_loss)
         self.preference_stats = stats.cpu() + getattr(self, "preference_stats", 0)
@@ -375,7 +389,7 @@ class FineTuneRecipe:
                 break
         self.checkpoints.settle()
         early = self._early_stop_summary() if self.step < t.max_steps else None
-        self.export()
+        exporting.export(self)
         self.checkpoints.finish_mirror(float(os.environ.get("SPILLWAY_MIRROR_WAIT_SECONDS", MIRROR_WAIT_SECONDS)))
         self.reporter.event("finished", step=self.step, loss=getattr(self, "last_loss", None),
                             rollbacks=self.rollbacks, disk=disk_usage.process_io_bytes(), **(early or {}))
@@ -409,7 +423,7 @@ class FineTuneRecipe:
         t, method = self.spec.training, self.spec.method
         if method.objective == "dpo":
             value, pairs, metrics = evaluation.held_out_preferences(
-                self.engine, self.held_out, t, method, self.rank, self.world_size)
+                self.engine, self.reference, self.held_out, t, method, self.rank, self.world_size)
             self.reporter.event("eval", step=self.step, eval_loss=value, pairs=pairs, **metrics)
         else:
             value, tokens = evaluation.held_out_loss(self.engine, self.held_out, t, self.rank, self.world_size)
@@ -456,48 +470,7 @@ class FineTuneRecipe:
             skipped_micro_batches=[first, end], lr_scale=self.lr_scale, rollbacks=self.rollbacks,
         )
 
-    # --- export and cleanup ----------------------------------------------------------------
-
-    def export(self) -> None:
-        """Consolidate ZeRO shards into a Hugging Face directory (safetensors). With LoRA: the
-        adapter (PEFT's layout: `PeftModel.from_pretrained` loads it onto the base model),
-        and with `export.merge` the merged model in `merged/` too."""
-        if self.plan.zero_stage == 3:
-            state_dict = self.engine._zero3_consolidated_16bit_state_dict()
-        else:
-            state_dict = self.engine.module.state_dict()
-        if self.rank == 0:
-            out = Path(self.cfg.export_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            self.engine.module.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
-            self.tokenizer.save_pretrained(out)
-            if self.spec.method.lora and self.spec.export.merge:
-                self._export_merged(out, out / MERGED_DIR)
-            self.reporter.event("exported", path=str(out), bytes=disk_usage.dir_bytes(out))
-            if self.spec.export.uri:
-                self._upload_export(out, self.spec.export.uri)
-        self.ranks.barrier()
-
-    def _upload_export(self, out: Path, uri: str) -> None:
-        """The exported model to spec.export.uri; a failure fails the run (its checkpoints
-        stay, and a restart exports and uploads again)."""
-        from spillway_runtime.checkpoints.mirror import upload_directory
-        from spillway_runtime.objectstore import Endpoint, ObjectStoreError
-
-        started = time.monotonic()
-        try:
-            nbytes = upload_directory(uri, out, Endpoint.of(self.spec.storage, in_pod=k8s_status.in_pod()))
-        except ObjectStoreError as err:
-            raise RunFailed(f"export.uri: {err}") from None
-        seconds = time.monotonic() - started
-        self.reporter.event("export_uploaded", uri=uri, bytes=nbytes, seconds=round(seconds, 3),
-                            bytes_per_s=round(nbytes / max(seconds, 1e-6)))
-
-    def _export_merged(self, adapter: Path, target: Path) -> None:
-        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-        unset_hf_deepspeed_config()  # a plain load, not partitioned by ZeRO-3 (training is over)
-        save_merged(Path(self.cfg.model_dir), adapter, target, self.torch_dtype, self.tokenizer)
+    # --- cleanup ---------------------------------------------------------------------------
 
     def cleanup(self) -> None:
         for write in self.checkpoints.pending_background:

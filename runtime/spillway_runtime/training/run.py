@@ -1,4 +1,4 @@
-"""What the recipe's parts (`checkpointing`, `mirroring`) see of the run they belong to
+"""What the recipe's parts (`checkpointing`, `mirroring`, `exporting`) see of the run they belong to
 (`TrainingRun`, which `recipe.FineTuneRecipe` is), and how the run stops on purpose (`RunFailed`).
 """
 
@@ -49,6 +49,8 @@ class TrainingRun(Protocol):
     lr_scale: float
     last_saved_step: int
     last_eval: tuple[int, float] | None
+    tokenizer: Any  # transformers' (untyped)
+    torch_dtype: Any  # the training dtype, a torch.dtype
 
     @property
     def torch(self) -> ModuleType: ...
