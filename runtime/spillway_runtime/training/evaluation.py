@@ -5,6 +5,7 @@ ranks together. In eval mode and without gradients: nothing training reads is to
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from spillway_runtime.core.spec import Method, Training
@@ -23,23 +24,31 @@ def _all_reduce(total: Any, world_size: int) -> None:
         dist.all_reduce(total)
 
 
+def _eval_batches(engine: Any, held_out: PackedDataset, training: Training, rank: int,
+                  world_size: int) -> Iterator[dict[str, Any]]:
+    """This rank's held-out micro-batches, with the engine in eval mode and no gradients."""
+    import torch
+
+    engine.eval()
+    try:
+        with torch.no_grad():
+            for index in range(_batches(held_out, training, world_size)):
+                yield held_out.eval_batch(index, rank, world_size, training.micro_batch_size)
+    finally:
+        engine.train()
+
+
 def held_out_loss(engine: Any, held_out: PackedDataset, training: Training, rank: int,
                   world_size: int) -> tuple[float, int]:
     """The mean loss over the held-out learned tokens, and their number."""
     import torch
 
     total = torch.zeros(2, dtype=torch.float64)
-    engine.eval()
-    try:
-        with torch.no_grad():
-            for index in range(_batches(held_out, training, world_size)):
-                batch = held_out.eval_batch(index, rank, world_size, training.micro_batch_size)
-                tokens = int((batch["labels"][:, 1:] != -100).sum())
-                loss = engine(**{k: v.to(engine.device) for k, v in batch.items()}).loss
-                if tokens:
-                    total += torch.tensor([float(loss.float().item()) * tokens, tokens], dtype=torch.float64)
-    finally:
-        engine.train()
+    for batch in _eval_batches(engine, held_out, training, rank, world_size):
+        tokens = int((batch["labels"][:, 1:] != -100).sum())
+        loss = engine(**{k: v.to(engine.device) for k, v in batch.items()}).loss
+        if tokens:
+            total += torch.tensor([float(loss.float().item()) * tokens, tokens], dtype=torch.float64)
     _all_reduce(total, world_size)
     return (float(total[0] / total[1]) if total[1] else float("nan")), int(total[1])
 
@@ -53,16 +62,9 @@ def held_out_preferences(engine: Any, reference: Any, held_out: PackedDataset, t
     from spillway_runtime.training.dpo import preference_loss, step_metrics
 
     stats = torch.zeros(8, dtype=torch.float64)
-    engine.eval()
-    try:
-        with torch.no_grad():
-            for index in range(_batches(held_out, training, world_size)):
-                batch = held_out.eval_batch(index, rank, world_size, training.micro_batch_size)
-                stats += preference_loss(engine, reference,
-                                         {k: v.to(engine.device) for k, v in batch.items()},
-                                         method.beta, method.dpo_loss)[1].cpu()
-    finally:
-        engine.train()
+    for batch in _eval_batches(engine, held_out, training, rank, world_size):
+        stats += preference_loss(engine, reference, {k: v.to(engine.device) for k, v in batch.items()},
+                                 method.beta, method.dpo_loss)[1].cpu()
     _all_reduce(stats, world_size)
     value = float(stats[1] / stats[0]) if stats[0] else float("nan")
     return value, int(stats[0]), step_metrics(stats, prefix="eval_")
