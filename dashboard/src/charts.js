@@ -84,8 +84,8 @@ export function rewardsChart(el, points, evaluations = []) {
   };
   const data = [steps, column(withRewards, "rewards/margins"), column(withRewards, "rewards/accuracies")];
   const series = [{ label: "step" },
-    { label: "margin", stroke: "#7c3aed", width: 2, points: { show: true, size: 5 }, scale: "reward" },
-    { label: "accuracy", stroke: "#047857", width: 2, points: { show: true, size: 5 }, scale: "share" }];
+    { label: "margin", stroke: "#7c3aed", width: 2, points: { show: true, size: 5 }, scale: "reward", spanGaps: true },
+    { label: "accuracy", stroke: "#047857", width: 2, points: { show: true, size: 5 }, scale: "share", spanGaps: true }];
   if (evals.length) {
     data.push(column(evals, "rewards/margins"), column(evals, "rewards/accuracies"));
     series.push(

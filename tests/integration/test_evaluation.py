@@ -108,3 +108,10 @@ def test_early_stopping_ends_the_run_at_the_evaluation_that_ran_out_of_patience_
     assert resumed.returncode == 0, resumed.log[-3000:]
     assert resumed.losses() == {s: loss for s, loss in run.losses().items() if s > 3}
     assert [e["step"] for e in resumed.of("early_stopped")] == [6] and _evals(resumed) == {6: _evals(run)[6]}
+    # Restarted from the stop's own checkpoint (an export that failed after it): it trains no
+    # further, and ends as the stopped run did.
+    copy_checkpoint(run.run_dir, tmp_path / "after-stop", checkpoint_name(6))
+    again = run_job(stopping("after-stop"), tmp_path / "after-stop")
+    assert again.returncode == 0, again.log[-3000:]
+    assert again.losses() == {} and [e["step"] for e in again.of("early_stopped")] == [6]
+    assert again.of("finished")[0]["message"] == finished["message"]

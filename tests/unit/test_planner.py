@@ -3,7 +3,7 @@
 import pytest
 
 from spillway_runtime.core.estimates import activation_bytes, model_state_bytes
-from spillway_runtime.core.hardware import AioSettings, NodeHardware, hardware_from_node
+from spillway_runtime.core.hardware import DEFAULT_HOST_DEVICE_BPS, AioSettings, NodeHardware, hardware_from_node
 from spillway_runtime.core.largest import largest_model
 from spillway_runtime.core.plan_summary import PlanSummary
 from spillway_runtime.core.planner import ModelShape, minimum_cpu_for, parse_label, plan_summary, plan_tiers
@@ -344,6 +344,10 @@ def test_dpo_is_planned_as_two_sequences_per_pair_and_one_more_forward_pass():
     # the reference's forward, 2 FLOPs per parameter and token, on top
     tokens = doubled.tokens_per_step
     assert dpo.step.flops == pytest.approx(doubled.step.flops + 2 * P13.params * tokens)
+    # ... and, the parameters in CPU RAM, a third fetch of the 16-bit weights per micro-step
+    ranks, micro_steps = 1, TRAIN.gradient_accumulation
+    pcie = rtx4090(64).host_device_bytes_per_s or DEFAULT_HOST_DEVICE_BPS
+    assert dpo.step.host_device == pytest.approx(doubled.step.host_device + 2 * P13.params / ranks * micro_steps / pcie)
     assert dpo.predicted_step_seconds > doubled.predicted_step_seconds
     assert any("DPO: 1 pair(s) per micro-batch are 2 sequences" in reason for reason in dpo.reasons)
     assert not any("DPO" in reason for reason in sft.reasons)
@@ -365,8 +369,11 @@ def test_dpo_with_full_fine_tuning_places_a_frozen_copy_beside_the_parameters(of
     assert (full_dpo.label, full_dpo.feasible) == (full_sft.label, True)
     # 2 B/param where the parameters live: partitioned under ZeRO-3, whole on each GPU otherwise
     added = {t: getattr(full_dpo.bytes, t) - getattr(full_sft.bytes, t) for t in ("gpu", "cpu", "nvme")}
-    want = 2 * small.params // (gpus if per_gpu else 1)
-    assert added == {t: (want if t == tier else 0) for t in added}, added
+    want = {t: (2 * small.params // (gpus if per_gpu else 1) if t == tier else 0) for t in added}
+    if tier == "nvme":  # the reference's own parameter swapper pins buffers as large as the policy's
+        swap = full_dpo.swap
+        want["cpu"] = swap.param_buffer_count * swap.param_buffer_size * 2 * gpus
+    assert added == want, added
     assert full_dpo.checkpoint_bytes == full_sft.checkpoint_bytes  # the reference is the base: not saved
     assert any("frozen copy of the base, 2 B/param" in reason for reason in full_dpo.reasons)
 

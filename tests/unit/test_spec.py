@@ -84,7 +84,7 @@ def test_early_stopping_counts_evaluations_without_an_improvement_beyond_min_del
     stopping = EarlyStopping(patience=2, min_delta=0.1)
     assert [stopping.record(step, loss) for step, loss in [(10, 2.0), (20, 1.95), (30, 1.5), (40, float("nan")),
                                                            (50, 1.45)]] == [False, False, False, False, True]
-    assert (stopping.best, stopping.best_step, stopping.waited) == (1.5, 30, 2)
+    assert (stopping.best, stopping.best_step, stopping.waited, stopping.exhausted) == (1.5, 30, 2, True)
     resumed = EarlyStopping(patience=2, min_delta=0.1)
     resumed.restore(EarlyStopping(2, 0.1, best=1.5, best_step=30, waited=1).state())
     assert resumed.record(50, 1.45) is True

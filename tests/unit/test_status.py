@@ -105,6 +105,16 @@ def test_a_status_from_another_version_is_read() -> None:
     assert read_status(None) == FineTuneJobStatus()
 
 
+def test_an_unreadable_value_takes_only_itself_away() -> None:
+    # The operator reads its decisions from this: a bad `cost.display` must not lose the settled
+    # cost (the budget and the next cost patch read it), a bad condition not the others.
+    status = read_status({"phase": "Running", "cost": {"settledUSD": 2.5, "display": 7},
+                          "conditions": [{"type": "A", "status": "maybe"}, {"type": "B", "status": "True"},
+                                         {"type": "C", "status": "nope"}, {"type": "D", "status": "False"}]})
+    assert status.cost is not None and (status.cost.settled_usd, status.cost.display) == (2.5, None)
+    assert [c.type for c in status.conditions] == ["B", "D"]
+
+
 # The hand-written status schema this one replaced: every field it typed, with its type.
 FORMER_STATUS_FIELDS = {
     ("phase",): "string", ("observedGeneration",): "integer", ("conditions",): "array",

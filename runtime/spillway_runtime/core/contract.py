@@ -7,6 +7,7 @@ copy of the phases (dashboard/src/jobs.js) is checked against this by a unit tes
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Literal, get_args
@@ -119,8 +120,10 @@ PREFERENCE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies"
 
 
 def preference_metrics(fields: dict[str, Any], prefix: str = "") -> dict[str, float] | None:
-    """The DPO metrics among `fields` (with `prefix`: eval_ for held-out pairs), unprefixed;
-    None when there are none (a step of another objective)."""
+    """The DPO metrics among `fields` (with `prefix`: eval_ for held-out pairs), unprefixed and
+    finite (a mean over no pairs is NaN, which JSON columns refuse); None when there are none
+    (a step of another objective)."""
     found = {name: float(value) for name in PREFERENCE_METRICS
-             if isinstance(value := fields.get(prefix + name), int | float) and not isinstance(value, bool)}
+             if isinstance(value := fields.get(prefix + name), int | float) and not isinstance(value, bool)
+             and math.isfinite(value)}
     return found or None

@@ -202,9 +202,10 @@ def _nvme_seconds(placement: PlacementInputs, swap: SwapSettings) -> tuple[float
     write_bps = hw.nvme_write_bytes_per_s or DEFAULT_NVME_WRITE_BPS
     param_nvme = 0.0
     nvme_bytes = 0.0
+    fetches = 2 + placement.reference_forwards  # forward, backward and (DPO) the reference's forward
     if parameters == "nvme":
-        param_nvme = (2 * 2 * p / nodes * micro_steps) / read_bps + (2 * t / nodes) / write_bps
-        nvme_bytes += 2 * 2 * p / nodes * micro_steps + 2 * t / nodes
+        param_nvme = (fetches * 2 * p / nodes * micro_steps) / read_bps + (2 * t / nodes) / write_bps
+        nvme_bytes += fetches * 2 * p / nodes * micro_steps + 2 * t / nodes
     opt_nvme = 0.0
     if optimizer == "nvme":
         # the sub-groups kept in RAM (`swap.cpu_resident_fraction` of them, whole) are never read or written
@@ -242,8 +243,8 @@ def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSetting
         # grads down and updated 16-bit params up, each rank its own partition
         host_device += 4 * t / ranks / pcie
     if parameters != "gpu":
-        # fetch for forward and backward, grads down, every micro-step
-        host_device += (2 * 2 * p + 2 * t) / ranks * micro_steps / pcie
+        # fetch for forward and backward (and DPO's reference forward), grads down, every micro-step
+        host_device += ((2 + placement.reference_forwards) * 2 * p + 2 * t) / ranks * micro_steps / pcie
     param_nvme, opt_nvme, nvme_bytes = _nvme_seconds(placement, swap)
     cpu_adam = hw.cpu_adam_params_per_s or DEFAULT_CPU_ADAM_PARAMS_PER_S
     # fused Adam on a GPU streams ~16 B/param three times at HBM speed (~2 TB/s)

@@ -183,16 +183,38 @@ class FineTuneJobStatus(OpenRecord):
 
 
 def read_status(raw: Any) -> FineTuneJobStatus:
-    """A FineTuneJob's status as written by any version: a known key this version cannot read
-    (another type) is read as absent, and said once in the log."""
-    data = dict(raw) if isinstance(raw, dict) else {}
-    for _ in range(len(data) + 1):
+    """A FineTuneJob's status as written by any version: a value this version cannot read
+    (another type) is read as absent, the fields beside it kept (a bad `cost.display` leaves
+    `cost.settledUSD`; a bad entry of a list goes whole), and said once in the log."""
+    data: Any = dict(raw) if isinstance(raw, dict) else {}
+    for _ in range(64):
         try:
             return FineTuneJobStatus.model_validate(data)
         except ValidationError as err:
-            bad = {str(e["loc"][0]) for e in err.errors() if e["loc"]}
-            if not bad & set(data):
+            locs = [tuple(e["loc"]) for e in err.errors() if e["loc"]]
+            if not locs:
                 break
-            log.warning("status fields %s unreadable, read as absent: %s", sorted(bad), err)
-            data = {k: v for k, v in data.items() if k not in bad}
+            said = ", ".join(".".join(map(str, loc)) for loc in locs)
+            if said not in _WARNED:
+                _WARNED.add(said)
+                log.warning("status fields %s unreadable, read as absent: %s", said, err)
+            # one at a time: removing a list's entry moves the entries after it
+            data = _without(data, locs[0]) or {k: v for k, v in data.items() if k != locs[0][0]}
     return FineTuneJobStatus()
+
+
+_WARNED: set[str] = set()  # what read_status has said, so that every reconcile does not say it again
+
+
+def _without(value: Any, loc: tuple[Any, ...]) -> Any:
+    """`value` without what `loc` points at: a field of a record, or a list's entry (whole).
+    None when `loc` leads nowhere in `value` (an error already removed above it)."""
+    head, rest = loc[0], loc[1:]
+    if isinstance(value, dict) and head in value:
+        if not rest:
+            return {k: v for k, v in value.items() if k != head}
+        inner = _without(value[head], rest)
+        return None if inner is None else {**value, head: inner}
+    if isinstance(value, list) and isinstance(head, int) and 0 <= head < len(value):
+        return value[:head] + value[head + 1:]
+    return None

@@ -265,15 +265,17 @@ def _choose_swap(shape: ModelShape, optimizer: Tier, parameters: Tier, ranks: in
     )
 
 
-def _pinned_bytes(swap: SwapSettings, optimizer: Tier, parameters: Tier, ranks_per_node: int, partition: int) -> int:
+def _pinned_bytes(swap: SwapSettings, optimizer: Tier, parameters: Tier, ranks_per_node: int, partition: int,
+                  parameter_swappers: int = 1) -> int:
     """Swap buffers per node. DeepSpeed sizes the optimizer's by the largest sub-group it
     actually formed, which is never more than the rank's partition of the parameters; the
-    parameter swapper's are allocated at their configured size whatever the model."""
+    parameter swapper's are allocated at their configured size whatever the model, once per
+    engine (`parameter_swappers` 2 with DPO's frozen reference of a full fine-tune)."""
     per_rank = 0
     if optimizer == "nvme":
         per_rank += (swap.optimizer_buffer_count + 1) * min(swap.sub_group_size, partition) * 4
     if parameters == "nvme":
-        per_rank += swap.param_buffer_count * swap.param_buffer_size * 2
+        per_rank += swap.param_buffer_count * swap.param_buffer_size * 2 * parameter_swappers
     return per_rank * ranks_per_node
 
 
@@ -360,7 +362,7 @@ def _pin(placement: PlacementInputs, sizing: Sizing, swap: SwapSettings) -> tupl
     """(swap buffers, pinned total) per node. With pin_memory DeepSpeed pins the CPU optimizer
     partitions too; past MAX_PINNED_FRACTION of RAM pinning is switched off (`swap.pin_memory`)."""
     pinned = _pinned_bytes(swap, placement.optimizer, placement.parameters, placement.ranks_per_node,
-                           -(-placement.shape.params // placement.ranks))
+                           -(-placement.shape.params // placement.ranks), 2 if placement.reference_params else 1)
     pinned_state = sizing.cpu_state if placement.optimizer == "cpu" and placement.on_gpu else 0
     capacity = placement.hw.usable_cpu_bytes
     if pinned + pinned_state > MAX_PINNED_FRACTION * capacity:

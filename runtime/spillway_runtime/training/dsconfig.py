@@ -60,7 +60,7 @@ def reference_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def fit_swap_buffers_to_memlock(
-    config: dict[str, Any], params_per_rank: int, limit: int | None
+    config: dict[str, Any], params_per_rank: int, limit: int | None, parameter_swappers: int = 1
 ) -> tuple[dict[str, Any], str | None]:
     """DeepSpeed mlock()s its NVMe swap buffers whatever `pin_memory` says; when that
     exceeds RLIMIT_MEMLOCK it prints "mlock failed" and dies of SIGSEGV. A container run
@@ -69,7 +69,9 @@ def fit_swap_buffers_to_memlock(
     fewest buffers (no pipelined I/O), then smaller sub-groups (Adam is elementwise: the
     same numbers in smaller pieces), never below DeepSpeed's minimum swap size, under
     which it would silently keep the state in RAM. Where even that cannot fit, a clear
-    error. `limit` None: no limit applies. Returns the config to use and what changed."""
+    error. `limit` None: no limit applies. `parameter_swappers` 2: DPO's frozen reference of a
+    full fine-tune swaps its own parameters with buffers as large. Returns the config to use
+    and what changed."""
     zero = config.get("zero_optimization") or {}
     optimizer = zero.get("offload_optimizer") or {}
     param = zero.get("offload_param") or {}
@@ -77,6 +79,7 @@ def fit_swap_buffers_to_memlock(
     param_locked = 0
     if param.get("device") == "nvme":
         param_locked = int(param.get("buffer_count", 5)) * int(param.get("buffer_size", 100_000_000)) * 2
+        param_locked *= parameter_swappers
     buffers = int(optimizer.get("buffer_count", OPTIMIZER_SWAP_BUFFERS)) + 1  # + fp32 gradient staging
     sub_group = min(int(zero.get("sub_group_size", 1_000_000_000)), max(1, params_per_rank))
     locked = param_locked + (buffers * sub_group * 4 if swaps_optimizer else 0)

@@ -194,7 +194,9 @@ class FineTuneRecipe:
         ds_config = dict(self.cfg.deepspeed)
         params_per_rank = -(-self.plan.model.params // max(1, self.world_size))
         try:
-            ds_config, fitted = fit_swap_buffers_to_memlock(ds_config, params_per_rank, memlock_limit())
+            full_dpo = self.spec.method.objective == "dpo" and not self.spec.method.lora  # a reference engine too
+            ds_config, fitted = fit_swap_buffers_to_memlock(ds_config, params_per_rank, memlock_limit(),
+                                                            parameter_swappers=2 if full_dpo else 1)
         except DeepSpeedConfigError as err:
             raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
         if fitted:
@@ -348,7 +350,10 @@ class FineTuneRecipe:
                             world_size=self.world_size)
         started = time.monotonic()
         start_step = self.step
-        while self.step < t.max_steps:
+        # A restart from the checkpoint an early stop wrote (its export or upload failed) does
+        # not train on: it ends as that run did
+        stopped = self.early_stopping is not None and self.early_stopping.exhausted
+        while self.step < t.max_steps and not stopped:
             if self.ranks.any(self.stop_requested):
                 return self._preempt()
             step_started = time.monotonic()
@@ -408,10 +413,11 @@ class FineTuneRecipe:
         early = {"stopped_early": True, "best_eval_loss": stopping.best, "best_step": stopping.best_step,
                  "best_checkpoint": best.name if best is not None else None, "patience": stopping.patience}
         kept = f"{best.name} (held-out loss {best.eval_loss:.4g})" if best is not None else "none"
+        since = (f"gone below {stopping.best:.4g} (step {stopping.best_step}) by more than {stopping.min_delta:g}"
+                 if stopping.best is not None else "been a finite number")
         early["message"] = (
             f"stopped early at step {self.step} of {self.spec.training.max_steps} (training.earlyStopping): the "
-            f"held-out loss has not gone below {stopping.best:.4g} (step {stopping.best_step}) by more than "
-            f"{stopping.min_delta:g} for {stopping.patience} evaluation(s); best checkpoint {kept} is kept")
+            f"held-out loss has not {since} for {stopping.patience} evaluation(s); best checkpoint {kept} is kept")
         self.reporter.event("early_stopped", step=self.step, **{k: v for k, v in early.items() if k != "stopped_early"})
         return early
 
@@ -477,9 +483,9 @@ class FineTuneRecipe:
             write.thread.join()  # a failed run's checkpoint in flight: its staging is swept later
         if getattr(self.checkpoints, "ckpt", None) is not None:  # a run that failed before setup has none
             self.checkpoints.ckpt.io.close()
-        engine = getattr(self, "engine", None)
-        if engine is not None and hasattr(engine, "destroy"):
-            engine.destroy()
+        for engine in (getattr(self, "engine", None), getattr(self, "reference", None)):  # DPO's frozen copy too
+            if engine is not None and hasattr(engine, "destroy"):
+                engine.destroy()
         if self.cfg.remove_swap_at_exit and self.cfg.nvme_dir:
             removed = disk_usage.remove_swap_files(Path(self.cfg.nvme_dir), self.rank)
             self.reporter.event("swap_removed", bytes=removed, path=self.cfg.nvme_dir)

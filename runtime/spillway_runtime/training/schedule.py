@@ -61,6 +61,11 @@ class EarlyStopping:
         self.waited += 1
         return self.waited >= self.patience
 
+    @property
+    def exhausted(self) -> bool:
+        """The patience ran out (restored from the checkpoint of the step that stopped)."""
+        return self.waited >= self.patience
+
     def state(self) -> dict[str, Any]:
         return {"best": self.best, "best_step": self.best_step, "waited": self.waited}
 

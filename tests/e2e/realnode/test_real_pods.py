@@ -142,6 +142,7 @@ def real(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     model = build_tiny_model(root / "inputs" / "model")
     data = write_dataset(root / "inputs" / "data" / "arithmetic.jsonl", count=400)
     write_chat_dataset(root / "inputs" / "data" / "arithmetic-chat.jsonl", count=400)
+    _preferences_as_parquet(root / "inputs" / "data" / "arithmetic-preferences.parquet")
     lines = data.read_text().splitlines(keepends=True)
     (data.parent / "bad.jsonl").write_text("".join(lines[: BAD_LINE - 1]) + '{"text": "cut off\n' + "".join(lines[BAD_LINE:]))
     for path in [root, *root.rglob("*")]:
@@ -175,6 +176,16 @@ def real(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 def _condition(job: dict[str, Any], kind: str) -> dict[str, Any]:
     return next((c for c in job.get("status", {}).get("conditions", []) if c["type"] == kind), {})
+
+
+def _preferences_as_parquet(path: Path) -> None:
+    """What examples/dpo-lora.yaml's comment says to put on the claim: the example's preference
+    pairs whose prompt is text, as one Parquet file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [json.loads(line) for line in (REPO_ROOT / "examples" / "data" / "arithmetic-preferences.jsonl").open()]
+    pq.write_table(pa.Table.from_pylist([r for r in rows if isinstance(r["prompt"], str)]), path)
 
 
 def _finished(real: RealNode, namespace: str, name: str) -> dict[str, Any]:
@@ -256,6 +267,28 @@ def test_a_chat_lora_job_trains_in_a_pod_with_masked_loss_evaluation_and_exports
     assert (export / "merged" / "model.safetensors").is_file() and not (export / "model.safetensors").exists()
     adapter = json.loads((export / "adapter_config.json").read_text())
     assert adapter["r"] == chat["method"]["rank"] and adapter["peft_type"] == "LORA"
+
+
+def test_dpo_with_lora_trains_in_a_pod_from_a_parquet_file(real: RealNode, namespace: str) -> None:
+    """examples/dpo-lora.yaml on the tiny model: preference pairs read from a Parquet file on
+    the claim, DPO with LoRA (the reference the base with the adapters off), TRL's metrics of
+    the last step and of the held-out pairs in status.progress.preference."""
+    dpo = yaml.safe_load((REPO_ROOT / "examples" / "dpo-lora.yaml").read_text())["spec"]
+    real.inputs(namespace)
+    real.job(namespace, "dpo-lora", dataset="arithmetic-preferences.parquet", spec_update={
+        "dataset": {key: dpo["dataset"][key] for key in ("format", "validation")},
+        "method": dpo["method"], "offload": {"optimizer": None, **dpo["offload"]},
+        "training": {**dpo["training"], "maxSteps": 6, "evalEverySteps": 3, "evalBatches": 2},
+        "checkpoint": {"everySteps": 3}})
+    job = _finished(real, namespace, "dpo-lora")
+    status = job["status"]
+    assert status["phase"] == "Succeeded", status.get("message")
+    progress = status["progress"]
+    assert progress["step"] == 6 and progress["evalStep"] == 6, progress
+    metrics = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+               "logps/rejected")
+    assert set(progress["preference"]) == {*metrics, *(f"eval_{m}" for m in metrics)}, progress["preference"]
+    assert 0 <= progress["preference"]["rewards/accuracies"] <= 1 and progress["loss"] < 0.69  # below ln 2
 
 
 def _events(cluster: Cluster, namespace: str, pod: str) -> list[dict[str, Any]]:
