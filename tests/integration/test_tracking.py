@@ -94,6 +94,35 @@ def test_mlflow_and_tensorboard_hold_the_runs_params_and_exact_losses(
     assert {"learning_rate", "tokens_per_s", "bytes/cpu", "checkpoint/stall_seconds"} <= set(events.Tags()["scalars"])
 
 
+def test_a_run_created_again_by_the_clients_retry_is_one_run(tracking_server: MlflowServer,  # noqa: F811
+                                                            monkeypatch) -> None:
+    """A server slower than the client's timeout creates the run, answers too late, and the
+    client's retry creates a second (seen in the gate): the listener keeps one. The retry is
+    made here by calling the real client's create_run twice, as MLflow's retry does."""
+    import mlflow.tracking
+    from mlflow.tracking import MlflowClient
+
+    from spillway_runtime.core.spec import MlflowTracking
+    from spillway_runtime.training.tracking import MlflowListener, MlflowRun
+
+    original = mlflow.tracking.MlflowClient.create_run
+
+    def create_twice(self: Any, *args: Any, **kwargs: Any) -> Any:
+        original(self, *args, **kwargs)  # answered too late: the client never saw this one
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(mlflow.tracking.MlflowClient, "create_run", create_twice)
+    warnings: list[str] = []
+    listener = MlflowListener(MlflowTracking(trackingUri=tracking_server.uri, experiment="retried"),
+                              MlflowRun(experiment="retried", name="once", tags={}, params={}), warnings.append)
+    listener.handle({"event": "step", "step": 1, "loss": 2.5, "time": time.time()})
+    listener.close()
+    client = MlflowClient(tracking_uri=tracking_server.uri)
+    found = client.search_runs([client.get_experiment_by_name("retried").experiment_id])
+    assert [r.info.run_name for r in found] == ["once"] and not warnings, warnings
+    assert [m.value for m in client.get_metric_history(found[0].info.run_id, "loss")] == [2.5]
+
+
 def test_an_unreachable_mlflow_server_is_one_warning_and_training_goes_on(tmp_path, tiny_model):
     (closed,) = _free_ports(1)  # nothing listens there once the probe socket is closed
     uri = f"http://127.0.0.1:{closed}"

@@ -12,6 +12,7 @@ the spec asks for them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -37,6 +38,7 @@ MLFLOW_OUTCOMES = {"finished": "FINISHED", "failed": "FAILED", "diverged": "FAIL
 # MLflow's own HTTP settings, unless the environment sets them: a few seconds per request and
 # two retries, instead of 120 s and seven retries with backoff, so that a dead server costs the
 # background thread seconds and the end of the run at most MLFLOW_CLOSE_SECONDS.
+CREATE_TAG = "spillway.create_id"  # marks the runs one create_run made, retries included
 MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
                         "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
 # The most the end of a run waits for the last metrics and the run's status: a healthy server
@@ -227,6 +229,21 @@ class MlflowListener:
         finally:
             self._stopped.set()
 
+    def _create_run(self, client: Any, experiment_id: str) -> str:
+        """One run, even when the client retries: a server slower than the client's timeout
+        creates the run it then answers too late for, and the retry a second. Each attempt of
+        this call is marked with one id; runs of that id beyond the one kept are deleted."""
+        import uuid
+
+        marker = uuid.uuid4().hex
+        run = client.create_run(experiment_id, run_name=self.run.name, tags={**self.run.tags, CREATE_TAG: marker})
+        run_id: str = run.info.run_id
+        with contextlib.suppress(Exception):  # the duplicates are untidy, not wrong: never training's failure
+            for twin in client.search_runs([experiment_id], filter_string=f"tags.`{CREATE_TAG}` = '{marker}'"):
+                if twin.info.run_id != run_id:
+                    client.delete_run(twin.info.run_id)
+        return run_id
+
     def _start(self) -> tuple[Any, str]:
         mlflow = self._mlflow
         client = mlflow.tracking.MlflowClient(tracking_uri=self.settings.tracking_uri)
@@ -241,8 +258,7 @@ class MlflowListener:
                 if made is None:
                     raise
                 experiment_id = made.experiment_id
-        run = client.create_run(experiment_id, run_name=self.run.name, tags=self.run.tags)
-        run_id: str = run.info.run_id
+        run_id = self._create_run(client, experiment_id)
         params = [mlflow.entities.Param(key, value) for key, value in self.run.params.items()]
         for first in range(0, len(params), MLFLOW_BATCH_PARAMS):
             self._try(functools.partial(client.log_batch, run_id, params=params[first:first + MLFLOW_BATCH_PARAMS]),

@@ -54,7 +54,7 @@ RUNTIME_UID = 1000
 EXAMPLE = REPO_ROOT / "examples" / "tiny-cluster.yaml"
 # The example, longer: room for a suspend, a resume, a rollback and a lost pod in one run.
 # It checkpoints every 3 steps and keeps 5.
-MAX_STEPS = 40
+MAX_STEPS = 60  # room after a late rollback for the deleted-pod step (a fast run once finished first)
 KEEP = 5
 # A pod's first step waits for its container (a 6 GB image, already unpacked) and torch's
 # import on a loaded 2-core machine: minutes, not seconds, at worst.
