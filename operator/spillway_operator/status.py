@@ -94,6 +94,8 @@ class StatusChange:
     events: list[tuple[str, str, str]] = field(default_factory=list)
     conditional: bool = False
     strict: bool = False  # an illegal phase change or status field raises (settings.strict_phases)
+    _was: FineTuneJobStatus | None = field(default=None, init=False, repr=False)
+    _was_of: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.status, self.piggyback = StatusPatch(self.status, strict=self.strict), StatusPatch(strict=self.strict)
@@ -109,8 +111,12 @@ class StatusChange:
     @property
     def was(self) -> FineTuneJobStatus:
         """The stored status, typed: what a decision reads. Another version's value of a known
-        field that this one cannot read reads as absent (`read_status`)."""
-        return read_status(self.job.get("status"))
+        field that this one cannot read reads as absent (`read_status`). Parsed once per
+        stored status (a commit or a fresh read replaces `job`), not at every read."""
+        raw = self.job.get("status")
+        if self._was is None or self._was_of is not raw:
+            self._was, self._was_of = read_status(raw), raw
+        return self._was
 
     @property
     def generation(self) -> int:
