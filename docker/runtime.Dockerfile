@@ -69,10 +69,10 @@ RUN export DS_ACCELERATOR="${DS_ACCELERATOR}" \
     fi \
  && python -c "import deepspeed.ops.op_builder as b; assert b.AsyncIOBuilder().is_compatible(), 'libaio missing'" \
  && python -c "from deepspeed.git_version_info import installed_ops as i; \
-want = ['async_io', 'cpu_adam'] + (['deepspeed_shm_comm'] if '${DS_ACCELERATOR}' == 'cpu' else []); \
+want = ['async_io', 'cpu_adam', 'fused_adam'] + (['deepspeed_shm_comm'] if '${DS_ACCELERATOR}' == 'cpu' else []); \
 missing = [op for op in want if not i.get(op)]; assert not missing, f'ops not compiled: {missing}'" \
  && python -c "from deepspeed.accelerator import get_accelerator; \
-[get_accelerator().create_op_builder(name).load() for name in ('AsyncIOBuilder', 'CPUAdamBuilder')]"
+[get_accelerator().create_op_builder(name).load() for name in ('AsyncIOBuilder', 'CPUAdamBuilder', 'FusedAdamBuilder')]"
 # The project's own dependencies and those of its `runtime` and `operator` extras (the
 # kubernetes client the runtime uses for status and the node probe for annotations), at
 # the pinned versions; torch and DeepSpeed are already there at theirs, so pip keeps them.

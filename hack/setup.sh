@@ -69,7 +69,9 @@ fi
 # environment installs from them and hack/images mounts them into the image build, so a
 # fresh machine downloads torch once and compiles DeepSpeed's ops once (they were done
 # twice, ~35 minutes of a cold `make test`). hack/images finds them with `--wheels`.
-WHEELS_RECIPE=1  # bump to rebuild the wheels after changing how they are made
+# fused_adam is the optimizer's step where it stays on the device (on a CPU node, the CPU):
+# a pod has no compiler to JIT-compile it (recipe 1 lacked it; such a pod exited 1).
+WHEELS_RECIPE=2  # bump to rebuild the wheels after changing how they are made
 WHEELS="$SPILLWAY_CACHE/wheels-$( (echo "$WHEELS_RECIPE"; cat docker/deepspeed.lock) | sha256sum | cut -c1-16)"
 make_wheels() {
   log "making the torch + DeepSpeed wheels (first time: downloads torch, compiles DeepSpeed's CPU ops, ~10 minutes)"
@@ -85,10 +87,11 @@ make_wheels() {
     # (no build isolation), as the Dockerfile does, into a wheel of this Python's ABI
     # (cp311 on Debian 12: the image's python3 too). LDFLAGS: the ahead-of-time build of
     # the CPU accelerator's ops drops their link flags, so async_io would miss libaio.
+    # --no-cache-dir: pip's wheel cache keys a build by the sdist alone, not DS_BUILD_*.
     "$VENV/bin/pip" install -q --no-index --find-links "$tmp" -r "$tmp/binary.txt"
     DS_ACCELERATOR=cpu LDFLAGS="-Wl,--no-as-needed -laio" DS_BUILD_AIO=1 DS_BUILD_CPU_ADAM=1 \
-      DS_BUILD_UTILS=1 DS_BUILD_PIN_MEMORY=1 DS_BUILD_SHM_COMM=1 \
-      "$VENV/bin/pip" wheel -q --no-deps --no-build-isolation -w "$tmp" "$(grep '^deepspeed==' docker/deepspeed.lock)"
+      DS_BUILD_FUSED_ADAM=1 DS_BUILD_UTILS=1 DS_BUILD_PIN_MEMORY=1 DS_BUILD_SHM_COMM=1 \
+      "$VENV/bin/pip" wheel -q --no-cache-dir --no-deps --no-build-isolation -w "$tmp" "$(grep '^deepspeed==' docker/deepspeed.lock)"
     rm "$tmp/binary.txt"
     chmod 755 "$tmp"
     mv "$tmp" "$WHEELS"
@@ -104,6 +107,10 @@ deps_stamp="$VENV/.spillway-deps-$( (cat requirements.lock; basename "$WHEELS") 
 if [ ! -f "$deps_stamp" ]; then
   log "installing pinned Python dependencies"
   "$VENV/bin/pip" install -q --no-index --find-links "$WHEELS" -r docker/deepspeed.lock setuptools==84.2.1
+  # The same DeepSpeed version from wheels made another way (other ops compiled in) is not
+  # an upgrade to pip: replace it.
+  "$VENV/bin/pip" install -q --no-index --find-links "$WHEELS" --force-reinstall --no-deps \
+    "$(grep '^deepspeed==' docker/deepspeed.lock)"
   "$VENV/bin/pip" install -q -r requirements.lock
   rm -f "$VENV"/.spillway-deps-*
   touch "$deps_stamp"
@@ -136,11 +143,11 @@ chmod +x "$PROJECT_VENV/bin/spillway"
 # on 2 cores); build them here, once, so that no test or run pays for it.
 ops_stamp="$SPILLWAY_CACHE/.ds-ops-$(grep -E '^(deepspeed|torch)==' requirements.lock | sha256sum | cut -c1-16)"
 if [ ! -f "$ops_stamp" ]; then
-  log "building DeepSpeed CPU ops (cpu_adam, async_io, shm comm): first time only, ~5-10 minutes"
+  log "building DeepSpeed CPU ops (cpu_adam, fused_adam, async_io, shm comm): first time only, ~5-10 minutes"
   DS_ACCELERATOR=cpu "$VENV/bin/python" - <<'PY'
 from deepspeed.accelerator import get_accelerator
 accelerator = get_accelerator()
-for name in ("CPUAdamBuilder", "AsyncIOBuilder", "ShareMemCommBuilder", "PinMemoryBuilder"):
+for name in ("CPUAdamBuilder", "FusedAdamBuilder", "AsyncIOBuilder", "ShareMemCommBuilder", "PinMemoryBuilder"):
     builder = accelerator.create_op_builder(name)
     if builder is None:
         continue

@@ -6,7 +6,7 @@ records: the tokens, each pair's log-probabilities, rewards and loss agree to 1e
 runtime trains DPO with LoRA under ZeRO-3 with the optimizer state and the parameters offloaded
 to the CPU: the first step's loss is ln 2 (the policy is the reference) and it falls, and a run
 SIGKILLed after a checkpoint and restarted reports the same losses, rewards and log-probabilities
-to the bit.
+to the bit, with LoRA and with full fine-tuning against a frozen copy on NVMe.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def test_loss_rewards_and_log_probabilities_equal_trl_s(tmp_path: Path, tiny_mod
     # the same tokens as TRL's
     tokenizer = AutoTokenizer.from_pretrained(tiny_model["model"])
     source = DatasetSource(uri="x", format="preference", chatTemplate=TEMPLATE if chat else None)
-    pairs = read_pairs(source, write_jsonl(tmp_path / "pairs.jsonl", records), tokenizer, SEQUENCE).pairs
+    pairs = list(read_pairs(source, write_jsonl(tmp_path / "pairs.jsonl", records), tokenizer, SEQUENCE))
     for (chosen, rejected), theirs in zip(pairs, trainer.train_dataset, strict=True):
         assert chosen[0] == theirs["prompt_ids"] + theirs["chosen_ids"]
         assert rejected[0] == theirs["prompt_ids"] + theirs["rejected_ids"]
@@ -216,7 +216,7 @@ def test_full_fine_tuning_against_a_frozen_copy_equals_trl_s(tmp_path: Path, tin
     trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=Dataset.from_list(records),
                          processing_class=tokenizer)
     source = DatasetSource(uri="x", format="preference")
-    pairs = read_pairs(source, write_jsonl(tmp_path / "pairs.jsonl", records), tokenizer, SEQUENCE).pairs
+    pairs = list(read_pairs(source, write_jsonl(tmp_path / "pairs.jsonl", records), tokenizer, SEQUENCE))
     data = PackedDataset.build_pairs(pairs, tokenizer.pad_token_id, SEQUENCE)
     differences: dict[str, float] = {}
     for examples, size, start in [([0, 1, 2], 3, 0), ([0], 1, 0), ([1], 1, 1), ([2], 1, 2)]:
@@ -237,7 +237,9 @@ def test_dpo_with_full_fine_tuning_trains_against_a_frozen_copy_on_nvme(tmp_path
     """Full fine-tuning DPO under ZeRO-3 with the parameters on NVMe: the reference is a frozen
     copy of the base, partitioned and swapped like the policy's parameters in a folder of its
     own; the plan counts its 2 B/param; the policy starts as the reference (loss ln 2) and
-    learns; checkpoints hold the policy only."""
+    learns; checkpoints hold the policy only; SIGKILLed after a checkpoint and restarted (the
+    reference made again from the base), the run reports the same losses, rewards and
+    log-probabilities to the bit."""
     import yaml
 
     example = EXAMPLES / "dpo-lora-local.yaml"
@@ -250,7 +252,7 @@ def test_dpo_with_full_fine_tuning_trains_against_a_frozen_copy_on_nvme(tmp_path
                              "evalEverySteps": 0, "warmupSteps": 0})
     spec["dataset"].pop("validation")
     spec["offload"] = {"optimizer": "cpu", "parameters": "nvme", "deepspeed": {"zero_optimization": {"stage": 3}}}
-    spec["checkpoint"] = {"everySteps": 6, "keep": 1}
+    spec["checkpoint"] = {"everySteps": 3, "keep": 1}
     job = tmp_path / "dpo-full.yaml"
     job.write_text(yaml.safe_dump(doc))
 
@@ -270,7 +272,17 @@ def test_dpo_with_full_fine_tuning_trains_against_a_frozen_copy_on_nvme(tmp_path
     assert steps[1]["loss"] == pytest.approx(math.log(2), abs=2e-3) and steps[1]["rewards/margins"] == pytest.approx(
         0, abs=2e-2)
     assert steps[6]["loss"] < steps[1]["loss"], [(s, e["loss"]) for s, e in sorted(steps.items())]
-    # the policy's checkpoint: the trainable model's 12-14 B/param, nothing of the reference
-    [checkpoint] = run.of("checkpoint")
-    assert checkpoint["sizeBytes"] < 16 * plan.model.params, checkpoint
+    # the policy's checkpoints: the trainable model's 12-14 B/param, nothing of the reference
+    for checkpoint in run.of("checkpoint"):
+        assert checkpoint["sizeBytes"] < 16 * plan.model.params, checkpoint
+
+    killed = run_job(job, tmp_path / "killed", faults=FaultInjection(step_sleep_seconds=0.4), signal_at_step=4)
+    assert killed.returncode == -9, killed.log[-3000:]
+    resumed = run_job(job, tmp_path / "killed")
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    assert resumed.of("resumed")[-1]["step"] == 3
+    quantities = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
+    again = {e["step"]: e for e in resumed.of("step")}  # the killed run's events, then the resumed run's
+    assert {s: [again[s][q] for q in quantities] for s in (4, 5, 6)} == {
+        s: [steps[s][q] for q in quantities] for s in (4, 5, 6)}
 

@@ -103,7 +103,7 @@ def test_spillway_run_fine_tunes_on_chat_data_learning_the_answers_only(tmp_path
 
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run" / "final")
     source = DatasetSource(uri=str(data), format="chat", chatTemplate=CHAT_TEMPLATE, onBadRecord="skip")
-    batch = PackedDataset.build_documents(read_documents(source, data, tokenizer, 64).docs[:8],
+    batch = PackedDataset.build_documents(list(read_documents(source, data, tokenizer, 64))[:8],
                                           tokenizer.pad_token_id, 64, packing=False).micro_batch(0, 0, 1, 8, 0)
     answers = batch["labels"]
     questions = batch["input_ids"].masked_fill(answers != -100, -100)
@@ -288,7 +288,7 @@ def test_the_readmes_one_machine_commands_run_as_written(tmp_path):
     assert "13.0B parameters" in done.stdout and "largest model" in done.stdout
     run = tmp_path / "runs" / "tiny-local"
     assert "Z3 opt:nvme" in done.stdout
-    assert len(list((run / "checkpoints" / ".tokens").glob("tokens-*.npy"))) == 1  # tokenized once, kept
+    assert len(list((run / "checkpoints" / ".tokens").glob("tokens-*.json"))) == 1  # tokenized once, kept
 
     # the optimizer state lived in swap files: 12 B/param (fp32 master + 2 moments), seen on
     # the disk while it trained and counted by every step

@@ -96,9 +96,11 @@ def test_cache_round_trip_is_mapped_and_batches_match(tokenizer: Any, tmp_path: 
     packed = PackedDataset.build(synthetic_texts(300), tokenizer, 32)
     old = token_cache_path(tmp_path, "old")
     old.write_bytes(b"stale")
+    old.with_suffix(".ids").write_bytes(b"stale")
     path = token_cache_path(tmp_path, "new")
     packed.save(path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # stale cache and temp file gone
+    # the stale cache and the temp files gone: the index and its tokens (no meta for joined texts)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokens-new.ids", "tokens-new.json"]
     loaded = PackedDataset.load(path)
     assert isinstance(loaded.rows, np.memmap) and not loaded.rows.flags.writeable
     assert loaded.tokens == packed.tokens and np.array_equal(loaded.rows, packed.rows)
@@ -129,7 +131,7 @@ def test_fingerprint_follows_what_the_tokens_depend_on(model_dir: Path, tmp_path
         tokenizer_file.write_bytes(saved)
     os.utime(data, ns=(0, 0))
     assert dataset_fingerprint(source, data, model_dir, 64) != second
-    assert len(read_texts(source, data)) == 51
+    assert len(list(read_texts(source, data))) == 51
 
 
 @pytest.mark.parametrize(("content", "message"), [
@@ -144,7 +146,7 @@ def test_a_malformed_jsonl_dataset_is_refused_naming_file_and_line(tmp_path: Pat
     tests/integration/test_run_bad_input.py's)."""
     (tmp_path / "bad.jsonl").write_bytes(content)
     with pytest.raises(DatasetError) as err:
-        read_texts(DatasetSource(uri=str(tmp_path / "bad.jsonl")), tmp_path / "bad.jsonl")
+        list(read_texts(DatasetSource(uri=str(tmp_path / "bad.jsonl")), tmp_path / "bad.jsonl"))
     assert message in str(err.value)
 
 
@@ -156,7 +158,7 @@ def test_a_file_that_is_not_utf8_is_refused_with_file_line_and_byte(tmp_path: Pa
     (tmp_path / name).write_bytes(good.encode() + bad.encode("latin-1"))
     where = f"{name}:2" if fmt == "jsonl" else name
     with pytest.raises(DatasetError, match=rf"{where}: not UTF-8 \(byte 0xe9 at offset \d+\); re-encode"):
-        read_texts(DatasetSource(uri=str(tmp_path / name), format=fmt), tmp_path / name)
+        list(read_texts(DatasetSource(uri=str(tmp_path / name), format=fmt), tmp_path / name))
 
 
 def test_held_out_rows_are_never_trained_on_and_the_split_is_fixed_by_the_seed(tokenizer: Any) -> None:
@@ -220,3 +222,57 @@ def test_a_mixture_takes_weight_times_each_sources_rows_chosen_by_the_seed() -> 
     assert documents.meta is not None and documents.meta.shape == (5, 2, 4) and documents.tokens == 20
     with pytest.raises(DatasetError, match=r"every source must be in dataset\.format's shape"):
         PackedDataset.mixed([(part(0, 3, meta=True), 1.0), (part(100, 2), 1.0)], seed=0)
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 7, 64, 1 << 20])
+def test_a_text_file_read_a_block_at_a_time_gives_the_paragraphs_of_the_whole(tmp_path: Path, block: int) -> None:
+    """.txt is read in blocks (`paragraphs`): whatever the block size, its paragraphs are the
+    whole file's split at blank lines, a character of several bytes cut by a block boundary
+    included; a byte that is not UTF-8 is named at its offset in the file."""
+    import gzip
+
+    from spillway_runtime.training.dataset_files import paragraphs
+
+    text = "caf\u00e9 \u4e2d\u6587\n\nsecond\n\n\nthird \U0001f600 line\nstill third\n\n\n\n  \n\nlast\n"
+    want = [chunk for chunk in text.split("\n\n") if chunk.strip()]
+    (tmp_path / "t.txt").write_text(text, encoding="utf-8")
+    with gzip.open(tmp_path / "t.txt.gz", "wt", encoding="utf-8") as fh:
+        fh.write(text)
+    assert list(paragraphs(tmp_path / "t.txt", block)) == want
+    assert list(paragraphs(tmp_path / "t.txt.gz", block)) == want
+    bad = text.encode()[:40] + b"\xff" + text.encode()[40:]
+    (tmp_path / "bad.txt").write_bytes(bad)
+    with pytest.raises(DatasetError, match=r"bad\.txt: not UTF-8 \(byte 0xff at offset 40\)"):
+        list(paragraphs(tmp_path / "bad.txt", block))
+
+
+def test_a_dataset_streamed_into_its_cache_equals_one_built_in_memory(model_dir: Path, tokenizer: Any,
+                                                                     tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache is written a chunk of rows at a time (here 3 rows, so that every format spans
+    many chunks): texts joined and kept apart, and a mixture of them (through the parts folder,
+    removed after), map to the rows, meta and token count that the same build in memory has."""
+    from spillway_runtime.training import packing
+    from spillway_runtime.training.data import tokenize_sources
+
+    monkeypatch.setattr(packing, "ROWS_PER_CHUNK", 3)
+    texts = synthetic_texts(500)
+    data = write_dataset(tmp_path / "train.jsonl", count=500)
+    other = write_dataset(tmp_path / "other.jsonl", count=120, seed=9)
+    for packing_mode, build in (("joined", PackedDataset.build), ("apart", PackedDataset.build_text_documents)):
+        source = DatasetSource(uri=str(data), textPacking=packing_mode)
+        cache = tmp_path / packing_mode / "tokens-x.json"
+        streamed, built = tokenize_sources(source, [(data, 1.0, "spec.dataset.uri")], tokenizer, 32, 0, cache)
+        memory = build(texts, tokenizer, 32)
+        assert isinstance(streamed.rows, np.memmap) and built.startswith("500 texts tokenized")
+        assert np.array_equal(streamed.rows, memory.rows) and streamed.tokens == memory.tokens
+        assert (streamed.meta is None) == (memory.meta is None) == (packing_mode == "joined")
+        if memory.meta is not None:
+            assert np.array_equal(streamed.meta, memory.meta)
+
+        sources = [(data, 1.0, "spec.dataset.uri"), (other, 0.5, "spec.dataset.mixture[0].uri")]
+        mixed, built = tokenize_sources(source, sources, tokenizer, 32, 4, tmp_path / f"mix-{packing_mode}" / "tokens-m.json")
+        want = PackedDataset.mixed([(memory, 1.0), (build(synthetic_texts(120, seed=9), tokenizer, 32), 0.5)], seed=4)
+        assert np.array_equal(mixed.rows, want.rows) and mixed.tokens == want.tokens and "in all" in built
+        assert sorted(p.name for p in (tmp_path / f"mix-{packing_mode}").iterdir()) == (
+            ["tokens-m.ids", "tokens-m.json"] + (["tokens-m.meta"] if packing_mode == "apart" else []))

@@ -47,32 +47,32 @@ def saved_dataset(path: Path, rows: list[dict[str, Any]], **splits: list[dict[st
 
 def test_chat_records_from_parquet_and_a_datasets_folder_are_the_jsonl_s(tokenizer: Any, tmp_path: Path) -> None:
     source = DatasetSource(uri="x", format="chat", chatTemplate=TEMPLATE)
-    want = read_documents(source, write_jsonl(tmp_path / "chat.jsonl", CHATS), tokenizer, 64).docs
+    want = list(read_documents(source, write_jsonl(tmp_path / "chat.jsonl", CHATS), tokenizer, 64))
     assert len(want) == len(CHATS)
     (tmp_path / "pq").mkdir()
     parquet(tmp_path / "pq" / "part-0.parquet", CHATS[:4])
     parquet(tmp_path / "pq" / "part-1.parquet", CHATS[4:])
     for uri in (tmp_path / "pq", saved_dataset(tmp_path / "ds", CHATS),
                 saved_dataset(tmp_path / "dd", [], train=CHATS, test=CHATS[:1])):
-        assert read_documents(source, uri, tokenizer, 64).docs == want, uri
+        assert list(read_documents(source, uri, tokenizer, 64)) == want, uri
 
 
 def test_text_and_preference_records_read_the_same_from_every_format(tokenizer: Any, tmp_path: Path) -> None:
     jsonl = DatasetSource(uri="x", format="jsonl")
-    want = read_texts(jsonl, write_jsonl(tmp_path / "t.jsonl", TEXTS))
-    assert read_texts(jsonl, parquet(tmp_path / "t.parquet", TEXTS)) == want
-    assert read_texts(DatasetSource(uri="x"), saved_dataset(tmp_path / "t-ds", TEXTS)) == want  # format auto
+    want = list(read_texts(jsonl, write_jsonl(tmp_path / "t.jsonl", TEXTS)))
+    assert list(read_texts(jsonl, parquet(tmp_path / "t.parquet", TEXTS))) == want
+    assert list(read_texts(DatasetSource(uri="x"), saved_dataset(tmp_path / "t-ds", TEXTS))) == want  # format auto
     table = pa.Table.from_pylist(TEXTS)
     with pa.OSFile(str(tmp_path / "t.arrow"), "wb") as sink, pyarrow.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table, max_chunksize=4)  # the IPC file format, as pyarrow writes it
-    assert read_texts(jsonl, tmp_path / "t.arrow") == want
+    assert list(read_texts(jsonl, tmp_path / "t.arrow")) == want
     packed = PackedDataset.build(read_texts(jsonl, tmp_path / "t.parquet"), tokenizer, 16)
     assert np.array_equal(packed.tokens, PackedDataset.build(want, tokenizer, 16).tokens)
 
     preference = DatasetSource(uri="x", format="preference")
-    pairs = read_pairs(preference, write_jsonl(tmp_path / "p.jsonl", PAIRS), tokenizer, 64).pairs
-    assert read_pairs(preference, parquet(tmp_path / "p.parquet", PAIRS), tokenizer, 64).pairs == pairs
-    assert read_pairs(preference, saved_dataset(tmp_path / "p-ds", PAIRS), tokenizer, 64).pairs == pairs
+    pairs = list(read_pairs(preference, write_jsonl(tmp_path / "p.jsonl", PAIRS), tokenizer, 64))
+    assert list(read_pairs(preference, parquet(tmp_path / "p.parquet", PAIRS), tokenizer, 64)) == pairs
+    assert list(read_pairs(preference, saved_dataset(tmp_path / "p-ds", PAIRS), tokenizer, 64)) == pairs
 
 
 def test_a_datasets_folder_is_read_as_datasets_reads_it(tmp_path: Path) -> None:
@@ -90,20 +90,20 @@ def test_a_bad_row_or_file_is_refused_by_file_and_row(tokenizer: Any, tmp_path: 
     rows = [*TEXTS[:4], {"text": None, "source": "web"}, *TEXTS[4:]]
     data = parquet(tmp_path / "bad.parquet", rows)
     with pytest.raises(DatasetError, match=r"bad\.parquet: row 5: field 'text' is NoneType, not text"):
-        read_texts(DatasetSource(uri="x", format="jsonl"), data)
+        list(read_texts(DatasetSource(uri="x", format="jsonl"), data))
     with pytest.raises(DatasetError, match=r"bad\.parquet: row 1: no field 'body'; set dataset.textField"):
-        read_texts(DatasetSource(uri="x", format="jsonl", textField="body"), data)
+        list(read_texts(DatasetSource(uri="x", format="jsonl", textField="body"), data))
 
     chats = [*CHATS[:2], {"messages": None}, *CHATS[2:]]
     chat = DatasetSource(uri="x", format="chat", chatTemplate=TEMPLATE)
     with pytest.raises(DatasetError, match=r"chats\.parquet: row 3: .*fix the record, or set dataset.onBadRecord: skip"):
-        read_documents(chat, parquet(tmp_path / "chats.parquet", chats), tokenizer, 64)
+        list(read_documents(chat, parquet(tmp_path / "chats.parquet", chats), tokenizer, 64))
     skipped = read_documents(chat.model_copy(update={"on_bad_record": "skip"}), tmp_path / "chats.parquet", tokenizer, 64)
-    assert len(skipped.docs) == len(CHATS) and skipped.skipped == 1 and "row 3" in str(skipped.first_skipped)
+    assert len(list(skipped)) == len(CHATS) and skipped.skipped == 1 and "row 3" in str(skipped.first_skipped)
 
     (tmp_path / "broken.parquet").write_bytes(b"PAR1 this is not parquet")
     with pytest.raises(DatasetError, match=r"broken\.parquet: cannot be read as Parquet .*convert it to JSON lines"):
-        read_texts(DatasetSource(uri="x", format="jsonl"), tmp_path / "broken.parquet")
+        list(read_texts(DatasetSource(uri="x", format="jsonl"), tmp_path / "broken.parquet"))
 
 
 def gzipped(path: Path) -> Path:
@@ -118,9 +118,9 @@ def test_gzipped_json_lines_and_text_and_a_folder_of_mixed_shards_read_as_uncomp
         tokenizer: Any, tmp_path: Path) -> None:
     jsonl = DatasetSource(uri="x", format="jsonl")
     plain = write_jsonl(tmp_path / "t.jsonl", TEXTS)
-    want = read_texts(jsonl, plain)
-    assert read_texts(jsonl, gzipped(plain)) == want
-    assert read_texts(DatasetSource(uri="x"), tmp_path / "t.jsonl.gz") == want  # format auto
+    want = list(read_texts(jsonl, plain))
+    assert list(read_texts(jsonl, gzipped(plain))) == want
+    assert list(read_texts(DatasetSource(uri="x"), tmp_path / "t.jsonl.gz")) == want  # format auto
 
     shards = tmp_path / "shards"
     shards.mkdir()
@@ -129,27 +129,27 @@ def test_gzipped_json_lines_and_text_and_a_folder_of_mixed_shards_read_as_uncomp
     (shards / "part-1.jsonl").unlink()
     parquet(shards / "part-2.parquet", TEXTS[6:])
     assert [p.name for p in dataset_files(shards, "jsonl")] == ["part-0.jsonl", "part-1.jsonl.gz", "part-2.parquet"]
-    assert read_texts(jsonl, shards) == want
+    assert list(read_texts(jsonl, shards)) == want
 
     text = tmp_path / "book.txt"
     text.write_text("A first paragraph.\n\nA second one.\n")
-    assert read_texts(DatasetSource(uri="x", format="text"), gzipped(text)) == ["A first paragraph.", "A second one.\n"]
-    assert read_texts(DatasetSource(uri="x"), tmp_path / "book.txt.gz") == read_texts(DatasetSource(uri="x"), text)
+    assert list(read_texts(DatasetSource(uri="x", format="text"), gzipped(text))) == ["A first paragraph.", "A second one.\n"]
+    assert list(read_texts(DatasetSource(uri="x"), tmp_path / "book.txt.gz")) == list(read_texts(DatasetSource(uri="x"), text))
 
     preference = DatasetSource(uri="x", format="preference")
     pairs = write_jsonl(tmp_path / "p.jsonl", PAIRS)
-    assert (read_pairs(preference, gzipped(pairs), tokenizer, 64).pairs
-            == read_pairs(preference, pairs, tokenizer, 64).pairs)
+    assert (list(read_pairs(preference, gzipped(pairs), tokenizer, 64))
+            == list(read_pairs(preference, pairs, tokenizer, 64)))
 
 
 def test_a_damaged_gzip_file_is_refused_by_name(tmp_path: Path) -> None:
     whole = gzipped(write_jsonl(tmp_path / "t.jsonl", TEXTS)).read_bytes()
     (tmp_path / "cut.jsonl.gz").write_bytes(whole[: len(whole) // 2])
     with pytest.raises(DatasetError, match=r"cut\.jsonl\.gz: cannot be read as gzip .*compress it again"):
-        read_texts(DatasetSource(uri="x", format="jsonl"), tmp_path / "cut.jsonl.gz")
+        list(read_texts(DatasetSource(uri="x", format="jsonl"), tmp_path / "cut.jsonl.gz"))
     (tmp_path / "not.txt.gz").write_bytes(b"plain text, never compressed")
     with pytest.raises(DatasetError, match=r"not\.txt\.gz: cannot be read as gzip"):
-        read_texts(DatasetSource(uri="x", format="text"), tmp_path / "not.txt.gz")
+        list(read_texts(DatasetSource(uri="x", format="text"), tmp_path / "not.txt.gz"))
 
 
 def test_the_token_cache_follows_a_parquet_file(model_dir: Path, tmp_path: Path) -> None:

@@ -65,13 +65,13 @@ def _learned(tokenizer: Any, ids: list[int], learn: list[int]) -> str:
 
 
 def test_both_answers_follow_the_same_prompt_and_only_they_are_learned(tokenizer: Any, tmp_path: Path) -> None:
-    [(chosen, rejected)] = read_pairs(_source(), write_jsonl(tmp_path / "d.jsonl", [PLAIN]), tokenizer, 64).pairs
+    [(chosen, rejected)] = list(read_pairs(_source(), write_jsonl(tmp_path / "d.jsonl", [PLAIN]), tokenizer, 64))
     prompt = tokenizer(PLAIN["prompt"])["input_ids"]
     for (ids, learn), answer in ((chosen, " 5."), (rejected, " 6.")):
         assert _learned(tokenizer, ids, learn) == answer + "</s>"  # an EOS learned, as TRL adds it
         assert ids[: len(prompt)] == prompt and not any(learn[: len(prompt)])
 
-    [(chosen, rejected)] = read_pairs(_source(), write_jsonl(tmp_path / "c.jsonl", [CHAT]), tokenizer, 64).pairs
+    [(chosen, rejected)] = list(read_pairs(_source(), write_jsonl(tmp_path / "c.jsonl", [CHAT]), tokenizer, 64))
     assert _learned(tokenizer, *chosen) == "5.<|end|>\n"
     assert _learned(tokenizer, *rejected) == "6.<|end|>\n"
     assert tokenizer.decode(chosen[0][: chosen[1].index(1)]) == "<|user|>\nWhat is 2 plus 3?<|end|>\n<|assistant|>\n"
@@ -79,7 +79,7 @@ def test_both_answers_follow_the_same_prompt_and_only_they_are_learned(tokenizer
 
 def test_a_long_record_keeps_its_start_and_loses_the_answer_s_end(tokenizer: Any, tmp_path: Path) -> None:
     long = {**PLAIN, "chosen": " five, " * 40}
-    [(chosen, rejected)] = read_pairs(_source(), write_jsonl(tmp_path / "d.jsonl", [long]), tokenizer, 32).pairs
+    [(chosen, rejected)] = list(read_pairs(_source(), write_jsonl(tmp_path / "d.jsonl", [long]), tokenizer, 32))
     assert len(chosen[0]) == 32 and chosen[1][-1] == 1  # cut inside the answer
     assert chosen[0] == tokenizer(long["prompt"] + long["chosen"])["input_ids"][:32]
     assert len(rejected[0]) < 32  # the short one is whole
@@ -99,23 +99,23 @@ def test_a_long_record_keeps_its_start_and_loses_the_answer_s_end(tokenizer: Any
 def test_a_malformed_record_is_named_by_file_and_line(tokenizer: Any, tmp_path: Path, record: Any, says: str) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", [PLAIN, "", record])
     with pytest.raises(DatasetError, match=f"^{path}:3: {says}.*onBadRecord: skip"):
-        read_pairs(_source(), path, tokenizer, 32)
+        list(read_pairs(_source(), path, tokenizer, 32))
     read = read_pairs(_source(onBadRecord="skip"), path, tokenizer, 32)
-    assert (len(read.pairs), read.skipped) == (1, 1) and read.first_skipped.startswith(f"{path}:3: ")
+    assert (len(list(read)), read.skipped) == (1, 1) and read.first_skipped.startswith(f"{path}:3: ")
 
 
 def test_chat_records_need_a_template(tokenizer: Any, tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match=r"no chat template; give one in dataset\.chatTemplate"):
-        read_pairs(DatasetSource(uri="x", format="preference"), write_jsonl(tmp_path / "d.jsonl", [CHAT]), tokenizer, 32)
+        list(read_pairs(DatasetSource(uri="x", format="preference"), write_jsonl(tmp_path / "d.jsonl", [CHAT]), tokenizer, 32))
 
 
 def test_a_batch_is_the_chosen_sequences_then_the_rejected_ones(tokenizer: Any, tmp_path: Path) -> None:
     records = [PLAIN, {**PLAIN, "prompt": "Question: what is one plus one? Answer:", "chosen": " 2"},
                {**PLAIN, "rejected": " nine, surely."}]
-    pairs = read_pairs(_source(), write_jsonl(tmp_path / "d.jsonl", records), tokenizer, 40).pairs
+    pairs = list(read_pairs(_source(), write_jsonl(tmp_path / "d.jsonl", records), tokenizer, 40))
     data = PackedDataset.build_pairs(pairs, tokenizer.pad_token_id, 40)
-    data.save(tmp_path / "tokens-x.npy")
-    data = PackedDataset.load(tmp_path / "tokens-x.npy")
+    data.save(tmp_path / "tokens-x.json")
+    data = PackedDataset.load(tmp_path / "tokens-x.json")
     assert data.pairs and len(data) == 3
     batch = data.eval_batch(0, 0, 1, 2)
     width = max(len(ids) for pair in pairs[:2] for ids, _ in pair)
@@ -159,7 +159,7 @@ def test_fresh_adapters_are_the_reference_and_only_they_learn(model_dir: Path, t
     from transformers import AutoModelForCausalLM
 
     records = [PLAIN, {"prompt": "Question: what is one times four? Answer:", "chosen": " 4.", "rejected": " 7."}]
-    pairs = read_pairs(_source(), write_jsonl(tmp_path / "d.jsonl", records), tokenizer, 40).pairs
+    pairs = list(read_pairs(_source(), write_jsonl(tmp_path / "d.jsonl", records), tokenizer, 40))
     batch = PackedDataset.build_pairs(pairs, tokenizer.pad_token_id, 40).eval_batch(0, 0, 1, 2)
     torch.manual_seed(0)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),

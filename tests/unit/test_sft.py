@@ -52,7 +52,7 @@ def _learned(tokenizer: Any, ids: list[int], learn: list[int]) -> list[str]:
 
 def test_chat_learns_the_assistants_turns_only(tokenizer: Any, tmp_path: Path) -> None:
     data = write_jsonl(tmp_path / "chat.jsonl", [CHAT])
-    [(ids, learn)] = read_documents(_chat(), data, tokenizer, 512).docs
+    [(ids, learn)] = list(read_documents(_chat(), data, tokenizer, 512))
     assert tokenizer.decode(ids) == tokenizer.apply_chat_template(CHAT["messages"], tokenize=False)
     assert _learned(tokenizer, ids, learn) == ["2 plus 3 is 5.<|end|>\n", "8.<|end|>\n"]
 
@@ -60,7 +60,7 @@ def test_chat_learns_the_assistants_turns_only(tokenizer: Any, tmp_path: Path) -
 def test_completion_learns_the_completion_and_its_end(tokenizer: Any, tmp_path: Path) -> None:
     data = write_jsonl(tmp_path / "pairs.jsonl", [{"question": "Capital of France?", "answer": " Paris"}])
     source = DatasetSource(uri="x", format="completion", promptField="question", completionField="answer")
-    [(ids, learn)] = read_documents(source, data, tokenizer, 512).docs
+    [(ids, learn)] = list(read_documents(source, data, tokenizer, 512))
     assert _learned(tokenizer, ids, learn) == [" Paris</s>"]
     assert ids[-1] == tokenizer.eos_token_id and tokenizer.decode(ids[: learn.index(1)]) == "Capital of France?"
 
@@ -87,12 +87,12 @@ def test_a_malformed_record_is_named_by_file_and_line(tokenizer: Any, tmp_path: 
     data = write_jsonl(tmp_path / "d.jsonl", [good, record, good])
     source = _chat() if fmt == "chat" else DatasetSource(uri="x", format=fmt)
     with pytest.raises(DatasetError) as err:
-        read_documents(source, data, tokenizer, 256)
+        list(read_documents(source, data, tokenizer, 256))
     assert str(err.value).startswith(f"{data}:2: ") and message in str(err.value)
     assert str(err.value).endswith("or set dataset.onBadRecord: skip")
     skipping = source.model_copy(update={"on_bad_record": "skip"})
     read = read_documents(skipping, data, tokenizer, 256)
-    assert (len(read.docs), read.skipped) == (2, 1) and read.first_skipped and message in read.first_skipped
+    assert (len(list(read)), read.skipped) == (2, 1) and read.first_skipped and message in read.first_skipped
 
 
 def test_a_tokenizer_without_a_template_and_a_template_that_rewrites_turns_are_refused(
@@ -102,7 +102,7 @@ def test_a_tokenizer_without_a_template_and_a_template_that_rewrites_turns_are_r
         read_documents(DatasetSource(uri="x", format="chat"), data, tokenizer, 512)
     rewrites = "{% for m in messages %}{{ m.content }} ({{ loop.length }} turns)\n{% endfor %}"
     with pytest.raises(DatasetError, match="rewrites earlier turns"):
-        read_documents(DatasetSource(uri="x", format="chat", chatTemplate=rewrites), data, tokenizer, 512)
+        list(read_documents(DatasetSource(uri="x", format="chat", chatTemplate=rewrites), data, tokenizer, 512))
 
 
 def test_documents_pack_whole_and_apart_or_one_per_row(tokenizer: Any) -> None:
@@ -131,13 +131,13 @@ def test_a_packed_batchs_loss_is_the_documents_loss_one_by_one(model_dir: Path, 
     records.append({"messages": []})  # skipped: a bad record changes nothing for the others
     data = write_jsonl(tmp_path / "pairs.jsonl", records)
     read = read_documents(DatasetSource(uri="x", format="completion", onBadRecord="skip"), data, tokenizer, 64)
-    packed = PackedDataset.build_documents(read.docs, tokenizer.pad_token_id, 64, packing=True)
+    packed = PackedDataset.build_documents(read, tokenizer.pad_token_id, 64, packing=True)
     assert len(packed) == 1  # all three in one row
     batch = packed.micro_batch(0, rank=0, world_size=1, micro_batch_size=1, seed=0)
     with torch.no_grad():
         together = model(**batch).loss.item()
         sums, counts = 0.0, 0
-        for ids, learn in read.docs:
+        for ids, learn in read:
             one = document_inputs(torch.tensor([ids]), torch.tensor([[0, *learn[1:]]]),
                                   torch.ones(1, len(ids), dtype=torch.long))
             n = int((one["labels"][0, 1:] != -100).sum())
@@ -154,7 +154,7 @@ def test_the_cache_keeps_masks_and_follows_the_settings(model_dir: Path, tokeniz
     data = write_jsonl(tmp_path / "chat.jsonl", [CHAT] * 3)
     source = _chat()
     read = read_documents(source, data, tokenizer, 128)
-    packed = PackedDataset.build_documents(read.docs, tokenizer.pad_token_id, 128, packing=True)
+    packed = PackedDataset.build_documents(read, tokenizer.pad_token_id, 128, packing=True)
     path = token_cache_path(tmp_path / "cache", dataset_fingerprint(source, data, model_dir, 128))
     packed.save(path)
     loaded = PackedDataset.load(path)

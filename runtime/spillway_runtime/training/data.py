@@ -5,6 +5,13 @@ joined with EOS and cut into fixed-length sequences, kept as uint32 in a cache f
 beside the checkpoints that every rank maps and every restart reuses. Batches are a pure function of
 (seed, micro-batch index, rank), so resuming needs only the index: no iterator state.
 
+Building the cache streams: records are read, tokenized and packed a batch at a time, and each
+chunk of rows is appended to the cache's files (`ROWS_PER_CHUNK`), so that a dataset larger
+than RAM is tokenized and trained on: what stays in memory is one batch of records, one chunk
+of rows, and an index of 8 B per row (a mixture's picks, an epoch's permutation). The cache is
+raw arrays (`.ids`, `.meta`) that numpy maps, and a JSON index written last (`tokens-*.json`:
+their shapes and the token count), so a cache whose index exists is complete.
+
 Chat and completion records (`sft`) are documents with a loss mask: packed whole, kept
 apart (each document's positions restart, and no token attends to another document's),
 or one per sequence with `packing: false`. Their mask and document ids are a second
@@ -19,9 +26,10 @@ is laid out as TRL does: the chosen sequences, then the rejected ones.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import os
+import shutil
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,21 +40,34 @@ from spillway_runtime.training.dataset_files import (
     DatasetError,
     RecordError,
     dataset_files,
-    decode_utf8,
     kind,
-    read_bytes,
+    paragraphs,
     records,
+)
+from spillway_runtime.training.packing import (
+    ROWS_PER_CHUNK,
+    TOKEN_DTYPE,
+    Chunk,
+    Document,
+    document_rows,
+    joined_rows,
+    pad_id,
+    pair_rows,
+    text_documents,
+    token_count,
+    write_cache,
 )
 
 
-def read_texts(source: DatasetSource, path: Path) -> list[str]:
-    """The texts of a text dataset: a .txt file's paragraphs (split at blank lines), each
-    record's `dataset.textField` of JSON lines, Parquet and Arrow files."""
-    texts: list[str] = []
-    files = dataset_files(path, source.format)
-    for file in files:
+def read_texts(source: DatasetSource, path: Path) -> Iterator[str]:
+    """The texts of a text dataset, as they are read: a .txt file's paragraphs (split at blank
+    lines), each record's `dataset.textField` of JSON lines, Parquet and Arrow files."""
+    found = False
+    for file in dataset_files(path, source.format):
         if source.format == "text" or (source.format == "auto" and kind(file) in TEXT_SUFFIXES):
-            texts.extend(chunk for chunk in decode_utf8(file, read_bytes(file)).split("\n\n") if chunk.strip())
+            for text in paragraphs(file):
+                found = True
+                yield text
             continue
         for where, record in records([file]):
             if isinstance(record, RecordError):
@@ -58,23 +79,23 @@ def read_texts(source: DatasetSource, path: Path) -> list[str]:
             value = record[source.text_field]
             if not isinstance(value, str):
                 raise DatasetError(f"{where}: field {source.text_field!r} is {type(value).__name__}, not text")
-            texts.append(value)
-    if not texts:
+            found = True
+            yield value
+    if not found:
         raise DatasetError(f"dataset.uri {path}: no text found")
-    return texts
 
 
-TOKEN_DTYPE = "<u4"  # 4 B/token: every vocabulary in use fits; int64 only per micro-batch
-TOKENIZE_BATCH = 1000  # texts per call: fast tokenizers encode a batch on all cores
 CACHE_DIR_NAME = ".tokens"
 
 
 def token_cache_path(cache_dir: Path, fingerprint: str) -> Path:
-    return cache_dir / f"tokens-{fingerprint}.npy"
+    """The cache's index; its arrays are beside it (`.ids`, `.meta`)."""
+    return cache_dir / f"tokens-{fingerprint}.json"
 
 
-# Bumped when how records become tokens and masks changes: older caches are not reused.
-DOCUMENTS_VERSION = 1
+# Bumped when how records become tokens and masks, or the cache's files, change: older caches
+# are not reused. 2: the cache streamed into raw arrays and an index.
+DOCUMENTS_VERSION = 2
 
 
 def dataset_fingerprint(source: DatasetSource, path: Path, tokenizer_dir: Path, sequence_length: int) -> str:
@@ -120,53 +141,97 @@ def sources_fingerprint(source: DatasetSource, sources: Sources, tokenizer_dir: 
 
 
 def tokenize_sources(source: DatasetSource, sources: Sources, tokenizer: Any, sequence_length: int,
-                     seed: int) -> tuple[PackedDataset, str]:
+                     seed: int, into: Path) -> tuple[PackedDataset, str]:
     """Each source read, tokenized and packed on its own in `source`'s format, then (several)
-    mixed per weight (`PackedDataset.mixed`): the dataset and what was built, for the log."""
-    parts = []
-    for where, weight, spec_field in sources:
+    mixed per weight (`PackedDataset.mixed`), streamed into the cache at `into`: the dataset
+    (mapped from it) and what was built, for the log. A mixture's sources are packed into a
+    folder beside `into` first, removed once they are mixed."""
+    if len(sources) == 1:
+        where, _, spec_field = sources[0]
         try:
-            parts.append((*_tokenized(source, where, tokenizer, sequence_length), weight, spec_field))
+            return _tokenized(source, where, tokenizer, sequence_length, into)
         except DatasetError as err:
             raise _named(spec_field, err) from None
-    if len(parts) == 1:
-        return parts[0][0], parts[0][1]
-    dataset = PackedDataset.mixed([(part, weight) for part, _, weight, _ in parts], seed)
+    parts_dir = into.parent / f".parts-{os.getpid()}"
+    try:
+        parts = []
+        for i, (where, weight, spec_field) in enumerate(sources):
+            try:
+                part, described = _tokenized(source, where, tokenizer, sequence_length, parts_dir / f"part-{i}.json")
+            except DatasetError as err:
+                raise _named(spec_field, err) from None
+            parts.append((part, described, weight, spec_field))
+        dataset = PackedDataset.mixed([(part, weight) for part, _, weight, _ in parts], seed, into=into)
+    finally:
+        shutil.rmtree(parts_dir, ignore_errors=True)
     built = "mixture: " + "; ".join(f"{name.removeprefix('spec.')} {len(part)} sequences x {weight:g} "
                                     f"({described.rstrip(', ')})" for part, described, weight, name in parts)
     return dataset, f"{built}, {len(dataset)} sequences in all, "
 
 
-def _tokenized(source: DatasetSource, path: Path, tokenizer: Any, sequence_length: int) -> tuple[PackedDataset, str]:
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+def _tokenized(source: DatasetSource, path: Path, tokenizer: Any, sequence_length: int,
+               into: Path | None) -> tuple[PackedDataset, str]:
+    pad = pad_id(tokenizer)
     if source.format == "preference":
         pairs = read_pairs(source, path, tokenizer, sequence_length)
-        skipped = f", {pairs.skipped} bad records skipped (first: {pairs.first_skipped})" if pairs.skipped else ""
-        return (PackedDataset.build_pairs(pairs.pairs, int(pad or 0), sequence_length),
-                f"{len(pairs.pairs)} preference pairs tokenized{skipped}, ")
+        packed = PackedDataset.build_pairs(pairs, pad, sequence_length, into=into)
+        return packed, f"{len(packed)} preference pairs tokenized{pairs.skipped_note()}, "
     if source.format not in ("chat", "completion"):
-        texts = read_texts(source, path)
+        count = _Counted(read_texts(source, path))
         build = PackedDataset.build_text_documents if source.text_packing == "apart" else PackedDataset.build
-        return build(texts, tokenizer, sequence_length), f"{len(texts)} texts tokenized, "
+        return build(count, tokenizer, sequence_length, into=into), f"{count.seen} texts tokenized, "
     read = read_documents(source, path, tokenizer, sequence_length)
-    learned = sum(sum(learn) for _, learn in read.docs)
-    skipped = f", {read.skipped} bad records skipped (first: {read.first_skipped})" if read.skipped else ""
-    return (PackedDataset.build_documents(read.docs, int(pad or 0), sequence_length, source.packing),
-            f"{len(read.docs)} {source.format} records tokenized ({learned} tokens learned){skipped}, ")
+    learned = _Counted(read, size=lambda doc: sum(doc[1]))
+    packed = PackedDataset.build_documents(learned, pad, sequence_length, source.packing, into=into)
+    return (packed, f"{learned.seen} {source.format} records tokenized ({learned.total} tokens learned)"
+                    f"{read.skipped_note()}, ")
+
+
+class _Counted:
+    """An iterable passed through, counting its items (`seen`) and summing `size` of them (`total`)."""
+
+    def __init__(self, items: Iterable[Any], size: Any = None):
+        self.items, self.size = items, size
+        self.seen = self.total = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        for item in self.items:
+            self.seen += 1
+            if self.size is not None:
+                self.total += self.size(item)
+            yield item
 
 
 def read_documents(source: DatasetSource, path: Path, tokenizer: Any, sequence_length: int) -> Any:
-    """The chat or completion records of ``path`` as documents (`sft.Documents`)."""
-    from spillway_runtime.training.sft import read_documents as read
+    """The chat or completion records of ``path`` as documents, made as they are iterated (`sft.Documents`)."""
+    from spillway_runtime.training.sft import Documents
 
-    return read(source, dataset_files(path, source.format), tokenizer, sequence_length)
+    return Documents(source, dataset_files(path, source.format), tokenizer, sequence_length)
 
 
 def read_pairs(source: DatasetSource, path: Path, tokenizer: Any, sequence_length: int) -> Any:
-    """The preference records of ``path`` as (chosen, rejected) pairs (`dpo.Pairs`)."""
-    from spillway_runtime.training.dpo import read_pairs as read
+    """The preference records of ``path`` as (chosen, rejected) pairs, made as they are iterated (`dpo.Pairs`)."""
+    from spillway_runtime.training.dpo import Pairs
 
-    return read(source, dataset_files(path, source.format), tokenizer, sequence_length)
+    return Pairs(source, dataset_files(path, source.format), tokenizer, sequence_length)
+
+
+def mixed_rows(parts: list[tuple[PackedDataset, float]], seed: int) -> Iterator[Chunk]:
+    """From each dataset, weight x its rows (every row `floor(weight)` times, then a share of
+    them chosen with `seed` without repeats, at least one row), in order."""
+    import numpy as np
+
+    if len({part.meta is None for part, _ in parts}) > 1:
+        raise DatasetError("dataset.mixture: every source must be in dataset.format's shape")
+    rng = np.random.Generator(np.random.PCG64(seed * 104_729 + 3))
+    for part, weight in parts:
+        n = len(part)
+        whole, rest = divmod(max(1, round(weight * n)), n)
+        picks = np.concatenate([np.tile(np.arange(n), whole),
+                                np.sort(rng.choice(n, size=rest, replace=False))]).astype(np.int64)
+        for at in range(0, len(picks), ROWS_PER_CHUNK):
+            chosen = picks[at : at + ROWS_PER_CHUNK]
+            yield part.rows[chosen], None if part.meta is None else part.meta[chosen]
 
 
 @dataclass
@@ -200,55 +265,12 @@ class PackedDataset:
                      for p in parts)
 
     def _tokens(self, rows: Any) -> int:
-        if self.meta is None:
-            return int(len(rows) * self.rows.shape[1])
-        return int(sum(int((self.meta[r, 1] > 0).sum()) for r in rows))
+        return sum(token_count(self.rows[rows[at : at + ROWS_PER_CHUNK]],
+                                None if self.meta is None else self.meta[rows[at : at + ROWS_PER_CHUNK]])
+                   for at in range(0, len(rows), ROWS_PER_CHUNK))
 
     def _row(self, logical: int) -> int:
         return int(self.index[logical]) if self.index is not None else logical
-
-    @classmethod
-    def build_documents(cls, docs: list[tuple[list[int], list[int]]], pad_id: int, sequence_length: int,
-                        packing: bool) -> PackedDataset:
-        """Documents (each at most a sequence long) into rows, in order: with `packing`, as many
-        whole documents as fit in a row, else one per row; the rest of a row is padding."""
-        import numpy as np
-
-        rows: list[list[tuple[list[int], list[int]]]] = []
-        used = sequence_length
-        for ids, learn in docs:
-            if not packing or used + len(ids) > sequence_length:
-                rows.append([])
-                used = 0
-            rows[-1].append((ids, learn))
-            used += len(ids)
-        tokens = np.full((len(rows), sequence_length), pad_id, dtype=TOKEN_DTYPE)
-        meta = np.zeros((len(rows), 2, sequence_length), dtype=TOKEN_DTYPE)
-        for r, row in enumerate(rows):
-            at = 0
-            for d, (ids, learn) in enumerate(row, 1):
-                end = at + len(ids)
-                tokens[r, at:end] = ids
-                meta[r, 0, at:end] = learn
-                meta[r, 0, at] = 0  # a document's first token is never predicted (from the one before it)
-                meta[r, 1, at:end] = d
-                at = end
-        return cls(rows=tokens, tokens=int(sum(len(ids) for ids, _ in docs)), meta=meta)
-
-    @classmethod
-    def build_pairs(cls, pairs: list[tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]], pad_id: int,
-                    sequence_length: int) -> PackedDataset:
-        """(chosen, rejected) pairs, each sequence at most `sequence_length`, one pair per row."""
-        import numpy as np
-
-        tokens = np.full((len(pairs), 2, sequence_length), pad_id, dtype=TOKEN_DTYPE)
-        meta = np.zeros((len(pairs), 2, 2, sequence_length), dtype=TOKEN_DTYPE)
-        for r, pair in enumerate(pairs):
-            for side, (ids, learn) in enumerate(pair):
-                tokens[r, side, : len(ids)] = ids
-                meta[r, 0, side, : len(ids)] = learn
-                meta[r, 1, side, : len(ids)] = 1
-        return cls(rows=tokens, tokens=int(meta[:, 1].sum()), meta=meta)
 
     @property
     def pairs(self) -> bool:
@@ -265,93 +287,72 @@ class PackedDataset:
         return self._perms[key]
 
     @classmethod
-    def build(cls, texts: list[str], tokenizer: Any, sequence_length: int) -> PackedDataset:
-        """Tokenize in batches, join with EOS, cut into rows (the tail shorter than a row is
-        dropped). Never holds the tokens as Python ints: 4 B/token, not ~36."""
-        import numpy as np
-
-        eos = tokenizer.eos_token_id
-        chunks = []
-        for start in range(0, len(texts), TOKENIZE_BATCH):
-            encoded = tokenizer(texts[start : start + TOKENIZE_BATCH], add_special_tokens=False)["input_ids"]
-            tail = [] if eos is None else [eos]
-            count = sum(len(ids) + len(tail) for ids in encoded)
-            flat_ids = itertools.chain.from_iterable(itertools.chain(ids, tail) for ids in encoded)
-            chunks.append(np.fromiter(flat_ids, dtype=TOKEN_DTYPE, count=count))
-        flat = np.concatenate(chunks) if chunks else np.zeros(0, dtype=TOKEN_DTYPE)
-        rows = len(flat) // sequence_length
-        if rows == 0:
-            raise DatasetError(
-                f"the dataset has {len(flat)} tokens, fewer than one sequence of {sequence_length}; "
-                "add data or lower training.sequenceLength"
-            )
-        packed = flat[: rows * sequence_length].reshape(rows, sequence_length)
-        return cls(rows=packed, tokens=rows * sequence_length)
+    def build(cls, texts: Iterable[str], tokenizer: Any, sequence_length: int,
+              into: Path | None = None) -> PackedDataset:
+        """Texts joined with EOS and cut into rows (`joined_rows`): in memory, or streamed `into` a cache."""
+        return cls.made(joined_rows(texts, tokenizer, sequence_length), into)
 
     @classmethod
-    def build_text_documents(cls, texts: list[str], tokenizer: Any, sequence_length: int) -> PackedDataset:
+    def build_text_documents(cls, texts: Iterable[str], tokenizer: Any, sequence_length: int,
+                             into: Path | None = None) -> PackedDataset:
         """Texts kept apart (`dataset.textPacking: apart`): each text and its EOS is a document,
         one longer than a row is cut into row-long pieces (each its own document), and whole
         documents are packed into rows in order, the rest of a row padding: the same rows and
         4-D mask as chat records, every token learned but each document's first."""
-        eos = tokenizer.eos_token_id
-        tail = [] if eos is None else [eos]
-        docs: list[tuple[list[int], list[int]]] = []
-        for start in range(0, len(texts), TOKENIZE_BATCH):
-            for ids in tokenizer(texts[start : start + TOKENIZE_BATCH], add_special_tokens=False)["input_ids"]:
-                ids = [*ids, *tail]
-                pieces = (ids[at : at + sequence_length] for at in range(0, len(ids), sequence_length))
-                docs.extend((piece, [1] * len(piece)) for piece in pieces if len(piece) > 1)
-        if not docs:
-            raise DatasetError("the dataset has no text of two tokens or more; add data")
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-        return cls.build_documents(docs, int(pad or 0), sequence_length, packing=True)
+        docs = text_documents(texts, tokenizer, sequence_length)
+        return cls.made(document_rows(docs, pad_id(tokenizer), sequence_length, packing=True), into)
 
     @classmethod
-    def mixed(cls, parts: list[tuple[PackedDataset, float]], seed: int) -> PackedDataset:
-        """Datasets (`dataset.uri` and `dataset.mixture`), each already packed, as one: from each,
-        weight x its rows (every row `floor(weight)` times, then a share of them chosen with
-        `seed` without repeats, at least one row), in order; training shuffles them together."""
+    def build_documents(cls, docs: Iterable[Document], pad_id: int, sequence_length: int, packing: bool,
+                        into: Path | None = None) -> PackedDataset:
+        """Documents packed into rows (`document_rows`): in memory, or streamed `into` a cache."""
+        return cls.made(document_rows(docs, pad_id, sequence_length, packing), into)
+
+    @classmethod
+    def build_pairs(cls, pairs: Iterable[tuple[Document, Document]], pad_id: int, sequence_length: int,
+                    into: Path | None = None) -> PackedDataset:
+        """(chosen, rejected) pairs, one per row (`pair_rows`): in memory, or streamed `into` a cache."""
+        return cls.made(pair_rows(pairs, pad_id, sequence_length), into)
+
+    @classmethod
+    def mixed(cls, parts: list[tuple[PackedDataset, float]], seed: int, into: Path | None = None) -> PackedDataset:
+        """Datasets (`dataset.uri` and `dataset.mixture`), each already packed, as one
+        (`mixed_rows`); training shuffles them together."""
+        return cls.made(mixed_rows(parts, seed), into)
+
+    @classmethod
+    def made(cls, chunks: Iterable[Chunk], into: Path | None) -> PackedDataset:
+        """The rows of `chunks`: appended to the cache at `into` as they come, and mapped from
+        it; or, without `into`, joined in memory."""
         import numpy as np
 
-        rng = np.random.Generator(np.random.PCG64(seed * 104_729 + 3))
-        rows, metas = [], []
-        for part, weight in parts:
-            n = len(part)
-            whole, rest = divmod(max(1, round(weight * n)), n)
-            picks = np.concatenate([np.tile(np.arange(n), whole),
-                                    np.sort(rng.choice(n, size=rest, replace=False))]).astype(np.int64)
-            rows.append(np.asarray(part.rows)[picks])
-            if part.meta is not None:
-                metas.append(np.asarray(part.meta)[picks])
-        if metas and len(metas) != len(parts):
-            raise DatasetError("dataset.mixture: every source must be in dataset.format's shape")
-        meta = np.concatenate(metas) if metas else None
-        joined = np.concatenate(rows)
-        return cls(rows=joined, tokens=int((meta[:, 1] > 0).sum()) if meta is not None else int(joined.size), meta=meta)
+        if into is not None:
+            write_cache(into, chunks)
+            return cls.load(into)
+        tokens, metas, count = [], [], 0
+        for rows, meta in chunks:
+            tokens.append(rows)
+            metas.append(meta)
+            count += token_count(rows, meta)
+        if not tokens:
+            raise DatasetError("the dataset has no sequences; add data")
+        return cls(rows=np.concatenate(tokens), tokens=count,
+                   meta=None if metas[0] is None else np.concatenate(metas))
 
     def save(self, path: Path) -> None:
-        """Write the rows as .npy atomically (aside, fsynced, renamed); older caches in the
-        same directory go (one dataset per job: an edited dataset replaces its tokens)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if self.meta is not None:  # first: a cache whose tokens exist is complete
-            _save_atomically(_meta_path(path), self.meta)
-        _save_atomically(path, self.rows)
-        for stale in path.parent.glob("tokens-*.npy"):
-            if stale not in (path, _meta_path(path)):
-                stale.unlink(missing_ok=True)
+        """Write the rows as a cache at `path` (`write_cache`)."""
+        write_cache(path, [(self.rows, self.meta)])
 
     @classmethod
     def load(cls, path: Path) -> PackedDataset:
-        """The rows memory-mapped read-only: pages shared by the node's ranks, never copied."""
+        """The cache at `path` memory-mapped read-only: pages shared by the node's ranks, never copied."""
         import numpy as np
 
-        rows = np.load(path, mmap_mode="r")
-        meta_path = _meta_path(path)
-        if not meta_path.is_file():
-            return cls(rows=rows, tokens=int(rows.size))
-        meta = np.load(meta_path, mmap_mode="r")
-        return cls(rows=rows, tokens=int((meta[:, 1] > 0).sum()), meta=meta)
+        index = json.loads(path.read_text())
+        rows = np.memmap(path.with_suffix(".ids"), dtype=index["dtype"], mode="r", shape=tuple(index["ids"]))
+        meta = (None if index["meta"] is None else
+                np.memmap(path.with_suffix(".meta"), dtype=index["dtype"], mode="r", shape=tuple(index["meta"])))
+        return cls(rows=rows, tokens=int(index["tokens"]), meta=meta)
 
     def __len__(self) -> int:
         return int(self.rows.shape[0]) if self.index is None else len(self.index)
@@ -424,21 +425,3 @@ def pair_inputs(ids: Any, learn: Any, real: Any) -> dict[str, Any]:
     width = max(1, int(real.sum(dim=1).max()))
     ids, learn, real = ids[:, :width], learn[:, :width], real[:, :width]
     return {"input_ids": ids, "labels": ids.masked_fill(learn == 0, -100), "attention_mask": real}
-
-
-def _meta_path(path: Path) -> Path:
-    return path.with_name(path.name.replace(".npy", ".meta.npy"))
-
-
-def _save_atomically(path: Path, array: Any) -> None:
-    import numpy as np
-
-    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-    try:
-        with tmp.open("wb") as fh:
-            np.save(fh, np.ascontiguousarray(array))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

@@ -3,8 +3,10 @@
 A dataset's URI (after an s3:// or pvc:// one is made local) is a file or a folder. Records
 come from JSON lines (`.jsonl`), Parquet (`.parquet`, as Hugging Face Hub datasets and most
 data tools write them) and Arrow (`.arrow`: the IPC file or stream format, as `datasets`'
-`save_to_disk` writes them); plain text (`.txt`) is read whole by the text format. JSON lines
-and text may be gzip'ed (`.jsonl.gz`, `.txt.gz`), read as they are decompressed. A folder
+`save_to_disk` writes them); plain text (`.txt`) is read a paragraph at a time by the text
+format. JSON lines and text may be gzip'ed (`.jsonl.gz`, `.txt.gz`), read as they are
+decompressed. Nothing here holds more than a batch of rows or a block of text at once: a
+dataset larger than RAM is read through. A folder
 that `datasets` saved is read as `datasets` would: a `DatasetDict`'s `train` split, a
 `Dataset`'s files in the order its `state.json` lists them. Every record is named by where it
 came from (`file:line` for JSON lines, `file: row N` for columnar files), so a bad one is
@@ -16,12 +18,15 @@ imported only when a Parquet or Arrow file is read.
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import json
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
 
 
 class DatasetError(ValueError):
@@ -36,6 +41,7 @@ COLUMNAR = (".parquet", ".arrow")
 RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", *COLUMNAR)
 TEXT_SUFFIXES = (".txt", ".txt.gz")
 ROWS_PER_BATCH = 1024  # rows of a columnar file in memory at once
+TEXT_BLOCK = 1 << 20  # bytes of a text file in memory at once
 
 
 def kind(path: Path) -> str:
@@ -43,15 +49,31 @@ def kind(path: Path) -> str:
     return "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
 
 
-def read_bytes(file: Path) -> bytes:
-    """A whole file's bytes, decompressed when it is gzip'ed."""
-    if file.suffix != ".gz":
-        return file.read_bytes()
+def paragraphs(file: Path, block: int = TEXT_BLOCK) -> Iterator[str]:
+    """A text file's paragraphs (split at blank lines, `\\n\\n`; the blank ones dropped), read a
+    block at a time, decompressed when it is gzip'ed: what `str.split("\\n\\n")` of the whole
+    file gives, without the whole file in memory."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    carry, offset = "", 0
     try:
-        with gzip.open(file, "rb") as fh:
-            return fh.read()
-    except (OSError, EOFError, zlib.error) as err:
+        with gzip.open(file, "rb") if file.suffix == ".gz" else file.open("rb") as fh:
+            while True:
+                data = fh.read(block)
+                try:
+                    text = decoder.decode(data, final=not data)
+                except UnicodeDecodeError as err:  # err.object: the bytes the decoder held, then data
+                    at = offset - (len(err.object) - len(data)) + err.start
+                    raise DatasetError(f"{file}: not UTF-8 (byte 0x{err.object[err.start]:02x} at offset {at}); "
+                                       f"{REENCODE}") from None
+                offset += len(data)
+                *done, carry = (carry + text).split("\n\n")
+                yield from (chunk for chunk in done if chunk.strip())
+                if not data:
+                    break
+    except (EOFError, zlib.error, gzip.BadGzipFile) as err:
         raise _bad_gzip(file, err) from None
+    if carry.strip():
+        yield carry
 
 
 def _bad_gzip(file: Path, err: Exception) -> DatasetError:
@@ -123,9 +145,54 @@ def decode_utf8(file: Path, data: bytes, lineno: int | None = None) -> str:
     except UnicodeDecodeError as err:
         where = f"{file}:{lineno}" if lineno is not None else str(file)
         raise DatasetError(
-            f"{where}: not UTF-8 (byte 0x{data[err.start]:02x} at offset {err.start}); "
-            "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+            f"{where}: not UTF-8 (byte 0x{data[err.start]:02x} at offset {err.start}); {REENCODE}"
         ) from None
+
+
+REENCODE = "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+
+
+class Records(Generic[T]):
+    """The records of `files`, each turned into a `T` by `convert` as they are iterated: one
+    pass reads, checks and converts each record once and keeps none. A record that is not
+    JSON, or that `convert` refuses (a RecordError), is a DatasetError naming file:line (or
+    row), or with `dataset.onBadRecord: skip` counted (`skipped`, `first_skipped`) and left
+    out. A pass that converts none raises, naming `what`."""
+
+    what = "records"
+
+    def __init__(self, files: list[Path], on_bad_record: str):
+        self.files = files
+        self.on_bad_record = on_bad_record
+        self.skipped = 0
+        self.first_skipped: str | None = None
+
+    def convert(self, record: Any) -> T:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[T]:
+        self.skipped, self.first_skipped = 0, None
+        made = 0
+        for where, record in records(self.files):
+            try:
+                if isinstance(record, RecordError):
+                    raise record
+                item = self.convert(record)
+            except RecordError as err:
+                if self.on_bad_record == "fail":
+                    raise DatasetError(f"{where}: {err}; fix the record, or set dataset.onBadRecord: skip") from None
+                self.skipped += 1
+                self.first_skipped = self.first_skipped or f"{where}: {err}"
+                continue
+            made += 1
+            yield item
+        if not made:
+            raise DatasetError(f"dataset.uri: no usable {self.what}"
+                               + (f" ({self.skipped} skipped; first: {self.first_skipped})" if self.skipped else ""))
+
+    def skipped_note(self) -> str:
+        """What the last pass left out, for the log ('' when nothing)."""
+        return f", {self.skipped} bad records skipped (first: {self.first_skipped})" if self.skipped else ""
 
 
 def records(files: list[Path]) -> Iterator[tuple[str, Any]]:

@@ -24,12 +24,11 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from spillway_runtime.core.spec_inputs import DatasetSource
-from spillway_runtime.training.dataset_files import DatasetError, RecordError, records
+from spillway_runtime.training.dataset_files import RecordError, Records
 from spillway_runtime.training.sft import checked_messages
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -41,33 +40,24 @@ STATS = ("pairs", "loss", "rewards/chosen", "rewards/rejected", "rewards/accurac
 Sequence = tuple[list[int], list[int]]  # token ids, 1 where the loss is learned (the answer)
 
 
-@dataclass
-class Pairs:
-    pairs: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (chosen, rejected)
-    skipped: int = 0
-    first_skipped: str | None = None
+Pair = tuple[Sequence, Sequence]  # (chosen, rejected)
 
 
-def read_pairs(source: DatasetSource, files: list[Path], tokenizer: Any, sequence_length: int) -> Pairs:
-    """Every preference record of the files as a (chosen, rejected) pair, or the first bad one's error."""
-    if source.chat_template:
-        tokenizer.chat_template = source.chat_template
-    out = Pairs()
-    for where, record in records(files):
-        try:
-            if isinstance(record, RecordError):
-                raise record
-            prompt, chosen, rejected = tokenize_pair(record, tokenizer)
-            out.pairs.append(fit_pair(prompt, chosen, rejected, sequence_length))
-        except RecordError as err:
-            if source.on_bad_record == "fail":
-                raise DatasetError(f"{where}: {err}; fix the record, or set dataset.onBadRecord: skip") from None
-            out.skipped += 1
-            out.first_skipped = out.first_skipped or f"{where}: {err}"
-    if not out.pairs:
-        raise DatasetError("dataset.uri: no usable preference records"
-                           + (f" ({out.skipped} skipped; first: {out.first_skipped})" if out.skipped else ""))
-    return out
+class Pairs(Records[Pair]):
+    """The preference records of `files` as (chosen, rejected) pairs, made as they are iterated
+    (`Records`: a bad one refused by file:line, or skipped and counted)."""
+
+    what = "preference records"
+
+    def __init__(self, source: DatasetSource, files: list[Path], tokenizer: Any, sequence_length: int):
+        if source.chat_template:
+            tokenizer.chat_template = source.chat_template
+        super().__init__(files, source.on_bad_record)
+        self.tokenizer, self.sequence_length = tokenizer, sequence_length
+
+    def convert(self, record: Any) -> Pair:
+        prompt, chosen, rejected = tokenize_pair(record, self.tokenizer)
+        return fit_pair(prompt, chosen, rejected, self.sequence_length)
 
 
 def tokenize_pair(record: Any, tokenizer: Any) -> tuple[list[int], list[int], list[int]]:

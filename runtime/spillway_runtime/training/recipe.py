@@ -166,8 +166,7 @@ class FineTuneRecipe:
             path = token_cache_path(cache, sources_fingerprint(self.spec.dataset, sources, Path(self.cfg.tokenizer_dir),
                                                                sequence_length, seed))
             if self.rank == 0 and not path.is_file():
-                dataset, built = tokenize_sources(self.spec.dataset, sources, self.tokenizer, sequence_length, seed)
-                dataset.save(path)
+                _, built = tokenize_sources(self.spec.dataset, sources, self.tokenizer, sequence_length, seed, path)
         except DatasetError as err:
             failure = str(err)
         except OSError as err:

@@ -15,46 +15,35 @@ conversation as a growth of its prefixes is refused by name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from spillway_runtime.core.spec_inputs import DatasetSource
-from spillway_runtime.training.dataset_files import DatasetError, RecordError, records
+from spillway_runtime.training.dataset_files import DatasetError, RecordError, Records
 
 ROLES = ("system", "user", "assistant", "tool")
 
 
-@dataclass
-class Documents:
-    docs: list[tuple[list[int], list[int]]] = field(default_factory=list)
-    skipped: int = 0
-    first_skipped: str | None = None
+Document = tuple[list[int], list[int]]  # token ids, 1 where the loss is learned
 
 
-def read_documents(source: DatasetSource, files: list[Path], tokenizer: Any, sequence_length: int) -> Documents:
-    """Every record of the chat or completion files as a document, or the first bad one's error."""
-    if source.format == "chat" and source.chat_template:
-        tokenizer.chat_template = source.chat_template
-    if source.format == "chat" and not getattr(tokenizer, "chat_template", None):
-        raise DatasetError("dataset.format chat: the tokenizer has no chat template; give one in dataset.chatTemplate")
-    out = Documents()
-    for where, record in records(files):
-        try:
-            if isinstance(record, RecordError):
-                raise record
-            ids, learn = (_chat(source, record, tokenizer) if source.format == "chat"
-                          else _completion(source, record, tokenizer))
-            out.docs.append(_fit(ids, learn, sequence_length))
-        except RecordError as err:
-            if source.on_bad_record == "fail":
-                raise DatasetError(f"{where}: {err}; fix the record, or set dataset.onBadRecord: skip") from None
-            out.skipped += 1
-            out.first_skipped = out.first_skipped or f"{where}: {err}"
-    if not out.docs:
-        raise DatasetError(f"dataset.uri: no usable {source.format} records"
-                           + (f" ({out.skipped} skipped; first: {out.first_skipped})" if out.skipped else ""))
-    return out
+class Documents(Records[Document]):
+    """The chat or completion records of `files` as documents, made as they are iterated
+    (`Records`: a bad one refused by file:line, or skipped and counted)."""
+
+    def __init__(self, source: DatasetSource, files: list[Path], tokenizer: Any, sequence_length: int):
+        if source.format == "chat" and source.chat_template:
+            tokenizer.chat_template = source.chat_template
+        if source.format == "chat" and not getattr(tokenizer, "chat_template", None):
+            raise DatasetError("dataset.format chat: the tokenizer has no chat template; give one in dataset.chatTemplate")
+        super().__init__(files, source.on_bad_record)
+        self.source, self.tokenizer, self.sequence_length = source, tokenizer, sequence_length
+        self.what = f"{source.format} records"
+
+    def convert(self, record: Any) -> Document:
+        ids, learn = (_chat(self.source, record, self.tokenizer) if self.source.format == "chat"
+                      else _completion(self.source, record, self.tokenizer))
+        return _fit(ids, learn, self.sequence_length)
 
 
 def _fit(ids: list[int], learn: list[int], sequence_length: int) -> tuple[list[int], list[int]]:

@@ -272,7 +272,9 @@ def test_a_chat_lora_job_trains_in_a_pod_with_masked_loss_evaluation_and_exports
 def test_dpo_with_lora_trains_in_a_pod_from_a_parquet_file(real: RealNode, namespace: str) -> None:
     """examples/dpo-lora.yaml on the tiny model: preference pairs read from a Parquet file on
     the claim, DPO with LoRA (the reference the base with the adapters off), TRL's metrics of
-    the last step and of the held-out pairs in status.progress.preference."""
+    the last step and of the held-out pairs in status.progress.preference. The planner keeps the
+    optimizer on the device, here the CPU: DeepSpeed's FusedAdam, compiled into the image (the
+    image once lacked it, and such a pod exited 1 trying to compile it)."""
     dpo = yaml.safe_load((REPO_ROOT / "examples" / "dpo-lora.yaml").read_text())["spec"]
     real.inputs(namespace)
     real.job(namespace, "dpo-lora", dataset="arithmetic-preferences.parquet", spec_update={
@@ -283,6 +285,7 @@ def test_dpo_with_lora_trains_in_a_pod_from_a_parquet_file(real: RealNode, names
     job = _finished(real, namespace, "dpo-lora")
     status = job["status"]
     assert status["phase"] == "Succeeded", status.get("message")
+    assert status["plan"]["label"].startswith("Z2 opt:gpu"), status["plan"]
     progress = status["progress"]
     assert progress["step"] == 6 and progress["evalStep"] == 6, progress
     metrics = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
