@@ -6,6 +6,7 @@ tests/integration/test_dpo.py (importing it takes seconds)."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,24 @@ def test_both_answers_follow_the_same_prompt_and_only_they_are_learned(tokenizer
     assert _learned(tokenizer, *chosen) == "5.<|end|>\n"
     assert _learned(tokenizer, *rejected) == "6.<|end|>\n"
     assert tokenizer.decode(chosen[0][: chosen[1].index(1)]) == "<|user|>\nWhat is 2 plus 3?<|end|>\n<|assistant|>\n"
+
+
+def test_a_job_names_the_fields_of_its_preference_records(tokenizer: Any, tmp_path: Path) -> None:
+    """dataset.promptField, chosenField and rejectedField: records with other column names (a
+    StackExchange-style dump's) read as TRL's prompt/chosen/rejected do; a missing one, or an
+    answer that is not text, is refused naming the job's field; the names need format preference."""
+    renamed = [{"question": r["prompt"], "response_j": r["chosen"], "response_k": r["rejected"]} for r in (PLAIN, CHAT)]
+    named = _source(promptField="question", chosenField="response_j", rejectedField="response_k")
+    want = list(read_pairs(_source(), write_jsonl(tmp_path / "d.jsonl", [PLAIN, CHAT]), tokenizer, 64))
+    assert list(read_pairs(named, write_jsonl(tmp_path / "r.jsonl", renamed), tokenizer, 64)) == want
+    for bad, says in (({"question": "q", "response_j": "a"}, "no field 'response_k': a preference record has "
+                       "'question', 'response_j', 'response_k' (dataset.promptField, chosenField and rejectedField"),
+                      ({"question": "q", "response_j": 5, "response_k": "b"}, "field 'response_j' is int, not text")):
+        path = write_jsonl(tmp_path / "bad.jsonl", [bad])
+        with pytest.raises(DatasetError, match=f"^{path}:1: {re.escape(says)}"):
+            list(read_pairs(named, path, tokenizer, 64))
+    with pytest.raises(ValueError, match="chosenField and rejectedField apply to format preference only"):
+        DatasetSource(uri="x", format="completion", chosenField="response_j")
 
 
 def test_a_long_record_keeps_its_start_and_loses_the_answer_s_end(tokenizer: Any, tmp_path: Path) -> None:

@@ -106,7 +106,8 @@ class DatasetSource(SpecModel):
         description="auto: text for .txt files, jsonl for the others; chat: JSON lines with OpenAI-style `messages`, "
         "the loss on assistant turns only; completion: JSON lines with a prompt and a completion, the loss on "
         "the completion only; preference: JSON lines with `prompt`, `chosen` and `rejected` (text, or chat messages "
-        "rendered with the chat template), for method.objective dpo",
+        "rendered with the chat template; promptField, chosenField and rejectedField name other fields), for "
+        "method.objective dpo",
     )
     text_field: str = Field("text", description="Field of each record (JSON line, Parquet or Arrow row) holding the text",
                             min_length=1,
@@ -114,9 +115,13 @@ class DatasetSource(SpecModel):
     messages_field: str = Field("messages", min_length=1, max_length=MAX_FIELD,
                                 description="chat: field holding the conversation")
     prompt_field: str = Field("prompt", min_length=1, max_length=MAX_FIELD,
-                              description="completion: field holding the prompt")
+                              description="completion and preference: field holding the prompt")
     completion_field: str = Field("completion", min_length=1, max_length=MAX_FIELD,
                                   description="completion: field holding the answer")
+    chosen_field: str = Field("chosen", min_length=1, max_length=MAX_FIELD,
+                              description="preference: field holding the preferred answer")
+    rejected_field: str = Field("rejected", min_length=1, max_length=MAX_FIELD,
+                                description="preference: field holding the rejected answer")
     chat_template: str | None = Field(
         None, min_length=1, max_length=65536,
         description="chat: a Jinja chat template, for a tokenizer without one (it replaces the tokenizer's)",
@@ -158,6 +163,9 @@ class DatasetSource(SpecModel):
         if self.chat_template is not None and self.format not in ("chat", "preference"):
             raise ValueError(f"chatTemplate applies to formats chat and preference only, not {self.format!r}; "
                              "remove it or set format: chat")
+        if (self.chosen_field, self.rejected_field) != ("chosen", "rejected") and self.format != "preference":
+            raise ValueError(f"chosenField and rejectedField apply to format preference only, not {self.format!r}; "
+                             "remove them or set format: preference")
         return self
 
 

@@ -31,7 +31,7 @@ from spillway_runtime.core.spec_inputs import DatasetSource
 from spillway_runtime.training.dataset_files import RecordError, Records
 from spillway_runtime.training.sft import checked_messages
 
-FIELDS = ("prompt", "chosen", "rejected")
+FIELDS = ("prompt", "chosen", "rejected")  # TRL's columns; a job may name others (dataset.*Field)
 # What a micro-batch's statistics hold, summed over its pairs (then over ranks and micro-batches):
 # `pairs` counts them, the rest divided by it are TRL's logged means.
 STATS = ("pairs", "loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -54,48 +54,55 @@ class Pairs(Records[Pair]):
             tokenizer.chat_template = source.chat_template
         super().__init__(files, source.on_bad_record)
         self.tokenizer, self.sequence_length = tokenizer, sequence_length
+        self.names = (source.prompt_field, source.chosen_field, source.rejected_field)
 
     def convert(self, record: Any) -> Pair:
-        prompt, chosen, rejected = tokenize_pair(record, self.tokenizer)
-        return fit_pair(prompt, chosen, rejected, self.sequence_length)
+        prompt, chosen, rejected = tokenize_pair(record, self.tokenizer, self.names)
+        return fit_pair(prompt, chosen, rejected, self.sequence_length, self.names)
 
 
-def tokenize_pair(record: Any, tokenizer: Any) -> tuple[list[int], list[int], list[int]]:
-    """(prompt ids, chosen answer ids, rejected answer ids), as TRL's DPOTrainer tokenizes them."""
-    if not isinstance(record, dict) or any(name not in record for name in FIELDS):
-        missing = [name for name in FIELDS if not isinstance(record, dict) or name not in record]
-        raise RecordError(f"no field {missing[0]!r}: a preference record has {', '.join(FIELDS)}")
-    if isinstance(record["prompt"], str):
-        prompt_ids, chosen_full, rejected_full = _plain(record, tokenizer)
-    elif isinstance(record["prompt"], list):
-        prompt_ids, chosen_full, rejected_full = _conversation(record, tokenizer)
+def tokenize_pair(record: Any, tokenizer: Any,
+                  names: tuple[str, str, str] = FIELDS) -> tuple[list[int], list[int], list[int]]:
+    """(prompt ids, chosen answer ids, rejected answer ids), as TRL's DPOTrainer tokenizes them;
+    `names`: the record's fields holding the prompt, the chosen and the rejected answer."""
+    if not isinstance(record, dict) or any(name not in record for name in names):
+        missing = [name for name in names if not isinstance(record, dict) or name not in record]
+        raise RecordError(f"no field {missing[0]!r}: a preference record has {', '.join(map(repr, names))} "
+                          "(dataset.promptField, chosenField and rejectedField name them)")
+    prompt = record[names[0]]
+    if isinstance(prompt, str):
+        prompt_ids, chosen_full, rejected_full = _plain(record, tokenizer, names)
+    elif isinstance(prompt, list):
+        prompt_ids, chosen_full, rejected_full = _conversation(record, tokenizer, names)
     else:
-        raise RecordError(f"field 'prompt' is {type(record['prompt']).__name__}: give text or a list of messages")
+        raise RecordError(f"field {names[0]!r} is {type(prompt).__name__}: give text or a list of messages")
     start = min(_common_prefix(prompt_ids, chosen_full), _common_prefix(prompt_ids, rejected_full))
     return prompt_ids[:start], chosen_full[start:], rejected_full[start:]
 
 
-def _plain(record: dict[str, Any], tokenizer: Any) -> tuple[list[int], list[int], list[int]]:
-    for name in FIELDS:
+def _plain(record: dict[str, Any], tokenizer: Any,
+           names: tuple[str, str, str]) -> tuple[list[int], list[int], list[int]]:
+    for name in names:
         if not isinstance(record[name], str):
             raise RecordError(f"field {name!r} is {type(record[name]).__name__}, not text (the prompt is text)")
-    for name in ("chosen", "rejected"):
+    for name in names[1:]:
         if not record[name].strip():
             raise RecordError(f"field {name!r} is empty: nothing to compare")
     eos = tokenizer.eos_token or ""
-    answers = [a if a.endswith(eos) else a + eos for a in (record["chosen"], record["rejected"])]
-    prompt = record["prompt"]
+    answers = [a if a.endswith(eos) else a + eos for a in (record[names[1]], record[names[2]])]
+    prompt = record[names[0]]
     return (tokenizer(prompt)["input_ids"], tokenizer(prompt + answers[0])["input_ids"],
             tokenizer(prompt + answers[1])["input_ids"])
 
 
-def _conversation(record: dict[str, Any], tokenizer: Any) -> tuple[list[int], list[int], list[int]]:
+def _conversation(record: dict[str, Any], tokenizer: Any,
+                  names: tuple[str, str, str]) -> tuple[list[int], list[int], list[int]]:
     if not getattr(tokenizer, "chat_template", None):
         raise RecordError("the prompt is chat messages but the tokenizer has no chat template; give one in "
                           "dataset.chatTemplate")
-    prompt = _messages(record["prompt"], "prompt")
+    prompt = _messages(record[names[0]], names[0])
     answers = []
-    for name in ("chosen", "rejected"):
+    for name in names[1:]:
         value = record[name]
         answer = _messages([value] if isinstance(value, dict) else value, name)
         if not any(m["role"] == "assistant" for m in answer):
@@ -128,14 +135,14 @@ def _common_prefix(ids: list[int], other: list[int]) -> int:
     return length
 
 
-def fit_pair(prompt: list[int], chosen: list[int], rejected: list[int],
-             sequence_length: int) -> tuple[Sequence, Sequence]:
+def fit_pair(prompt: list[int], chosen: list[int], rejected: list[int], sequence_length: int,
+             names: tuple[str, str, str] = FIELDS) -> tuple[Sequence, Sequence]:
     """Prompt + each answer, cut to the sequence from the end (TRL's keep_start)."""
     if len(prompt) >= sequence_length:
         raise RecordError(f"the prompt alone is {len(prompt)} tokens, training.sequenceLength {sequence_length}: "
                           "no answer token is left to compare; shorten the prompt or raise sequenceLength")
     out = []
-    for name, answer in (("chosen", chosen), ("rejected", rejected)):
+    for name, answer in ((names[1], chosen), (names[2], rejected)):
         if not answer:
             raise RecordError(f"field {name!r} adds no token after the prompt: nothing to compare")
         ids = (prompt + answer)[:sequence_length]
