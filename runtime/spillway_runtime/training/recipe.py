@@ -378,6 +378,7 @@ class FineTuneRecipe:
                 eta_seconds=round(rate * (t.max_steps - self.step), 1),
                 data_position=self.data_position,
                 bytes=disk_usage.tier_bytes(self.plan, self.cfg.nvme_dir, self.torch),
+                disk=disk_usage.process_io_bytes(),  # so far: a step's swap traffic is the difference
                 **objective_metrics,
             )
             self.last_loss = loss
