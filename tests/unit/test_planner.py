@@ -85,10 +85,11 @@ def test_the_planner_fills_the_ram_left_with_optimizer_sub_groups_and_swaps_the_
 
 def test_more_ram_is_a_faster_nvme_step_before_ram_holds_the_whole_optimizer():
     """Before tiers, 64 and 160 GiB of RAM planned the same all-NVMe step (the issue: 357 s)
-    until RAM held all of the optimizer state."""
+    until RAM held all of the optimizer state. (160 GiB keeps 3 of 13 sub-groups: the pipelined
+    swapper's 12 buffers of a sub-group, 52 GB pinned, take the rest.)"""
     small, large = plan_tiers(P13, rtx4090(64), TRAIN), plan_tiers(P13, rtx4090(160), TRAIN)
     assert large.optimizer == small.optimizer == "nvme"
-    assert large.swap.cpu_resident_fraction > 0.3 > small.swap.cpu_resident_fraction
+    assert large.swap.cpu_resident_fraction > 0.2 > small.swap.cpu_resident_fraction
     assert large.predicted_step_seconds < 0.85 * small.predicted_step_seconds
 
 

@@ -22,9 +22,12 @@ from spillway_runtime.core.spec_types import DType, Tier
 from spillway_runtime.core.units import format_count
 
 # The optimizer swapper needs one pinned buffer per swapped tensor (param, 2 moments, grad);
-# the pipelined swapper overlaps reads and writes and needs twice that.
+# the pipelined swapper has three sub-groups in flight (the one stepped, the next one read
+# ahead, the last one still being written) and needs three times that: with 8, as planned
+# until bench_tier_curve.py ran one, a step with 3 or more swapped sub-groups died in its
+# first step ("PipelinedOptimizerSwapper ran out of swap buffers").
 OPTIMIZER_SWAP_BUFFERS = 4
-OPTIMIZER_SWAP_BUFFERS_PIPELINED = 8
+OPTIMIZER_SWAP_BUFFERS_PIPELINED = 12
 # Parameter swapper: buffers of 1e8 elements (DeepSpeed's default size), but 16 of them, not
 # DeepSpeed's 5: a Llama layer gathers 7 swappable matrices at once and prefetches the next
 # layer's, and with 5 the swapper fails ("Not enough buffers 0 for swapping 1").
