@@ -166,3 +166,22 @@ def test_a_tiered_checkpoint_resumes_bit_identically_with_another_share(
         assert ratio == pytest.approx(planned, rel=0.10)
     else:
         assert nvme_bytes(moved) == 0
+
+
+@pytest.mark.integration
+def test_the_pipelined_swapper_steps_many_swapped_sub_groups(tmp_path, make_job):
+    """DeepSpeed's pipelined optimizer swapper holds three sub-groups at once (the one stepped,
+    the next one read ahead, the last one still being written): with the 8 buffers planned
+    before, a run of 3 or more swapped sub-groups died in its first step ("ran out of swap
+    buffers"). The wide model's 6.5M elements in sub-groups of 1M: 7 swapped, pipelined."""
+    offload: dict[str, Any] = {"optimizer": "nvme", "parameters": "gpu", "nvme": {"path": str(tmp_path / "nvme")},
+                               "deepspeed": {"zero_optimization": {"stage": 3, "sub_group_size": 1_000_000}}}
+    job = make_job("pipelined", model="wide", training={"maxSteps": 3}, offload=offload,
+                   checkpoint={"everySteps": 100, "keep": 1})
+    run = run_job(job, tmp_path / "run")
+    assert run.returncode == 0, run.log[-3000:]
+    swap = run.config.plan.swap
+    assert swap.pipeline and swap.optimizer_buffer_count == 12, swap
+    assert sorted(run.losses()) == [1, 2, 3]
+    swapped = {name for name in swap_files(run, 3) if name.startswith("exp_avg_sq-")}  # the checkpoint's
+    assert len(swapped) >= 3, swapped
