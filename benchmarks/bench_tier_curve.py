@@ -20,6 +20,7 @@ with the RAM a 2x budget would give it: at 50% the run holds what such a machine
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -38,7 +39,7 @@ def io_per_step(events: list[dict[str, Any]], skip: int = 2) -> tuple[float, flo
     disks = [e["disk"] for e in events if e["event"] == "step" and e.get("disk")][skip:]
     if len(disks) < 2:
         return 0.0, 0.0
-    deltas = [(b["read"] - a["read"], b["written"] - a["written"]) for a, b in zip(disks, disks[1:], strict=False)]
+    deltas = [(b["read"] - a["read"], b["written"] - a["written"]) for a, b in itertools.pairwise(disks)]
     return statistics.median(d[0] for d in deltas), statistics.median(d[1] for d in deltas)
 
 

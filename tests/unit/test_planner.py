@@ -104,8 +104,9 @@ def test_a_pinned_share_is_kept_and_an_impossible_one_is_short_of_ram():
 
 
 def test_a_share_is_kept_in_whole_sub_groups_cut_fine_enough_to_hold_it():
-    """The GPU kit's NVMe model (258M parameters, one 258M-element sub-group by default): a job's
-    half in RAM cuts the partition into at least 8 sub-groups and keeps 4, and the prediction
+    """The GPU kit's NVMe model (258M parameters): with the optimizer on NVMe the partition is cut
+    into at least 8 sub-groups (it was one of 258M elements: nothing for a share to keep, nothing
+    for the pipelined swapper to overlap); a job's half in RAM keeps 4, and the prediction
     follows the sub-groups kept, not the share asked: one sub-group set by the job keeps nothing."""
     model = ModelShape.from_param_count(258_000_000)
     h200 = rtx4090(128).model_copy(update={"gpu_memory_bytes": 24 * GiB, "gpu_product": "NVIDIA H200"})
@@ -113,7 +114,7 @@ def test_a_share_is_kept_in_whole_sub_groups_cut_fine_enough_to_hold_it():
     whole = plan_tiers(model, h200, train, Offload(optimizer="nvme", parameters="cpu"))
     half = plan_tiers(model, h200, train, Offload(optimizer="nvme", parameters="cpu", cpuResidentFraction=0.5))
     group, groups = sub_groups(half)
-    assert sub_groups(whole)[1] == 1 and groups >= 8 and groups * group >= model.params > (groups - 1) * group
+    assert sub_groups(whole) == (group, groups) and groups >= 8 and groups * group >= model.params > (groups - 1) * group
     assert whole.bytes.nvme - half.bytes.nvme == 16 * (groups // 2) * group
     assert half.step.optimizer_nvme == pytest.approx(
         whole.step.optimizer_nvme * (1 - groups // 2 * group / model.params))

@@ -50,6 +50,9 @@ class StepTime(BaseModel):
     nvme_bytes: int = Field(0, description="Read and written per step and node, parameters and optimizer")
     cpu_optimizer: float = Field(description="The optimizer step: on the CPU, or fused Adam on the GPU")
     pipelined: bool = Field(False, description="Optimizer NVMe I/O overlaps the optimizer step")
+    swapped_sub_groups: int = Field(0, description="Per rank: the optimizer sub-groups read and written every step")
+    resident_share: float = Field(0.0, description="Of the optimizer state: kept in CPU RAM (stepped first, no I/O)")
+    optimizer_phase: float = Field(0.0, description="The optimizer step and its NVMe I/O, as they overlap")
     total: float
     flops: float = Field(0.0, description="Per rank and step: forward, backward and any recomputation")
     flops_per_s: float = Field(0.0, description="Of one GPU; on the CPU accelerator, of all the node's cores")
@@ -59,9 +62,12 @@ class StepTime(BaseModel):
         """The sum `total` is, with the figures in it, as the plan's reasons state it."""
         forward_backward = (f"max(compute {self.compute:.3g}, host-device {self.host_device:.3g}, "
                             f"parameter NVMe {self.parameter_nvme:.3g})")
-        if self.pipelined:
-            optimizer_phase = (f"max(optimizer step {self.cpu_optimizer:.3g}, optimizer NVMe "
-                               f"{self.optimizer_nvme:.3g}) (pipelined swap)")
+        if self.pipelined and self.swapped_sub_groups and self.optimizer_nvme:
+            swapped_step = self.cpu_optimizer * (1 - self.resident_share)
+            optimizer_phase = (f"optimizer phase {self.optimizer_phase:.3g} (pipelined swap over "
+                               f"{self.swapped_sub_groups} sub-groups: the resident ones' step "
+                               f"{self.cpu_optimizer - swapped_step:.3g}, then max(step {swapped_step:.3g}, optimizer "
+                               f"NVMe {self.optimizer_nvme:.3g}) + the shorter / {self.swapped_sub_groups})")
         else:
             optimizer_phase = f"optimizer step {self.cpu_optimizer:.3g} + optimizer NVMe {self.optimizer_nvme:.3g}"
         return f"step {self.total:.3g} s = {forward_backward} + {optimizer_phase}"
@@ -216,6 +222,30 @@ def _nvme_seconds(placement: PlacementInputs, swap: SwapSettings) -> tuple[float
     return param_nvme, opt_nvme, nvme_bytes
 
 
+def optimizer_phase(step: float, nvme: float, resident: float, swapped: int, pipelined: bool) -> float:
+    """Seconds of the optimizer phase: the Adam step of every sub-group and the NVMe reads and
+    writes of the swapped ones. Without the pipeline they add up. With it, sub-group i's step
+    overlaps the read of i+1 and the write of i-1, so over `swapped` sub-groups the longer of
+    the two runs whole and the shorter only where nothing hides it, one sub-group's worth (the
+    first read, the last write): max(S, D) + min(S, D) / swapped (one sub-group: the sum). The
+    resident sub-groups (`resident` of the state) are stepped first, with no I/O to hide."""
+    if not pipelined or swapped <= 0 or nvme <= 0:
+        return step + nvme
+    stepped = step * (1 - resident)
+    return step * resident + max(stepped, nvme) + min(stepped, nvme) / swapped
+
+
+def swapped_sub_groups(placement: PlacementInputs, swap: SwapSettings) -> tuple[int, float]:
+    """(A rank's optimizer sub-groups swapped every step, the share of its state kept in RAM)."""
+    if placement.optimizer != "nvme":
+        return 0, 1.0
+    partition = -(-placement.shape.trainable // placement.ranks)
+    size = max(1, min(swap.sub_group_size, partition))
+    count = -(-partition // size)
+    return count - resident_sub_groups(swap.cpu_resident_fraction, count), resident_share(
+        swap.cpu_resident_fraction, partition, swap.sub_group_size)
+
+
 def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSettings) -> StepTime:
     """Seconds per optimizer step: max(compute, host-device, parameter NVMe) for the forward
     and backward passes, since parameter transfers overlap with compute (prefetch); then the
@@ -251,7 +281,8 @@ def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSetting
     on_hbm = optimizer == "gpu" and placement.on_gpu
     optimizer_step = 48 * t / ranks / 2e12 if on_hbm else t / nodes / cpu_adam
     forward_backward = max(compute, host_device, param_nvme)
-    optimizer_phase = max(optimizer_step, opt_nvme) if swap.pipeline else optimizer_step + opt_nvme
+    swapped, kept = swapped_sub_groups(placement, swap)
+    phase = optimizer_phase(optimizer_step, opt_nvme, kept, swapped, swap.pipeline)
     return StepTime(
         compute=compute,
         host_device=host_device,
@@ -261,7 +292,10 @@ def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSetting
         nvme_bytes=int(nvme_bytes),
         cpu_optimizer=optimizer_step,
         pipelined=swap.pipeline,
-        total=forward_backward + optimizer_phase,
+        swapped_sub_groups=swapped,
+        resident_share=kept if placement.optimizer == "nvme" else 0.0,
+        optimizer_phase=phase,
+        total=forward_backward + phase,
         flops=flops,
         flops_per_s=flops_per_s,
         flops_source=flops_source,

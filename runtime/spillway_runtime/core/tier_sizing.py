@@ -117,9 +117,8 @@ def size_placement(placement: PlacementInputs) -> SizedPlacement:
     """Size one placement: memory -> swap settings -> swap minimum -> RAM-resident share of the
     optimizer -> pinning -> shortfall."""
     sizing = _size_memory(placement)
-    tiered = placement.cpu_resident is None or placement.cpu_resident > 0
     swap = _choose_swap(placement.shape, placement.optimizer, placement.parameters, placement.ranks,
-                        sizing.cpu_spare(placement), placement.sub_group_size, tiered)
+                        sizing.cpu_spare(placement), placement.sub_group_size)
     aio = placement.hw.aio or AioSettings()
     min_swap = max(MIN_AIO_BYTES, aio.block_size)
     groups = _sub_groups(placement, swap, min_swap)
@@ -226,7 +225,7 @@ def _with_reference(p: PlacementInputs, gpu_state: int, cpu_state: int) -> tuple
 
 
 def _choose_swap(shape: ModelShape, optimizer: Tier, parameters: Tier, ranks: int, cpu_spare: int,
-                 sub_group_size: int | None = None, tiered: bool = False) -> SwapSettings:
+                 sub_group_size: int | None = None) -> SwapSettings:
     """Size sub-groups and swap buffers to the RAM that is left.
 
     The optimizer swapper pins buffer_count x sub_group x 4 B per rank; DeepSpeed's default
@@ -234,13 +233,14 @@ def _choose_swap(shape: ModelShape, optimizer: Tier, parameters: Tier, ranks: in
     sub-group is lowered until the buffers take at most half of the spare RAM, and the
     read/write pipeline is switched on only when its double buffers also fit. A job's own
     `sub_group_size` (offload.deepspeed) is what DeepSpeed will use: it is taken as it is.
-    `tiered` (a share of the optimizer may stay in RAM): at least TIERED_SUB_GROUPS sub-groups
-    per rank where MIN_SUB_GROUP_SIZE allows, so that a share is kept in whole sub-groups (0.5
-    of one sub-group would keep nothing).
+    With the optimizer on NVMe, at least TIERED_SUB_GROUPS sub-groups per rank where
+    MIN_SUB_GROUP_SIZE allows: a share is kept in whole sub-groups (0.5 of one sub-group would
+    keep nothing), and the pipelined swapper reads the next sub-group and writes the last while
+    one steps (with one sub-group there is nothing to overlap: `estimates.optimizer_phase`).
     """
     partition = max(1, shape.params // ranks)
     sub_group = min(DEFAULT_SUB_GROUP_SIZE, max(MIN_SUB_GROUP_SIZE, partition))
-    if tiered and optimizer == "nvme":
+    if optimizer == "nvme":
         sub_group = min(sub_group, max(MIN_SUB_GROUP_SIZE, -(-partition // TIERED_SUB_GROUPS)))
     if sub_group_size is not None:
         sub_group = sub_group_size
