@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--model", default="wide", choices=["tiny", "wide", "small"])
     parser.add_argument("--steps", type=int, default=12)
     args = parser.parse_args()
+    os.environ["SPILLWAY_PROBE_REFRESH"] = "1"  # this machine's rates now, not as a cached probe found them
     results = []
     for stage, optimizer, parameters in PLACEMENTS:
         name = f"overhead-{args.model}-z{stage}-{optimizer}-{parameters}"
@@ -35,6 +36,7 @@ def main() -> None:
                         offload={"optimizer": optimizer, "parameters": parameters,
                                  "nvme": {"path": str(BENCH_DIR / "nvme" / name)}})
         config, events = run_job(job, BENCH_DIR / name)
+        os.environ.pop("SPILLWAY_PROBE_REFRESH", None)  # measured afresh for the first run, then kept
         results.append((config.plan.label, median_step_seconds(events), config.plan.predicted_step_seconds,
                         os.getloadavg()[0]))
     print(f"compute rate: {config.plan.step.compute_rate()}")

@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--model", default="small", choices=["wide", "small", "large"])
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
+    os.environ["SPILLWAY_PROBE_REFRESH"] = "1"  # this machine's rates now, not as a cached probe found them
     rows = []
     for share in SHARES:
         name = f"curve-{args.model}-{int(share * 100)}"
@@ -55,6 +56,7 @@ def main() -> None:
                                    "nvme": {"path": str(BENCH_DIR / "nvme" / name)}}
         job = write_job(name, args.model, steps=args.steps, stage=3, offload=offload)
         config, events = run_job(job, BENCH_DIR / name)
+        os.environ.pop("SPILLWAY_PROBE_REFRESH", None)  # measured afresh for the first run, then kept
         plan = config.plan
         read, written = io_per_step(events)
         rows.append({"share": share, "seconds": median_step_seconds(events), "read": read, "written": written,
