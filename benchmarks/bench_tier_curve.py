@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -64,6 +65,8 @@ def main() -> None:
                      "kept": plan.swap.cpu_resident_fraction, "sub_groups": plan.swap.sub_group_size,
                      "disk_s_per_byte": (plan.step.optimizer_nvme / plan.step.nvme_bytes) if plan.step.nvme_bytes
                      else None, "load": os.getloadavg()[0], "params": plan.model.trainable})
+        for done in (BENCH_DIR / name, BENCH_DIR / "nvme" / name):  # GBs of checkpoints and swap files each
+            shutil.rmtree(done, ignore_errors=True)
     per_byte = next(r["disk_s_per_byte"] for r in rows if r["disk_s_per_byte"])
     compute = rows[-1]["seconds"]
     state = 12 * rows[0]["params"]
