@@ -10,25 +10,20 @@ average beside each placement says how much of the machine the run had.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import BENCH_DIR, median_step_seconds, run_job, write_job
+from common import BENCH_DIR, median_step_seconds, model_arguments, run_job, write_job
 
 PLACEMENTS = [(2, "gpu", "gpu"), (2, "cpu", "gpu"), (3, "gpu", "gpu"), (3, "cpu", "gpu"), (3, "cpu", "cpu"),
               (3, "nvme", "gpu"), (3, "nvme", "cpu"), (3, "nvme", "nvme")]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="wide", choices=["tiny", "wide", "small"])
-    parser.add_argument("--steps", type=int, default=12)
-    args = parser.parse_args()
-    os.environ["SPILLWAY_PROBE_REFRESH"] = "1"  # this machine's rates now, not as a cached probe found them
+    args = model_arguments("wide", ["tiny", "wide", "small"], steps=12)
     results = []
     for stage, optimizer, parameters in PLACEMENTS:
         name = f"overhead-{args.model}-z{stage}-{optimizer}-{parameters}"
@@ -36,7 +31,6 @@ def main() -> None:
                         offload={"optimizer": optimizer, "parameters": parameters,
                                  "nvme": {"path": str(BENCH_DIR / "nvme" / name)}})
         config, events = run_job(job, BENCH_DIR / name)
-        os.environ.pop("SPILLWAY_PROBE_REFRESH", None)  # measured afresh for the first run, then kept
         results.append((config.plan.label, median_step_seconds(events), config.plan.predicted_step_seconds,
                         os.getloadavg()[0]))
     print(f"compute rate: {config.plan.step.compute_rate()}")

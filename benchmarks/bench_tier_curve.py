@@ -19,7 +19,6 @@ with the RAM a 2x budget would give it: at 50% the run holds what such a machine
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import shutil
@@ -30,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import BENCH_DIR, median_step_seconds, run_job, write_job
+from common import BENCH_DIR, median_step_seconds, model_arguments, run_job, write_job
 
 SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
 
@@ -45,11 +44,7 @@ def io_per_step(events: list[dict[str, Any]], skip: int = 2) -> tuple[float, flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="small", choices=["wide", "small", "large"])
-    parser.add_argument("--steps", type=int, default=10)
-    args = parser.parse_args()
-    os.environ["SPILLWAY_PROBE_REFRESH"] = "1"  # this machine's rates now, not as a cached probe found them
+    args = model_arguments("small", ["wide", "small", "large"], steps=10)
     rows = []
     for share in SHARES:
         name = f"curve-{args.model}-{int(share * 100)}"
@@ -57,7 +52,6 @@ def main() -> None:
                                    "nvme": {"path": str(BENCH_DIR / "nvme" / name)}}
         job = write_job(name, args.model, steps=args.steps, stage=3, offload=offload)
         config, events = run_job(job, BENCH_DIR / name)
-        os.environ.pop("SPILLWAY_PROBE_REFRESH", None)  # measured afresh for the first run, then kept
         plan = config.plan
         read, written = io_per_step(events)
         rows.append({"share": share, "seconds": median_step_seconds(events), "read": read, "written": written,

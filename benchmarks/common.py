@@ -6,6 +6,7 @@ these machines are shared and noisy; absolute figures are printed for context on
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import subprocess
@@ -20,6 +21,17 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 # name -> (hidden size, layers, heads): parameter counts 0.75M, 6.5M, 26M, 211M
 MODELS = {"tiny": (128, 4, 4), "wide": (768, 1, 6), "small": (512, 8, 8), "large": (1024, 20, 16)}
+
+
+def model_arguments(default: str, choices: list[str], steps: int) -> argparse.Namespace:
+    """--model and --steps; and the first run of this benchmark measures this machine's rates
+    afresh (`run_job`) instead of planning with a cached probe (one measured under load a day
+    earlier had put the predictions 2x off)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=default, choices=choices)
+    parser.add_argument("--steps", type=int, default=steps)
+    os.environ["SPILLWAY_PROBE_REFRESH"] = "1"
+    return parser.parse_args()
 
 
 def model_dir(name: str) -> Path:
@@ -73,6 +85,7 @@ def run_job(job: Path, run_dir: Path) -> tuple[Any, list[dict[str, Any]]]:
 
     shutil.rmtree(run_dir, ignore_errors=True)
     config = prepare_local_run(job, run_dir=run_dir)
+    os.environ.pop("SPILLWAY_PROBE_REFRESH", None)  # measured afresh at most once (`model_arguments`)
     result = subprocess.run(runtime_command(run_dir / "runtime.json", 1), env=runtime_env(config),
                             capture_output=True, text=True)
     if result.returncode != 0:
