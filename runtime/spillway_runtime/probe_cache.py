@@ -274,7 +274,11 @@ def _record(source: Literal["cached", "measured", "unmeasured"], why: str, path:
 
 
 def _merged(basic: NodeHardware, entry: ProbeEntry) -> NodeHardware:
-    measured = {name: value for name in MEASURED_FIELDS if (value := getattr(entry.hardware, name)) not in (None, [])}
+    """`basic` with the disk entry's figures. The compute rates it holds are a snapshot from its
+    sweep: they only fill in where the compute entry gave none (before, a sweep's snapshot taken
+    under load a day earlier overrode a fresh compute entry, and every plan's compute was 7x slow)."""
+    measured = {name: value for name in MEASURED_FIELDS if (value := getattr(entry.hardware, name)) not in (None, [])
+                and (name not in COMPUTE_FIELDS or getattr(basic, name) in (None, []))}
     return basic.model_copy(update=measured)
 
 

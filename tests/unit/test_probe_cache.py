@@ -170,10 +170,12 @@ def test_the_cached_compute_rates_reach_the_plan_whether_or_not_it_uses_nvme(tmp
     shape = ModelShape.from_param_count(2_000_000)
     plan = plan_tiers(shape, hw.model_copy(update={"gpu_count": 0}))
     assert plan.step.flops_per_s == 3e9 and plan.step.flops_source.startswith("measured: bf16")
-    # a disk entry written before these rates existed does not wipe them
-    store_probe(nvme, measured(nvme), settings)
+    # a disk entry's snapshot of other rates (its sweep's, under load) does not override them
+    old = [MatmulRate(dtype="bf16", hidden_size=256, flops_per_s=4e8)]
+    store_probe(nvme, measured(nvme).model_copy(update={"cpu_matmul": old}), settings)
     hw, record = hardware_for_run(nvme, measure=False, settings=settings)
-    assert record.source == "cached" and hw.cpu_matmul == RATES and hw.cpu_adam_params_per_s == 1.5e9
+    assert record.source == "cached" and hw.aio == TUNED and hw.nvme_read_bytes_per_s == 3e9
+    assert hw.cpu_matmul == RATES and hw.cpu_adam_params_per_s == 7e8
 
 
 def test_compute_rates_are_stale_when_torch_changed_or_asked_once_a_run_and_absent_when_off(
