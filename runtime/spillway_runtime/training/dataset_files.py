@@ -22,6 +22,7 @@ import codecs
 import gzip
 import json
 import zlib
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -152,7 +153,7 @@ def decode_utf8(file: Path, data: bytes, lineno: int | None = None) -> str:
 REENCODE = "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
 
 
-class Records(Generic[T]):
+class Records(ABC, Generic[T]):
     """The records of `files`, each turned into a `T` by `convert` as they are iterated: one
     pass reads, checks and converts each record once and keeps none. A record that is not
     JSON, or that `convert` refuses (a RecordError), is a DatasetError naming file:line (or
@@ -167,8 +168,9 @@ class Records(Generic[T]):
         self.skipped = 0
         self.first_skipped: str | None = None
 
+    @abstractmethod
     def convert(self, record: Any) -> T:
-        raise NotImplementedError
+        """One record as a `T`, or a RecordError naming what is wrong with it."""
 
     def __iter__(self) -> Iterator[T]:
         self.skipped, self.first_skipped = 0, None
