@@ -292,6 +292,8 @@ class LargestFitPublic(WireModel):
     parameters: int = Field(description="The largest parameter count that fits (3 significant digits); 0: none")
     predicted_step_seconds: float | None = None
     why_not: str | None = Field(None, description="Why the placement is out (the settings given, no NVMe)")
+    bound_by: str | None = Field(None, description="What stops a larger model: the tier a model 1% larger is short "
+                                 "of, and what fills it")
 
 
 class LargestPublic(WireModel):

@@ -268,11 +268,12 @@ def _print_largest(hw: NodeHardware, fits: list[LargestFit], output: str) -> Non
     if output == "json":
         print(json.dumps([f.model_dump(mode="json") for f in fits], indent=2))
     else:
-        table = Table("placement", "largest model", "predicted s/step", title=f"The largest model on {hw.name}")
+        table = Table("placement", "largest model", "predicted s/step", "bound by",
+                      title=f"The largest model on {hw.name}")
         for f in fits:
             size = format_count(f.parameters) if f.parameters else (f"- ({f.why_not})" if f.why_not else "none")
             step = f"{f.predicted_step_seconds:.3g}" if f.predicted_step_seconds is not None else "-"
-            table.add_row(f.placement, size, step)
+            table.add_row(f.placement, size, step, f.bound_by or "")
         Console().print(table)
     best = max(fits, key=lambda f: f.parameters)
     if not best.parameters:

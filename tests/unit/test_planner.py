@@ -70,7 +70,8 @@ def test_the_planner_fills_the_ram_left_with_optimizer_sub_groups_and_swaps_the_
     keep = round(tiered.swap.cpu_resident_fraction * groups)
     assert 0 < keep < groups
     assert whole.bytes.nvme - tiered.bytes.nvme == 16 * keep * group
-    assert tiered.bytes.cpu - whole.bytes.cpu == 14 * keep * group
+    # beside the swap buffers (pinned), which the two cut into sub-groups of their own sizes
+    assert tiered.bytes.cpu_pageable - whole.bytes.cpu_pageable == 14 * keep * group
     assert tiered.headroom.cpu < 14 * group  # one more sub-group would not fit
     # whole sub-groups: the share kept is keep x group of the partition (the last sub-group is short)
     assert tiered.step.optimizer_nvme == pytest.approx(whole.step.optimizer_nvme * (1 - keep * group / tiered.model.params))
@@ -85,12 +86,33 @@ def test_the_planner_fills_the_ram_left_with_optimizer_sub_groups_and_swaps_the_
 
 def test_more_ram_is_a_faster_nvme_step_before_ram_holds_the_whole_optimizer():
     """Before tiers, 64 and 160 GiB of RAM planned the same all-NVMe step (the issue: 357 s)
-    until RAM held all of the optimizer state. (160 GiB keeps 3 of 13 sub-groups: the pipelined
-    swapper's 12 buffers of a sub-group, 52 GB pinned, take the rest.)"""
+    until RAM held all of the optimizer state."""
     small, large = plan_tiers(P13, rtx4090(64), TRAIN), plan_tiers(P13, rtx4090(160), TRAIN)
     assert large.optimizer == small.optimizer == "nvme"
     assert large.swap.cpu_resident_fraction > 0.2 > small.swap.cpu_resident_fraction
     assert large.predicted_step_seconds < 0.85 * small.predicted_step_seconds
+
+
+@pytest.mark.parametrize(("ram_gib", "coarse_fits"), [(64, False), (160, True)])
+def test_the_planner_cuts_finer_sub_groups_to_trade_swap_buffers_for_resident_ones(ram_gib, coarse_fits):
+    """The pipelined swapper pins 13 buffers of a sub-group: at DeepSpeed's 1e9 elements that is
+    52 GB, RAM that 1e8-element sub-groups leave to resident sub-groups instead. The planner
+    tries the finer cuts (not under 1e8) and keeps the fastest step that fits; a job's own
+    sub_group_size is used as it is (with 64 GiB, 1e9 elements do not fit beside the rest)."""
+    chosen = plan_tiers(P13, rtx4090(ram_gib), TRAIN)
+    assert chosen.feasible and chosen.optimizer == "nvme"
+    assert 100_000_000 <= chosen.swap.sub_group_size < 1_000_000_000
+    coarse = plan_tiers(P13, rtx4090(ram_gib), TRAIN, Offload(
+        parameters=chosen.parameters, deepspeed={"zero_optimization": {"sub_group_size": 1_000_000_000}}))
+    assert coarse.swap.sub_group_size == 1_000_000_000
+    if not coarse_fits:
+        assert not coarse.feasible and {s.tier for s in coarse.shortfalls} == {"cpu"}
+        return
+    assert chosen.bytes.cpu_pinned < coarse.bytes.cpu_pinned
+    assert chosen.swap.cpu_resident_fraction > coarse.swap.cpu_resident_fraction
+    assert chosen.summary().nvme_bytes_per_step < coarse.summary().nvme_bytes_per_step
+    assert chosen.predicted_step_seconds < 0.9 * coarse.predicted_step_seconds
+    assert chosen.headroom.cpu >= 0 and chosen.feasible
 
 
 def test_a_pinned_share_is_kept_and_an_impossible_one_is_short_of_ram():
@@ -287,8 +309,20 @@ def test_the_largest_model_is_where_each_placement_stops_fitting():
         beyond = plan_tiers(ModelShape.from_param_count(int(f.parameters * 1.02)), hw, TRAIN, forced)
         assert at.label == f.placement and at.feasible and not beyond.feasible, f
         assert f.predicted_step_seconds == at.predicted_step_seconds
+        # what binds it is named: the tier 1% more is short of, and what fills that tier
+        [short] = beyond.shortfalls
+        assert f.bound_by is not None and f.bound_by.startswith(short.describe().split(" by ")[0]), f
     by = {f.placement: f.parameters for f in fits}
     assert by["Z3 opt:nvme par:nvme"] > 13e9 > by["Z3 opt:cpu par:cpu"]
+    bound = {f.placement: f.bound_by for f in fits}
+    # everything on the GPU: its model states (20 B/param under ZeRO-2) and the activations
+    assert "GPU memory per GPU is short" in bound["Z2 opt:gpu par:gpu"]
+    assert ": model states" in bound["Z2 opt:gpu par:gpu"] and "(20.0 B/param), activations" in bound["Z2 opt:gpu par:gpu"]
+    # all state off the GPU: RAM, filled by the 16-bit gradient partition DeepSpeed keeps there
+    # (2 B/param) and the swap buffers, which are sized by the largest tensor
+    largest = bound["Z3 opt:nvme par:nvme"]
+    assert largest.startswith("CPU RAM is short") and "model states" in largest and "(2.0 B/param)" in largest
+    assert "swap buffers" in largest and "training processes" in largest
     assert by["Z3 opt:nvme par:nvme"] >= by["Z3 opt:nvme par:cpu"] >= by["Z3 opt:nvme par:gpu"] > by["Z2 opt:gpu par:gpu"]
 
 

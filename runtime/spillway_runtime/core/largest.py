@@ -16,7 +16,6 @@ from spillway_runtime.core.hardware import NodeHardware
 from spillway_runtime.core.planner import (
     _PLACEMENTS,
     ModelShape,
-    OffloadPlan,
     PlacementInputs,
     _allowed,
     _evaluate,
@@ -25,6 +24,8 @@ from spillway_runtime.core.planner import (
 )
 from spillway_runtime.core.spec import Offload, Training
 from spillway_runtime.core.spec_types import DType, Tier
+from spillway_runtime.core.tier_sizing import size_placement, tier_parts
+from spillway_runtime.core.units import format_bytes
 
 
 class LargestFit(BaseModel):
@@ -34,6 +35,8 @@ class LargestFit(BaseModel):
     parameters: int = Field(description="0 when this placement fits no model here")
     predicted_step_seconds: float | None = None
     why_not: str | None = Field(None, description="Why the placement is out (the job's settings, no NVMe)")
+    bound_by: str | None = Field(None, description="What stops a larger model: the tier short at the next size, "
+                                 "and what fills it")
 
 
 def largest_model(
@@ -64,16 +67,33 @@ def largest_model(
             out.append(LargestFit(placement=label, parameters=0, why_not=why))
             continue
 
-        def plan_at(params: int, s: int = stage, o: Tier = optimizer, p: Tier = parameters) -> OffloadPlan:
-            return _evaluate(PlacementInputs(
+        def inputs_at(params: int, s: int = stage, o: Tier = optimizer, p: Tier = parameters) -> PlacementInputs:
+            return PlacementInputs(
                 shape=ModelShape.from_param_count(params), hw=hw, training=training, dtype=dtype, stage=s,
                 optimizer=o, parameters=p, gpus_per_node=gpus, ranks_per_node=ranks_per_node, nodes=nodes,
-            ))
+            )
 
-        params = _largest_fitting(lambda n: plan_at(n).feasible)
-        step = plan_at(params).predicted_step_seconds if params else None
-        out.append(LargestFit(placement=label, parameters=params, predicted_step_seconds=step))
+        params = _largest_fitting(lambda n: _evaluate(inputs_at(n)).feasible)
+        step = _evaluate(inputs_at(params)).predicted_step_seconds if params else None
+        bound = None
+        if params < LARGEST_SEARCHED:
+            bound = _what_binds(inputs_at(max(10**6, params + max(1, params // 100))))  # 1% past the answer
+        out.append(LargestFit(placement=label, parameters=params, predicted_step_seconds=step, bound_by=bound))
     return out
+
+
+def _what_binds(placement: PlacementInputs) -> str | None:
+    """The tiers a model just past the largest is short of, each with what fills it, largest
+    first: "CPU RAM is short by ... : model states 49.3 GiB (2.0 B/param), swap buffers ..."."""
+    sized = size_placement(placement)
+    parts_of, params = tier_parts(placement, sized), placement.shape.params
+    said = []
+    for shortfall in sized.shortfalls:
+        parts = sorted(((b, name) for name, b in parts_of[shortfall.tier].items() if b > 0), reverse=True)
+        filled = ", ".join(f"{name} {format_bytes(b)}" + (f" ({b / params:.1f} B/param)" if "states" in name else "")
+                           for b, name in parts)
+        said.append(f"{shortfall.describe()}: {filled}")
+    return "; ".join(said) or None
 
 
 LARGEST_SEARCHED = 10**13  # 10T parameters: beyond any node

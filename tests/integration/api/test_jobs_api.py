@@ -216,8 +216,10 @@ def test_plan_without_a_size_answers_the_largest_model_per_placement(client: Any
     assert body["data"] == [] and body["best"] == "box"
     [box] = body["largest"]
     expected = largest_model(NodeHardware.model_validate(hw), Training.model_validate(training))
-    assert [(p["placement"], p["parameters"], p["predictedStepSeconds"], p["whyNot"]) for p in box["placements"]] \
-        == [(f.placement, f.parameters, f.predicted_step_seconds, f.why_not) for f in expected]
+    assert [(p["placement"], p["parameters"], p["predictedStepSeconds"], p["whyNot"], p["boundBy"])
+            for p in box["placements"]] \
+        == [(f.placement, f.parameters, f.predicted_step_seconds, f.why_not, f.bound_by) for f in expected]
+    assert all(p["boundBy"] for p in box["placements"])
     by = {p["placement"]: p["parameters"] for p in box["placements"]}
     # The seeds' first case: more fits as state moves off the GPU (docs/one-machine.md's figures).
     assert by["Z3 opt:nvme par:nvme"] > by["Z3 opt:nvme par:cpu"] > by["Z3 opt:cpu par:cpu"] > 10**9
