@@ -206,14 +206,12 @@ def measure_aio(
     return best[1], best[2], best[3]
 
 
-# Hidden sizes the CPU matmul curve is measured at, smallest first (the planner interpolates
+# Hidden sizes the CPU compute curve is measured at, smallest first (the planner interpolates
 # between them at the model's size); tokens per call as in a small micro-batch.
 MATMUL_HIDDEN_SIZES = (128, 256, 512, 1024, 2048, 4096)
 MATMUL_TOKENS = 256
 MATMUL_DTYPES = ("fp32", "bf16")  # fp32 first: it is quick, and leaves bf16 the rest of the budget
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
 def _cpu_seconds_best(fn: Callable[[], None], repeats: int) -> float:
     """Best over `repeats` of min(wall time, CPU time): the seconds `fn` takes on cores that are
     the process's own. On a shared machine wall time measures the neighbours too, and a figure is
@@ -228,14 +226,48 @@ def _cpu_seconds_best(fn: Callable[[], None], repeats: int) -> float:
     return max(best, 1e-9)
 
 
+def _decoder_layer(hidden: int, dtype: Any) -> tuple[Any, Any, int]:
+    """(forward and backward of one Llama decoder layer on MATMUL_TOKENS tokens, the
+    gradient it is given, the layer's parameters): heads of 64, a SwiGLU of 8/3 the width."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    heads = max(1, hidden // 64)
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=-(-8 * hidden // 3 // 64) * 64,
+                         num_attention_heads=heads, num_key_value_heads=heads, num_hidden_layers=1,
+                         vocab_size=256, max_position_embeddings=MATMUL_TOKENS)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):  # no random init: at hidden 4096 it took longer than the timing
+        layer = LlamaDecoderLayer(config, layer_idx=0)
+    layer = layer.to_empty(device="cpu").to(dtype)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.fill_(0.02)  # any finite value: the time of a matmul does not depend on it
+    x = torch.randn(1, MATMUL_TOKENS, hidden, dtype=dtype, requires_grad=True)
+    positions = torch.arange(MATMUL_TOKENS)[None]
+    rotary = LlamaRotaryEmbedding(config)
+    cos, sin = (t.to(dtype) for t in rotary(x, positions))
+    grad = torch.randn(1, MATMUL_TOKENS, hidden, dtype=dtype)
+
+    def forward_backward() -> None:
+        out = layer(x, position_embeddings=(cos, sin), position_ids=positions)
+        (out[0] if isinstance(out, tuple) else out).backward(grad)
+
+    return forward_backward, grad, sum(p.numel() for p in layer.parameters())
+
+
 def measure_cpu_matmul(threads: int, budget_seconds: float = 1.0,
                        dtypes: tuple[str, ...] = MATMUL_DTYPES) -> list[MatmulRate]:
-    """FLOP/s of nn.Linear's forward and backward (h -> 2h features, MATMUL_TOKENS tokens) with
-    `threads` threads, per dtype at MATMUL_HIDDEN_SIZES from the smallest, until each dtype's
-    share of the budget is spent: a slow CPU gets the small sizes, and the planner holds the
-    largest measured rate for larger models. Forward and backward, because a CPU without native
-    16-bit instructions runs the backward's matmuls several times slower than the forward's."""
+    """FLOP/s of a Llama decoder layer's forward and backward (6 x tokens x its parameters,
+    MATMUL_TOKENS tokens: what the planner counts, at the rate the layer really runs, its norms,
+    attention and activations included) with `threads` threads, per dtype at
+    MATMUL_HIDDEN_SIZES from the smallest, until each dtype's share of the budget is spent: a
+    slow CPU gets the small sizes, and the planner holds the largest measured rate for larger
+    models. Forward and backward, because a CPU without native 16-bit instructions runs the
+    backward's matmuls several times slower than the forward's."""
     import torch
+    import transformers.models.llama.modeling_llama  # noqa: F401  imported before the clock starts
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -247,18 +279,12 @@ def measure_cpu_matmul(threads: int, budget_seconds: float = 1.0,
             deadline = time.monotonic() + (end - time.monotonic()) / (len(dtypes) - done)
             dtype = getattr(torch, _TORCH_DTYPES[name])
             for hidden in MATMUL_HIDDEN_SIZES:
-                x = torch.randn(MATMUL_TOKENS, hidden, dtype=dtype, requires_grad=True)
-                layer = torch.nn.Linear(hidden, 2 * hidden, bias=False, dtype=dtype)
-                grad = torch.randn(MATMUL_TOKENS, 2 * hidden, dtype=dtype)
-
-                def forward_backward(x: Any = x, layer: Any = layer, grad: Any = grad) -> None:
-                    layer(x).backward(grad)
-
+                forward_backward, _, params = _decoder_layer(hidden, dtype)
                 forward_backward()  # first call: allocation and kernel selection, not timed
                 seconds = _cpu_seconds_best(forward_backward, 1)
                 if 3 * seconds < deadline - time.monotonic():
                     seconds = min(seconds, _cpu_seconds_best(forward_backward, 2))
-                flops = 6 * MATMUL_TOKENS * hidden * 2 * hidden
+                flops = 6 * MATMUL_TOKENS * params
                 rates.append(MatmulRate(dtype=name, hidden_size=hidden, flops_per_s=flops / seconds))
                 # twice the hidden size is four times the work, twice over (first call and timed)
                 if time.monotonic() + 8 * seconds > deadline:
@@ -325,7 +351,7 @@ def probe(nvme_path: str | Path | None = None, *, quick: bool = False, aio_budge
     hw.cpu_adam_params_per_s, hw.torch_adamw_params_per_s = measure_cpu_adam()
     hw.host_device_bytes_per_s = measure_host_device()
     if not hw.gpu_count:
-        # training here runs on the CPU accelerator: its step time is these matmuls
+        # training here runs on the CPU accelerator: its step time is these layers
         hw.cpu_matmul = measure_cpu_matmul(hw.cpu_cores, budget_seconds=4.0)
     hw.probe_seconds = round(time.monotonic() - started, 2)
     return hw

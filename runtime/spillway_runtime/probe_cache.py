@@ -12,7 +12,7 @@ or size, cores, RAM, GPUs, the memlock limit that bounds the sweep), or on reque
 (`spillway run --reprobe`, SPILLWAY_PROBE_REFRESH=1). `spillway probe --nvme-path`
 stores its longer sweep here too.
 
-The rates a step time is made of (CPU matmuls per dtype and hidden size, the CPU optimizer
+The rates a step time is made of (CPU decoder layers per dtype and hidden size, the CPU optimizer
 step, host-device copies) belong to the machine, not the disk, and every plan needs them:
 they are measured on the first run of any job (about 2 s, plus loading DeepSpeed's CPU Adam
 op) and kept in `<cache dir>/compute-<hash of host>.json`, stale on the same terms or when
@@ -35,7 +35,7 @@ import psutil
 from pydantic import BaseModel, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from spillway_runtime.core.hardware import AioSettings, NodeHardware
+from spillway_runtime.core.hardware import COMPUTE_PROBE_VERSION, AioSettings, NodeHardware
 
 # What an entry contributes to a run's hardware: figures measured once, not capacities.
 MEASURED_FIELDS = (
@@ -79,11 +79,11 @@ class ProbeCacheSettings(BaseSettings):
     )
     compute: bool = Field(
         True, description="0: no compute entry (CPU matmul, CPU Adam, host-device copy): the planner's assumed "
-        "rates. Measuring one takes ~2 s of matmuls plus loading DeepSpeed's CPU Adam op, once per machine",
+        "rates. Measuring one takes ~2 s of decoder layers plus loading DeepSpeed's CPU Adam op, once per machine",
     )
     compute_seconds: float = Field(
-        2.0, gt=0, description="Budget of the CPU matmul curve on a miss: on two AVX2 cores it reaches hidden "
-        "size 512 in bf16 and 2048 in fp32; `spillway probe` measures longer",
+        2.0, gt=0, description="Budget of the CPU decoder-layer curve on a miss: on two cores with AMX it reaches "
+        "hidden size 2048 in bf16 and 1024 in fp32; `spillway probe` measures longer",
     )
 
     @property
@@ -125,6 +125,8 @@ class ComputeFingerprint(BaseModel):
     gpu_product: str | None
     torch: str | None
     deepspeed: str | None
+    probe: int = Field(1, description="What the compute probe times (`probe.COMPUTE_PROBE_VERSION`): an entry "
+                       "measured another way is measured again")
 
     def key(self) -> str:
         return hashlib.sha256(self.host.encode()).hexdigest()[:16]
@@ -306,7 +308,7 @@ def compute_fingerprint(basic: NodeHardware) -> ComputeFingerprint:
     return ComputeFingerprint(
         host=socket.gethostname(), cpu_count=os.cpu_count() or 1, cores=basic.cpu_cores,
         memory_bytes=psutil.virtual_memory().total, gpu_count=basic.gpu_count, gpu_product=basic.gpu_product,
-        torch=_version("torch"), deepspeed=_version("deepspeed"),
+        torch=_version("torch"), deepspeed=_version("deepspeed"), probe=COMPUTE_PROBE_VERSION,
     )
 
 

@@ -168,7 +168,7 @@ def test_the_first_run_measures_the_machines_compute_rates_and_the_plan_uses_the
     adam = entry.hardware.cpu_adam_params_per_s
     assert adam is not None and 1e6 < adam < 1e12
     step, shape = first.plan.step, first.plan.model
-    assert step.flops_source.startswith("measured: bf16 matmuls at hidden size"), step.flops_source
+    assert step.flops_source.startswith("measured: bf16 decoder layers at hidden size"), step.flops_source
     assert step.flops_per_s == matmul_rate_at(rates, "bf16", shape.hidden_size)
     assert step.compute == pytest.approx(step.flops / step.flops_per_s)
 

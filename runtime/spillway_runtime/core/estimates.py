@@ -27,7 +27,7 @@ from spillway_runtime.core.spec_types import DType, Tier
 # Share of peak FLOPs a fine-tune reaches on one GPU (dense decoder, bf16, good kernels).
 MODEL_FLOPS_UTILISATION = 0.35
 # CPU "accelerator" (DS_ACCELERATOR=cpu): FLOP/s per core assumed when the probe measured no
-# matmuls (`NodeHardware.cpu_matmul`). Real rates span 100x: fp32 on AVX2 reaches ~15-50
+# decoder layers (`NodeHardware.cpu_matmul`). Real rates span 100x: fp32 on AVX2 reaches ~15-50
 # GFLOP/s per core, bf16 without native bf16 instructions ~2 (measured on a 2-core AMD EPYC).
 CPU_FLOPS_PER_CORE = 25e9
 # Swap files per parameter with the optimizer on NVMe: fp32 master, exp_avg, exp_avg_sq and
@@ -37,12 +37,22 @@ CPU_FLOPS_PER_CORE = 25e9
 OPTIMIZER_SWAP_BYTES_PER_PARAM = 16
 OPTIMIZER_SWAP_BYTES_PER_PARAM_NO_GRADS = 12
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+# ZeRO-3 gathers each parameter before its module runs and releases it after, in the forward
+# and again in the backward: hooks per tensor, and copies of the 16-bit weights. Fitted to the
+# extra time of ZeRO-3 over ZeRO-2 in the same runs of benchmarks/bench_offload_overhead.py on
+# the CPU accelerator (2 cores, DeepSpeed 0.19.8): 26.5 ms for 39 tensors of 0.75M parameters,
+# 14 ms for 12 of 6.5M, 75 ms for 75 of 21M; the fit is within 0.99-1.11 of each. Per
+# micro-step (a forward and a backward). The hooks are host work wherever the model is; the
+# copies are host memory only on the CPU accelerator (on a GPU they run at HBM speed, left out).
+GATHER_SECONDS_PER_TENSOR = 0.67e-3
+GATHER_SECONDS_PER_PARAM_ON_CPU = 1.16e-9
 
 
 class StepTime(BaseModel):
     """Predicted seconds per optimizer step, and its parts (see `step_time` for how they add up)."""
 
     compute: float
+    gather_release: float = Field(0.0, description="ZeRO-3: gathering and releasing each parameter, on the compute's path")
     host_device: float
     nvme: float = Field(description="parameter_nvme + optimizer_nvme")
     parameter_nvme: float = 0.0
@@ -60,7 +70,9 @@ class StepTime(BaseModel):
 
     def formula(self) -> str:
         """The sum `total` is, with the figures in it, as the plan's reasons state it."""
-        forward_backward = (f"max(compute {self.compute:.3g}, host-device {self.host_device:.3g}, "
+        compute = (f"compute {self.compute:.3g} + ZeRO-3 gather/release {self.gather_release:.3g}"
+                   if self.gather_release else f"compute {self.compute:.3g}")
+        forward_backward = (f"max({compute}, host-device {self.host_device:.3g}, "
                             f"parameter NVMe {self.parameter_nvme:.3g})")
         if self.pipelined and self.swapped_sub_groups and self.optimizer_nvme:
             swapped_step = self.cpu_optimizer * (1 - self.resident_share)
@@ -191,10 +203,10 @@ def compute_rate(placement: PlacementInputs) -> tuple[float, str]:
             at = f"at hidden size {sizes[0]}, the smallest measured (the model's is {hidden})"
         else:
             at = f"at hidden size {hidden}" + ("" if hidden in sizes else ", interpolated")
-        return measured, f"measured: {dtype} matmuls {at} on the CPU"
+        return measured, f"measured: {dtype} decoder layers {at} on the CPU"
     return CPU_FLOPS_PER_CORE * hw.cpu_cores, (
         f"assumed: {CPU_FLOPS_PER_CORE / 1e9:g} GFLOP/s per core x {hw.cpu_cores}; the probe measured no "
-        f"{dtype} matmuls"
+        f"{dtype} decoder layers"
     )
 
 
@@ -246,9 +258,23 @@ def swapped_sub_groups(placement: PlacementInputs, swap: SwapSettings) -> tuple[
         swap.cpu_resident_fraction, partition, swap.sub_group_size)
 
 
+def gather_release(placement: PlacementInputs) -> float:
+    """Seconds per step ZeRO-3 spends gathering and releasing parameters, one tensor at a time,
+    in each forward (a frozen reference's too) and backward of every micro-step; 0 below stage 3."""
+    if placement.stage != 3:
+        return 0.0
+    shape = placement.shape
+    per_pass = shape.parameter_tensors * GATHER_SECONDS_PER_TENSOR
+    if not placement.on_gpu:  # each process copies its share of the 16-bit weights in host memory
+        per_pass += shape.params * GATHER_SECONDS_PER_PARAM_ON_CPU * placement.ranks_per_node
+    passes = (2 + placement.reference_forwards) / 2  # the fit is of one forward and one backward
+    return per_pass * passes * placement.training.gradient_accumulation
+
+
 def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSettings) -> StepTime:
-    """Seconds per optimizer step: max(compute, host-device, parameter NVMe) for the forward
-    and backward passes, since parameter transfers overlap with compute (prefetch); then the
+    """Seconds per optimizer step: max(compute + ZeRO-3's gather and release, host-device,
+    parameter NVMe) for the forward and backward passes, since parameter transfers overlap
+    with compute (prefetch); then the
     optimizer phase, max(optimizer step, optimizer NVMe) when the swapper is pipelined, else
     their sum (the NVMe I/O of the optimizer state waits for the step that needs it)."""
     shape, hw, training = placement.shape, placement.hw, placement.training
@@ -280,11 +306,13 @@ def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSetting
     # fused Adam on a GPU streams ~16 B/param three times at HBM speed (~2 TB/s)
     on_hbm = optimizer == "gpu" and placement.on_gpu
     optimizer_step = 48 * t / ranks / 2e12 if on_hbm else t / nodes / cpu_adam
-    forward_backward = max(compute, host_device, param_nvme)
+    gather = gather_release(placement)
+    forward_backward = max(compute + gather, host_device, param_nvme)
     swapped, kept = swapped_sub_groups(placement, swap)
     phase = optimizer_phase(optimizer_step, opt_nvme, kept, swapped, swap.pipeline)
     return StepTime(
         compute=compute,
+        gather_release=gather,
         host_device=host_device,
         nvme=param_nvme + opt_nvme,
         parameter_nvme=param_nvme,

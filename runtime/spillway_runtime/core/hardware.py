@@ -76,13 +76,21 @@ class AioSettings(BaseModel):
     overlap_events: bool = True
 
 
+# What the compute probe times (`probe.measure_cpu_matmul`); a cached entry measured another
+# way is measured again. 1: a bare linear layer. 2: a Llama decoder layer. The linear layer's
+# matmuls ran at 868 GFLOP/s (bf16, hidden 768, 2 cores) where a whole step of a model that
+# wide reached 500: norms, rotary embeddings, attention, activations and residuals are a third
+# of a layer's time at that width, less the wider the layer.
+COMPUTE_PROBE_VERSION = 2
+
+
 class MatmulRate(BaseModel):
-    """FLOP/s of a linear layer's forward and backward pass (6 x tokens x in x out FLOPs) on the
-    CPU, with the threads of one training process that has the node to itself: what the CPU
-    accelerator's step spends its time on."""
+    """FLOP/s of a Llama decoder layer's forward and backward pass (6 x tokens x its parameters)
+    on the CPU, with the threads of one training process that has the node to itself: what the
+    CPU accelerator's step spends its time on, its matmuls and everything between them."""
 
     dtype: str = Field(description="bf16, fp16 or fp32: the training dtype it was measured in")
-    hidden_size: int = Field(gt=0, description="Input features of the layer (output: twice that)")
+    hidden_size: int = Field(gt=0, description="The layer's hidden size")
     flops_per_s: float = Field(gt=0)
 
 

@@ -57,6 +57,13 @@ class ModelShape(BaseModel):
     def trainable(self) -> int:
         return self.params if self.trainable_params is None else self.trainable_params
 
+    @property
+    def parameter_tensors(self) -> int:
+        """Parameter tensors of a dense Llama-like decoder: per layer four attention and three
+        MLP matrices and two norms; the embedding, the final norm and the output head. What
+        ZeRO-3 gathers and releases one by one (`estimates.GATHER_SECONDS_PER_TENSOR`)."""
+        return 9 * self.num_layers + 3
+
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], name: str | None = None) -> ModelShape:
         """The shape of a decoder from its Hugging Face config.json, by arithmetic (no torch):
