@@ -31,7 +31,8 @@ def test_the_step_time_reason_states_the_sum_that_is_computed(ram_gib: int, offl
     assert plan.swap.pipeline is pipelined and s.pipelined is pipelined
     # ZeRO-3 on a GPU: the hooks of every tensor, every micro-step
     assert s.gather_release == pytest.approx(0.67e-3 * (9 * P13.num_layers + 3) * TRAIN.gradient_accumulation)
-    forward_backward = max(s.compute + s.gather_release, s.host_device, s.parameter_nvme)
+    assert s.gradients == pytest.approx(0.24e-3 * (9 * P13.num_layers + 3) * TRAIN.gradient_accumulation)
+    forward_backward = max(s.compute + s.gradients + s.gather_release, s.host_device, s.parameter_nvme)
     if pipelined:  # over n swapped sub-groups: the longer whole, the shorter where nothing hides it
         n, stepped = s.swapped_sub_groups, s.cpu_optimizer * (1 - s.resident_share)
         groups = -(-P13.params // plan.swap.sub_group_size)  # finer than 1e9 elements: more to overlap
@@ -43,8 +44,8 @@ def test_the_step_time_reason_states_the_sum_that_is_computed(ram_gib: int, offl
     assert s.total == pytest.approx(forward_backward + optimizer_phase)
     assert s.nvme == pytest.approx(s.parameter_nvme + s.optimizer_nvme)
     [reason] = [r for r in plan.reasons if r.startswith("step ")]
-    assert (f"step {s.total:.3g} s = max(compute {s.compute:.3g} + ZeRO-3 gather/release {s.gather_release:.3g}, "
-            f"host-device {s.host_device:.3g}, ") in reason
+    assert (f"step {s.total:.3g} s = max(compute {s.compute:.3g} + gradients {s.gradients:.3g} + ZeRO-3 "
+            f"gather/release {s.gather_release:.3g}, host-device {s.host_device:.3g}, ") in reason
     if pipelined:
         assert (f"+ optimizer phase {optimizer_phase:.3g} (pipelined swap over {n} sub-groups" in reason
                 and f"max(step {stepped:.3g}, optimizer NVMe {s.optimizer_nvme:.3g}) + the shorter / {n})" in reason)
@@ -124,6 +125,8 @@ def test_zero3_gathers_and_releases_every_tensor_on_the_computes_path() -> None:
     z3 = plan_tiers(TINY_WIDE, hw, CPU_TRAIN, Offload(optimizer="gpu", parameters="gpu",
                                                       deepspeed={"zero_optimization": {"stage": 3}}))
     assert z2.zero_stage == 2 and z2.step.gather_release == 0
+    # both stages handle every gradient: 12 hooks, and 6.5M parameters copied in host memory
+    assert z2.step.gradients == z3.step.gradients == pytest.approx(12 * 0.24e-3 + 6_478_080 * 2.03e-9)
     assert TINY_WIDE.parameter_tensors == 12
     assert z3.step.gather_release == pytest.approx(12 * 0.67e-3 + 6_478_080 * 1.16e-9)
     assert 0.012 < z3.step.gather_release < 0.016
