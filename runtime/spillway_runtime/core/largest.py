@@ -83,8 +83,9 @@ def largest_model(
 
 
 def _what_binds(placement: PlacementInputs) -> str | None:
-    """The tiers a model just past the largest is short of, each with what fills it, largest
-    first: "CPU RAM is short by ... : model states 49.3 GiB (2.0 B/param), swap buffers ..."."""
+    """The tiers a model just past the largest is short of, each with its usable bytes and what
+    fills it, largest first: "CPU RAM, 58.9 GiB usable: model states 49.5 GiB (2.0 B/param),
+    swap buffers 10.0 GiB, training processes 1.8 GiB"."""
     sized = size_placement(placement)
     parts_of, params = tier_parts(placement, sized), placement.shape.params
     said = []
@@ -92,7 +93,7 @@ def _what_binds(placement: PlacementInputs) -> str | None:
         parts = sorted(((b, name) for name, b in parts_of[shortfall.tier].items() if b > 0), reverse=True)
         filled = ", ".join(f"{name} {format_bytes(b)}" + (f" ({b / params:.1f} B/param)" if "states" in name else "")
                            for b, name in parts)
-        said.append(f"{shortfall.describe()}: {filled}")
+        said.append(f"{shortfall.label}, {format_bytes(shortfall.have_bytes)} usable: {filled}")
     return "; ".join(said) or None
 
 

@@ -98,10 +98,13 @@ class Shortfall(BaseModel):
     def short_bytes(self) -> int:
         return max(0, self.need_bytes - self.have_bytes)
 
+    @property
+    def label(self) -> str:
+        return {"gpu": "GPU memory per GPU", "cpu": "CPU RAM", "nvme": "NVMe space"}[self.tier]
+
     def describe(self) -> str:
-        label = {"gpu": "GPU memory per GPU", "cpu": "CPU RAM", "nvme": "NVMe space"}[self.tier]
         return (
-            f"{label} is short by {self.short_bytes / GiB:.1f} GiB "
+            f"{self.label} is short by {self.short_bytes / GiB:.1f} GiB "
             f"(needs {format_bytes(self.need_bytes)}, has {format_bytes(self.have_bytes)})"
         )
 
