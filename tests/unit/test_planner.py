@@ -321,8 +321,10 @@ def test_the_largest_model_is_where_each_placement_stops_fitting():
     # all state off the GPU: RAM, filled by the 16-bit gradient partition DeepSpeed keeps there
     # (2 B/param) and the swap buffers, which are sized by the largest tensor
     largest = bound["Z3 opt:nvme par:nvme"]
-    assert largest.startswith("CPU RAM, 58.9 GiB usable: model states") and "(2.0 B/param)" in largest
+    assert largest.startswith("CPU RAM, 58.9 GiB usable: 16-bit gradients") and "(2.0 B/param)" in largest
     assert "swap buffers" in largest and "training processes" in largest
+    assert bound["Z3 opt:cpu par:cpu"].startswith("CPU RAM, 58.9 GiB usable: optimizer state, gradients and 16-bit "
+                                                  "parameters")
     assert by["Z3 opt:nvme par:nvme"] >= by["Z3 opt:nvme par:cpu"] >= by["Z3 opt:nvme par:gpu"] > by["Z2 opt:gpu par:gpu"]
 
 

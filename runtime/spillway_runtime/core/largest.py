@@ -82,6 +82,9 @@ def largest_model(
     return out
 
 
+_NOT_PER_PARAM = {"swap buffers", "training processes", "activations", "swap files"}
+
+
 def _what_binds(placement: PlacementInputs) -> str | None:
     """The tiers a model just past the largest is short of, each with its usable bytes and what
     fills it, largest first: "CPU RAM, 58.9 GiB usable: model states 49.5 GiB (2.0 B/param),
@@ -91,7 +94,7 @@ def _what_binds(placement: PlacementInputs) -> str | None:
     said = []
     for shortfall in sized.shortfalls:
         parts = sorted(((b, name) for name, b in parts_of[shortfall.tier].items() if b > 0), reverse=True)
-        filled = ", ".join(f"{name} {format_bytes(b)}" + (f" ({b / params:.1f} B/param)" if "states" in name else "")
+        filled = ", ".join(f"{name} {format_bytes(b)}" + ("" if name in _NOT_PER_PARAM else f" ({b / params:.1f} B/param)")
                            for b, name in parts)
         said.append(f"{shortfall.label}, {format_bytes(shortfall.have_bytes)} usable: {filled}")
     return "; ".join(said) or None

@@ -408,9 +408,16 @@ def _sub_groups(placement: PlacementInputs, swap: SwapSettings, min_swap: int) -
 
 def tier_parts(placement: PlacementInputs, sized: SizedPlacement) -> dict[OffloadTier, dict[str, int]]:
     """What fills each tier of a sized placement, by name, as `_tier_bytes` adds it up (per
-    GPU, per node, per node): what `largest` names as the bound of a model's size."""
+    GPU, per node, per node): what `largest` names as the bound of a model's size. Of the
+    model states in RAM, the kinds the placement keeps there (in the states' name: DeepSpeed
+    0.19.8 keeps the 16-bit gradient partition in RAM whenever the optimizer is off the GPU)."""
     sizing, ranks = sized.sizing, placement.ranks_per_node
-    cpu = {"model states": sizing.cpu_state, "swap buffers": _swap_buffers(placement, sized.swap),
+    states = {("nvme", "nvme"): "16-bit gradients", ("nvme", "cpu"): "16-bit parameters and gradients",
+              ("cpu", "gpu"): "optimizer state and gradients",
+              ("cpu", "cpu"): "optimizer state, gradients and 16-bit parameters",
+              ("cpu", "nvme"): "optimizer state and gradients"}.get((placement.optimizer, placement.parameters),
+                                                                     "model states")
+    cpu = {states: sizing.cpu_state, "swap buffers": _swap_buffers(placement, sized.swap),
            "training processes": sizing.overhead}
     gpu = {"model states": sizing.gpu_state, "activations": sizing.activations}
     if not placement.on_gpu:  # the "device" is host memory
