@@ -12,7 +12,9 @@ models, every stage still run: tests/integration/test_gpu_kit.py). Stages:
   b. a ~3x larger model under the same cap with ZeRO-3 and the optimizer on the CPU
      (DeepSpeedCPUAdam), then the optimizer on NVMe with the parameters on the CPU;
   c. beside every measurement, the planner's prediction for the same shape on this machine
-     (plan_placement on probe_basic's NodeHardware): bytes per tier and step time as ratios.
+     (plan_placement on probe_basic's NodeHardware): bytes per tier and step time as ratios;
+  e. stage a's smallest shape as plain ZeRO-Offload, with Twin-Flow keeping 30% of the
+     optimizer on the GPU, and with ZenFlow: step time, peak GPU memory, losses.
 
 A stage that needs a DeepSpeed op that did not build (run.sh's ops.json) is skipped with the
 build's error. The NVMe model is sized from the planner's own swap bytes, and stage b's from the
@@ -51,7 +53,20 @@ VOCAB = 32000
 RESULT_TAG = "KIT_RESULT "
 # (ZeRO stage, optimizer tier, parameter tier[, the optimizer's share kept in CPU RAM])
 Placement = tuple[int, str, str] | tuple[int, str, str, float]
-STAGES = frozenset({"resume", "resident", "cpu", "nvme"})  # d, a, b's optimizer on the CPU and on NVMe
+STAGES = frozenset({"resume", "resident", "cpu", "nvme", "overlap"})  # d, a, b's CPU and NVMe optimizer, e
+# Stage e: DeepSpeed's ways of taking the CPU optimizer step off the critical path, each as an edit
+# of the runtime's ZeRO-Offload config: (name, placement, zero_optimization
+# keys merged in). Twin-Flow ("ratio": the share of the optimizer state offloaded; the rest stays
+# and is updated on the GPU, ZeRO-3 only). ZenFlow (ZeRO-2 here): the top 10% of gradient columns
+# updated on the GPU each step, the rest on the CPU every 4 steps, overlapped with the next ones.
+OVERLAP_VARIANTS: list[tuple[str, Placement, dict[str, Any]]] = [
+    ("zero_offload", (3, "cpu", "gpu"), {}),
+    ("twin_flow_ratio_0.7", (3, "cpu", "gpu"), {"offload_optimizer": {"ratio": 0.7}}),
+    ("zero_offload_z2", (2, "cpu", "gpu"), {}),
+    ("zenflow_z2", (2, "cpu", "gpu"), {"zenflow": {"topk_ratio": 0.1, "select_strategy": "step", "select_interval": 4,
+                                                   "update_interval": 4, "full_warm_up_rounds": 0,
+                                                   "overlap_step": True}}),
+]
 # Llama widths and their MLP sizes (Llama-2 / TinyLlama ratios, ~8/3 h rounded to 256)
 INTERMEDIATE = {64: 176, 128: 352, 1024: 2816, 1536: 4096, 2048: 5632, 2560: 6912, 3072: 8192, 4096: 11008}
 
@@ -182,8 +197,9 @@ def ratios(measured: dict[str, Any], predicted: dict[str, Any]) -> dict[str, flo
 # ----------------------------------------------------------------------------- one measurement
 
 def measure(settings: Settings, hw: Any, config: dict[str, Any], placement: Placement,
-            timeout: float) -> dict[str, Any]:
-    """Train `config` at `placement` in a child process; its numbers beside the plan's."""
+            timeout: float, zero_update: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train `config` at `placement` in a child process; its numbers beside the plan's.
+    `zero_update`: keys merged into the runtime's zero_optimization (stage e's variants)."""
     from spillway_runtime.training.dsconfig import build_deepspeed_config
 
     plan, spec = plan_for(settings, hw, config, placement)
@@ -193,6 +209,8 @@ def measure(settings: Settings, hw: Any, config: dict[str, Any], placement: Plac
         return {**row, "skipped": missing}
     nvme = settings.work / f"swap-{time.monotonic_ns()}"
     ds_config = build_deepspeed_config(plan, spec, nvme_path=str(nvme) if plan.uses_nvme else None)
+    if zero_update:
+        ds_config["zero_optimization"] = overlap_config(ds_config["zero_optimization"], zero_update)
     job = {"config": config, "ds_config": ds_config, "cap_bytes": settings.cap_bytes, "seq": settings.seq,
            "micro_batch": settings.micro_batch, "timed_steps": settings.timed_steps, "nvme": str(nvme),
            "checkpointing": plan.activation_checkpointing}
@@ -424,6 +442,34 @@ def stage_shares(settings: Settings, hw: Any, report: Report, rows: dict[str, An
         report.add("b_offloaded", rows)
 
 
+def overlap_config(zero: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """`zero` (a zero_optimization section) with `update` merged in, one level deep."""
+    merged = dict(zero)
+    for key, value in update.items():
+        merged[key] = {**merged.get(key, {}), **value} if isinstance(value, dict) else value
+    return merged
+
+
+def stage_overlap(settings: Settings, hw: Any, report: Report) -> None:
+    """(e) The smallest shape of stage a's search (778M on a GPU: a minute a variant) trained as
+    plain ZeRO-Offload, with Twin-Flow's GPU share and with ZenFlow (OVERLAP_VARIANTS): step
+    time, peak GPU memory and the losses of the same steps, side by side. ZenFlow's steps are
+    micro-steps (it sets DeepSpeed's gradient accumulation to its update interval) and it updates
+    most gradients late, so its losses are not plain ZeRO-Offload's. `--only overlap` runs it
+    alone."""
+    hidden, layers = settings.search[0]
+    config = llama_config(hidden, layers, settings.vocab, settings.seq)
+    rows: dict[str, Any] = {"config": config}
+    for name, placement, update in OVERLAP_VARIANTS:
+        left = settings.left()
+        if left < 60:
+            rows[name] = {"skipped": f"budget: {left:.0f} s left"}
+        else:
+            row = measure(settings, hw, config, placement, min(200.0, left - 20), zero_update=update)
+            rows[name] = {**row, "placement": f"{row['placement']} {name}", "zero_update": update}
+        report.add("e_overlap", rows)
+
+
 def stage_planner(report: Report) -> None:
     """(c) The predictions beside the measurements, one row each (they were made with them)."""
     rows = []
@@ -537,9 +583,11 @@ class Report:
 
     def rows(self) -> list[tuple[str, dict[str, Any]]]:
         a = self.stages.get("a_gpu_resident", {})
-        b = self.stages.get("b_offloaded", {})
         rows = [("a", r) for r in a.get("trials", [])]
-        return rows + [("b", r) for r in b.values() if isinstance(r, dict) and "placement" in r]
+        for stage in ("b", "e"):
+            block = self.stages.get({"b": "b_offloaded", "e": "e_overlap"}[stage], {})
+            rows += [(stage, r) for r in block.values() if isinstance(r, dict) and "placement" in r]
+        return rows
 
     def markdown(self) -> str:
         lines = ["| stage | placement | params | step s | tokens/s | peak GPU GiB | peak RSS GiB | swap GiB "
@@ -601,6 +649,8 @@ def main(argv: list[str] | None = None) -> int:
         stage_resume(settings, hw, report)
     resident = stage_gpu_resident(settings, hw, report) if "resident" in settings.only else None
     stage_offloaded(settings, hw, report, resident)
+    if "overlap" in settings.only:
+        stage_overlap(settings, hw, report)
     stage_planner(report)
     report.write()
     print(report.markdown())

@@ -59,6 +59,18 @@ def test_dry_run_writes_every_stage(tmp_path):
     assert shared["placement"] == "Z3 opt:nvme par:cpu ram 0.5"
     assert shared["config"] == offloaded["optimizer_nvme_parameters_cpu"]["config"]  # the same shape, to compare
 
+    # stage e: one model as plain ZeRO-Offload, with Twin-Flow's GPU share and with ZenFlow, each
+    # trained by DeepSpeed from the runtime's config with the variant merged in
+    overlap = stages["e_overlap"]
+    assert (overlap["config"]["hidden_size"], overlap["config"]["num_hidden_layers"]) == (64, 2)
+    assert {name: measured(overlap[name]) and overlap[name]["placement"] for name in
+            ("zero_offload", "twin_flow_ratio_0.7", "zero_offload_z2", "zenflow_z2")} == {
+        "zero_offload": "Z3 opt:cpu par:gpu zero_offload", "twin_flow_ratio_0.7": "Z3 opt:cpu par:gpu twin_flow_ratio_0.7",
+        "zero_offload_z2": "Z2 opt:cpu par:gpu zero_offload_z2", "zenflow_z2": "Z2 opt:cpu par:gpu zenflow_z2"}
+    assert overlap["twin_flow_ratio_0.7"]["zero_update"] == {"offload_optimizer": {"ratio": 0.7}}
+    assert overlap["zenflow_z2"]["zero_update"]["zenflow"]["topk_ratio"] == 0.1
+    assert all(len(overlap[name]["measured"]["losses"]) == 2 for name in ("zero_offload", "zenflow_z2"))
+
     planner = stages["c_planner"]["rows"]
     assert {r["placement"] for r in planner} == {"Z2 opt:gpu par:gpu", "Z3 opt:cpu par:gpu", "Z3 opt:nvme par:cpu",
                                                  "Z3 opt:nvme par:cpu ram 0.5"}
@@ -69,6 +81,7 @@ def test_dry_run_writes_every_stage(tmp_path):
 
     table = (out / "gpu_kit.md").read_text()
     assert "| a | Z2 opt:gpu par:gpu |" in table and "SIGKILL and resume" in table
+    assert "| e | Z2 opt:cpu par:gpu zenflow_z2 |" in table
 
 
 def test_a_stage_that_needs_an_op_that_did_not_build_says_so(tmp_path):
@@ -100,3 +113,25 @@ def test_carry_fits_the_device_tool():
     wheels = {p.name.split("-")[0].lower() for p in (carry / "wheels").glob("*.whl")}
     assert {"deepspeed", "pydantic", "pydantic_core", "pydantic_settings", "spillway"} <= wheels
     assert (carry / "libaio" / "include" / "libaio.h").is_file() and list((carry / "libaio" / "lib").glob("libaio.so*"))
+
+
+def test_stage_e_merges_each_variant_into_the_runtimes_zero_section():
+    """The variants edit the runtime's own zero_optimization (Twin-Flow's ratio inside its
+    offload_optimizer, beside the device and pinning the runtime chose), and DeepSpeed's config
+    model accepts the result."""
+    sys.path.insert(0, str(KIT))
+    try:
+        import kit
+    finally:
+        sys.path.remove(str(KIT))
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}, "sub_group_size": 10_000_000}
+    variants = {name: update for name, _, update in kit.OVERLAP_VARIANTS}
+    twin = kit.overlap_config(zero, variants["twin_flow_ratio_0.7"])
+    assert twin["offload_optimizer"] == {"device": "cpu", "pin_memory": True, "ratio": 0.7}
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}  # the runtime's is left as it was
+    assert DeepSpeedZeroConfig(**twin).offload_optimizer.ratio == 0.7
+    zen = kit.overlap_config({**zero, "stage": 2}, variants["zenflow_z2"])
+    parsed = DeepSpeedZeroConfig(**zen)
+    assert parsed.zenflow is not None and parsed.zenflow.update_interval == 4 and parsed.zenflow.overlap_step
