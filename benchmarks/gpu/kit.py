@@ -584,9 +584,8 @@ class Report:
     def rows(self) -> list[tuple[str, dict[str, Any]]]:
         a = self.stages.get("a_gpu_resident", {})
         rows = [("a", r) for r in a.get("trials", [])]
-        for stage in ("b", "e"):
-            block = self.stages.get({"b": "b_offloaded", "e": "e_overlap"}[stage], {})
-            rows += [(stage, r) for r in block.values() if isinstance(r, dict) and "placement" in r]
+        for stage, key in (("b", "b_offloaded"), ("e", "e_overlap")):
+            rows += [(stage, r) for r in self.stages.get(key, {}).values() if isinstance(r, dict) and "placement" in r]
         return rows
 
     def markdown(self) -> str:

@@ -212,6 +212,8 @@ MATMUL_HIDDEN_SIZES = (128, 256, 512, 1024, 2048, 4096)
 MATMUL_TOKENS = 256
 MATMUL_DTYPES = ("fp32", "bf16")  # fp32 first: it is quick, and leaves bf16 the rest of the budget
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
 def _cpu_seconds_best(fn: Callable[[], None], repeats: int) -> float:
     """Best over `repeats` of min(wall time, CPU time): the seconds `fn` takes on cores that are
     the process's own. On a shared machine wall time measures the neighbours too, and a figure is
@@ -226,9 +228,9 @@ def _cpu_seconds_best(fn: Callable[[], None], repeats: int) -> float:
     return max(best, 1e-9)
 
 
-def _decoder_layer(hidden: int, dtype: Any) -> tuple[Any, Any, int]:
-    """(forward and backward of one Llama decoder layer on MATMUL_TOKENS tokens, the
-    gradient it is given, the layer's parameters): heads of 64, a SwiGLU of 8/3 the width."""
+def _decoder_layer(hidden: int, dtype: Any) -> tuple[Callable[[], None], int]:
+    """(forward and backward of one Llama decoder layer on MATMUL_TOKENS tokens, the layer's
+    parameters): heads of 64, a SwiGLU of 8/3 the width."""
     import torch
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -254,7 +256,7 @@ def _decoder_layer(hidden: int, dtype: Any) -> tuple[Any, Any, int]:
         out = layer(x, position_embeddings=(cos, sin), position_ids=positions)
         (out[0] if isinstance(out, tuple) else out).backward(grad)
 
-    return forward_backward, grad, sum(p.numel() for p in layer.parameters())
+    return forward_backward, sum(p.numel() for p in layer.parameters())
 
 
 def measure_cpu_matmul(threads: int, budget_seconds: float = 1.0,
@@ -279,7 +281,7 @@ def measure_cpu_matmul(threads: int, budget_seconds: float = 1.0,
             deadline = time.monotonic() + (end - time.monotonic()) / (len(dtypes) - done)
             dtype = getattr(torch, _TORCH_DTYPES[name])
             for hidden in MATMUL_HIDDEN_SIZES:
-                forward_backward, _, params = _decoder_layer(hidden, dtype)
+                forward_backward, params = _decoder_layer(hidden, dtype)
                 forward_backward()  # first call: allocation and kernel selection, not timed
                 seconds = _cpu_seconds_best(forward_backward, 1)
                 if 3 * seconds < deadline - time.monotonic():

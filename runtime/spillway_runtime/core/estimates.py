@@ -272,30 +272,33 @@ def gather_release(placement: PlacementInputs) -> float:
     in each forward (a frozen reference's too) and backward of every micro-step; 0 below stage 3."""
     if placement.stage != 3:
         return 0.0
-    shape = placement.shape
-    per_pass = shape.parameter_tensors * GATHER_SECONDS_PER_TENSOR
-    if not placement.on_gpu:  # each process copies its share of the 16-bit weights in host memory
-        per_pass += shape.params * GATHER_SECONDS_PER_PARAM_ON_CPU * placement.ranks_per_node
     passes = (2 + placement.reference_forwards) / 2  # the fit is of one forward and one backward
-    return per_pass * passes * placement.training.gradient_accumulation
+    return passes * _engine_seconds(placement, GATHER_SECONDS_PER_TENSOR, GATHER_SECONDS_PER_PARAM_ON_CPU,
+                                    placement.shape.params)
 
 
 def gradient_handling(placement: PlacementInputs) -> float:
     """Seconds per step the engine spends on the gradients in every micro-step's backward: a
     hook per tensor, and on the CPU accelerator the host-memory copies of each process's."""
-    shape = placement.shape
-    per_pass = shape.parameter_tensors * GRADIENT_SECONDS_PER_TENSOR
+    return _engine_seconds(placement, GRADIENT_SECONDS_PER_TENSOR, GRADIENT_SECONDS_PER_PARAM_ON_CPU,
+                           placement.shape.trainable)
+
+
+def _engine_seconds(placement: PlacementInputs, per_tensor: float, per_param_on_cpu: float, params: int) -> float:
+    """Host work of DeepSpeed's per-tensor hooks in every micro-step, plus on the CPU accelerator
+    copies of `params` in host memory by each process on the node (on a GPU at HBM speed: left out)."""
+    per_micro_step = placement.shape.parameter_tensors * per_tensor
     if not placement.on_gpu:
-        per_pass += shape.trainable * GRADIENT_SECONDS_PER_PARAM_ON_CPU * placement.ranks_per_node
-    return per_pass * placement.training.gradient_accumulation
+        per_micro_step += params * per_param_on_cpu * placement.ranks_per_node
+    return per_micro_step * placement.training.gradient_accumulation
 
 
 def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSettings) -> StepTime:
     """Seconds per optimizer step: max(compute + the engine's gradient handling + ZeRO-3's
-    gather and release, host-device, parameter NVMe) for the forward and backward passes, since parameter transfers overlap
-    with compute (prefetch); then the
-    optimizer phase, max(optimizer step, optimizer NVMe) when the swapper is pipelined, else
-    their sum (the NVMe I/O of the optimizer state waits for the step that needs it)."""
+    gather and release, host-device, parameter NVMe) for the forward and backward passes,
+    since parameter transfers overlap with compute (prefetch); then the optimizer phase
+    (`optimizer_phase`: the optimizer step and its NVMe I/O, overlapped when the swapper is
+    pipelined, else added)."""
     shape, hw, training = placement.shape, placement.hw, placement.training
     optimizer, parameters, nodes = placement.optimizer, placement.parameters, placement.nodes
     p, t = shape.params, shape.trainable  # t < p with LoRA: only the adapters get gradients and updates
