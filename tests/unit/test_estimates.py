@@ -2,6 +2,7 @@
 
 import pytest
 
+from spillway_runtime.core.estimates import MIN_AIO_BYTES, sub_group_cut
 from spillway_runtime.core.hardware import MatmulRate, NodeHardware, hardware_from_node, matmul_rate_at
 from spillway_runtime.core.planner import ModelShape, plan_tiers
 from spillway_runtime.core.spec import Offload, Training
@@ -35,8 +36,9 @@ def test_the_step_time_reason_states_the_sum_that_is_computed(ram_gib: int, offl
     forward_backward = max(s.compute + s.gradients + s.gather_release, s.host_device, s.parameter_nvme)
     if pipelined:  # over n swapped sub-groups: the longer whole, the shorter where nothing hides it
         n, stepped = s.swapped_sub_groups, s.cpu_optimizer * (1 - s.resident_share)
-        groups = -(-P13.params // plan.swap.sub_group_size)  # finer than 1e9 elements: more to overlap
-        assert groups > 13 and n == groups - round(groups * s.resident_share)
+        groups = sub_group_cut(P13, 1, plan.swap.sub_group_size, MIN_AIO_BYTES)  # finer than 1e9 elements: more to overlap
+        assert len(groups.sizes) > 13 and n == len(groups.swapped(plan.swap.cpu_resident_fraction))
+        assert s.resident_share == pytest.approx(groups.kept(plan.swap.cpu_resident_fraction) / groups.total)
         optimizer_phase = (s.cpu_optimizer - stepped + max(stepped, s.optimizer_nvme)
                            + min(stepped, s.optimizer_nvme) / n)
     else:

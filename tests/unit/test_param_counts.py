@@ -118,3 +118,46 @@ def test_analytic_shape_equals_the_model_transformers_builds(name: str, tmp_path
     assert ours.linear_in_out == built.linear_in_out
     assert (ours.hidden_size, ours.num_layers, ours.vocab_size, ours.num_attention_heads) == (
         built.hidden_size, built.num_layers, built.vocab_size, built.num_attention_heads)
+
+
+# Families whose tensors the shape lists exactly, in order: no biases, two norms a layer, no experts.
+EXACT_TENSORS = {"llama3-gqa-128k", "mistral", "gemma-256k-tied"}
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_the_tensors_listed_are_those_deepspeed_cuts_into_sub_groups(name: str) -> None:
+    """`ModelShape.tensor_numels` is the order DeepSpeed cuts the optimizer's sub-groups in:
+    the model's own tensors for the plain families, and for the others (biases, extra norms,
+    experts) the same elements with DeepSpeed's cut at an eighth of the model within one
+    sub-group of it."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from spillway_runtime.core.estimates import sub_group_cut
+
+    config = transformers.AutoConfig.for_model(**SMALL[name])
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    built = tuple(p.numel() for p in model.parameters())  # shared (tied) tensors once
+    shape = ModelShape.from_hf_config(SMALL[name])
+    listed = shape.tensor_numels()
+    assert sum(listed) == sum(built) == shape.params
+    if name in EXACT_TENSORS:
+        assert listed == built
+    size = shape.params // 8
+    ours, real = sub_group_cut(shape, 1, size, 0).sizes, _deepspeed_cut(built, size)
+    if name in EXACT_TENSORS:
+        assert ours == real
+    assert abs(len(ours) - len(real)) <= 1
+    assert abs(max(ours) - max(real)) <= size
+
+
+def _deepspeed_cut(tensors: tuple[int, ...], size: int) -> tuple[int, ...]:
+    """DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups on one rank, as written there."""
+    groups, current = [], 0
+    for i, n in enumerate(tensors):
+        current += n
+        if current >= size or i == len(tensors) - 1:
+            groups.append(current)
+            current = 0
+    return tuple(groups)

@@ -2,7 +2,14 @@
 
 import pytest
 
-from spillway_runtime.core.estimates import activation_bytes, model_state_bytes
+from spillway_runtime.core.estimates import (
+    MIN_AIO_BYTES,
+    SubGroupCut,
+    activation_bytes,
+    model_state_bytes,
+    resident_sub_groups,
+    sub_group_cut,
+)
 from spillway_runtime.core.hardware import DEFAULT_HOST_DEVICE_BPS, AioSettings, NodeHardware, hardware_from_node
 from spillway_runtime.core.largest import largest_model
 from spillway_runtime.core.plan_summary import PlanSummary
@@ -52,13 +59,12 @@ def test_13b_with_only_64gb_ram_spills_the_optimizer_to_nvme():
     assert "CPU RAM is short" in rejected["Z3 opt:cpu par:cpu"]
 
 
-def sub_groups(plan) -> tuple[int, int]:
-    """(elements per sub-group, sub-groups) of a one-process plan's optimizer partition."""
-    group = min(plan.swap.sub_group_size, plan.model.params)
-    return group, -(-plan.model.params // group)
+def cut(plan) -> SubGroupCut:
+    """A one-process plan's optimizer partition as DeepSpeed cuts it into sub-groups."""
+    return sub_group_cut(plan.model, 1, plan.swap.sub_group_size, MIN_AIO_BYTES)
 
 
-@pytest.mark.parametrize("ram_gib", [64, 160])
+@pytest.mark.parametrize("ram_gib", [96, 160])
 def test_the_planner_fills_the_ram_left_with_optimizer_sub_groups_and_swaps_the_rest(ram_gib):
     """Chosen by the planner (optimizer auto), an NVMe optimizer keeps as many of its sub-groups
     in RAM as the RAM left beside everything else holds: each moves 16 B/param off NVMe and
@@ -66,22 +72,39 @@ def test_the_planner_fills_the_ram_left_with_optimizer_sub_groups_and_swaps_the_
     tiered = plan_tiers(P13, rtx4090(ram_gib), TRAIN)
     assert tiered.feasible and tiered.optimizer == "nvme"
     whole = plan_tiers(P13, rtx4090(ram_gib), TRAIN, Offload(parameters=tiered.parameters, cpuResidentFraction=0))
-    group, groups = sub_groups(tiered)
-    keep = round(tiered.swap.cpu_resident_fraction * groups)
-    assert 0 < keep < groups
-    assert whole.bytes.nvme - tiered.bytes.nvme == 16 * keep * group
+    groups = cut(tiered)
+    assert not groups.unswappable and not cut(whole).unswappable  # 13B: every sub-group swaps
+    keep = resident_sub_groups(tiered.swap.cpu_resident_fraction, len(groups.sizes))
+    kept = groups.kept(tiered.swap.cpu_resident_fraction)
+    assert 0 < keep < len(groups.sizes) and kept == sum(groups.sizes[:keep])
+    assert whole.bytes.nvme - tiered.bytes.nvme == 16 * kept
     # beside the swap buffers (pinned), which the two cut into sub-groups of their own sizes
-    assert tiered.bytes.cpu_pageable - whole.bytes.cpu_pageable == 14 * keep * group
-    assert tiered.headroom.cpu < 14 * group  # one more sub-group would not fit
-    # whole sub-groups: the share kept is keep x group of the partition (the last sub-group is short)
-    assert tiered.step.optimizer_nvme == pytest.approx(whole.step.optimizer_nvme * (1 - keep * group / tiered.model.params))
+    assert tiered.bytes.cpu_pageable - whole.bytes.cpu_pageable == 14 * kept
+    assert tiered.headroom.cpu < 14 * groups.sizes[keep]  # the next sub-group would not fit
+    assert tiered.step.optimizer_nvme == pytest.approx(whole.step.optimizer_nvme * (1 - kept / tiered.model.params))
     assert tiered.predicted_step_seconds < whole.predicted_step_seconds
-    assert f"{keep} of {groups} sub-groups per process kept in CPU RAM" in " ".join(tiered.reasons)
+    assert f"{keep} of {len(groups.sizes)} sub-groups per process kept in CPU RAM" in " ".join(tiered.reasons)
     summary = tiered.summary()
     assert summary.optimizer_cpu_resident_fraction == tiered.swap.cpu_resident_fraction
     # read and written once per step: the resident share's 2 x 16 B/param less than the whole's
-    assert whole.summary().nvme_bytes_per_step - summary.nvme_bytes_per_step == pytest.approx(
-        2 * 16 * keep * group, rel=1e-6)
+    assert whole.summary().nvme_bytes_per_step - summary.nvme_bytes_per_step == pytest.approx(2 * 16 * kept, rel=1e-6)
+
+
+def test_the_swap_buffers_are_as_large_as_the_largest_sub_group_deepspeed_forms():
+    """DeepSpeed closes a sub-group at the end of the tensor that fills it and sizes the optimizer
+    swapper's buffers by the largest sub-group it formed: at 1e8 elements, Llama-3-8B's
+    525M-element embedding and output head are sub-groups of their own, so each of the 13
+    pinned buffers holds 525M elements (27 GB in all), not 1e8 (5.2 GB)."""
+    llama3 = ModelShape.from_hf_config({
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False})
+    fine = {"zero_optimization": {"sub_group_size": 100_000_000}}
+    plan = plan_tiers(llama3, rtx4090(256), TRAIN, Offload(optimizer="nvme", parameters="cpu", deepspeed=fine))
+    groups = cut(plan)
+    embedding = 128256 * 4096
+    assert groups.sizes[0] == embedding and groups.largest == groups.sizes[-1] == embedding + 3 * 4096  # + norms
+    assert all(100_000_000 <= n < 100_000_000 + 14336 * 4096 for n in groups.sizes[1:-1])
+    assert plan.swap.pipeline and plan.bytes.cpu_pinned == 13 * groups.largest * 4
 
 
 def test_more_ram_is_a_faster_nvme_step_before_ram_holds_the_whole_optimizer():
@@ -117,10 +140,10 @@ def test_the_planner_cuts_finer_sub_groups_to_trade_swap_buffers_for_resident_on
 
 def test_a_pinned_share_is_kept_and_an_impossible_one_is_short_of_ram():
     half = plan_tiers(P13, rtx4090(256), TRAIN, Offload(optimizer="nvme", cpuResidentFraction=0.5))
-    group, groups = sub_groups(half)
+    groups = cut(half)
     assert half.swap.cpu_resident_fraction == 0.5
     whole = plan_tiers(P13, rtx4090(256), TRAIN, Offload(optimizer="nvme"))
-    assert whole.bytes.nvme - half.bytes.nvme == 16 * (groups // 2) * group
+    assert whole.bytes.nvme - half.bytes.nvme == 16 * sum(groups.sizes[:len(groups.sizes) // 2])
     too_much = plan_tiers(P13, rtx4090(64), TRAIN, Offload(optimizer="nvme", parameters="cpu", cpuResidentFraction=1))
     assert not too_much.feasible and {s.tier for s in too_much.shortfalls} == {"cpu"}
 
@@ -135,15 +158,15 @@ def test_a_share_is_kept_in_whole_sub_groups_cut_fine_enough_to_hold_it():
     train = Training(sequence_length=1024, micro_batch_size=4, max_steps=10)
     whole = plan_tiers(model, h200, train, Offload(optimizer="nvme", parameters="cpu"))
     half = plan_tiers(model, h200, train, Offload(optimizer="nvme", parameters="cpu", cpuResidentFraction=0.5))
-    group, groups = sub_groups(half)
-    assert sub_groups(whole) == (group, groups) and groups >= 8 and groups * group >= model.params > (groups - 1) * group
-    assert whole.bytes.nvme - half.bytes.nvme == 16 * (groups // 2) * group
-    assert half.step.optimizer_nvme == pytest.approx(
-        whole.step.optimizer_nvme * (1 - groups // 2 * group / model.params))
-    assert f"{groups // 2} of {groups} sub-groups per process kept in CPU RAM" in " ".join(half.reasons)
+    groups = cut(half)
+    n, kept = len(groups.sizes), sum(groups.sizes[:len(groups.sizes) // 2])
+    assert cut(whole) == groups and n >= 8 and groups.total == model.params and not groups.unswappable
+    assert whole.bytes.nvme - half.bytes.nvme == 16 * kept
+    assert half.step.optimizer_nvme == pytest.approx(whole.step.optimizer_nvme * (1 - kept / model.params))
+    assert f"{n // 2} of {n} sub-groups per process kept in CPU RAM" in " ".join(half.reasons)
     one = plan_tiers(model, h200, train, Offload(optimizer="nvme", parameters="cpu", cpuResidentFraction=0.5,
                                                  deepspeed={"zero_optimization": {"sub_group_size": 1_000_000_000}}))
-    assert sub_groups(one)[1] == 1 and one.bytes.nvme == whole.bytes.nvme
+    assert len(cut(one).sizes) == 1 and one.bytes.nvme == whole.bytes.nvme
     assert one.step.optimizer_nvme == pytest.approx(whole.step.optimizer_nvme)  # half of one sub-group is none
 
 

@@ -9,7 +9,9 @@ Pure arithmetic: no torch, no I/O.
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
 
@@ -18,6 +20,7 @@ from spillway_runtime.core.hardware import (
     DEFAULT_HOST_DEVICE_BPS,
     DEFAULT_NVME_READ_BPS,
     DEFAULT_NVME_WRITE_BPS,
+    AioSettings,
     matmul_rate_at,
 )
 from spillway_runtime.core.placement_inputs import ModelShape, PlacementInputs, SwapSettings
@@ -36,6 +39,9 @@ CPU_FLOPS_PER_CORE = 25e9
 # in CPU RAM, which on tiny models leaves 12 B/param (measured on a 0.75M-parameter model).
 OPTIMIZER_SWAP_BYTES_PER_PARAM = 16
 OPTIMIZER_SWAP_BYTES_PER_PARAM_NO_GRADS = 12
+# DeepSpeed swaps a tensor only when it holds at least max(1 MiB, aio block) bytes
+# (OptimizerSwapper.is_swappable_tensor); smaller ones stay in CPU RAM.
+MIN_AIO_BYTES = 1 << 20
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
 # ZeRO-3 gathers each parameter before its module runs and releases it after, in the forward
 # and again in the backward: hooks per tensor, and copies of the 16-bit weights. Fitted to the
@@ -156,13 +162,71 @@ def resident_sub_groups(share: float, sub_groups: int) -> int:
     return int(share * sub_groups + 1e-9)
 
 
-def resident_share(share: float, partition: int, sub_group_size: int) -> float:
-    """The part of a rank's optimizer partition (elements) that `share` keeps in CPU RAM once
-    it is cut into whole sub-groups: floor(share x n) of n, so 0.5 of one sub-group keeps
-    nothing (the last sub-group may be short)."""
-    size = max(1, min(sub_group_size, partition))
-    kept = resident_sub_groups(share, -(-partition // size)) * size
-    return min(partition, kept) / max(1, partition)
+@dataclass(frozen=True)
+class SubGroupCut:
+    """One rank's optimizer partition as DeepSpeed 0.19.8 cuts it into sub-groups
+    (`DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups`): the parameters in order, each
+    rank's share of each (ceil(elements / ranks)), a sub-group closed once it holds at least
+    `sub_group_size` elements. So each sub-group but the last is larger than the size by part
+    of a tensor (a tensor larger than the size is a sub-group of its own), the last is what is
+    left, and the optimizer swapper's buffers are as large as the largest. DeepSpeed swaps a
+    sub-group only when its fp32 holds the minimum swap size (`is_swappable_tensor`); smaller
+    ones stay in RAM. A share keeps the first floor(share x sub-groups) in RAM as well
+    (`deepspeed_fixes.keep_first_sub_groups_in_ram`)."""
+
+    sizes: tuple[int, ...]
+    min_swap_elements: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def largest(self) -> int:
+        return max(self.sizes)
+
+    def kept(self, share: float) -> int:
+        """Elements a share keeps in RAM that would otherwise swap."""
+        keep = resident_sub_groups(share, len(self.sizes))
+        return sum(n for n in self.sizes[:keep] if n >= self.min_swap_elements)
+
+    def swapped(self, share: float) -> tuple[int, ...]:
+        """The sub-groups (elements) read and written every step with `share` kept in RAM."""
+        keep = resident_sub_groups(share, len(self.sizes))
+        return tuple(n for n in self.sizes[keep:] if n >= self.min_swap_elements)
+
+    @property
+    def unswappable(self) -> int:
+        """Elements in sub-groups under the minimum swap size."""
+        return sum(n for n in self.sizes if n < self.min_swap_elements)
+
+
+def sub_group_cut(shape: ModelShape, ranks: int, sub_group_size: int, min_swap_bytes: int) -> SubGroupCut:
+    """How DeepSpeed cuts a rank's optimizer partition: over the model's tensors
+    (`ModelShape.tensor_numels`) for a full fine-tune; a LoRA adapter's tensors are not
+    modelled, so its partition is cut into equal sub-groups and a short last one."""
+    if shape.trainable_params is None:
+        sizes = _cut(shape.tensor_numels(), ranks, max(1, sub_group_size))
+    else:
+        partition = -(-shape.trainable_params // ranks)
+        size = max(1, min(sub_group_size, partition))
+        count = -(-partition // size)
+        sizes = (size,) * (count - 1) + (partition - (count - 1) * size,)
+    return SubGroupCut(sizes=sizes, min_swap_elements=-(-min_swap_bytes // 4))
+
+
+@functools.lru_cache(maxsize=1024)
+def _cut(tensors: tuple[int, ...], ranks: int, sub_group_size: int) -> tuple[int, ...]:
+    parts = [-(-n // ranks) for n in tensors]
+    if sub_group_size >= sum(parts):
+        return (sum(parts),)
+    sizes, current = [], 0
+    for n in parts:
+        current += n
+        if current >= sub_group_size:
+            sizes.append(current)
+            current = 0
+    return (*sizes, current) if current else tuple(sizes)
 
 
 def lora_parameters(shape: ModelShape, rank: int, target_modules: list[str] | str) -> tuple[int, list[str]]:
@@ -235,9 +299,10 @@ def _nvme_seconds(placement: PlacementInputs, swap: SwapSettings) -> tuple[float
         nvme_bytes += fetches * 2 * p / nodes * micro_steps + 2 * t / nodes
     opt_nvme = 0.0
     if optimizer == "nvme":
-        # the sub-groups kept in RAM (`swap.cpu_resident_fraction` of them, whole) are never read or written
-        kept = resident_share(swap.cpu_resident_fraction, -(-t // placement.ranks), swap.sub_group_size)
-        half = OPTIMIZER_SWAP_BYTES_PER_PARAM * t / nodes * (1 - kept)
+        # the sub-groups kept in RAM (`swap.cpu_resident_fraction` of them, whole) and those under
+        # the minimum swap size are never read or written
+        cut = placement_cut(placement, swap)
+        half = OPTIMIZER_SWAP_BYTES_PER_PARAM * t / nodes * sum(cut.swapped(swap.cpu_resident_fraction)) / cut.total
         opt_nvme = half / read_bps + half / write_bps
         nvme_bytes += 2 * half
     return param_nvme, opt_nvme, nvme_bytes
@@ -257,14 +322,19 @@ def optimizer_phase(step: float, nvme: float, resident: float, swapped: int, pip
 
 
 def swapped_sub_groups(placement: PlacementInputs, swap: SwapSettings) -> tuple[int, float]:
-    """(A rank's optimizer sub-groups swapped every step, the share of its state kept in RAM)."""
+    """(A rank's optimizer sub-groups swapped every step, the share of its state in RAM: those
+    kept there and those too small to swap)."""
     if placement.optimizer != "nvme":
         return 0, 1.0
-    partition = -(-placement.shape.trainable // placement.ranks)
-    size = max(1, min(swap.sub_group_size, partition))
-    count = -(-partition // size)
-    return count - resident_sub_groups(swap.cpu_resident_fraction, count), resident_share(
-        swap.cpu_resident_fraction, partition, swap.sub_group_size)
+    cut = placement_cut(placement, swap)
+    swapped = cut.swapped(swap.cpu_resident_fraction)
+    return len(swapped), 1 - sum(swapped) / cut.total
+
+
+def placement_cut(placement: PlacementInputs, swap: SwapSettings) -> SubGroupCut:
+    """`sub_group_cut` for a placement: its processes, sub-group size and minimum swap size."""
+    min_swap = max(MIN_AIO_BYTES, (placement.hw.aio or AioSettings()).block_size)
+    return sub_group_cut(placement.shape, placement.ranks, swap.sub_group_size, min_swap)
 
 
 def gather_release(placement: PlacementInputs) -> float:

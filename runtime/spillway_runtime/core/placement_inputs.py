@@ -64,6 +64,25 @@ class ModelShape(BaseModel):
         ZeRO-3 gathers and releases one by one (`estimates.GATHER_SECONDS_PER_TENSOR`)."""
         return 9 * self.num_layers + 3
 
+    def tensor_numels(self) -> tuple[int, ...]:
+        """The parameter tensors' elements in the order transformers registers them in a
+        Llama-like decoder, which is the order DeepSpeed cuts them into optimizer sub-groups:
+        the embedding; per layer its matrices in `linear_in_out`'s order (each in x out, from
+        in + out per layer less the hidden size, which is one side of every one of them), then
+        its two norms; the final norm; the output head where the count holds one (untied
+        embeddings). What the count has beyond these (biases, more norms, MoE experts and
+        routers) is one tensor per layer after its matrices, so the elements add up to
+        `params`. Exact for Llama, Mistral and Gemma (tensor by tensor, against the model
+        transformers builds: tests/unit/test_param_counts.py); the full model's, LoRA or not."""
+        h, layers = self.hidden_size, self.num_layers
+        embed = self.vocab_size * h
+        matrices = [h * (in_out // layers - h) for in_out in self.linear_in_out.values() if in_out // layers > h]
+        rest = self.params - (embed + layers * (sum(matrices) + 2 * h) + h)
+        head = embed if rest >= embed else 0
+        extra, odd = divmod(max(0, rest - head), layers)
+        layer = (*matrices, *((extra,) if extra else ()), h, h)
+        return (embed, *(layer * layers), h + odd, *((head,) if head else ()))
+
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], name: str | None = None) -> ModelShape:
         """The shape of a decoder from its Hugging Face config.json, by arithmetic (no torch):

@@ -25,7 +25,14 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
-from spillway_runtime.core.estimates import StepTime, activation_bytes, lora_parameters, model_state_bytes, step_time
+from spillway_runtime.core.estimates import (
+    MIN_AIO_BYTES,
+    StepTime,
+    activation_bytes,
+    lora_parameters,
+    model_state_bytes,
+    step_time,
+)
 from spillway_runtime.core.hardware import AioSettings, NodeHardware
 from spillway_runtime.core.placement_inputs import OPTIMIZER_SWAP_BUFFERS, ModelShape, PlacementInputs, SwapSettings
 from spillway_runtime.core.plan_summary import PlanSummary
@@ -34,7 +41,6 @@ from spillway_runtime.core.spec_types import DType, Tier
 from spillway_runtime.core.tier_sizing import (
     CPU_RESERVED_FRACTION,
     CPU_RESERVED_MIN,
-    MIN_AIO_BYTES,
     Shortfall,
     TierBytes,
     size_placement,

@@ -16,13 +16,17 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from spillway_runtime.core.estimates import (
+    MIN_AIO_BYTES,
     OPTIMIZER_SWAP_BYTES_PER_PARAM,
     OPTIMIZER_SWAP_BYTES_PER_PARAM_NO_GRADS,
+    SubGroupCut,
     activation_bytes,
     model_state_bytes,
     nvme_state_bytes,
+    placement_cut,
     resident_sub_groups,
     step_time,
+    sub_group_cut,
 )
 from spillway_runtime.core.hardware import AioSettings
 from spillway_runtime.core.placement_inputs import (
@@ -59,9 +63,6 @@ CPU_RESERVED_FRACTION = 0.08
 CPU_RESERVED_MIN = 1 * GiB
 # Swap files are block-aligned and written per sub-group; leave slack on the volume.
 NVME_SLACK_FRACTION = 0.10
-# DeepSpeed swaps a sub-group only when it holds at least max(1 MiB, aio block) bytes of fp32
-# (OptimizerSwapper.swappable_tensor); smaller sub-groups stay in CPU RAM.
-MIN_AIO_BYTES = 1 << 20
 # DeepSpeed's default tile of the CPU optimizer step, in elements.
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 MIN_SUB_GROUP_SIZE = 10_000_000
@@ -125,16 +126,18 @@ class SizedPlacement:
 def size_placement(placement: PlacementInputs) -> SizedPlacement:
     """Size one placement: memory -> swap settings -> swap minimum -> RAM-resident share of the
     optimizer -> pinning -> shortfall. With the optimizer on NVMe and the sub-group the
-    planner's to choose, finer sub-groups are tried too (`_finer_sub_groups`) and the fastest
-    predicted step that fits is kept: the pipelined swapper pins 13 buffers of a sub-group, so
-    a finer cut frees RAM for more resident sub-groups (13B with 160 GiB of RAM: 52 GB of
-    buffers at 1e9 elements, 5.2 GB at 1e8)."""
+    planner's to choose, finer sub-groups are tried too (`_finer_sub_groups`), each pipelined
+    and plain, and the fastest predicted step that fits is kept: the pipelined swapper pins 13
+    buffers of the largest sub-group, so a finer cut frees RAM for more resident sub-groups
+    (13B with 160 GiB of RAM: 52 GB of buffers at 1e9 elements), down to the largest tensor
+    (a sub-group of its own: 8.6 GB at 1e8, the embedding's 164M elements), and the plain
+    swapper pins 5 instead of 13."""
     sized = _size_with(placement, None)
     if placement.optimizer != "nvme" or placement.sub_group_size is not None:
         return sized
     best, best_seconds = sized, _seconds(placement, sized)
-    for size in _finer_sub_groups(sized.swap.sub_group_size):
-        for pipeline in (True, False):
+    for size in (sized.swap.sub_group_size, *_finer_sub_groups(sized.swap.sub_group_size)):
+        for pipeline in (True, False):  # at the first size, the one `_choose_swap` did not choose
             swap = SwapSettings(
                 sub_group_size=size, pipeline=pipeline, param_buffer_size=sized.swap.param_buffer_size,
                 optimizer_buffer_count=OPTIMIZER_SWAP_BUFFERS_PIPELINED if pipeline else OPTIMIZER_SWAP_BUFFERS)
@@ -169,7 +172,7 @@ def _size_with(placement: PlacementInputs, swap: SwapSettings | None) -> SizedPl
                             sizing.cpu_spare(placement), placement.sub_group_size)
     aio = placement.hw.aio or AioSettings()
     min_swap = max(MIN_AIO_BYTES, aio.block_size)
-    groups = _sub_groups(placement, swap, min_swap)
+    groups = placement_cut(placement, swap)
     swapped_per_param = _keep_unswappable_in_ram(placement, sizing, swap, min_swap, groups)
     if swapped_per_param:
         _keep_share_in_ram(placement, sizing, swap, swapped_per_param, groups)
@@ -198,22 +201,6 @@ class Sizing:
         """CPU RAM left for the swap buffers (on a CPU accelerator the "device" is RAM too)."""
         device = 0 if placement.on_gpu else (self.gpu_state + self.activations) * placement.ranks_per_node
         return self.cpu_usable - self.cpu_state - self.overhead - device
-
-
-@dataclass(frozen=True)
-class SubGroups:
-    """One rank's optimizer partition as DeepSpeed cuts it into sub-groups (to whole
-    parameters; here to elements)."""
-
-    size: int  # elements per sub-group
-    count: int
-    last: int  # elements in the last one, what is left of the partition
-    last_stays: bool  # of several, the last is under the minimum swap size: it stays in CPU RAM
-
-    @property
-    def swappable(self) -> int:
-        """The sub-groups that swap at all."""
-        return self.count - 1 if self.last_stays else self.count
 
 
 def _size_memory(placement: PlacementInputs) -> Sizing:
@@ -289,7 +276,7 @@ def _choose_swap(shape: ModelShape, optimizer: Tier, parameters: Tier, ranks: in
     partition = max(1, shape.params // ranks)
     sub_group = min(DEFAULT_SUB_GROUP_SIZE, max(MIN_SUB_GROUP_SIZE, partition))
     if optimizer == "nvme":
-        sub_group = min(sub_group, max(MIN_SUB_GROUP_SIZE, -(-partition // TIERED_SUB_GROUPS)))
+        sub_group = min(sub_group, max(MIN_SUB_GROUP_SIZE, _cut_into(shape, ranks, TIERED_SUB_GROUPS)))
     if sub_group_size is not None:
         sub_group = sub_group_size
     param_size = max(PARAM_SWAP_BUFFER_SIZE, shape.largest_param_numel)
@@ -313,22 +300,33 @@ def _choose_swap(shape: ModelShape, optimizer: Tier, parameters: Tier, ranks: in
     )
 
 
-def _pinned_bytes(swap: SwapSettings, optimizer: Tier, parameters: Tier, ranks_per_node: int, partition: int,
+def _cut_into(shape: ModelShape, ranks: int, count: int) -> int:
+    """The largest sub-group size (to 1/8) that DeepSpeed's cut makes `count` sub-groups of
+    at least: each but the last holds more than the size (to the end of a tensor), so a
+    partition / count cut makes fewer."""
+    size = -(-max(1, shape.trainable // ranks) // count)
+    while size > MIN_SUB_GROUP_SIZE and len(sub_group_cut(shape, ranks, size, 0).sizes) < count:
+        size -= size // 8
+    return size
+
+
+def _pinned_bytes(swap: SwapSettings, optimizer: Tier, parameters: Tier, ranks_per_node: int, largest_group: int,
                   parameter_swappers: int = 1) -> int:
     """Swap buffers per node. DeepSpeed sizes the optimizer's by the largest sub-group it
-    actually formed, which is never more than the rank's partition of the parameters; the
-    parameter swapper's are allocated at their configured size whatever the model, once per
-    engine (`parameter_swappers` 2 with DPO's frozen reference of a full fine-tune)."""
+    actually formed (`SubGroupCut.largest`: more than the sub-group size by part of a tensor,
+    or one tensor larger than it, such as the embedding); the parameter swapper's are
+    allocated at their configured size whatever the model, once per engine
+    (`parameter_swappers` 2 with DPO's frozen reference of a full fine-tune)."""
     per_rank = 0
     if optimizer == "nvme":
-        per_rank += (swap.optimizer_buffer_count + 1) * min(swap.sub_group_size, partition) * 4
+        per_rank += (swap.optimizer_buffer_count + 1) * largest_group * 4
     if parameters == "nvme":
         per_rank += swap.param_buffer_count * swap.param_buffer_size * 2 * parameter_swappers
     return per_rank * ranks_per_node
 
 
 def _keep_unswappable_in_ram(placement: PlacementInputs, sizing: Sizing, swap: SwapSettings, min_swap: int,
-                             groups: SubGroups) -> int:
+                             groups: SubGroupCut) -> int:
     """DeepSpeed swaps a tensor only when it holds at least max(1 MiB, aio block) bytes: what is
     smaller stays in CPU RAM, so its bytes move from the NVMe figure back to the CPU one.
     Returns the optimizer's bytes per trainable parameter on NVMe (0: nothing of it swapped)."""
@@ -337,13 +335,12 @@ def _keep_unswappable_in_ram(placement: PlacementInputs, sizing: Sizing, swap: S
     per_node_params = shape.params // nodes
     per_node_trainable = shape.trainable // nodes
     if placement.optimizer == "nvme":
-        swap_unit = min(shape.trainable // ranks, swap.sub_group_size) * 4
-        if swap_unit < min_swap:
+        if groups.largest < groups.min_swap_elements:
             sizing.nvme -= OPTIMIZER_SWAP_BYTES_PER_PARAM * per_node_trainable
             sizing.cpu_state += (OPTIMIZER_SWAP_BYTES_PER_PARAM - 2) * per_node_trainable
             sizing.reasons.append(
-                f"optimizer sub-groups of {format_bytes(swap_unit)} are below DeepSpeed's minimum swap size "
-                f"({format_bytes(min_swap)}): the state stays in CPU RAM"
+                f"optimizer sub-groups of {format_bytes(groups.largest * 4)} are below DeepSpeed's minimum swap "
+                f"size ({format_bytes(min_swap)}): the state stays in CPU RAM"
             )
             swapped = 0
         elif shape.largest_param_numel // ranks * 4 < min_swap:
@@ -352,10 +349,10 @@ def _keep_unswappable_in_ram(placement: PlacementInputs, sizing: Sizing, swap: S
             sizing.nvme -= moved
             sizing.cpu_state += moved
             swapped = OPTIMIZER_SWAP_BYTES_PER_PARAM_NO_GRADS
-        if swapped and groups.last_stays:
-            # the last sub-group, what is left of the partition, is too small to swap
-            sizing.nvme -= swapped * groups.last * placement.ranks_per_node
-            sizing.cpu_state += (swapped - 2) * groups.last * placement.ranks_per_node
+        if swapped and groups.unswappable:
+            # sub-groups too small to swap (the last, what is left of the partition) stay in RAM
+            sizing.nvme -= swapped * groups.unswappable * placement.ranks_per_node
+            sizing.cpu_state += (swapped - 2) * groups.unswappable * placement.ranks_per_node
     if placement.parameters == "nvme" and shape.largest_param_numel // ranks * 2 < min_swap:
         sizing.nvme -= 2 * per_node_params
         sizing.cpu_state += 2 * per_node_params
@@ -364,46 +361,43 @@ def _keep_unswappable_in_ram(placement: PlacementInputs, sizing: Sizing, swap: S
 
 
 def _keep_share_in_ram(placement: PlacementInputs, sizing: Sizing, swap: SwapSettings, per_param: int,
-                       groups: SubGroups) -> None:
+                       groups: SubGroupCut) -> None:
     """Tiered optimizer state: the first K of each rank's n sub-groups stay in CPU RAM and never
     touch the disk, the rest swap as before. K is the job's share of n
     (`estimates.resident_sub_groups`, as the runtime counts it), or (share not given) the most
     sub-groups that the RAM left beside everything else holds. Their state moves from the NVMe
     figure to the CPU one, as for a sub-group too small to swap (DeepSpeed 0.19.8 keeps such
     sub-groups in pageable memory: nothing more is pinned)."""
-    swappable = groups.swappable  # a last one too small to swap is in RAM already
-    ram_per_group = (per_param - 2) * groups.size * placement.ranks_per_node
+    count, per_element = len(groups.sizes), (per_param - 2) * placement.ranks_per_node
     share = placement.cpu_resident
     if share is not None:
-        keep = resident_sub_groups(share, groups.count)
+        keep = resident_sub_groups(share, count)
     else:
         pinned = _pin(placement, dataclasses.replace(sizing, reasons=[]), swap.model_copy())
         room = sizing.cpu_usable - _tier_bytes(placement, sizing, pinned).cpu
-        keep = max(0, min(swappable, room // max(1, ram_per_group)))
-    if keep == 0:
+        keep = 0
+        for size in groups.sizes:  # one too small to swap is in RAM already
+            room -= per_element * size if size >= groups.min_swap_elements else 0
+            if room < 0:
+                break
+            keep += 1
+    fraction = share if share is not None else keep / count
+    resident_params = groups.kept(fraction) * placement.ranks_per_node
+    if resident_params == 0:
         swap.cpu_resident_fraction = share or 0.0
         return
-    resident_params = min(keep, swappable) * groups.size * placement.ranks_per_node
     resident_bytes = (per_param - 2) * resident_params  # per node
     sizing.nvme -= per_param * resident_params
     sizing.cpu_state += resident_bytes
     # the job's share as it is (the runtime keeps floor(share x its sub-groups), which a pod's
     # memlock-fitted sub-groups can make more than planned here); the planner's as a fraction
-    swap.cpu_resident_fraction = share if share is not None else keep / groups.count
-    on_nvme = max(0, swappable - keep)
+    swap.cpu_resident_fraction = fraction
+    on_nvme = len(groups.swapped(fraction))
     sizing.reasons.append(
-        f"optimizer: {keep} of {groups.count} sub-groups per process kept in CPU RAM "
+        f"optimizer: {keep} of {count} sub-groups per process kept in CPU RAM "
         f"({format_bytes(resident_bytes)} per node), {on_nvme} on NVMe"
         + ("" if on_nvme else ": nothing of it is swapped")
     )
-
-
-def _sub_groups(placement: PlacementInputs, swap: SwapSettings, min_swap: int) -> SubGroups:
-    partition = max(1, -(-placement.shape.trainable // placement.ranks))
-    size = min(swap.sub_group_size, partition)
-    count = -(-partition // size)
-    last = partition - (count - 1) * size
-    return SubGroups(size=size, count=count, last=last, last_stays=count > 1 and last * 4 < min_swap)
 
 
 def tier_parts(placement: PlacementInputs, sized: SizedPlacement) -> dict[OffloadTier, dict[str, int]]:
@@ -429,8 +423,9 @@ def tier_parts(placement: PlacementInputs, sized: SizedPlacement) -> dict[Offloa
 
 
 def _swap_buffers(placement: PlacementInputs, swap: SwapSettings) -> int:
-    return _pinned_bytes(swap, placement.optimizer, placement.parameters, placement.ranks_per_node,
-                         -(-placement.shape.params // placement.ranks), 2 if placement.reference_params else 1)
+    largest = placement_cut(placement, swap).largest if placement.optimizer == "nvme" else 0
+    return _pinned_bytes(swap, placement.optimizer, placement.parameters, placement.ranks_per_node, largest,
+                         2 if placement.reference_params else 1)
 
 
 def _pin(placement: PlacementInputs, sizing: Sizing, swap: SwapSettings) -> tuple[int, int]:
