@@ -17,6 +17,7 @@ _resident_fraction = 0.0  # read by the patched ZeRO-3 optimizer as it is built 
 
 
 def apply(plan: OffloadPlan) -> None:
+    view_zenflow_weights_in_column_order()  # only ZenFlow's optimizers take the mended path
     if plan.parameters == "nvme":
         swap_each_parameter_in_once()
     if plan.uses_nvme:
@@ -93,3 +94,40 @@ def swap_each_parameter_in_once() -> None:
 
     setattr(swap_in, _MARK, True)
     AsyncPartitionedParameterSwapper.swap_in = swap_in
+
+
+_ZENFLOW_MARK = "_spillway_zenflow_views"
+
+
+def view_zenflow_weights_in_column_order() -> None:
+    """ZenFlow (ZeRO-1/2) flattens each matrix column by column, so that a column of it is
+    contiguous (`zenflow_utils._flatten_dense_tensors`), but DeepSpeed 0.19.8's
+    `DeepSpeedZeroOptimizer._update_model_bit16_weights` views every parameter row by row
+    (`flat.narrow(offset, numel).view(shape)`; it called `self.unflatten` before). Every
+    weight matrix of a ZenFlow run was scrambled as the engine was built, its values in other
+    places, and again after each optimizer step; its gradients are mapped column by column, so
+    the updates landed on other weights than the ones they were for: a 0.1M-parameter Llama's
+    first loss was not the model's (5.569 where ZeRO-Offload's is 5.563, every value moved by
+    up to 0.13) and training barely learned (tests/integration/test_zenflow.py). Here a ZenFlow
+    optimizer views each matrix column by column, at DeepSpeed's offsets (padding included)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    original = DeepSpeedZeroOptimizer._update_model_bit16_weights
+    if getattr(original, _ZENFLOW_MARK, False):
+        return
+
+    def update(self: Any, group_index: int) -> None:
+        if not getattr(self, "zenflow", False):
+            original(self, group_index)
+            return
+        flat = self.bit16_groups_flat[group_index]
+        for p, meta, offset in zip(self.round_robin_bit16_groups[group_index], self.round_robin_bit16_meta[group_index],
+                                   self.round_robin_bit16_offsets[group_index], strict=True):
+            block = flat.narrow(0, offset, meta.numel())
+            p.data = (block.view(meta.shape[1], meta.shape[0]).t() if meta.dim() == 2 else block.view(meta.shape)).data
+        for param_index, param in enumerate(self.bit16_groups[group_index]):
+            param.data = self.round_robin_bit16_groups[group_index][
+                self.round_robin_bit16_indices[group_index][param_index]].data
+
+    setattr(update, _ZENFLOW_MARK, True)
+    DeepSpeedZeroOptimizer._update_model_bit16_weights = update

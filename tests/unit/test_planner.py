@@ -462,3 +462,24 @@ def test_each_policy_excludes_exactly_the_placements_its_tiers_do_not_allow() ->
                 assert (why is None) == ({optimizer, parameters} <= set(tiers)), (policy, optimizer, parameters, why)
                 if why is not None:
                     assert why.startswith(f"offload.policy is {policy} (state only in ")
+
+
+def test_zenflow_plans_zero2_with_the_cpu_step_once_per_interval():
+    """offload.overlap zenflow: only ZeRO-2 with the optimizer in CPU RAM; its CPU step is paid
+    once every update interval, and the top 10% of columns' Adam every step, at HBM speed."""
+    model = ModelShape.from_param_count(3_000_000_000)
+    train = Training(sequence_length=2048, micro_batch_size=1, max_steps=100)
+    plain = plan_tiers(model, rtx4090(128), train, Offload(optimizer="cpu", parameters="gpu"))
+    zenflow = plan_tiers(model, rtx4090(128), train, Offload(optimizer="cpu", overlap="zenflow"))
+    assert plain.label == zenflow.label == "Z2 opt:cpu par:gpu"
+    excluded = {r.placement for r in zenflow.rejected if "offload.overlap is zenflow" in r.why}
+    assert len(excluded) == len(zenflow.rejected) == len(plain.rejected) and zenflow.label not in excluded
+    selective = 0.1 * 48 * model.params / 2e12
+    assert zenflow.step.zenflow_interval == 4 and zenflow.step.zenflow_selective == pytest.approx(selective)
+    assert zenflow.step.cpu_optimizer == pytest.approx(plain.step.cpu_optimizer / 4 + selective)
+    assert zenflow.predicted_step_seconds == pytest.approx(
+        plain.predicted_step_seconds - plain.step.cpu_optimizer + zenflow.step.cpu_optimizer)
+    assert "ZenFlow: the CPU step" in " ".join(zenflow.reasons)
+    # on the GPU, the top-k Adam's two moments and gradient: 10% of the columns, 6 B each in bf16
+    assert zenflow.bytes.gpu - plain.bytes.gpu == int(0.1 * 6 * model.params)
+    assert zenflow.bytes.cpu == plain.bytes.cpu

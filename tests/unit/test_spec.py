@@ -150,3 +150,42 @@ def test_model_config_errors_name_the_config_key(config, line):
     with pytest.raises(SpecError) as err:
         parse_job(minimal(model={"uri": "/models/qwen", "config": config}))
     assert line in str(err.value) + "\n"
+
+
+ZENFLOW = {"optimizer": "cpu", "overlap": "zenflow"}
+ZENFLOW_TRAINING = {"gradientAccumulation": 1}
+
+
+@pytest.mark.parametrize(("spec", "words"), [
+    ({"offload": {**ZENFLOW, "optimizer": "nvme"}}, "optimizer 'nvme', parameters 'auto'"),
+    ({"offload": {**ZENFLOW, "parameters": "cpu"}}, "set optimizer cpu (or auto) and parameters gpu"),
+    ({"offload": {**ZENFLOW, "policy": "none", "optimizer": "auto"}}, "policy 'none' exclude it"),
+    ({"offload": ZENFLOW, "training": {"gradientAccumulation": 4}}, "set gradientAccumulation to 1"),
+    ({"offload": ZENFLOW, "training": ZENFLOW_TRAINING, "checkpoint": {"everySteps": 10}},
+     "set everySteps to a multiple of 4"),
+    ({"offload": {**ZENFLOW, "deepspeed": {"zero_optimization": {"zenflow": {"update_interval": 5}}}},
+      "training": ZENFLOW_TRAINING, "checkpoint": {"everySteps": 8}}, "select_interval must be 5"),
+    ({"offload": {**ZENFLOW, "deepspeed": {"zero_optimization": {"zenflow": {"update_interval": "auto"}}}}},
+     "update_interval must be a whole number of steps"),
+    ({"offload": {**ZENFLOW, "deepspeed": {"zero_optimization": {"zenflow": {"overlap_step": True}}}}},
+     "an overlapped CPU update is in flight there and in no checkpoint"),
+    ({"offload": ZENFLOW, "training": ZENFLOW_TRAINING, "checkpoint": {"everySteps": 8}, "method": {"type": "lora"}},
+     "not yet tested with LoRA or DPO"),
+])
+def test_zenflow_is_refused_where_a_resume_could_not_be_exact(spec, words):
+    """offload.overlap zenflow: ZeRO-2 with the optimizer in CPU RAM, no gradient accumulation
+    of Spillway's, checkpoints on ZenFlow's update boundaries, fixed intervals."""
+    with pytest.raises(SpecError) as err:
+        parse_job(minimal(**spec))
+    assert words in str(err.value)
+
+
+def test_zenflow_settings_are_spillways_with_the_interval_the_job_gives():
+    from spillway_runtime.core.spec import zenflow_settings
+
+    job = parse_job(minimal(offload={**ZENFLOW, "deepspeed": {"zero_optimization": {"zenflow": {
+        "update_interval": 5, "select_interval": 5, "topk_ratio": 0.2}}}},
+        training=ZENFLOW_TRAINING, checkpoint={"everySteps": 10}))
+    assert zenflow_settings(job.spec.offload) == {
+        "topk_ratio": 0.2, "select_strategy": "step", "select_interval": 5, "update_interval": 5,
+        "full_warm_up_rounds": 0, "overlap_step": False}

@@ -18,6 +18,11 @@ whole state after a resume, tensor by tensor, with the uninterrupted run's at th
   resume jumped from loss 4.09 to 5.61 (`restore_in_memory_subgroups`). With several
   ranks, the small parameters ZeRO-3 keeps gathered whole (persistent) must then be
   gathered again from the restored partitions, as DeepSpeed's own load does.
+- ZenFlow (offload.overlap zenflow) keeps a counter of its own, the step count of each
+  parameter's top-k Adam and that Adam's learning rate (the last step's) in no checkpoint:
+  resumed on an update boundary, the first step's loss matched and the next ones drifted, by
+  up to 5e-4 relative within 8 steps, and by 3e-3 with Spillway's learning-rate schedule
+  (`zenflow_state`, `restore_zenflow`).
 Everything else (fp32 masters, both moments, 16-bit partitions, step counts, RNG) was found
 restored bit for bit.
 """
@@ -231,3 +236,54 @@ def load_with_parameters_on_nvme(engine: Any) -> Any:
             del zero._rigid_load_state_dict
 
     return patched()
+
+
+def zenflow_state(engine: Any) -> dict[str, Any] | None:
+    """What ZenFlow's optimizer holds beyond DeepSpeed's checkpoint, taken on one of its update
+    boundaries (the only steps Spillway checkpoints ZenFlow on, besides the last): the step
+    count of each parameter's top-k Adam, the shape and dtype of its moments, and its learning
+    rate. The moments
+    themselves are not kept: the step after a boundary chooses the columns afresh and zeroes
+    them (`ZenFlowZeroOptimizer.backward_prologue`). None without ZenFlow."""
+    selective = getattr(engine.optimizer, "selective_optimizer", None)
+    if selective is None:
+        return None
+    params = [p for group in selective.param_groups for p in group["params"]]
+    moments = {}
+    for index, param in enumerate(params):
+        state = selective.state.get(param)
+        if state:
+            moment = state.get("exp_avg")
+            moments[index] = {"step": float(state["step"]), "shape": list(moment.shape) if moment is not None else None,
+                              "dtype": str(moment.dtype).removeprefix("torch.") if moment is not None else None}
+    # its learning rate: synced from the optimizer's in each engine step, after the backward
+    # pass that takes the top-k step (a resumed run's first one would use the configured rate)
+    return {"micro_step": int(engine.optimizer.micro_step), "moments": moments,
+            "lr": [group["lr"] for group in selective.param_groups]}
+
+
+def restore_zenflow(engine: Any, saved: dict[str, Any] | None, step: int, interval: int) -> bool:
+    """Put `zenflow_state` back after `engine.load_checkpoint`: ZenFlow's own counter, each
+    top-k Adam's step count and its learning rate, so the next step is the uninterrupted run's. Only
+    on an update boundary (`step` a multiple of `interval`); elsewhere (the last step of a run,
+    a checkpoint from before ZenFlow) ZenFlow starts afresh, as it did at step 0. Returns
+    whether it was put back."""
+    import torch
+
+    optimizer = engine.optimizer
+    selective = getattr(optimizer, "selective_optimizer", None)
+    if selective is None or saved is None or step % interval:
+        return False
+    params = [p for group in selective.param_groups for p in group["params"]]
+    for index, moment in saved["moments"].items():
+        param = params[int(index)]
+        state: dict[str, Any] = {"step": torch.tensor(moment["step"], dtype=torch.float32, device=param.device)}
+        if moment["shape"] is not None:
+            dtype = getattr(torch, moment["dtype"])
+            state["exp_avg"] = torch.zeros(moment["shape"], dtype=dtype, device=param.device)
+            state["exp_avg_sq"] = torch.zeros(moment["shape"], dtype=dtype, device=param.device)
+        selective.state[param] = state
+    for group, lr in zip(selective.param_groups, saved["lr"], strict=True):
+        group["lr"] = lr
+    optimizer.micro_step = saved["micro_step"]
+    return True

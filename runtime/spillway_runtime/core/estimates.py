@@ -74,6 +74,8 @@ class StepTime(BaseModel):
     optimizer_nvme: float = 0.0
     nvme_bytes: int = Field(0, description="Read and written per step and node, parameters and optimizer")
     cpu_optimizer: float = Field(description="The optimizer step: on the CPU, or fused Adam on the GPU")
+    zenflow_interval: int = Field(0, description="offload.overlap zenflow: the CPU step every this many steps")
+    zenflow_selective: float = Field(0.0, description="ZenFlow: the top-k columns' update every step, in cpu_optimizer")
     pipelined: bool = Field(False, description="Optimizer NVMe I/O overlaps the optimizer step")
     swapped_sub_groups: int = Field(0, description="Per rank: the optimizer sub-groups read and written every step")
     resident_share: float = Field(0.0, description="Of the optimizer state: kept in CPU RAM (stepped first, no I/O)")
@@ -95,6 +97,10 @@ class StepTime(BaseModel):
                                f"{self.swapped_sub_groups} sub-groups: the resident ones' step "
                                f"{self.cpu_optimizer - swapped_step:.3g}, then max(step {swapped_step:.3g}, optimizer "
                                f"NVMe {self.optimizer_nvme:.3g}) + the shorter / {self.swapped_sub_groups})")
+        elif self.zenflow_interval:
+            optimizer_phase = (f"optimizer step {self.cpu_optimizer:.3g} (ZenFlow: the CPU step "
+                               f"{self.cpu_optimizer - self.zenflow_selective:.3g} a step, once every "
+                               f"{self.zenflow_interval} steps, + the top-k columns' {self.zenflow_selective:.3g})")
         else:
             optimizer_phase = f"optimizer step {self.cpu_optimizer:.3g} + optimizer NVMe {self.optimizer_nvme:.3g}"
         return f"step {self.total:.3g} s = {forward_backward} + {optimizer_phase}"
@@ -398,6 +404,13 @@ def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSetting
     # fused Adam on a GPU streams ~16 B/param three times at HBM speed (~2 TB/s)
     on_hbm = optimizer == "gpu" and placement.on_gpu
     optimizer_step = 48 * t / ranks / 2e12 if on_hbm else t / nodes / cpu_adam
+    zenflow = 0.0
+    if placement.zenflow_interval:
+        # ZenFlow: the CPU step once per interval; the top-k columns' Adam every step, at HBM speed
+        # on a GPU (on the CPU accelerator torch's Adam on the columns: counted at the CPU rate)
+        per_step = 48 * t / ranks / 2e12 if placement.on_gpu else t / nodes / cpu_adam
+        zenflow = placement.zenflow_topk * per_step
+        optimizer_step = optimizer_step / placement.zenflow_interval + zenflow
     gather, gradients = gather_release(placement), gradient_handling(placement)
     forward_backward = max(compute + gradients + gather, host_device, param_nvme)
     swapped, kept = swapped_sub_groups(placement, swap)
@@ -412,6 +425,8 @@ def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSetting
         optimizer_nvme=opt_nvme,
         nvme_bytes=int(nvme_bytes),
         cpu_optimizer=optimizer_step,
+        zenflow_interval=placement.zenflow_interval,
+        zenflow_selective=zenflow,
         pipelined=swap.pipeline,
         swapped_sub_groups=swapped,
         resident_share=kept if placement.optimizer == "nvme" else 0.0,

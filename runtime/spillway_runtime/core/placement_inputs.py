@@ -166,6 +166,10 @@ class PlacementInputs:
     sub_group_size: int | None = None  # the job's own (offload.deepspeed), which DeepSpeed uses
     reference_forwards: int = 0  # DPO: forward passes of a frozen reference per micro-batch, no gradient
     reference_params: int = 0  # DPO with full fine-tuning: the frozen copy's parameters, beside the model's
+    # offload.overlap zenflow: the CPU step every this many steps, the top `zenflow_topk` of the
+    # gradient columns updated on the accelerator every step (0: plain ZeRO-Offload)
+    zenflow_interval: int = 0
+    zenflow_topk: float = 0.0
 
     @property
     def on_gpu(self) -> bool:

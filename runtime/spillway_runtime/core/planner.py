@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
@@ -36,7 +36,7 @@ from spillway_runtime.core.estimates import (
 from spillway_runtime.core.hardware import AioSettings, NodeHardware
 from spillway_runtime.core.placement_inputs import OPTIMIZER_SWAP_BUFFERS, ModelShape, PlacementInputs, SwapSettings
 from spillway_runtime.core.plan_summary import PlanSummary
-from spillway_runtime.core.spec import POLICY_TIERS, FineTuneJobSpec, Method, Offload, Training
+from spillway_runtime.core.spec import POLICY_TIERS, FineTuneJobSpec, Method, Offload, Training, zenflow_settings
 from spillway_runtime.core.spec_types import DType, Tier
 from spillway_runtime.core.tier_sizing import (
     CPU_RESERVED_FRACTION,
@@ -181,6 +181,8 @@ def _allowed(offload: Offload, stage: int, optimizer: Tier, parameters: Tier) ->
     forced = _forced_stage(offload)
     if forced is not None and forced != stage:
         return f"offload.deepspeed sets zero_optimization.stage {forced}"
+    if offload.overlap == "zenflow" and (stage, optimizer, parameters) != (2, "cpu", "gpu"):
+        return "offload.overlap is zenflow (ZeRO-2, the optimizer in CPU RAM, the parameters on the accelerator)"
     allowed = set(POLICY_TIERS[offload.policy]) - {"auto"}  # the spec's one table of what each policy allows
     if not {optimizer, parameters} <= allowed:
         where = ", ".join(t for t in ("gpu", "cpu", "nvme") if t in allowed)
@@ -198,6 +200,14 @@ def _cpu_resident(offload: Offload) -> float | None:
     if offload.cpu_resident_fraction is not None:
         return offload.cpu_resident_fraction
     return 0.0 if offload.optimizer == "nvme" else None
+
+
+def _zenflow(offload: Offload) -> dict[str, Any]:
+    """PlacementInputs' ZenFlow fields: the interval of the CPU step and the share updated every step."""
+    if offload.overlap != "zenflow":
+        return {}
+    settings = zenflow_settings(offload)
+    return {"zenflow_interval": settings["update_interval"], "zenflow_topk": float(settings["topk_ratio"])}
 
 
 def _sub_group_override(offload: Offload) -> int | None:
@@ -330,7 +340,7 @@ def plan_placement(inputs: PlanInputs, hw: NodeHardware) -> OffloadPlan:
             parameters=parameters, gpus_per_node=gpus, ranks_per_node=ranks_per_node, nodes=nodes,
             price_per_hour=price_per_hour, cpu_resident=_cpu_resident(offload),
             sub_group_size=_sub_group_override(offload), reference_forwards=reference_forwards,
-            reference_params=reference_params,
+            reference_params=reference_params, **_zenflow(offload),
         ))
         candidates.append(plan)
     if not candidates:

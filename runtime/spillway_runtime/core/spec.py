@@ -209,6 +209,15 @@ class Offload(SpecModel):
         "kept in CPU RAM, never swapped; the rest on NVMe. Omitted: when the planner chose NVMe "
         "(optimizer auto), the largest share the node's RAM holds; when optimizer is nvme, 0 (all on NVMe)",
     )
+    overlap: Literal["none", "zenflow"] = Field(
+        "none",
+        description="zenflow: DeepSpeed's ZenFlow on a ZeRO-2 plan with the optimizer in CPU RAM: each step the "
+        "top 10% of gradient columns are updated on the GPU, the rest accumulate and the CPU updates them every "
+        "4 steps (zero_optimization.zenflow.update_interval in offload.deepspeed), so the CPU step is paid once "
+        "per interval. Not the same losses as plain ZeRO-Offload (most gradients are applied late); a resume "
+        "is bit-identical to an uninterrupted ZenFlow run. Needs training.gradientAccumulation 1 (ZenFlow "
+        "accumulates) and checkpoint.everySteps a multiple of the interval; full fine-tuning, objective sft",
+    )
     nvme: NvmeVolume = Field(default_factory=lambda: NvmeVolume())
     deepspeed: dict[str, Any] = Field(
         default_factory=dict, description="Raw DeepSpeed config overrides, merged last and validated"
@@ -233,12 +242,55 @@ class Offload(SpecModel):
                 f"cpuResidentFraction applies to an optimizer on NVMe, which policy {self.policy!r} excludes: "
                 "remove it or set policy to nvme or auto"
             )
+        if self.overlap == "zenflow" and (self.optimizer not in ("auto", "cpu") or self.parameters not in ("auto", "gpu")
+                                          or "cpu" not in POLICY_TIERS[self.policy]):
+            raise ValueError(
+                f"overlap zenflow runs with the optimizer in CPU RAM and the parameters on the GPU (ZeRO-2); "
+                f"optimizer {self.optimizer!r}, parameters {self.parameters!r}, policy {self.policy!r} exclude it: "
+                "set optimizer cpu (or auto) and parameters gpu (or auto), or remove overlap"
+            )
+        if self.overlap == "zenflow":
+            zenflow_settings(self)  # raises naming the override it cannot use
         if self.optimizer == "gpu" and self.parameters in ("cpu", "nvme"):
             raise ValueError(
                 "parameters offloaded while the optimizer stays on GPU is not a useful placement: "
                 "set optimizer to cpu or nvme, or parameters to gpu"
             )
         return self
+
+
+# ZenFlow as Spillway runs it (`offload.overlap: zenflow`): the top 10% of gradient columns,
+# chosen again and updated on the GPU every step, the rest applied by the CPU every 4 steps, in
+# the step (overlap_step false: an overlapped CPU update is in flight when a checkpoint is taken
+# and in none, so a resume drifted from the uninterrupted run by up to 4e-4 after the first
+# interval, measured on the CPU). Fixed intervals so that checkpoints fall on a boundary, where
+# the state is whole (the selection is made afresh, nothing is accumulated).
+ZENFLOW_DEFAULTS: dict[str, Any] = {"topk_ratio": 0.1, "select_strategy": "step", "select_interval": 4,
+                                    "update_interval": 4, "full_warm_up_rounds": 0, "overlap_step": False}
+
+
+def zenflow_settings(offload: Offload) -> dict[str, Any]:
+    """DeepSpeed's `zero_optimization.zenflow` for `offload.overlap: zenflow`: ZENFLOW_DEFAULTS
+    with the job's overrides (offload.deepspeed) merged, each checked; raises ValueError naming
+    one Spillway cannot keep a resume bit-identical with."""
+    zero = offload.deepspeed.get("zero_optimization")
+    given = zero.get("zenflow") if isinstance(zero, dict) else None
+    if given is not None and not isinstance(given, dict):
+        raise ValueError("offload.deepspeed.zero_optimization.zenflow must be a mapping of ZenFlow settings")
+    settings = {**ZENFLOW_DEFAULTS, **(given or {})}
+    interval = settings["update_interval"]
+    if isinstance(interval, bool) or not isinstance(interval, int) or not 1 <= interval <= 1000:
+        raise ValueError(f"zero_optimization.zenflow.update_interval must be a whole number of steps from 1 to 1000 "
+                         f"(got {interval!r}; auto moves the boundaries a checkpoint must fall on)")
+    fixed = {"select_strategy": "step", "select_interval": interval, "full_warm_up_rounds": 0, "overlap_step": False}
+    for key, value in fixed.items():
+        if settings[key] != value:
+            raise ValueError(
+                f"zero_optimization.zenflow.{key} must be {value!r} with overlap zenflow (got {settings[key]!r}): "
+                "Spillway checkpoints on ZenFlow's update boundaries, where a resume is bit-identical; "
+                + ("an overlapped CPU update is in flight there and in no checkpoint" if key == "overlap_step"
+                   else "remove it from offload.deepspeed"))
+    return settings
 
 
 class Toleration(SpecModel):
@@ -425,10 +477,30 @@ class FineTuneJobSpec(SpecModel):
                 f"training.earlyStopping needs training.evalEverySteps ({self.training.eval_every_steps}) set to a "
                 f"multiple of checkpoint.everySteps ({self.checkpoint.every_steps}), so that every evaluation has "
                 "a checkpoint to keep as the best; set evalEverySteps (and dataset.validation) or remove earlyStopping")
+        if self.offload.overlap == "zenflow":
+            self._zenflow_fits()
         if self.checkpoint.keep_best and self.dataset.validation is None:
             raise ValueError("checkpoint.keepBest needs dataset.validation to tell the best checkpoint; add it or "
                              "remove keepBest")
         return self
+
+
+    def _zenflow_fits(self) -> None:
+        interval = zenflow_settings(self.offload)["update_interval"]
+        if self.training.gradient_accumulation != 1:
+            raise ValueError(
+                f"offload.overlap zenflow with training.gradientAccumulation {self.training.gradient_accumulation}: "
+                f"ZenFlow accumulates the gradients it applies late itself (every {interval} steps); set "
+                "gradientAccumulation to 1 and raise microBatchSize, or remove overlap")
+        if self.checkpoint.every_steps % interval:
+            raise ValueError(
+                f"checkpoint.everySteps {self.checkpoint.every_steps} with offload.overlap zenflow: a checkpoint must "
+                f"fall on ZenFlow's update boundary (every {interval} steps), where nothing is accumulated; set "
+                f"everySteps to a multiple of {interval}")
+        if self.method.lora or self.method.objective != "sft":
+            raise ValueError(
+                "offload.overlap zenflow is for full fine-tuning with objective sft (not yet tested with LoRA or DPO): "
+                "remove overlap or set method.type full and objective sft")
 
 
 class ObjectMeta(BaseModel):

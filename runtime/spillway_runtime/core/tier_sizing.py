@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from spillway_runtime.core.estimates import (
+    DTYPE_BYTES,
     MIN_AIO_BYTES,
     OPTIMIZER_SWAP_BYTES_PER_PARAM,
     OPTIMIZER_SWAP_BYTES_PER_PARAM_NO_GRADS,
@@ -214,6 +215,10 @@ def _size_memory(placement: PlacementInputs) -> Sizing:
     if p.dtype == "fp32":
         # fp32 training keeps 4-byte weights and grads where the estimators assume 2.
         gpu_state += gpu_state // 2 if p.optimizer == "gpu" else 0
+    if p.zenflow_interval:
+        # ZenFlow's top-k Adam on the accelerator: both moments and the gradient of the columns it
+        # selects, in the training dtype, for every whole matrix on every rank
+        gpu_state += int(p.zenflow_topk * 3 * DTYPE_BYTES[p.dtype] * shape.trainable)
     gpu_state, cpu_state, reference_nvme = _with_reference(p, gpu_state, cpu_state)
     overhead = p.ranks_per_node * (CPU_PROCESS_OVERHEAD_GPU if p.on_gpu else CPU_PROCESS_OVERHEAD_CPU)
     gpu_capacity = hw.gpu_memory_bytes if p.on_gpu else 0

@@ -28,7 +28,9 @@ from spillway_runtime.checkpoints.optimizer_state import (
     replay_adam_kernel,
     restore_in_memory_subgroups,
     restore_swapped_state,
+    restore_zenflow,
     strip_swapped_subgroups,
+    zenflow_state,
 )
 from spillway_runtime.checkpoints.store import (
     STAGING,
@@ -202,6 +204,7 @@ class Checkpointing:
             "early_stopping": self.run.early_stopping.state() if self.run.early_stopping is not None else None,
             "optimizer_steps": [state.get("step") for state in partition_states(self.run.engine)],
             "micro_steps": self.run.engine.micro_steps,
+            "zenflow": zenflow_state(self.run.engine),
             "rng": {
                 "python": random.getstate(),
                 "numpy": np.random.get_state(),
@@ -298,6 +301,7 @@ class Checkpointing:
 
     def _load(self, info: CheckpointInfo) -> None:
         written = written_shape(self.store, info)
+        self._refuse_other_order(info, written is not None and written.layout != self._shape().layout)
         # With the optimizer moved to or from NVMe alone, or another share of it kept in RAM, a
         # sub-group's state is in swap files on one side and in the ZeRO file on the other: the
         # load below would take the checkpoint for damaged and fall back, where the universal
@@ -336,8 +340,36 @@ class Checkpointing:
             raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
         replay_adam_kernel(self.run.engine, max((s for s in steps if s is not None), default=0))
         self.run.engine.micro_steps = state.get("micro_steps", self.run.engine.micro_steps)
+        self._restore_zenflow(info, state)
         self._restore_progress(state)
         self._restore_rng(state["rng"])
+
+    def _refuse_other_order(self, info: CheckpointInfo, resharded: bool) -> None:
+        """ZenFlow stores each matrix's optimizer state column by column (DeepSpeed's ZeRO-2 flat
+        buffers in its order), every other placement row by row, and DeepSpeed's load and its
+        universal checkpoint map neither onto the other: refused with BAD_INPUT, naming what to
+        change, where loading would scramble the weights."""
+        config = (self.store.read_manifest(info.path) or {}).get("config") or {}
+        written = (config.get("offload") or {}).get("overlap", "none")
+        planned = self.run.spec.offload.overlap
+        if written != planned:
+            raise RunFailed(
+                f"checkpoint {info.name} was written with offload.overlap {written}, this run has {planned}: "
+                "ZenFlow keeps the optimizer state column by column and the others row by row, and DeepSpeed "
+                f"cannot load one as the other; resume with offload.overlap {written}", ExitCode.BAD_INPUT)
+        if planned == "zenflow" and resharded:
+            raise RunFailed(
+                f"checkpoint {info.name} was written by another number of processes or placement, and DeepSpeed's "
+                "universal checkpoint maps ZenFlow's column-ordered state wrongly: resume with the processes and "
+                "placement that wrote it, or without offload.overlap from a checkpoint written without it",
+                ExitCode.BAD_INPUT)
+
+    def _restore_zenflow(self, info: CheckpointInfo, state: dict[str, Any]) -> None:
+        if self.run.zenflow_interval and not restore_zenflow(self.run.engine, state.get("zenflow"), state["step"],
+                                                              self.run.zenflow_interval):
+            self.run.log(f"checkpoint {info.name} (step {state['step']}) is not on a ZenFlow update boundary (every "
+                         f"{self.run.zenflow_interval} steps): ZenFlow starts afresh from it, so the steps after it "
+                         "are not those of an uninterrupted run")
 
     def _restore_progress(self, state: dict[str, Any], samples_scale: tuple[int, int] = (1, 1)) -> None:
         """Step, data position, skipped batches, rollback state from a state file. A data

@@ -19,7 +19,7 @@ from typing import Any
 
 from spillway_runtime.core.hardware import MEMLOCK_SHARE
 from spillway_runtime.core.planner import MIN_AIO_BYTES, OPTIMIZER_SWAP_BUFFERS, OffloadPlan
-from spillway_runtime.core.spec import FineTuneJobSpec
+from spillway_runtime.core.spec import FineTuneJobSpec, zenflow_settings
 
 
 class DeepSpeedConfigError(ValueError):
@@ -168,6 +168,8 @@ def build_deepspeed_config(
             "overlap_events": plan.aio.overlap_events,
         },
     }
+    if spec.offload.overlap == "zenflow":  # the plan is ZeRO-2 with the optimizer in CPU RAM (planner._allowed)
+        config["zero_optimization"]["zenflow"] = zenflow_settings(spec.offload)
     return apply_overrides(config, spec.offload.deepspeed, plan)
 
 

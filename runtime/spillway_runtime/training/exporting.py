@@ -19,7 +19,10 @@ def export(run: TrainingRun) -> None:
     adapter (PEFT's layout: `PeftModel.from_pretrained` loads it onto the base model),
     and with `export.merge` the merged model in `merged/` too."""
     zero3 = run.plan.zero_stage == 3
-    state_dict = run.engine._zero3_consolidated_16bit_state_dict() if zero3 else run.engine.module.state_dict()
+    if zero3:
+        state_dict = run.engine._zero3_consolidated_16bit_state_dict()
+    else:  # ZenFlow's matrices are column-ordered views of its flat buffer (safetensors wants them whole)
+        state_dict = {name: t.contiguous() for name, t in run.engine.module.state_dict().items()}
     if run.rank == 0:
         out = Path(run.cfg.export_dir)
         out.mkdir(parents=True, exist_ok=True)

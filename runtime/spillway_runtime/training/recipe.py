@@ -20,6 +20,7 @@ from spillway_runtime import library_output
 from spillway_runtime.core.contract import STOP_GRACE_SECONDS_ENV, ExitCode
 from spillway_runtime.core.estimates import sub_group_cut
 from spillway_runtime.core.hardware import memlock_limit
+from spillway_runtime.core.spec import zenflow_settings
 from spillway_runtime.core.units import format_bytes
 from spillway_runtime.training import disk_usage, evaluation, exporting, k8s_status, startup
 from spillway_runtime.training.checkpointing import Checkpointing
@@ -58,6 +59,9 @@ class FineTuneRecipe:
         self.rollbacks = 0
         self.lr_scale = 1.0
         self.stop_requested = False
+        # offload.overlap zenflow: ZenFlow's update interval, on whose boundaries checkpoints fall (0: off)
+        self.zenflow_interval = (zenflow_settings(self.spec.offload)["update_interval"]
+                                 if self.spec.offload.overlap == "zenflow" else 0)
         self.last_saved_step = -1
         self.last_eval: tuple[int, float] | None = None  # (step, held-out loss)
         self.checkpoints = Checkpointing(self)
@@ -336,8 +340,9 @@ class FineTuneRecipe:
             position = self._next_position()
             loss = self._micro_loss(position)
             self.engine.backward(loss)
-            if self.checkpoints.pending is not None and self.engine.is_gradient_accumulation_boundary():
-                self.checkpoints.settle()  # the optimizer step changes what it is writing
+            if self.checkpoints.pending is not None and (
+                    self.zenflow_interval or self.engine.is_gradient_accumulation_boundary()):
+                self.checkpoints.settle()  # the optimizer step changes what it is writing (ZenFlow's, every step)
             self.engine.step()
             total += float(loss.detach().float().item())
             self.data_position = position + 1
@@ -356,7 +361,8 @@ class FineTuneRecipe:
         # not train on: it ends as that run did
         stopped = self.early_stopping is not None and self.early_stopping.exhausted
         while self.step < t.max_steps and not stopped:
-            if self.ranks.any(self.stop_requested):
+            # ZenFlow: on to its next update boundary first, where a checkpoint holds the whole state
+            if self.ranks.any(self.stop_requested) and not (self.zenflow_interval and self.step % self.zenflow_interval):
                 return self._preempt()
             step_started = time.monotonic()
             loss, first, end = self.train_step()

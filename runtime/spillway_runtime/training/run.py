@@ -49,6 +49,7 @@ class TrainingRun(Protocol):
     lr_scale: float
     last_saved_step: int
     last_eval: tuple[int, float] | None
+    zenflow_interval: int  # offload.overlap zenflow: its update interval (0: off)
     tokenizer: Any  # transformers' (untyped)
     torch_dtype: Any  # the training dtype, a torch.dtype
 
