@@ -58,14 +58,18 @@ STAGES = frozenset({"resume", "resident", "cpu", "nvme", "overlap"})  # d, a, b'
 # of the runtime's ZeRO-Offload config: (name, placement, zero_optimization
 # keys merged in). Twin-Flow ("ratio": the share of the optimizer state offloaded; the rest stays
 # and is updated on the GPU, ZeRO-3 only). ZenFlow (ZeRO-2 here): the top 10% of gradient columns
-# updated on the GPU each step, the rest on the CPU every 4 steps, overlapped with the next ones.
+# updated on the GPU each step, the rest on the CPU every 4 steps: in the step, as the runtime runs
+# it (`offload.overlap: zenflow`, spec.ZENFLOW_DEFAULTS), and overlapped with the next steps
+# (overlap_step, which the runtime does not use: its in-flight update is in no checkpoint).
+# spec.ZENFLOW_DEFAULTS, written out: this module is imported before spillway is installed.
+ZENFLOW_DEFAULTS = {"topk_ratio": 0.1, "select_strategy": "step", "select_interval": 4, "update_interval": 4,
+                    "full_warm_up_rounds": 0, "overlap_step": False}
 OVERLAP_VARIANTS: list[tuple[str, Placement, dict[str, Any]]] = [
     ("zero_offload", (3, "cpu", "gpu"), {}),
     ("twin_flow_ratio_0.7", (3, "cpu", "gpu"), {"offload_optimizer": {"ratio": 0.7}}),
     ("zero_offload_z2", (2, "cpu", "gpu"), {}),
-    ("zenflow_z2", (2, "cpu", "gpu"), {"zenflow": {"topk_ratio": 0.1, "select_strategy": "step", "select_interval": 4,
-                                                   "update_interval": 4, "full_warm_up_rounds": 0,
-                                                   "overlap_step": True}}),
+    ("zenflow_z2", (2, "cpu", "gpu"), {"zenflow": ZENFLOW_DEFAULTS}),
+    ("zenflow_z2_overlapped", (2, "cpu", "gpu"), {"zenflow": {**ZENFLOW_DEFAULTS, "overlap_step": True}}),
 ]
 # Llama widths and their MLP sizes (Llama-2 / TinyLlama ratios, ~8/3 h rounded to 256)
 INTERMEDIATE = {64: 176, 128: 352, 1024: 2816, 1536: 4096, 2048: 5632, 2560: 6912, 3072: 8192, 4096: 11008}
@@ -320,6 +324,7 @@ def run_measurement(job: dict[str, Any]) -> dict[str, Any]:
         free, total = torch.cuda.mem_get_info()
         outside = total - free - torch.cuda.memory_reserved()
         torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, (job["cap_bytes"] - outside) / total)))
+    torch.manual_seed(0)  # the same weights in every measurement: stage e compares their losses
     model = _build_model(job, ds_config, device)
     optimizer = None
     if "offload_optimizer" not in ds_config["zero_optimization"]:
@@ -328,6 +333,9 @@ def run_measurement(job: dict[str, Any]) -> dict[str, Any]:
         ds_config["zero_allow_untested_optimizer"] = True
         optimizer = torch.optim.AdamW(model.parameters(), lr=params["lr"], betas=tuple(params["betas"]),
                                       eps=params["eps"], weight_decay=params["weight_decay"], fused=cuda or None)
+    from spillway_runtime.deepspeed_fixes import view_zenflow_weights_in_column_order
+
+    view_zenflow_weights_in_column_order()  # as the runtime runs ZenFlow (DeepSpeed 0.19.8 scrambles its weights)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     generator = torch.Generator().manual_seed(0)
     tokens = job["micro_batch"] * job["seq"]

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from spillway_runtime.core.spec import ZENFLOW_DEFAULTS
+
 ROOT = Path(__file__).resolve().parents[2]
 KIT = ROOT / "benchmarks" / "gpu"
 CARRY_LIMIT = 64 << 20  # the device tool's limit on a carried working tree
@@ -64,12 +66,16 @@ def test_dry_run_writes_every_stage(tmp_path):
     overlap = stages["e_overlap"]
     assert (overlap["config"]["hidden_size"], overlap["config"]["num_hidden_layers"]) == (64, 2)
     assert {name: measured(overlap[name]) and overlap[name]["placement"] for name in
-            ("zero_offload", "twin_flow_ratio_0.7", "zero_offload_z2", "zenflow_z2")} == {
+            ("zero_offload", "twin_flow_ratio_0.7", "zero_offload_z2", "zenflow_z2", "zenflow_z2_overlapped")} == {
         "zero_offload": "Z3 opt:cpu par:gpu zero_offload", "twin_flow_ratio_0.7": "Z3 opt:cpu par:gpu twin_flow_ratio_0.7",
-        "zero_offload_z2": "Z2 opt:cpu par:gpu zero_offload_z2", "zenflow_z2": "Z2 opt:cpu par:gpu zenflow_z2"}
+        "zero_offload_z2": "Z2 opt:cpu par:gpu zero_offload_z2", "zenflow_z2": "Z2 opt:cpu par:gpu zenflow_z2",
+        "zenflow_z2_overlapped": "Z2 opt:cpu par:gpu zenflow_z2_overlapped"}
     assert overlap["twin_flow_ratio_0.7"]["zero_update"] == {"offload_optimizer": {"ratio": 0.7}}
-    assert overlap["zenflow_z2"]["zero_update"]["zenflow"]["topk_ratio"] == 0.1
+    assert overlap["zenflow_z2"]["zero_update"]["zenflow"] == ZENFLOW_DEFAULTS  # as the runtime runs it
+    assert overlap["zenflow_z2_overlapped"]["zero_update"]["zenflow"]["overlap_step"] is True
     assert all(len(overlap[name]["measured"]["losses"]) == 2 for name in ("zero_offload", "zenflow_z2"))
+    # with deepspeed_fixes' mend, ZenFlow trains the model as built: its first loss is ZeRO-Offload's
+    assert overlap["zenflow_z2"]["measured"]["losses"][0] == overlap["zero_offload_z2"]["measured"]["losses"][0]
 
     planner = stages["c_planner"]["rows"]
     assert {r["placement"] for r in planner} == {"Z2 opt:gpu par:gpu", "Z3 opt:cpu par:gpu", "Z3 opt:nvme par:cpu",
@@ -132,6 +138,7 @@ def test_stage_e_merges_each_variant_into_the_runtimes_zero_section():
     assert twin["offload_optimizer"] == {"device": "cpu", "pin_memory": True, "ratio": 0.7}
     assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}  # the runtime's is left as it was
     assert DeepSpeedZeroConfig(**twin).offload_optimizer.ratio == 0.7
-    zen = kit.overlap_config({**zero, "stage": 2}, variants["zenflow_z2"])
-    parsed = DeepSpeedZeroConfig(**zen)
-    assert parsed.zenflow is not None and parsed.zenflow.update_interval == 4 and parsed.zenflow.overlap_step
+    for name, overlapped in (("zenflow_z2", False), ("zenflow_z2_overlapped", True)):
+        parsed = DeepSpeedZeroConfig(**kit.overlap_config({**zero, "stage": 2}, variants[name]))
+        assert parsed.zenflow is not None and parsed.zenflow.update_interval == 4
+        assert parsed.zenflow.overlap_step is overlapped
