@@ -1,6 +1,5 @@
 import pytest
 
-from spillway_runtime.core.estimates import sub_group_cut
 from spillway_runtime.core.hardware import AioSettings, NodeHardware
 from spillway_runtime.core.planner import ModelShape, plan_tiers
 from spillway_runtime.core.spec import parse_job
@@ -100,19 +99,14 @@ def test_batch_overrides_that_agree_are_accepted():
     assert build_deepspeed_config(plan, spec, nvme_path="/nvme")["train_batch_size"] == batch
 
 
-def equal_cut(partition: int):
-    """A rank's partition of many small tensors: each sub-group holds the size, or what is left."""
-    return lambda size: min(size, partition)
-
-
 def test_swap_buffers_are_fitted_under_the_memlock_limit_or_refused_by_name():
     config = {"zero_optimization": {"sub_group_size": 1_000_000_000,
                                     "offload_optimizer": {"device": "nvme", "buffer_count": 4}}}
     # No limit (root's CAP_IPC_LOCK, or unlimited): nothing changes.
-    assert fit_swap_buffers_to_memlock(config, equal_cut(752_768), None) == (config, None)
+    assert fit_swap_buffers_to_memlock(config, 752_768, None) == (config, None)
     # A container's 8 MiB: 5 buffers of 752,768 fp32 elements (14.4 MiB) would kill DeepSpeed.
     config["zero_optimization"]["offload_optimizer"].update({"buffer_count": 8, "pipeline_read": True})
-    fitted, why = fit_swap_buffers_to_memlock(config, equal_cut(752_768), 8 << 20)
+    fitted, why = fit_swap_buffers_to_memlock(config, 752_768, 8 << 20)
     sub_group = fitted["zero_optimization"]["sub_group_size"]
     swap = fitted["zero_optimization"]["offload_optimizer"]
     assert (swap["buffer_count"], swap["pipeline_read"], swap["pipeline_write"]) == (4, False, False)
@@ -121,33 +115,12 @@ def test_swap_buffers_are_fitted_under_the_memlock_limit_or_refused_by_name():
     assert why is not None and "RLIMIT_MEMLOCK is 8.0 MiB" in why
     # A limit under DeepSpeed's minimum swap size for its buffers: refused by name.
     with pytest.raises(DeepSpeedConfigError, match="RLIMIT_MEMLOCK"):
-        fit_swap_buffers_to_memlock(config, equal_cut(752_768), 4 << 20)
+        fit_swap_buffers_to_memlock(config, 752_768, 4 << 20)
     assert config["zero_optimization"]["sub_group_size"] == 1_000_000_000  # the input is left as it was
     assert config["zero_optimization"]["offload_optimizer"]["buffer_count"] == 8
     # Already small enough: unchanged.
-    assert fit_swap_buffers_to_memlock(config, equal_cut(100_000), 8 << 20) == (config, None)
+    assert fit_swap_buffers_to_memlock(config, 100_000, 8 << 20) == (config, None)
     # Parameter buffers alone over the limit: a clear error, not a SIGSEGV.
     config["zero_optimization"]["offload_param"] = {"device": "nvme", "buffer_count": 5, "buffer_size": 100_000_000}
     with pytest.raises(DeepSpeedConfigError, match=r"RLIMIT_MEMLOCK.*LimitMEMLOCK=infinity"):
-        fit_swap_buffers_to_memlock(config, equal_cut(752_768), 8 << 20)
-
-
-def test_the_buffers_fitted_hold_the_largest_sub_group_deepspeed_forms():
-    """DeepSpeed closes a sub-group at the end of the tensor that fills it and sizes its buffers
-    by the largest: the sub-group is fitted so that one, not the size, fits under the limit; a
-    tensor larger than the limit allows is refused by name."""
-    config = {"zero_optimization": {"sub_group_size": 1_000_000_000,
-                                    "offload_optimizer": {"device": "nvme", "buffer_count": 12}}}
-    model = ModelShape.from_param_count(20_000_000)  # 18M: 8.2M-element embedding and head, 2 small layers
-
-    def largest(size: int) -> int:
-        return sub_group_cut(model, 1, size, 0).largest
-
-    limit = 320 << 20  # room for 5 buffers of 12.6M elements
-    fitted, _ = fit_swap_buffers_to_memlock(config, largest, limit)
-    sub_group = fitted["zero_optimization"]["sub_group_size"]
-    assert largest(sub_group) > sub_group and 5 * largest(sub_group) * 4 <= 0.75 * limit
-    assert 5 * sub_group * 4 <= 0.75 * limit < 5 * largest(min(1_000_000_000, int(0.75 * limit) // 20)) * 4
-    smallest = 5 * largest(1) * 4  # the buffers hold the largest tensor, however fine the cut
-    with pytest.raises(DeepSpeedConfigError, match="RLIMIT_MEMLOCK"):
-        fit_swap_buffers_to_memlock(config, largest, int(smallest / 0.75) - 1024)
+        fit_swap_buffers_to_memlock(config, 752_768, 8 << 20)

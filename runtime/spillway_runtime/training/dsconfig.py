@@ -14,7 +14,6 @@ Pure apart from `validate_deepspeed_config`, which imports DeepSpeed.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from typing import Any
 
 from spillway_runtime.core.hardware import MEMLOCK_SHARE
@@ -61,7 +60,7 @@ def reference_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def fit_swap_buffers_to_memlock(
-    config: dict[str, Any], largest_group: Callable[[int], int], limit: int | None, parameter_swappers: int = 1
+    config: dict[str, Any], params_per_rank: int, limit: int | None, parameter_swappers: int = 1
 ) -> tuple[dict[str, Any], str | None]:
     """DeepSpeed mlock()s its NVMe swap buffers whatever `pin_memory` says; when that
     exceeds RLIMIT_MEMLOCK it prints "mlock failed" and dies of SIGSEGV. A container run
@@ -70,11 +69,9 @@ def fit_swap_buffers_to_memlock(
     fewest buffers (no pipelined I/O), then smaller sub-groups (Adam is elementwise: the
     same numbers in smaller pieces), never below DeepSpeed's minimum swap size, under
     which it would silently keep the state in RAM. Where even that cannot fit, a clear
-    error. `largest_group(size)`: the elements of the largest sub-group DeepSpeed forms at a
-    sub-group size (`estimates.SubGroupCut.largest`), which its buffers hold: more than the size,
-    to the end of a tensor. `limit` None: no limit applies. `parameter_swappers` 2: DPO's frozen
-    reference of a full fine-tune swaps its own parameters with buffers as large. Returns the
-    config to use and what changed."""
+    error. `limit` None: no limit applies. `parameter_swappers` 2: DPO's frozen reference of a
+    full fine-tune swaps its own parameters with buffers as large. Returns the config to use
+    and what changed."""
     zero = config.get("zero_optimization") or {}
     optimizer = zero.get("offload_optimizer") or {}
     param = zero.get("offload_param") or {}
@@ -84,18 +81,15 @@ def fit_swap_buffers_to_memlock(
         param_locked = int(param.get("buffer_count", 5)) * int(param.get("buffer_size", 100_000_000)) * 2
         param_locked *= parameter_swappers
     buffers = int(optimizer.get("buffer_count", OPTIMIZER_SWAP_BUFFERS)) + 1  # + fp32 gradient staging
-    sub_group = int(zero.get("sub_group_size", 1_000_000_000))
-    locked = param_locked + (buffers * largest_group(sub_group) * 4 if swaps_optimizer else 0)
+    sub_group = min(int(zero.get("sub_group_size", 1_000_000_000)), max(1, params_per_rank))
+    locked = param_locked + (buffers * sub_group * 4 if swaps_optimizer else 0)
     budget = int((limit or 0) * MEMLOCK_SHARE)
     if limit is None or locked <= budget:
         return config, None
     fewest = OPTIMIZER_SWAP_BUFFERS + 1
-    cap = (budget - param_locked) // (fewest * 4)  # elements of the largest sub-group
-    fitted = min(sub_group, cap) if swaps_optimizer and largest_group(1) <= cap else 0  # (1): the largest tensor
-    while fitted > 0 and largest_group(fitted) > cap:  # each sub-group runs to the end of a tensor
-        fitted -= largest_group(fitted) - cap
+    fitted = min(sub_group, (budget - param_locked) // (fewest * 4)) if swaps_optimizer else 0
     min_swap = max(MIN_AIO_BYTES, int((config.get("aio") or {}).get("block_size", 0))) // 4
-    if param_locked >= budget or (swaps_optimizer and fitted < min(min_swap, largest_group(sub_group))):
+    if param_locked >= budget or (swaps_optimizer and fitted < min(min_swap, sub_group)):
         raise DeepSpeedConfigError(
             f"DeepSpeed locks {_mib(locked)} of NVMe swap buffers in RAM (mlock) but this process may lock "
             f"{_mib(limit)} (RLIMIT_MEMLOCK): raise the limit where the run starts (`ulimit -l unlimited`; "
@@ -107,9 +101,9 @@ def fit_swap_buffers_to_memlock(
     out["zero_optimization"]["offload_optimizer"].update(
         {"buffer_count": OPTIMIZER_SWAP_BUFFERS, "pipeline_read": False, "pipeline_write": False})
     return out, (
-        f"optimizer swap: {OPTIMIZER_SWAP_BUFFERS} buffers of {largest_group(fitted):,} elements (sub-groups of "
-        f"{fitted:,}), not {buffers - 1} of {largest_group(sub_group):,}: DeepSpeed locks them in RAM and "
-        f"RLIMIT_MEMLOCK is {_mib(limit)} (raise it for larger, pipelined swap I/O)"
+        f"optimizer swap: {OPTIMIZER_SWAP_BUFFERS} buffers of {fitted:,} elements, not {buffers - 1} of "
+        f"{sub_group:,}: DeepSpeed locks them in RAM and RLIMIT_MEMLOCK is {_mib(limit)} (raise it for "
+        f"larger, pipelined swap I/O)"
     )
 
 

@@ -18,7 +18,6 @@ from typing import Any
 
 from spillway_runtime import library_output
 from spillway_runtime.core.contract import STOP_GRACE_SECONDS_ENV, ExitCode
-from spillway_runtime.core.estimates import sub_group_cut
 from spillway_runtime.core.hardware import memlock_limit
 from spillway_runtime.core.spec import zenflow_settings
 from spillway_runtime.core.units import format_bytes
@@ -196,12 +195,10 @@ class FineTuneRecipe:
                      "sustained offloading wears a consumer SSD's rated write endurance (TBW); datacenter SSDs "
                      "are made for it")
         ds_config = dict(self.cfg.deepspeed)
-        def largest_group(size: int) -> int:
-            return sub_group_cut(self.plan.model, max(1, self.world_size), size, 0).largest
-
+        params_per_rank = -(-self.plan.model.params // max(1, self.world_size))
         try:
             full_dpo = self.spec.method.objective == "dpo" and not self.spec.method.lora  # a reference engine too
-            ds_config, fitted = fit_swap_buffers_to_memlock(ds_config, largest_group, memlock_limit(),
+            ds_config, fitted = fit_swap_buffers_to_memlock(ds_config, params_per_rank, memlock_limit(),
                                                             parameter_swappers=2 if full_dpo else 1)
         except DeepSpeedConfigError as err:
             raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
