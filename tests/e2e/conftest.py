@@ -287,7 +287,9 @@ class Cluster:
     def make_node(
         self, profile: str, name: str | None = None, nvme_volume: bool = False, timeout: float = 30
     ) -> str:
-        """Create a kwok-managed node from a profile and wait until it is Ready.
+        """Create a kwok-managed node from a profile and wait until it is Ready and the node
+        lifecycle controller has lifted its not-ready taint (it lags the condition: a job
+        planned in between found no eligible node, "taint node.kubernetes.io/not-ready").
 
         ``nvme_volume=True`` also gives it a local NVMe PersistentVolume
         (see add_local_nvme_volume)."""
@@ -295,9 +297,11 @@ class Cluster:
         self.kubectl("create", "-f", "-", input=json.dumps(self.node_manifest(profile, name)))
 
         def ready() -> bool:
-            node = self.get("node", name)
-            conditions = (node or {}).get("status", {}).get("conditions", [])
-            return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+            node = self.get("node", name) or {}
+            conditions = node.get("status", {}).get("conditions", [])
+            lifecycle = {"node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"}
+            return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions) and not any(
+                t.get("key") in lifecycle for t in node.get("spec", {}).get("taints") or [])
 
         self.wait_for(ready, timeout, what=f"kwok to mark node {name} Ready")
         if nvme_volume:
