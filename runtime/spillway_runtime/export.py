@@ -112,6 +112,11 @@ def _checked_manifest(checkpoint: Path, store: CheckpointStore) -> dict[str, Any
     problem = store.verify(checkpoint, deep=False)
     if problem is not None:
         raise ExportError(f"checkpoint {checkpoint.name} is damaged: {problem}")
+    if ((manifest.get("config") or {}).get("offload") or {}).get("overlap") == "zenflow":
+        raise ExportError(
+            f"checkpoint {checkpoint.name} was written with offload.overlap zenflow, which keeps the optimizer state "
+            "column by column; DeepSpeed's universal converter reads it row by row and the weights would come out "
+            "scrambled. The run's own export (its final/ folder) holds the model at its last step")
     return manifest
 
 

@@ -153,39 +153,54 @@ def test_model_config_errors_name_the_config_key(config, line):
 
 
 ZENFLOW = {"optimizer": "cpu", "overlap": "zenflow"}
-ZENFLOW_TRAINING = {"gradientAccumulation": 1}
+ZENFLOW_JOB = {"training": {"gradientAccumulation": 1}, "checkpoint": {"everySteps": 8},
+               "rollback": {"onDivergence": False}}
 
 
-@pytest.mark.parametrize(("spec", "words"), [
-    ({"offload": {**ZENFLOW, "optimizer": "nvme"}}, "optimizer 'nvme', parameters 'auto'"),
-    ({"offload": {**ZENFLOW, "parameters": "cpu"}}, "set optimizer cpu (or auto) and parameters gpu"),
-    ({"offload": {**ZENFLOW, "policy": "none", "optimizer": "auto"}}, "policy 'none' exclude it"),
-    ({"offload": ZENFLOW, "training": {"gradientAccumulation": 4}}, "set gradientAccumulation to 1"),
-    ({"offload": ZENFLOW, "training": ZENFLOW_TRAINING, "checkpoint": {"everySteps": 10}},
-     "set everySteps to a multiple of 4"),
-    ({"offload": {**ZENFLOW, "deepspeed": {"zero_optimization": {"zenflow": {"update_interval": 5}}}},
-      "training": ZENFLOW_TRAINING, "checkpoint": {"everySteps": 8}}, "select_interval must be 5"),
-    ({"offload": {**ZENFLOW, "deepspeed": {"zero_optimization": {"zenflow": {"update_interval": "auto"}}}}},
-     "update_interval must be a whole number of steps"),
-    ({"offload": {**ZENFLOW, "deepspeed": {"zero_optimization": {"zenflow": {"overlap_step": True}}}}},
-     "an overlapped CPU update is in flight there and in no checkpoint"),
-    ({"offload": ZENFLOW, "training": ZENFLOW_TRAINING, "checkpoint": {"everySteps": 8}, "method": {"type": "lora"}},
-     "not yet tested with LoRA or DPO"),
+def zenflow_job(offload=None, **spec):
+    """A job ZenFlow accepts, with `spec`'s sections merged into it."""
+    merged = {key: {**value, **spec.pop(key, {})} for key, value in ZENFLOW_JOB.items()}
+    return minimal(offload={**ZENFLOW, **(offload or {})}, **merged, **spec)
+
+
+def zenflow_override(**settings):
+    return {"deepspeed": {"zero_optimization": {"zenflow": settings}}}
+
+
+def test_a_zenflow_job_with_its_settings_is_accepted():
+    assert parse_job(zenflow_job()).spec.offload.overlap == "zenflow"
+
+
+@pytest.mark.parametrize(("job", "words"), [
+    (zenflow_job({"optimizer": "nvme"}), "optimizer 'nvme', parameters 'auto'"),
+    (zenflow_job({"parameters": "cpu"}), "set optimizer cpu (or auto) and parameters gpu"),
+    (zenflow_job({"policy": "none", "optimizer": "auto"}), "policy 'none' exclude it"),
+    (zenflow_job(training={"gradientAccumulation": 4}), "set gradientAccumulation to 1"),
+    (zenflow_job(checkpoint={"everySteps": 10}), "set everySteps to a multiple of 4"),
+    (zenflow_job(training={"maxSteps": 10}), "set maxSteps to a multiple of 4"),
+    (zenflow_job(rollback={"onDivergence": True}), "set rollback.onDivergence: false"),
+    (zenflow_job(zenflow_override(update_interval=5, select_interval=4), checkpoint={"everySteps": 10}),
+     "select_interval must be 5 with overlap zenflow (got 4)"),
+    (zenflow_job(zenflow_override(update_interval="auto")), "update_interval must be a whole number of steps"),
+    (zenflow_job(zenflow_override(update_interval=64)), "from 1 to 32"),
+    (zenflow_job(zenflow_override(topk_ratio=1.5)), "topk_ratio must be a share of the columns"),
+    (zenflow_job(zenflow_override(overlap_step=True)), "an overlapped CPU update is in flight there and in no checkpoint"),
+    (zenflow_job(method={"type": "lora"}), "not yet tested with LoRA or DPO"),
 ])
-def test_zenflow_is_refused_where_a_resume_could_not_be_exact(spec, words):
+def test_zenflow_is_refused_where_a_resume_could_not_be_exact(job, words):
     """offload.overlap zenflow: ZeRO-2 with the optimizer in CPU RAM, no gradient accumulation
-    of Spillway's, checkpoints on ZenFlow's update boundaries, fixed intervals."""
+    of Spillway's, every checkpoint on ZenFlow's update boundary, no in-process rollback,
+    fixed intervals."""
     with pytest.raises(SpecError) as err:
-        parse_job(minimal(**spec))
+        parse_job(job)
     assert words in str(err.value)
 
 
 def test_zenflow_settings_are_spillways_with_the_interval_the_job_gives():
     from spillway_runtime.core.spec import zenflow_settings
 
-    job = parse_job(minimal(offload={**ZENFLOW, "deepspeed": {"zero_optimization": {"zenflow": {
-        "update_interval": 5, "select_interval": 5, "topk_ratio": 0.2}}}},
-        training=ZENFLOW_TRAINING, checkpoint={"everySteps": 10}))
+    job = parse_job(zenflow_job(zenflow_override(update_interval=5, topk_ratio=0.2), checkpoint={"everySteps": 10}))
+    # the columns are chosen afresh at each update boundary: select_interval follows update_interval
     assert zenflow_settings(job.spec.offload) == {
         "topk_ratio": 0.2, "select_strategy": "step", "select_interval": 5, "update_interval": 5,
         "full_warm_up_rounds": 0, "overlap_step": False}

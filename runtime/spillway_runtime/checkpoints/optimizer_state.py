@@ -265,14 +265,16 @@ def zenflow_state(engine: Any) -> dict[str, Any] | None:
 def restore_zenflow(engine: Any, saved: dict[str, Any] | None, step: int, interval: int) -> bool:
     """Put `zenflow_state` back after `engine.load_checkpoint`: ZenFlow's own counter, each
     top-k Adam's step count and its learning rate, so the next step is the uninterrupted run's. Only
-    on an update boundary (`step` a multiple of `interval`); elsewhere (the last step of a run,
-    a checkpoint from before ZenFlow) ZenFlow starts afresh, as it did at step 0. Returns
+    on an update boundary of ZenFlow's own count (the next step chooses the columns afresh);
+    admission puts every checkpoint on one (checkpoint.everySteps and training.maxSteps
+    multiples of the interval, a suspend trains on to the next), so elsewhere (a checkpoint
+    edited or written by another release) ZenFlow starts afresh, as it did at step 0. Returns
     whether it was put back."""
     import torch
 
     optimizer = engine.optimizer
     selective = getattr(optimizer, "selective_optimizer", None)
-    if selective is None or saved is None or step % interval:
+    if selective is None or saved is None or step % interval or (saved["micro_step"] + 1) % interval:
         return False
     params = [p for group in selective.param_groups for p in group["params"]]
     for index, moment in saved["moments"].items():

@@ -408,7 +408,7 @@ def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSetting
     if placement.zenflow_interval:
         # ZenFlow: the CPU step once per interval; the top-k columns' Adam every step, at HBM speed
         # on a GPU (on the CPU accelerator torch's Adam on the columns: counted at the CPU rate)
-        per_step = 48 * t / ranks / 2e12 if placement.on_gpu else t / nodes / cpu_adam
+        per_step = 48 * t / 2e12 if placement.on_gpu else t / nodes / cpu_adam  # whole matrices on every rank
         zenflow = placement.zenflow_topk * per_step
         optimizer_step = optimizer_step / placement.zenflow_interval + zenflow
     gather, gradients = gather_release(placement), gradient_handling(placement)

@@ -216,7 +216,8 @@ class Offload(SpecModel):
         "4 steps (zero_optimization.zenflow.update_interval in offload.deepspeed), so the CPU step is paid once "
         "per interval. Not the same losses as plain ZeRO-Offload (most gradients are applied late); a resume "
         "is bit-identical to an uninterrupted ZenFlow run. Needs training.gradientAccumulation 1 (ZenFlow "
-        "accumulates) and checkpoint.everySteps a multiple of the interval; full fine-tuning, objective sft",
+        "accumulates), checkpoint.everySteps and training.maxSteps multiples of the interval, "
+        "rollback.onDivergence false; full fine-tuning, objective sft",
     )
     nvme: NvmeVolume = Field(default_factory=lambda: NvmeVolume())
     deepspeed: dict[str, Any] = Field(
@@ -265,6 +266,7 @@ class Offload(SpecModel):
 # and in none, so a resume drifted from the uninterrupted run by up to 4e-4 after the first
 # interval, measured on the CPU). Fixed intervals so that checkpoints fall on a boundary, where
 # the state is whole (the selection is made afresh, nothing is accumulated).
+ZENFLOW_MAX_INTERVAL = 32  # steps a suspend may train on for (its grace period is finite)
 ZENFLOW_DEFAULTS: dict[str, Any] = {"topk_ratio": 0.1, "select_strategy": "step", "select_interval": 4,
                                     "update_interval": 4, "full_warm_up_rounds": 0, "overlap_step": False}
 
@@ -277,11 +279,20 @@ def zenflow_settings(offload: Offload) -> dict[str, Any]:
     given = zero.get("zenflow") if isinstance(zero, dict) else None
     if given is not None and not isinstance(given, dict):
         raise ValueError("offload.deepspeed.zero_optimization.zenflow must be a mapping of ZenFlow settings")
-    settings = {**ZENFLOW_DEFAULTS, **(given or {})}
+    given = given or {}
+    settings = {**ZENFLOW_DEFAULTS, **given}
     interval = settings["update_interval"]
-    if isinstance(interval, bool) or not isinstance(interval, int) or not 1 <= interval <= 1000:
-        raise ValueError(f"zero_optimization.zenflow.update_interval must be a whole number of steps from 1 to 1000 "
-                         f"(got {interval!r}; auto moves the boundaries a checkpoint must fall on)")
+    if isinstance(interval, bool) or not isinstance(interval, int) or not 1 <= interval <= ZENFLOW_MAX_INTERVAL:
+        raise ValueError(
+            f"zero_optimization.zenflow.update_interval must be a whole number of steps from 1 to "
+            f"{ZENFLOW_MAX_INTERVAL} (got {interval!r}): checkpoints, and a suspend, wait for its boundary "
+            "(auto moves it)")
+    ratio = settings["topk_ratio"]
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 < ratio < 1:
+        raise ValueError(f"zero_optimization.zenflow.topk_ratio must be a share of the columns above 0 and below 1 "
+                         f"(got {ratio!r})")
+    if "select_interval" not in given:
+        settings["select_interval"] = interval  # chosen afresh at every update boundary
     fixed = {"select_strategy": "step", "select_interval": interval, "full_warm_up_rounds": 0, "overlap_step": False}
     for key, value in fixed.items():
         if settings[key] != value:
@@ -289,7 +300,7 @@ def zenflow_settings(offload: Offload) -> dict[str, Any]:
                 f"zero_optimization.zenflow.{key} must be {value!r} with overlap zenflow (got {settings[key]!r}): "
                 "Spillway checkpoints on ZenFlow's update boundaries, where a resume is bit-identical; "
                 + ("an overlapped CPU update is in flight there and in no checkpoint" if key == "overlap_step"
-                   else "remove it from offload.deepspeed"))
+                   else f"set it to {value!r} or remove it from offload.deepspeed"))
     return settings
 
 
@@ -484,7 +495,6 @@ class FineTuneJobSpec(SpecModel):
                              "remove keepBest")
         return self
 
-
     def _zenflow_fits(self) -> None:
         interval = zenflow_settings(self.offload)["update_interval"]
         if self.training.gradient_accumulation != 1:
@@ -492,15 +502,22 @@ class FineTuneJobSpec(SpecModel):
                 f"offload.overlap zenflow with training.gradientAccumulation {self.training.gradient_accumulation}: "
                 f"ZenFlow accumulates the gradients it applies late itself (every {interval} steps); set "
                 "gradientAccumulation to 1 and raise microBatchSize, or remove overlap")
-        if self.checkpoint.every_steps % interval:
-            raise ValueError(
-                f"checkpoint.everySteps {self.checkpoint.every_steps} with offload.overlap zenflow: a checkpoint must "
-                f"fall on ZenFlow's update boundary (every {interval} steps), where nothing is accumulated; set "
-                f"everySteps to a multiple of {interval}")
         if self.method.lora or self.method.objective != "sft":
             raise ValueError(
                 "offload.overlap zenflow is for full fine-tuning with objective sft (not yet tested with LoRA or DPO): "
                 "remove overlap or set method.type full and objective sft")
+        for field, steps in (("checkpoint.everySteps", self.checkpoint.every_steps),
+                             ("training.maxSteps", self.training.max_steps)):
+            if steps % interval:
+                raise ValueError(
+                    f"{field} {steps} with offload.overlap zenflow: a checkpoint (the last one too) must fall on "
+                    f"ZenFlow's update boundary (every {interval} steps), where nothing is accumulated; set "
+                    f"{field.split('.')[1]} to a multiple of {interval}")
+        if self.rollback.on_divergence:
+            raise ValueError(
+                "offload.overlap zenflow with rollback.onDivergence: a rollback in the same process would keep the "
+                "gradients ZenFlow accumulated in the discarded steps; set rollback.onDivergence: false (a "
+                "diverged run then fails, and resumes from its last checkpoint when restarted)")
 
 
 class ObjectMeta(BaseModel):

@@ -219,6 +219,9 @@ def _size_memory(placement: PlacementInputs) -> Sizing:
         # ZenFlow's top-k Adam on the accelerator: both moments and the gradient of the columns it
         # selects, in the training dtype, for every whole matrix on every rank
         gpu_state += int(p.zenflow_topk * 3 * DTYPE_BYTES[p.dtype] * shape.trainable)
+        # and its gradient accumulation over the interval: DeepSpeed's whole-parameter buffers in
+        # CPU RAM, in the training dtype, per process (stage_1_and_2 `accumulated_grads_in_cpu`)
+        cpu_state += DTYPE_BYTES[p.dtype] * shape.trainable * p.ranks_per_node
     gpu_state, cpu_state, reference_nvme = _with_reference(p, gpu_state, cpu_state)
     overhead = p.ranks_per_node * (CPU_PROCESS_OVERHEAD_GPU if p.on_gpu else CPU_PROCESS_OVERHEAD_CPU)
     gpu_capacity = hw.gpu_memory_bytes if p.on_gpu else 0

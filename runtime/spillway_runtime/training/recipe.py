@@ -336,10 +336,11 @@ class FineTuneRecipe:
         for _ in range(t.gradient_accumulation):
             position = self._next_position()
             loss = self._micro_loss(position)
+            if self.checkpoints.pending is not None and self.zenflow_interval:
+                self.checkpoints.settle()  # ZenFlow's backward changes what it is writing (top-k step, fp32 sync)
             self.engine.backward(loss)
-            if self.checkpoints.pending is not None and (
-                    self.zenflow_interval or self.engine.is_gradient_accumulation_boundary()):
-                self.checkpoints.settle()  # the optimizer step changes what it is writing (ZenFlow's, every step)
+            if self.checkpoints.pending is not None and self.engine.is_gradient_accumulation_boundary():
+                self.checkpoints.settle()  # the optimizer step changes what it is writing
             self.engine.step()
             total += float(loss.detach().float().item())
             self.data_position = position + 1
