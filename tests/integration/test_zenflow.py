@@ -3,10 +3,11 @@
 ZenFlow updates the top 10% of gradient columns every step and applies the rest on the CPU
 every 4 steps. DeepSpeed's checkpoint misses its own step counter, and the step counts and
 learning rate of its top-k Adam: without Spillway's `zenflow_state`, the first resumed step
-matched and the next ones drifted, by up to 3e-3 relative within 8 steps here. Here a suspend at step 5 trains on to the update boundary at step 8, checkpoints
-there and exits; the restart's losses and final checkpoint are the uninterrupted ZenFlow
-run's, bit for bit. ZenFlow is really on: the same job without it has other losses from the
-second step (its updates are not ZenFlow's).
+matched and the next ones drifted, by up to 3e-3 relative within 8 steps here. Here a
+suspend at step 5 trains on to the update boundary at step 8, checkpoints there and exits;
+the restart's losses and final checkpoint are the uninterrupted ZenFlow run's, bit for bit.
+ZenFlow is really on: the same job without it has the same first loss and other losses from
+the second step.
 """
 
 from __future__ import annotations
