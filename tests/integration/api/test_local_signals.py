@@ -229,6 +229,16 @@ def test_a_killed_spillway_run_leaves_no_training_process_behind(tmp_path, tiny_
     job = write_job(tmp_path, tiny_model, "orphan", every=1000)
     run = CliRun(tmp_path, job, tmp_path / "run")
     run.wait_for_step(3)
+
+    sessions = make_sessionmaker(make_engine(run.env["SPILLWAY_DATABASE_URL"]))
+
+    def row_phase() -> tuple[str, int | None]:
+        with sessions() as session:
+            [row] = session.query(Job).all()
+            return row.phase, row.owner_pid
+
+    # The command reads the run's events on its own beat: kill it once its row says Running.
+    polling.wait_for(lambda: row_phase() == ("Running", run.proc.pid), 60, "the job's row to say Running")
     trainers = psutil.Process(run.proc.pid).children(recursive=True)
     assert trainers, "spillway run started no training process"
     run.proc.send_signal(signal.SIGKILL)  # only the command, as an OOM killer would
@@ -248,9 +258,7 @@ def test_a_killed_spillway_run_leaves_no_training_process_behind(tmp_path, tiny_
 
     settings = Settings(database_url=run.env["SPILLWAY_DATABASE_URL"], data_dir=Path(run.env["SPILLWAY_DATA_DIR"]),
                         auth="none")
-    with make_sessionmaker(make_engine(settings.database_url))() as session:
-        [row] = session.query(Job).all()
-        assert (row.phase, row.owner_pid) == ("Running", run.proc.pid)
+    assert row_phase() == ("Running", run.proc.pid)
     with TestClient(create_app(settings), base_url="http://127.0.0.1") as api:  # --no-auth: loopback only
         job = api.get("/v1/namespaces/default/jobs/orphan").json()
         assert job["phase"] == "Preempted" and f"stopped at step {preempted['step']}" in job["message"], job
