@@ -22,6 +22,8 @@ def apply(plan: OffloadPlan) -> None:
         swap_each_parameter_in_once()
     if plan.uses_nvme:
         quiet_ssd_endurance_warning()
+    if plan.swap.gpu_resident_fraction > 0:
+        run_twin_flow_as_deepspeed_describes_it()
     if plan.optimizer == "nvme" and plan.swap.cpu_resident_fraction > 0:
         keep_first_sub_groups_in_ram(plan.swap.cpu_resident_fraction)
     else:
@@ -131,3 +133,114 @@ def view_zenflow_weights_in_column_order() -> None:
 
     setattr(update, _ZENFLOW_MARK, True)
     DeepSpeedZeroOptimizer._update_model_bit16_weights = update
+
+
+_TWIN_FLOW_MARK = "_spillway_twin_flow"
+_ADAM_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+
+
+def run_twin_flow_as_deepspeed_describes_it() -> None:
+    """Twin-Flow (`offload_optimizer.ratio`, Spillway's offload.gpuResidentFraction): DeepSpeed
+    0.19.8 keeps the first int((1 - ratio) x n) of a rank's n optimizer sub-groups on the
+    accelerator and steps them with a second optimizer, a torch AdamW (`backup_optimizer`).
+    Three defects, each found on the CPU suite's tiny Llama (tests/integration/test_twin_flow.py):
+
+    - The AdamW is built with the learning rate, betas, eps and weight decay the CPU Adam had
+      when the engine was built, and nothing updates them: the learning-rate schedule never
+      reached the share on the accelerator (warmup and decay ran on the CPU's sub-groups only;
+      the accelerator's trained at the configured peak rate from the first step). Here each of
+      its steps takes them from the CPU Adam's group first.
+    - A checkpoint holds the CPU Adam's state only: the AdamW's moments and step counts were in
+      none, so a resumed run's accelerator share restarted Adam from zero. Here they are written
+      into the checkpoint's optimizer state beside the CPU Adam's, under the sub-group's index
+      and in its format (`step`, `exp_avg`, `exp_avg_sq`), and moved back into the AdamW after a
+      load. A checkpoint so written resumes with another share too (all on the CPU, or more on
+      the accelerator): each sub-group's moments go to whichever optimizer steps it.
+    - On the CPU accelerator the share is mapped to the device named "cpu", which the step
+      takes for the CPU Adam's: Twin-Flow silently did not run, and `spillway run` on one
+      machine trained another optimizer than the GPU pod. Here the share is put on "cpu:0"
+      (the same memory), so the AdamW steps it there as it does on a GPU.
+    """
+    from deepspeed.runtime.zero import stage3
+
+    cls = stage3.DeepSpeedZeroOptimizer_Stage3
+    if getattr(cls._optimizer_step, _TWIN_FLOW_MARK, False):
+        return
+    create, step, save, load = (cls._create_fp32_partitions, cls._optimizer_step, cls._rigid_state_dict,
+                                cls._rigid_load_state_dict)
+
+    class _CpuShareNamed:
+        """The accelerator with the device name Twin-Flow's share is put on: "cpu:0"."""
+
+        _name = "cpu:0"
+
+        def __init__(self, accelerator: Any):
+            self._accelerator = accelerator
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._accelerator, name)
+
+    def create_fp32_partitions(self: Any) -> Any:
+        real = stage3.get_accelerator
+        if not (self.offload_optimizer and self.partial_offload != 1.0 and real()._name == "cpu"):
+            return create(self)
+        stage3.get_accelerator = lambda: _CpuShareNamed(real())
+        try:
+            return create(self)
+        finally:
+            stage3.get_accelerator = real
+
+    def optimizer_step(self: Any, sub_group_id: int) -> Any:
+        backup = getattr(self, "backup_optimizer", None)
+        if backup is not None:
+            for mine, theirs in zip(backup.param_groups, self.optimizer.param_groups, strict=True):
+                for key in _ADAM_HYPERPARAMETERS:
+                    mine[key] = theirs[key]
+        return step(self, sub_group_id)
+
+    def rigid_state_dict(self: Any) -> Any:
+        from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
+
+        state_dict = save(self)
+        backup = getattr(self, "backup_optimizer", None)
+        if backup is None:
+            return state_dict
+        states = state_dict[OPTIMIZER_STATE_DICT]["state"]
+        for index, flat in _accelerator_share(self):
+            state = backup.state.get(flat)
+            if state:
+                states[index] = {"step": int(float(state["step"])), "exp_avg": state["exp_avg"],
+                                 "exp_avg_sq": state["exp_avg_sq"]}
+        return state_dict
+
+    def rigid_load_state_dict(self: Any, state_dict: Any, load_optimizer_states: bool = True) -> Any:
+        import torch
+
+        loaded = load(self, state_dict, load_optimizer_states)
+        backup = getattr(self, "backup_optimizer", None)
+        if backup is None or not load_optimizer_states:
+            return loaded
+        for _index, flat in _accelerator_share(self):
+            state = self.optimizer.state.pop(flat, None)
+            if state and "exp_avg" in state:
+                backup.state[flat] = {"step": torch.tensor(float(state["step"]), dtype=torch.float32),
+                                      "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+        return loaded
+
+    for name, function in (("_create_fp32_partitions", create_fp32_partitions), ("_optimizer_step", optimizer_step),
+                           ("_rigid_state_dict", rigid_state_dict), ("_rigid_load_state_dict", rigid_load_state_dict)):
+        setattr(function, _TWIN_FLOW_MARK, True)
+        setattr(cls, name, function)
+
+
+def _accelerator_share(zero: Any) -> list[tuple[int, Any]]:
+    """(index in the CPU Adam's state dict, fp32 flat partition) of each sub-group Twin-Flow
+    keeps on the accelerator: the index torch's `Optimizer.state_dict` gives it, over the
+    param groups as ZeRO-3 fills them for a checkpoint."""
+    zero._set_fp32_optimizer_param_groups()
+    try:
+        index = {id(p): i for i, p in enumerate(p for group in zero.optimizer.param_groups for p in group["params"])}
+    finally:
+        zero._clear_fp32_optimizer_param_groups()
+    return [(index[id(flat)], flat) for i, flat in enumerate(zero.fp32_partitioned_groups_flat)
+            if zero.subgroup_to_device[i] != "cpu"]

@@ -484,3 +484,35 @@ def test_zenflow_plans_zero2_with_the_cpu_step_once_per_interval():
     assert zenflow.bytes.gpu - plain.bytes.gpu == int(0.1 * 6 * model.params)
     # in CPU RAM, the gradients accumulated over the interval: 2 B/param, whole, per process
     assert zenflow.bytes.cpu - plain.bytes.cpu == 2 * model.params
+
+
+def test_twin_flow_keeps_the_first_sub_groups_on_the_gpu_and_steps_them_there():
+    """offload.gpuResidentFraction: ZeRO-3 with the optimizer in CPU RAM, the first
+    int(share x sub-groups) of each rank on the GPU (16 B/param there: fp32 master, both moments,
+    fp32 gradient), out of CPU RAM, and out of the CPU Adam's step."""
+    model = ModelShape.from_param_count(1_000_000_000)
+    train = Training(sequence_length=2048, micro_batch_size=1, max_steps=100)
+    zero3 = {"zero_optimization": {"stage": 3}}
+    plain = plan_tiers(model, rtx4090(128), train, Offload(optimizer="cpu", parameters="gpu", deepspeed=zero3))
+    twin = plan_tiers(model, rtx4090(128), train, Offload(optimizer="cpu", gpu_resident_fraction=0.25))
+    assert plain.label == twin.label == "Z3 opt:cpu par:gpu" and twin.feasible
+    cut = sub_group_cut(model, 1, twin.swap.sub_group_size, MIN_AIO_BYTES)
+    kept = int((1 - 0.75) * len(cut.sizes))
+    assert len(cut.sizes) >= 8 and kept >= 2 and twin.swap.gpu_resident_fraction == 0.25
+    on_gpu = sum(cut.sizes[:kept])
+    assert twin.bytes.gpu - plain.bytes.gpu == 16 * on_gpu
+    assert plain.bytes.cpu - twin.bytes.cpu == 16 * on_gpu
+    share = on_gpu / cut.total
+    assert twin.step.gpu_share == pytest.approx(share)
+    assert twin.step.cpu_optimizer == pytest.approx(plain.step.cpu_optimizer * (1 - share)
+                                                    + 48 * model.params * share / 2e12)
+    assert f"optimizer: {kept} of {len(cut.sizes)} sub-groups per process kept and updated on the GPU" in " ".join(
+        twin.reasons)
+    assert "Twin-Flow" in twin.step.formula()
+    excluded = {r.placement for r in twin.rejected if "offload.gpuResidentFraction is set" in r.why}
+    assert "Z2 opt:cpu par:gpu" in excluded and "Z3 opt:nvme par:gpu" in excluded
+
+    # a share the GPU cannot hold is a GPU shortfall, not a silent smaller share
+    too_much = plan_tiers(ModelShape.from_param_count(3_000_000_000), rtx4090(128), train,
+                          Offload(optimizer="cpu", gpu_resident_fraction=0.9))
+    assert not too_much.feasible and {s.tier for s in too_much.shortfalls} == {"gpu"}

@@ -1,3 +1,4 @@
+import copy
 from pathlib import Path
 
 import pytest
@@ -194,6 +195,29 @@ def test_zenflow_is_refused_where_a_resume_could_not_be_exact(job, words):
     with pytest.raises(SpecError) as err:
         parse_job(job)
     assert words in str(err.value)
+
+
+@pytest.mark.parametrize(("offload", "spec", "words"), [
+    ({"optimizer": "nvme"}, {}, "optimizer 'nvme', parameters 'auto', policy 'auto', overlap 'none' exclude it"),
+    ({"parameters": "nvme"}, {}, "set optimizer cpu (or auto), parameters gpu, cpu or auto and overlap none"),
+    ({"policy": "none"}, {}, "policy 'none'"),
+    ({"optimizer": "cpu", "overlap": "zenflow"}, ZENFLOW_JOB, "overlap 'zenflow' exclude it"),
+    ({"deepspeed": {"zero_optimization": {"stage": 2}}}, {}, "needs ZeRO-3 (DeepSpeed's Twin-Flow)"),
+    ({"gpuResidentFraction": 1}, {}, "less than 1"),
+    ({}, {"method": {"type": "lora"}}, "not yet tested with LoRA or DPO"),
+])
+def test_a_share_on_the_gpu_is_refused_where_twin_flow_cannot_run(offload, spec, words):
+    """offload.gpuResidentFraction: DeepSpeed's Twin-Flow, ZeRO-3 with the optimizer in CPU RAM."""
+    with pytest.raises(SpecError) as err:
+        parse_job(minimal(offload={"gpuResidentFraction": 0.3, **offload}, **copy.deepcopy(spec)))
+    assert words in str(err.value)
+
+
+def test_a_raw_twin_flow_ratio_is_refused_for_the_share_that_spillway_plans():
+    with pytest.raises(SpecError) as err:
+        parse_job(minimal(offload={"deepspeed": {"zero_optimization": {"offload_optimizer": {"ratio": 0.7}}}}))
+    assert "remove the ratio and set gpuResidentFraction" in str(err.value)
+    assert parse_job(minimal(offload={"gpuResidentFraction": 0.3})).spec.offload.gpu_resident_fraction == 0.3
 
 
 def test_zenflow_settings_are_spillways_with_the_interval_the_job_gives():

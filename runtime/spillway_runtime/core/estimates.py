@@ -76,6 +76,7 @@ class StepTime(BaseModel):
     cpu_optimizer: float = Field(description="The optimizer step: on the CPU, or fused Adam on the GPU")
     zenflow_interval: int = Field(0, description="offload.overlap zenflow: the CPU step every this many steps")
     zenflow_selective: float = Field(0.0, description="ZenFlow: the top-k columns' update every step, in cpu_optimizer")
+    gpu_share: float = Field(0.0, description="Twin-Flow: the share of the optimizer's elements updated on the GPU")
     pipelined: bool = Field(False, description="Optimizer NVMe I/O overlaps the optimizer step")
     swapped_sub_groups: int = Field(0, description="Per rank: the optimizer sub-groups read and written every step")
     resident_share: float = Field(0.0, description="Of the optimizer state: kept in CPU RAM (stepped first, no I/O)")
@@ -101,6 +102,9 @@ class StepTime(BaseModel):
             optimizer_phase = (f"optimizer step {self.cpu_optimizer:.3g} (ZenFlow: the CPU step "
                                f"{self.cpu_optimizer - self.zenflow_selective:.3g} a step, once every "
                                f"{self.zenflow_interval} steps, + the top-k columns' {self.zenflow_selective:.3g})")
+        elif self.gpu_share:
+            optimizer_phase = (f"optimizer step {self.cpu_optimizer:.3g} (Twin-Flow: {self.gpu_share:.0%} of the "
+                               "optimizer updated on the GPU, the rest by the CPU)")
         else:
             optimizer_phase = f"optimizer step {self.cpu_optimizer:.3g} + optimizer NVMe {self.optimizer_nvme:.3g}"
         return f"step {self.total:.3g} s = {forward_backward} + {optimizer_phase}"
@@ -168,6 +172,19 @@ def resident_sub_groups(share: float, sub_groups: int) -> int:
     return int(share * sub_groups + 1e-9)
 
 
+def twin_flow_ratio(share: float) -> float:
+    """DeepSpeed's `offload_optimizer.ratio` for a share of the optimizer kept on the GPU: the
+    share offloaded, 1 - share (rounded, so 1 - 0.3 is 0.7, not 0.7000000000000001)."""
+    return round(1 - share, 9)
+
+
+def gpu_sub_groups(share: float, sub_groups: int) -> int:
+    """How many of a rank's optimizer sub-groups Twin-Flow keeps and updates on the GPU: DeepSpeed
+    0.19.8 puts sub-group i there while i < int((1 - ratio) x sub-groups) (stage3
+    `subgroup_to_device`), the planner's count and the runtime's alike."""
+    return int((1 - twin_flow_ratio(share)) * sub_groups) if share > 0 else 0
+
+
 @dataclass(frozen=True)
 class SubGroupCut:
     """One rank's optimizer partition as DeepSpeed 0.19.8 cuts it into sub-groups
@@ -200,6 +217,10 @@ class SubGroupCut:
         """The sub-groups (elements) read and written every step with `share` kept in RAM."""
         keep = resident_sub_groups(share, len(self.sizes))
         return tuple(n for n in self.sizes[keep:] if n >= self.min_swap_elements)
+
+    def on_gpu(self, share: float) -> int:
+        """Elements Twin-Flow keeps on the GPU with `share` (`gpu_sub_groups` of them, the first)."""
+        return sum(self.sizes[:gpu_sub_groups(share, len(self.sizes))])
 
     @property
     def unswappable(self) -> int:
@@ -392,10 +413,15 @@ def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSetting
         # every process computes its own micro-batches on a share of the cores
         compute = flops * placement.ranks_per_node / flops_per_s
         pcie = math.inf  # device memory is host memory
+    gpu_share = 0.0
+    if placement.gpu_resident and optimizer == "cpu":
+        cut = placement_cut(placement, swap)
+        gpu_share = cut.on_gpu(placement.gpu_resident) / cut.total
     host_device = 0.0
     if optimizer != "gpu":
-        # grads down and updated 16-bit params up, each rank its own partition
-        host_device += 4 * t / ranks / pcie
+        # grads down and updated 16-bit params up, each rank its own partition (Twin-Flow's GPU
+        # share updates its 16-bit params where they are)
+        host_device += (2 + 2 * (1 - gpu_share)) * t / ranks / pcie
     if parameters != "gpu":
         # fetch for forward and backward (and DPO's reference forward), grads down, every micro-step
         host_device += ((2 + placement.reference_forwards) * 2 * p + 2 * t) / ranks * micro_steps / pcie
@@ -404,6 +430,11 @@ def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSetting
     # fused Adam on a GPU streams ~16 B/param three times at HBM speed (~2 TB/s)
     on_hbm = optimizer == "gpu" and placement.on_gpu
     optimizer_step = 48 * t / ranks / 2e12 if on_hbm else t / nodes / cpu_adam
+    if gpu_share:
+        # Twin-Flow: the GPU share's Adam at HBM speed (on the CPU accelerator torch's AdamW on host
+        # memory: counted at the CPU rate), the rest on the CPU
+        on_gpu = 48 * t * gpu_share / ranks / 2e12 if placement.on_gpu else t * gpu_share / nodes / cpu_adam
+        optimizer_step = optimizer_step * (1 - gpu_share) + on_gpu
     zenflow = 0.0
     if placement.zenflow_interval:
         # ZenFlow: the CPU step once per interval; the top-k columns' Adam every step, at HBM speed
@@ -427,6 +458,7 @@ def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSetting
         cpu_optimizer=optimizer_step,
         zenflow_interval=placement.zenflow_interval,
         zenflow_selective=zenflow,
+        gpu_share=gpu_share,
         pipelined=swap.pipeline,
         swapped_sub_groups=swapped,
         resident_share=kept if placement.optimizer == "nvme" else 0.0,

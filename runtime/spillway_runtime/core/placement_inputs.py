@@ -142,6 +142,9 @@ class SwapSettings(BaseModel):
     cpu_resident_fraction: float = Field(
         0.0, description="With the optimizer on NVMe: the share of each rank's optimizer sub-groups kept in CPU "
         "RAM and never swapped (the first ones); the runtime keeps floor(share x sub-groups)")
+    gpu_resident_fraction: float = Field(
+        0.0, description="With the optimizer in CPU RAM under ZeRO-3: the share of each rank's optimizer sub-groups "
+        "kept and updated on the GPU (Twin-Flow; DeepSpeed keeps the first int(share x sub-groups))")
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,8 @@ class PlacementInputs:
     # gradient columns updated on the accelerator every step (0: plain ZeRO-Offload)
     zenflow_interval: int = 0
     zenflow_topk: float = 0.0
+    # offload.gpuResidentFraction: the share of a CPU-RAM optimizer's sub-groups on the GPU (0: none)
+    gpu_resident: float = 0.0
 
     @property
     def on_gpu(self) -> bool:

@@ -183,6 +183,9 @@ def _allowed(offload: Offload, stage: int, optimizer: Tier, parameters: Tier) ->
         return f"offload.deepspeed sets zero_optimization.stage {forced}"
     if offload.overlap == "zenflow" and (stage, optimizer, parameters) != (2, "cpu", "gpu"):
         return "offload.overlap is zenflow (ZeRO-2, the optimizer in CPU RAM, the parameters on the accelerator)"
+    if offload.gpu_resident_fraction is not None and (stage != 3 or optimizer != "cpu" or parameters == "nvme"):
+        return ("offload.gpuResidentFraction is set (Twin-Flow: ZeRO-3, the optimizer in CPU RAM, the parameters "
+                "on the accelerator or in CPU RAM)")
     allowed = set(POLICY_TIERS[offload.policy]) - {"auto"}  # the spec's one table of what each policy allows
     if not {optimizer, parameters} <= allowed:
         where = ", ".join(t for t in ("gpu", "cpu", "nvme") if t in allowed)
@@ -340,7 +343,7 @@ def plan_placement(inputs: PlanInputs, hw: NodeHardware) -> OffloadPlan:
             parameters=parameters, gpus_per_node=gpus, ranks_per_node=ranks_per_node, nodes=nodes,
             price_per_hour=price_per_hour, cpu_resident=_cpu_resident(offload),
             sub_group_size=_sub_group_override(offload), reference_forwards=reference_forwards,
-            reference_params=reference_params, **_zenflow(offload),
+            reference_params=reference_params, gpu_resident=offload.gpu_resident_fraction or 0.0, **_zenflow(offload),
         ))
         candidates.append(plan)
     if not candidates:

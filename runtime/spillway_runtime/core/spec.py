@@ -209,6 +209,13 @@ class Offload(SpecModel):
         "kept in CPU RAM, never swapped; the rest on NVMe. Omitted: when the planner chose NVMe "
         "(optimizer auto), the largest share the node's RAM holds; when optimizer is nvme, 0 (all on NVMe)",
     )
+    gpu_resident_fraction: float | None = Field(
+        None, gt=0, lt=1,
+        description="With the optimizer in CPU RAM under ZeRO-3: the share of its sub-groups (fp32 masters and "
+        "Adam moments) kept and updated on the GPU, 16 B/param there, the rest on the CPU (DeepSpeed's "
+        "Twin-Flow, offload_optimizer.ratio = 1 - share). DeepSpeed keeps the first int(share x sub-groups) "
+        "of each process. Omitted: none (the planner does not choose it yet). Full fine-tuning, objective sft",
+    )
     overlap: Literal["none", "zenflow"] = Field(
         "none",
         description="zenflow: DeepSpeed's ZenFlow on a ZeRO-2 plan with the optimizer in CPU RAM: each step the "
@@ -252,12 +259,35 @@ class Offload(SpecModel):
             )
         if self.overlap == "zenflow":
             zenflow_settings(self)  # raises naming the override it cannot use
+        if self.gpu_resident_fraction is not None:
+            self._twin_flow_fits()
+        zero = self.deepspeed.get("zero_optimization")
+        block = zero.get("offload_optimizer") if isinstance(zero, dict) else None
+        if isinstance(block, dict) and "ratio" in block:
+            raise ValueError("offload.deepspeed: zero_optimization.offload_optimizer.ratio is set from "
+                             "offload.gpuResidentFraction (ratio = 1 - share), where Spillway plans the GPU bytes and "
+                             "checkpoints the GPU share's Adam moments: remove the ratio and set gpuResidentFraction")
         if self.optimizer == "gpu" and self.parameters in ("cpu", "nvme"):
             raise ValueError(
                 "parameters offloaded while the optimizer stays on GPU is not a useful placement: "
                 "set optimizer to cpu or nvme, or parameters to gpu"
             )
         return self
+
+    def _twin_flow_fits(self) -> None:
+        """gpuResidentFraction: ZeRO-3 with the optimizer in CPU RAM, no ZenFlow, no raw ratio."""
+        if self.optimizer not in ("auto", "cpu") or self.parameters not in ("auto", "gpu", "cpu") \
+                or "cpu" not in POLICY_TIERS[self.policy] or self.overlap != "none":
+            raise ValueError(
+                f"gpuResidentFraction is the share of a CPU-RAM optimizer kept on the GPU (ZeRO-3, parameters on the "
+                f"GPU or in CPU RAM, no overlap); optimizer {self.optimizer!r}, parameters {self.parameters!r}, "
+                f"policy {self.policy!r}, overlap {self.overlap!r} exclude it: set optimizer cpu (or auto), "
+                "parameters gpu, cpu or auto and overlap none, or remove gpuResidentFraction")
+        zero = self.deepspeed.get("zero_optimization")
+        stage = zero.get("stage") if isinstance(zero, dict) else None
+        if stage is not None and stage != 3:
+            raise ValueError(f"gpuResidentFraction needs ZeRO-3 (DeepSpeed's Twin-Flow); offload.deepspeed sets "
+                             f"zero_optimization.stage {stage}: remove one of them")
 
 
 # ZenFlow as Spillway runs it (`offload.overlap: zenflow`): the top 10% of gradient columns,
@@ -490,6 +520,10 @@ class FineTuneJobSpec(SpecModel):
                 "a checkpoint to keep as the best; set evalEverySteps (and dataset.validation) or remove earlyStopping")
         if self.offload.overlap == "zenflow":
             self._zenflow_fits()
+        if self.offload.gpu_resident_fraction is not None and (self.method.lora or self.method.objective != "sft"):
+            raise ValueError(
+                "offload.gpuResidentFraction is for full fine-tuning with objective sft (not yet tested with LoRA or "
+                "DPO): remove gpuResidentFraction or set method.type full and objective sft")
         if self.checkpoint.keep_best and self.dataset.validation is None:
             raise ValueError("checkpoint.keepBest needs dataset.validation to tell the best checkpoint; add it or "
                              "remove keepBest")

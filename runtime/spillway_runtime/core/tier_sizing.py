@@ -22,6 +22,7 @@ from spillway_runtime.core.estimates import (
     OPTIMIZER_SWAP_BYTES_PER_PARAM_NO_GRADS,
     SubGroupCut,
     activation_bytes,
+    gpu_sub_groups,
     model_state_bytes,
     nvme_state_bytes,
     placement_cut,
@@ -170,13 +171,15 @@ def _size_with(placement: PlacementInputs, swap: SwapSettings | None) -> SizedPl
     sizing = _size_memory(placement)
     if swap is None:
         swap = _choose_swap(placement.shape, placement.optimizer, placement.parameters, placement.ranks,
-                            sizing.cpu_spare(placement), placement.sub_group_size)
+                            sizing.cpu_spare(placement), placement.sub_group_size, placement.gpu_resident > 0)
     aio = placement.hw.aio or AioSettings()
     min_swap = max(MIN_AIO_BYTES, aio.block_size)
     groups = placement_cut(placement, swap)
     swapped_per_param = _keep_unswappable_in_ram(placement, sizing, swap, min_swap, groups)
     if swapped_per_param:
         _keep_share_in_ram(placement, sizing, swap, swapped_per_param, groups)
+    if placement.gpu_resident and placement.optimizer == "cpu":
+        _keep_share_on_gpu(placement, sizing, swap, groups)
     pinned = _pin(placement, sizing, swap)
     tier_bytes = _tier_bytes(placement, sizing, pinned)
     shortfalls, nvme_need = _shortfalls(placement, sizing, tier_bytes)
@@ -268,7 +271,7 @@ def _with_reference(p: PlacementInputs, gpu_state: int, cpu_state: int) -> tuple
 
 
 def _choose_swap(shape: ModelShape, optimizer: Tier, parameters: Tier, ranks: int, cpu_spare: int,
-                 sub_group_size: int | None = None) -> SwapSettings:
+                 sub_group_size: int | None = None, twin_flow: bool = False) -> SwapSettings:
     """Size sub-groups and swap buffers to the RAM that is left.
 
     The optimizer swapper pins buffer_count x sub_group x 4 B per rank; DeepSpeed's default
@@ -280,10 +283,11 @@ def _choose_swap(shape: ModelShape, optimizer: Tier, parameters: Tier, ranks: in
     MIN_SUB_GROUP_SIZE allows: a share is kept in whole sub-groups (0.5 of one sub-group would
     keep nothing), and the pipelined swapper reads the next sub-group and writes the last while
     one steps (with one sub-group there is nothing to overlap: `estimates.optimizer_phase`).
+    So too for a share kept on the GPU (`twin_flow`), which DeepSpeed also counts in sub-groups.
     """
     partition = max(1, shape.params // ranks)
     sub_group = min(DEFAULT_SUB_GROUP_SIZE, max(MIN_SUB_GROUP_SIZE, partition))
-    if optimizer == "nvme":
+    if optimizer == "nvme" or twin_flow:
         sub_group = min(sub_group, max(MIN_SUB_GROUP_SIZE, _cut_into(shape, ranks, TIERED_SUB_GROUPS)))
     if sub_group_size is not None:
         sub_group = sub_group_size
@@ -406,6 +410,23 @@ def _keep_share_in_ram(placement: PlacementInputs, sizing: Sizing, swap: SwapSet
         f"({format_bytes(resident_bytes)} per node), {on_nvme} on NVMe"
         + ("" if on_nvme else ": nothing of it is swapped")
     )
+
+
+def _keep_share_on_gpu(placement: PlacementInputs, sizing: Sizing, swap: SwapSettings, groups: SubGroupCut) -> None:
+    """Twin-Flow (offload.gpuResidentFraction): the first int(share x n) of each rank's n
+    sub-groups keep their fp32 masters, both Adam moments and fp32 gradient (16 B/param) on the
+    GPU and are updated there by torch's AdamW; their bytes leave CPU RAM. The 16-bit gradient
+    partition stays in RAM (DeepSpeed copies every gradient through it)."""
+    share, count = placement.gpu_resident, len(groups.sizes)
+    kept = groups.on_gpu(share)  # elements per rank
+    swap.gpu_resident_fraction = share
+    sizing.gpu_state += 16 * kept
+    sizing.cpu_state -= 16 * kept * placement.ranks_per_node
+    on_gpu = gpu_sub_groups(share, count)
+    sizing.reasons.append(
+        f"optimizer: {on_gpu} of {count} sub-groups per process kept and updated on the GPU (Twin-Flow, "
+        f"{format_bytes(16 * kept)} per GPU), the rest in CPU RAM"
+        + ("" if on_gpu else f": a share of {share:g} is under one sub-group, so none is"))
 
 
 def tier_parts(placement: PlacementInputs, sized: SizedPlacement) -> dict[OffloadTier, dict[str, int]]:

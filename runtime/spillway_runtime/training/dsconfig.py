@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from spillway_runtime.core.estimates import twin_flow_ratio
 from spillway_runtime.core.hardware import MEMLOCK_SHARE
 from spillway_runtime.core.planner import MIN_AIO_BYTES, OPTIMIZER_SWAP_BUFFERS, OffloadPlan
 from spillway_runtime.core.spec import FineTuneJobSpec, zenflow_settings
@@ -201,6 +202,8 @@ def _zero_block(plan: OffloadPlan, nvme_path: str | None) -> dict[str, Any]:
                     "pipeline_write": plan.swap.pipeline,
                 }
             )
+        elif plan.swap.gpu_resident_fraction:  # Twin-Flow: the first sub-groups on the accelerator
+            block["ratio"] = twin_flow_ratio(plan.swap.gpu_resident_fraction)
         zero["offload_optimizer"] = block
     if plan.parameters != "gpu":
         block = _offload_block(plan.parameters, nvme_path, plan)

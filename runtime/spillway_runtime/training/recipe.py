@@ -239,6 +239,11 @@ class FineTuneRecipe:
             f"engine: ZeRO-{self.plan.zero_stage}, optimizer {type(self.engine.optimizer).__name__}"
             f"/{type(getattr(self.engine.optimizer, 'optimizer', None)).__name__}"
         )
+        placed = getattr(self.engine.optimizer, "subgroup_to_device", None)
+        if self.plan.swap.gpu_resident_fraction and placed:
+            kept = [i for i, device in placed.items() if device != "cpu"]
+            self.log(f"Twin-Flow: {len(kept)} of {len(placed)} optimizer sub-groups kept and updated on "
+                     f"{placed[kept[0]] if kept else 'the accelerator'} (torch AdamW), the rest by the CPU Adam")
         self.reference: Any = None  # DPO's: the base, as the policy was before training
         if self.spec.method.objective == "dpo":
             from spillway_runtime.training.dpo import adapters_off
