@@ -333,9 +333,13 @@ def run_measurement(job: dict[str, Any]) -> dict[str, Any]:
         ds_config["zero_allow_untested_optimizer"] = True
         optimizer = torch.optim.AdamW(model.parameters(), lr=params["lr"], betas=tuple(params["betas"]),
                                       eps=params["eps"], weight_decay=params["weight_decay"], fused=cuda or None)
-    from spillway_runtime.deepspeed_fixes import view_zenflow_weights_in_column_order
+    from spillway_runtime.deepspeed_fixes import (
+        run_twin_flow_as_deepspeed_describes_it,
+        view_zenflow_weights_in_column_order,
+    )
 
     view_zenflow_weights_in_column_order()  # as the runtime runs ZenFlow (DeepSpeed 0.19.8 scrambles its weights)
+    run_twin_flow_as_deepspeed_describes_it()  # and Twin-Flow (its AdamW's schedule; on a CPU dry run, its path)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     generator = torch.Generator().manual_seed(0)
     tokens = job["micro_batch"] * job["seq"]
