@@ -15,6 +15,8 @@ models, every stage still run: tests/integration/test_gpu_kit.py). Stages:
      (plan_placement on probe_basic's NodeHardware): bytes per tier and step time as ratios;
   e. stage a's smallest shape as plain ZeRO-Offload, with Twin-Flow keeping 30% of the
      optimizer on the GPU, and with ZenFlow: step time, peak GPU memory, losses.
+  f. last: d again with Twin-Flow (offload.gpuResidentFraction 0.5): the GPU share's AdamW
+     moments go through Spillway's checkpoint, so the resumed losses equal the uninterrupted run's.
 
 A stage that needs a DeepSpeed op that did not build (run.sh's ops.json) is skipped with the
 build's error. The NVMe model is sized from the planner's own swap bytes, and stage b's from the
@@ -53,7 +55,7 @@ VOCAB = 32000
 RESULT_TAG = "KIT_RESULT "
 # (ZeRO stage, optimizer tier, parameter tier[, the optimizer's share kept in CPU RAM])
 Placement = tuple[int, str, str] | tuple[int, str, str, float]
-STAGES = frozenset({"resume", "resident", "cpu", "nvme", "overlap"})  # d, a, b's CPU and NVMe optimizer, e
+STAGES = frozenset({"resume", "resident", "cpu", "nvme", "overlap", "twin"})  # d, a, b's CPU and NVMe optimizer, e, f
 # Stage e: DeepSpeed's ways of taking the CPU optimizer step off the critical path, each as an edit
 # of the runtime's ZeRO-Offload config: (name, placement, zero_optimization
 # keys merged in). Twin-Flow ("ratio": the share of the optimizer state offloaded; the rest stays
@@ -64,6 +66,7 @@ STAGES = frozenset({"resume", "resident", "cpu", "nvme", "overlap"})  # d, a, b'
 # spec.ZENFLOW_DEFAULTS, written out: this module is imported before spillway is installed.
 ZENFLOW_DEFAULTS = {"topk_ratio": 0.1, "select_strategy": "step", "select_interval": 4, "update_interval": 4,
                     "full_warm_up_rounds": 0, "overlap_step": False}
+TWIN_FLOW_SUB_GROUPS = 16
 OVERLAP_VARIANTS: list[tuple[str, Placement, dict[str, Any]]] = [
     ("zero_offload", (3, "cpu", "gpu"), {}),
     ("twin_flow_ratio_0.7", (3, "cpu", "gpu"), {"offload_optimizer": {"ratio": 0.7}}),
@@ -360,7 +363,15 @@ def run_measurement(job: dict[str, Any]) -> dict[str, Any]:
             "first_step_seconds": round(times[0], 3), "losses": losses,
             "peak_gpu_bytes": int(torch.cuda.max_memory_allocated()) if cuda else None,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "swap_bytes": swap,
-            "outside_allocator_bytes": outside}
+            "outside_allocator_bytes": outside, "sub_groups_on_accelerator": _on_accelerator(engine)}
+
+
+def _on_accelerator(engine: Any) -> list[int] | None:
+    """Twin-Flow: [sub-groups kept on the accelerator, sub-groups] of this rank (None without it)."""
+    placed = getattr(engine.optimizer, "subgroup_to_device", None)
+    if not placed or getattr(engine.optimizer, "backup_optimizer", None) is None:
+        return None
+    return [sum(device != "cpu" for device in placed.values()), len(placed)]
 
 
 # ----------------------------------------------------------------------------- stages
@@ -472,7 +483,12 @@ def stage_overlap(settings: Settings, hw: Any, report: Report) -> None:
     hidden, layers = settings.search[0]
     config = llama_config(hidden, layers, settings.vocab, settings.seq)
     rows: dict[str, Any] = {"config": config}
+    params = 12 * layers * hidden**2 + 2 * settings.vocab * hidden
     for name, placement, update in OVERLAP_VARIANTS:
+        if placement[0] == 3:
+            # DeepSpeed keeps int(0.3 x sub-groups) on the GPU, and the runtime's plan cuts a 778M
+            # model into one: none. Both ZeRO-3 variants are cut into ~16 (4 on the GPU).
+            update = {**update, "sub_group_size": params // TWIN_FLOW_SUB_GROUPS}
         left = settings.left()
         if left < 60:
             rows[name] = {"skipped": f"budget: {left:.0f} s left"}
@@ -497,17 +513,26 @@ def stage_planner(report: Report) -> None:
 LAUNCH_SECONDS = 150.0  # one launch of stage d at most (a tiny model: ~20-40 s expected)
 
 
-def stage_resume(settings: Settings, hw: Any, report: Report) -> None:
+def stage_resume(settings: Settings, hw: Any, report: Report, twin_flow: bool = False) -> None:
     """(d) The runtime, SIGKILLed after its second checkpoint, resumes to the same losses. Run
-    first; its report is rewritten after each launch; a failed reference ends it."""
-    optimizer = next((o for o in ("nvme", "cpu") if not settings.missing_op(o)), None)
-    if optimizer is None:
-        report.add("d_resume", {"skipped": settings.missing_op("cpu")})
+    first; its report is rewritten after each launch; a failed reference ends it. (f) with
+    `twin_flow`: the same with the optimizer in CPU RAM and half its sub-groups on the GPU
+    (offload.gpuResidentFraction), whose AdamW moments Spillway writes into the checkpoint."""
+    key = "f_twin_flow_resume" if twin_flow else "d_resume"
+    optimizer = "cpu" if twin_flow else next((o for o in ("nvme", "cpu") if not settings.missing_op(o)), None)
+    if optimizer is None or settings.missing_op(optimizer):
+        report.add(key, {"skipped": settings.missing_op("cpu")})
+        return
+    if twin_flow and settings.left() < 3 * 40:  # three launches of a tiny model, ~20-40 s each
+        report.add(key, {"skipped": f"{settings.left():.0f} s of the budget left"})
         return
     from spillway_runtime.tiny import build_tiny_model, write_dataset
     from spillway_runtime.training.reporting import read_events
 
-    root = settings.work / "resume"
+    root = settings.work / ("twin-flow" if twin_flow else "resume")
+    # the tiny model (0.75M parameters) in 7 sub-groups, 3 of them on the GPU
+    shares = {"gpuResidentFraction": 0.5} if twin_flow else {}
+    zero = {"stage": 3, **({"sub_group_size": 100_000} if twin_flow else {})}
     model = build_tiny_model(root / "model")
     data = write_dataset(root / "train.jsonl", count=400)
     job = root / "job.json"
@@ -517,11 +542,12 @@ def stage_resume(settings: Settings, hw: Any, report: Report) -> None:
                  "training": {"maxSteps": 10, "microBatchSize": 2, "gradientAccumulation": 2, "sequenceLength": 32,
                               "learningRate": 3e-3, "warmupSteps": 2},
                  "offload": {"optimizer": optimizer, "parameters": "gpu", "nvme": {"path": str(root / "nvme")},
-                             "deepspeed": {"zero_optimization": {"stage": 3}}},
+                             **shares, "deepspeed": {"zero_optimization": zero}},
                  "checkpoint": {"everySteps": 5, "keep": 5}}}))
     started = time.monotonic()
-    result: dict[str, Any] = {"placement": f"Z3 opt:{optimizer} par:gpu", "returncodes": []}
-    if optimizer != "nvme":
+    result: dict[str, Any] = {"placement": f"Z3 opt:{optimizer} par:gpu" + (" gpuResidentFraction 0.5" if twin_flow else ""),
+                              "returncodes": []}
+    if optimizer != "nvme" and not twin_flow:
         result["fallback"] = settings.missing_op("nvme")
     for name, kill_at in (("reference", None), ("killed", 6), ("resumed", None)):
         run = root / ("reference" if name == "reference" else "resumed")
@@ -530,10 +556,10 @@ def stage_resume(settings: Settings, hw: Any, report: Report) -> None:
         result["seconds"] = round(time.monotonic() - started, 1)
         if rc != (-signal.SIGKILL if kill_at else 0):
             result[f"{name}_log_tail"] = log[-2000:]
-        report.add("d_resume", result)
+        report.add(key, result)
         if name == "reference" and rc != 0:
             result["skipped"] = "the uninterrupted run failed: no resume to compare"
-            report.add("d_resume", result)
+            report.add(key, result)
             return
     losses = {name: {e["step"]: e["loss"] for e in read_events(run / "events.jsonl") if e["event"] == "step"}
               for name, run in (("reference", root / "reference"), ("resumed", root / "resumed"))
@@ -542,7 +568,7 @@ def stage_resume(settings: Settings, hw: Any, report: Report) -> None:
     compared = sorted(s for s in resumed if s > 5)
     worst = max((abs(resumed[s] - losses["reference"][s]) / max(abs(losses["reference"][s]), 1e-12)
                  for s in compared if s in losses.get("reference", {})), default=None)
-    report.add("d_resume", {
+    report.add(key, {
         **result, "killed_by_sigkill": result["returncodes"][1] == -signal.SIGKILL, "compared_steps": compared,
         "max_relative_difference": worst, "equal": worst is not None and worst <= 1e-4 and len(compared) >= 5})
 
@@ -616,9 +642,9 @@ class Report:
             lines.append(f"| {stage} | {r['placement']} | {r['predicted']['params']:,} | {m['step_seconds']} | "
                          f"{m['tokens_per_second']} | {' | '.join(gib)} | "
                          f"{' / '.join(str(ratio[k]) for k in ('gpu', 'cpu', 'nvme', 'step'))} |")
-        d = self.stages.get("d_resume")
-        if d:
-            lines += ["", f"SIGKILL and resume: {json.dumps(d)}"]
+        for key, what in (("d_resume", "SIGKILL and resume"), ("f_twin_flow_resume", "Twin-Flow, SIGKILL and resume")):
+            if self.stages.get(key):
+                lines += ["", f"{what}: {json.dumps(self.stages[key])}"]
         return "\n".join(lines) + "\n"
 
 
@@ -662,6 +688,8 @@ def main(argv: list[str] | None = None) -> int:
     stage_offloaded(settings, hw, report, resident)
     if "overlap" in settings.only:
         stage_overlap(settings, hw, report)
+    if "twin" in settings.only:
+        stage_resume(settings, hw, report, twin_flow=True)
     stage_planner(report)
     report.write()
     print(report.markdown())

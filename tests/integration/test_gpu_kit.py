@@ -70,7 +70,12 @@ def test_dry_run_writes_every_stage(tmp_path):
         "zero_offload": "Z3 opt:cpu par:gpu zero_offload", "twin_flow_ratio_0.7": "Z3 opt:cpu par:gpu twin_flow_ratio_0.7",
         "zero_offload_z2": "Z2 opt:cpu par:gpu zero_offload_z2", "zenflow_z2": "Z2 opt:cpu par:gpu zenflow_z2",
         "zenflow_z2_overlapped": "Z2 opt:cpu par:gpu zenflow_z2_overlapped"}
-    assert overlap["twin_flow_ratio_0.7"]["zero_update"] == {"offload_optimizer": {"ratio": 0.7}}
+    twin_flow = overlap["twin_flow_ratio_0.7"]
+    assert twin_flow["zero_update"]["offload_optimizer"] == {"ratio": 0.7}
+    # cut fine enough that int(0.3 x sub-groups) of them are on the "GPU", as on a real one
+    on_gpu, sub_groups = twin_flow["measured"]["sub_groups_on_accelerator"]
+    assert on_gpu == int(0.3 * sub_groups) >= 1, twin_flow["measured"]
+    assert overlap["zero_offload"]["zero_update"]["sub_group_size"] == twin_flow["zero_update"]["sub_group_size"]
     assert overlap["zenflow_z2"]["zero_update"]["zenflow"] == ZENFLOW_DEFAULTS  # as the runtime runs it
     assert overlap["zenflow_z2_overlapped"]["zero_update"]["zenflow"]["overlap_step"] is True
     assert all(len(overlap[name]["measured"]["losses"]) == 2 for name in ("zero_offload", "zenflow_z2"))
@@ -85,8 +90,14 @@ def test_dry_run_writes_every_stage(tmp_path):
     assert resume["killed_by_sigkill"] and resume["returncodes"][0] == resume["returncodes"][2] == 0, resume
     assert resume["equal"] and resume["max_relative_difference"] <= 1e-4, resume
 
+    # Twin-Flow's share through Spillway's checkpoint: on the CPU, bit for bit
+    twin = stages["f_twin_flow_resume"]
+    assert twin["placement"] == "Z3 opt:cpu par:gpu gpuResidentFraction 0.5" and twin["killed_by_sigkill"], twin
+    assert twin["equal"] and twin["max_relative_difference"] == 0.0, twin
+
     table = (out / "gpu_kit.md").read_text()
     assert "| a | Z2 opt:gpu par:gpu |" in table and "SIGKILL and resume" in table
+    assert "Twin-Flow, SIGKILL and resume" in table
     assert "| e | Z2 opt:cpu par:gpu zenflow_z2 |" in table
 
 
