@@ -516,3 +516,22 @@ def test_twin_flow_keeps_the_first_sub_groups_on_the_gpu_and_steps_them_there():
     too_much = plan_tiers(ModelShape.from_param_count(3_000_000_000), rtx4090(128), train,
                           Offload(optimizer="cpu", gpu_resident_fraction=0.9))
     assert not too_much.feasible and {s.tier for s in too_much.shortfalls} == {"gpu"}
+
+
+def test_a_zero3_plan_with_gpu_memory_to_spare_names_the_share_twin_flow_would_keep_there():
+    """Said in the reasons, not chosen: the largest share of GPU_SHARES that fits, and the step
+    the job would get by pinning it (the same plan as pinning it gives)."""
+    plan = plan_tiers(P13, rtx4090(256), TRAIN)
+    assert plan.label == "Z3 opt:cpu par:cpu" and plan.swap.gpu_resident_fraction == 0
+    [hint] = [r for r in plan.reasons if r.startswith("offload.gpuResidentFraction: ")]
+    share = float(hint.split()[1])
+    pinned = plan_tiers(P13, rtx4090(256), TRAIN, Offload(optimizer="cpu", parameters="cpu", gpu_resident_fraction=share))
+    assert pinned.feasible and f"{pinned.predicted_step_seconds:.3g} s/step predicted instead of " \
+        f"{plan.predicted_step_seconds:.3g}" in hint
+    larger = plan_tiers(P13, rtx4090(256), TRAIN,
+                        Offload(optimizer="cpu", parameters="cpu", gpu_resident_fraction=round(share + 0.1, 1)))
+    assert not larger.feasible  # the largest that fits
+    assert not [r for r in pinned.reasons if r.startswith("offload.gpuResidentFraction: ")]
+    # where it could not run (ZeRO-2, LoRA): nothing said
+    assert not [r for r in plan_tiers(ModelShape.from_param_count(3_000_000_000), rtx4090(64), TRAIN).reasons
+                if "gpuResidentFraction" in r]

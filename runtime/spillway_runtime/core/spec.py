@@ -214,7 +214,8 @@ class Offload(SpecModel):
         description="With the optimizer in CPU RAM under ZeRO-3: the share of its sub-groups (fp32 masters and "
         "Adam moments) kept and updated on the GPU, 16 B/param there, the rest on the CPU (DeepSpeed's "
         "Twin-Flow, offload_optimizer.ratio = 1 - share). DeepSpeed keeps the first int(share x sub-groups) "
-        "of each process. Omitted: none (the planner does not choose it yet). Full fine-tuning, objective sft",
+        "of each process. Omitted: none (a ZeRO-3 plan's reasons name the largest share that fits). Full "
+        "fine-tuning, objective sft",
     )
     overlap: Literal["none", "zenflow"] = Field(
         "none",

@@ -74,6 +74,9 @@ MIN_SUB_GROUP_SIZE = 10_000_000
 # bandwidth, and one CPU Adam call of about 0.1 s; finer cuts gain little RAM and add calls.
 FINEST_CHOSEN_SUB_GROUP = 100_000_000
 TIERED_SUB_GROUPS = 8  # the fewest sub-groups per rank a RAM-resident share is cut into, above the minimum
+# The fewest a GPU share (Twin-Flow) is cut into: it is kept in whole sub-groups, and with the
+# optimizer in CPU RAM a finer cut costs no swap buffers, only more (still large) CPU Adam calls.
+TWIN_FLOW_SUB_GROUPS = 32
 # Pinning more than this share of RAM risks memlock limits and starves the page cache.
 MAX_PINNED_FRACTION = 0.5
 
@@ -288,7 +291,8 @@ def _choose_swap(shape: ModelShape, optimizer: Tier, parameters: Tier, ranks: in
     partition = max(1, shape.params // ranks)
     sub_group = min(DEFAULT_SUB_GROUP_SIZE, max(MIN_SUB_GROUP_SIZE, partition))
     if optimizer == "nvme" or twin_flow:
-        sub_group = min(sub_group, max(MIN_SUB_GROUP_SIZE, _cut_into(shape, ranks, TIERED_SUB_GROUPS)))
+        count = TWIN_FLOW_SUB_GROUPS if twin_flow and optimizer == "cpu" else TIERED_SUB_GROUPS
+        sub_group = min(sub_group, max(MIN_SUB_GROUP_SIZE, _cut_into(shape, ranks, count)))
     if sub_group_size is not None:
         sub_group = sub_group_size
     param_size = max(PARAM_SWAP_BUFFER_SIZE, shape.largest_param_numel)
