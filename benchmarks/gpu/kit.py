@@ -14,7 +14,8 @@ models, every stage still run: tests/integration/test_gpu_kit.py). Stages:
   c. beside every measurement, the planner's prediction for the same shape on this machine
      (plan_placement on probe_basic's NodeHardware): bytes per tier and step time as ratios;
   e. stage a's smallest shape as plain ZeRO-Offload, with Twin-Flow keeping 30% of the
-     optimizer on the GPU, and with ZenFlow: step time, peak GPU memory, losses.
+     optimizer on the GPU, and with ZenFlow: step time, peak GPU memory, losses (both ZeRO-3
+     variants cut into ~16 sub-groups since 2026-12-05: not comparable with earlier runs);
   f. last: d again with Twin-Flow (offload.gpuResidentFraction 0.5): the GPU share's AdamW
      moments go through Spillway's checkpoint, so the resumed losses equal the uninterrupted run's.
 
@@ -66,7 +67,7 @@ STAGES = frozenset({"resume", "resident", "cpu", "nvme", "overlap", "twin"})  # 
 # spec.ZENFLOW_DEFAULTS, written out: this module is imported before spillway is installed.
 ZENFLOW_DEFAULTS = {"topk_ratio": 0.1, "select_strategy": "step", "select_interval": 4, "update_interval": 4,
                     "full_warm_up_rounds": 0, "overlap_step": False}
-TWIN_FLOW_SUB_GROUPS = 16
+STAGE_E_SUB_GROUPS = 16
 OVERLAP_VARIANTS: list[tuple[str, Placement, dict[str, Any]]] = [
     ("zero_offload", (3, "cpu", "gpu"), {}),
     ("twin_flow_ratio_0.7", (3, "cpu", "gpu"), {"offload_optimizer": {"ratio": 0.7}}),
@@ -488,7 +489,7 @@ def stage_overlap(settings: Settings, hw: Any, report: Report) -> None:
         if placement[0] == 3:
             # DeepSpeed keeps int(0.3 x sub-groups) on the GPU, and the runtime's plan cuts a 778M
             # model into one: none. Both ZeRO-3 variants are cut into ~16 (4 on the GPU).
-            update = {**update, "sub_group_size": params // TWIN_FLOW_SUB_GROUPS}
+            update = {**update, "sub_group_size": params // STAGE_E_SUB_GROUPS}
         left = settings.left()
         if left < 60:
             rows[name] = {"skipped": f"budget: {left:.0f} s left"}

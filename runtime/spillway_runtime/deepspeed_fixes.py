@@ -137,6 +137,7 @@ def view_zenflow_weights_in_column_order() -> None:
 
 _TWIN_FLOW_MARK = "_spillway_twin_flow"
 _ADAM_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+_twin_flow_originals: dict[str, Any] = {}  # DeepSpeed's own ZeRO-3 methods that the mends below wrap
 
 
 def run_twin_flow_as_deepspeed_describes_it() -> None:
@@ -145,92 +146,108 @@ def run_twin_flow_as_deepspeed_describes_it() -> None:
     accelerator and steps them with a second optimizer, a torch AdamW (`backup_optimizer`).
     Three defects, each found on the CPU suite's tiny Llama (tests/integration/test_twin_flow.py):
 
-    - The AdamW is built with the learning rate, betas, eps and weight decay the CPU Adam had
-      when the engine was built, and nothing updates them: the learning-rate schedule never
-      reached the share on the accelerator (warmup and decay ran on the CPU's sub-groups only;
-      the accelerator's trained at the configured peak rate from the first step). Here each of
-      its steps takes them from the CPU Adam's group first.
+    - The AdamW's first param group is built with the learning rate, betas, eps and weight
+      decay the CPU Adam had when the engine was built, and nothing updates them (Spillway
+      passes one group): the learning-rate schedule never reached the share on the accelerator
+      (warmup and decay ran on the CPU's sub-groups only; the accelerator's trained at the
+      configured peak rate from the first step). Here each of its steps takes them from the CPU
+      Adam's groups first (`_twin_flow_step`).
     - A checkpoint holds the CPU Adam's state only: the AdamW's moments and step counts were in
       none, so a resumed run's accelerator share restarted Adam from zero. Here they are written
       into the checkpoint's optimizer state beside the CPU Adam's, under the sub-group's index
       and in its format (`step`, `exp_avg`, `exp_avg_sq`), and moved back into the AdamW after a
-      load. A checkpoint so written resumes with another share too (all on the CPU, or more on
-      the accelerator): each sub-group's moments go to whichever optimizer steps it.
+      load (`_twin_flow_state_dict`, `_twin_flow_load_state_dict`). A checkpoint so written
+      resumes with every sub-group on the CPU Adam too. (DeepSpeed's universal checkpoint load
+      is not mended: the runtime refuses a Twin-Flow resume through it.)
     - On the CPU accelerator the share is mapped to the device named "cpu", which the step
       takes for the CPU Adam's: Twin-Flow silently did not run, and `spillway run` on one
       machine trained another optimizer than the GPU pod. Here the share is put on "cpu:0"
-      (the same memory), so the AdamW steps it there as it does on a GPU.
+      (the same memory), so the AdamW steps it there as it does on a GPU
+      (`_twin_flow_fp32_partitions`).
     """
     from deepspeed.runtime.zero import stage3
 
     cls = stage3.DeepSpeedZeroOptimizer_Stage3
     if getattr(cls._optimizer_step, _TWIN_FLOW_MARK, False):
         return
-    create, step, save, load = (cls._create_fp32_partitions, cls._optimizer_step, cls._rigid_state_dict,
-                                cls._rigid_load_state_dict)
-
-    class _CpuShareNamed:
-        """The accelerator with the device name Twin-Flow's share is put on: "cpu:0"."""
-
-        _name = "cpu:0"
-
-        def __init__(self, accelerator: Any):
-            self._accelerator = accelerator
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self._accelerator, name)
-
-    def create_fp32_partitions(self: Any) -> Any:
-        real = stage3.get_accelerator
-        if not (self.offload_optimizer and self.partial_offload != 1.0 and real()._name == "cpu"):
-            return create(self)
-        stage3.get_accelerator = lambda: _CpuShareNamed(real())
-        try:
-            return create(self)
-        finally:
-            stage3.get_accelerator = real
-
-    def optimizer_step(self: Any, sub_group_id: int) -> Any:
-        backup = getattr(self, "backup_optimizer", None)
-        if backup is not None:
-            for mine, theirs in zip(backup.param_groups, self.optimizer.param_groups, strict=True):
-                for key in _ADAM_HYPERPARAMETERS:
-                    mine[key] = theirs[key]
-        return step(self, sub_group_id)
-
-    def rigid_state_dict(self: Any) -> Any:
-        from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
-
-        state_dict = save(self)
-        backup = getattr(self, "backup_optimizer", None)
-        if backup is None:
-            return state_dict
-        states = state_dict[OPTIMIZER_STATE_DICT]["state"]
-        for index, flat in _accelerator_share(self):
-            state = backup.state.get(flat)
-            if state:
-                states[index] = {"step": int(float(state["step"])), "exp_avg": state["exp_avg"],
-                                 "exp_avg_sq": state["exp_avg_sq"]}
-        return state_dict
-
-    def rigid_load_state_dict(self: Any, state_dict: Any, load_optimizer_states: bool = True) -> Any:
-        import torch
-
-        loaded = load(self, state_dict, load_optimizer_states)
-        backup = getattr(self, "backup_optimizer", None)
-        if backup is None or not load_optimizer_states:
-            return loaded
-        for _index, flat in _accelerator_share(self):
-            state = self.optimizer.state.pop(flat, None)
-            if state and "exp_avg" in state:
-                backup.state[flat] = {"step": torch.tensor(float(state["step"]), dtype=torch.float32),
-                                      "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
-        return loaded
-
-    for name, function in (("_create_fp32_partitions", create_fp32_partitions), ("_optimizer_step", optimizer_step),
-                           ("_rigid_state_dict", rigid_state_dict), ("_rigid_load_state_dict", rigid_load_state_dict)):
+    for name, function in (("_create_fp32_partitions", _twin_flow_fp32_partitions), ("_optimizer_step", _twin_flow_step),
+                           ("_rigid_state_dict", _twin_flow_state_dict),
+                           ("_rigid_load_state_dict", _twin_flow_load_state_dict)):
+        _twin_flow_originals[name] = getattr(cls, name)
         setattr(function, _TWIN_FLOW_MARK, True)
         setattr(cls, name, function)
+
+
+class _CpuShareNamed:
+    """The accelerator, with the device name Twin-Flow's share is put on: "cpu:0"."""
+
+    _name = "cpu:0"
+
+    def __init__(self, accelerator: Any):
+        self._accelerator = accelerator
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._accelerator, name)
+
+
+def _twin_flow_fp32_partitions(self: Any) -> Any:
+    from deepspeed.runtime.zero import stage3
+
+    create = _twin_flow_originals["_create_fp32_partitions"]
+    real = stage3.get_accelerator
+    if not (self.offload_optimizer and self.partial_offload != 1.0 and real()._name == "cpu"):
+        return create(self)
+    stage3.get_accelerator = lambda: _CpuShareNamed(real())  # read once here: the share's device name
+    try:
+        return create(self)
+    finally:
+        stage3.get_accelerator = real
+
+
+def _twin_flow_step(self: Any, sub_group_id: int) -> Any:
+    backup = getattr(self, "backup_optimizer", None)
+    if backup is not None:
+        for mine, theirs in zip(backup.param_groups, self.optimizer.param_groups, strict=True):
+            for key in _ADAM_HYPERPARAMETERS:
+                mine[key] = theirs[key]
+    return _twin_flow_originals["_optimizer_step"](self, sub_group_id)
+
+
+def _twin_flow_state_dict(self: Any) -> Any:
+    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
+
+    state_dict = _twin_flow_originals["_rigid_state_dict"](self)
+    backup = getattr(self, "backup_optimizer", None)
+    if backup is None:
+        return state_dict
+    states = state_dict[OPTIMIZER_STATE_DICT]["state"]
+    for index, flat in _accelerator_share(self):
+        state = backup.state.get(flat)
+        if state:
+            states[index] = {"step": int(float(state["step"])), "exp_avg": state["exp_avg"],
+                             "exp_avg_sq": state["exp_avg_sq"]}
+    return state_dict
+
+
+def _twin_flow_load_state_dict(self: Any, state_dict: Any, load_optimizer_states: bool = True) -> Any:
+    import torch
+
+    backup = getattr(self, "backup_optimizer", None)
+    if backup is not None and load_optimizer_states:
+        backup.state.clear()  # an in-process rollback would otherwise hold both copies a while
+    loaded = _twin_flow_originals["_rigid_load_state_dict"](self, state_dict, load_optimizer_states)
+    if backup is None or not load_optimizer_states:
+        return loaded
+    # The load replaced the CPU Adam's group dicts; those DeepSpeed shared with the AdamW
+    # (`add_param_group`, groups after the first) still list every sub-group of theirs
+    for group in backup.param_groups:
+        group["params"] = []
+    for _index, flat in _accelerator_share(self):
+        state = self.optimizer.state.pop(flat, None)
+        if state and "exp_avg" in state:
+            backup.state[flat] = {"step": torch.tensor(float(state["step"]), dtype=torch.float32),
+                                  "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+    return loaded
 
 
 def _accelerator_share(zero: Any) -> list[tuple[int, Any]]:

@@ -59,7 +59,7 @@ def test_a_twin_flow_run_follows_the_schedule_and_resumes_bit_identically(tmp_pa
     assert plain.returncode == 0, plain.log[-3000:]
     twin, cpu = reference.losses(), plain.losses()
     print("losses, Twin-Flow / CPU Adam:", [(twin[s], cpu[s]) for s in (1, 4, 8, 12)])
-    assert twin[1] == cpu[1]
+    assert twin[1] == cpu[1]  # the same model as built and the same batch: no update yet
     assert all(abs(twin[s] - cpu[s]) <= 1e-3 * abs(cpu[s]) for s in twin), (twin, cpu)
     assert twin[MAX_STEPS] < twin[1] - 0.2  # it learns
 
@@ -86,4 +86,10 @@ def test_a_twin_flow_run_follows_the_schedule_and_resumes_bit_identically(tmp_pa
     assert {s: got[s] for s in range(stopped_at + 1, MAX_STEPS + 1)} == {
         s: twin[s] for s in range(stopped_at + 1, MAX_STEPS + 1)}
     assert_same(final_checkpoint(resumed), final_checkpoint(reference), "final checkpoint")
+
+    # another number of processes goes through DeepSpeed's universal checkpoint, which would give
+    # the GPU share's moments to the CPU Adam: refused, by name
+    resharded = run_job(job, tmp_path / "run", processes=2)
+    assert resharded.returncode == ExitCode.BAD_INPUT, resharded.log[-3000:]
+    assert "does not carry the Adam moments of Twin-Flow's GPU share" in resharded.log
 

@@ -13,8 +13,15 @@ from spillway_runtime.core.estimates import (
 from spillway_runtime.core.hardware import DEFAULT_HOST_DEVICE_BPS, AioSettings, NodeHardware, hardware_from_node
 from spillway_runtime.core.largest import largest_model
 from spillway_runtime.core.plan_summary import PlanSummary
-from spillway_runtime.core.planner import ModelShape, minimum_cpu_for, parse_label, plan_summary, plan_tiers
-from spillway_runtime.core.spec import Offload, Training
+from spillway_runtime.core.planner import (
+    GPU_SHARES,
+    ModelShape,
+    minimum_cpu_for,
+    parse_label,
+    plan_summary,
+    plan_tiers,
+)
+from spillway_runtime.core.spec import Method, Offload, Training
 from spillway_runtime.core.units import GiB
 
 P13 = ModelShape.from_param_count(13_000_000_000)
@@ -528,10 +535,13 @@ def test_a_zero3_plan_with_gpu_memory_to_spare_names_the_share_twin_flow_would_k
     pinned = plan_tiers(P13, rtx4090(256), TRAIN, Offload(optimizer="cpu", parameters="cpu", gpu_resident_fraction=share))
     assert pinned.feasible and f"{pinned.predicted_step_seconds:.3g} s/step predicted instead of " \
         f"{plan.predicted_step_seconds:.3g}" in hint
-    larger = plan_tiers(P13, rtx4090(256), TRAIN,
-                        Offload(optimizer="cpu", parameters="cpu", gpu_resident_fraction=round(share + 0.1, 1)))
+    larger = plan_tiers(P13, rtx4090(256), TRAIN, Offload(optimizer="cpu", parameters="cpu",
+                                                           gpu_resident_fraction=GPU_SHARES[GPU_SHARES.index(share) - 1]))
     assert not larger.feasible  # the largest that fits
     assert not [r for r in pinned.reasons if r.startswith("offload.gpuResidentFraction: ")]
     # where it could not run (ZeRO-2, LoRA): nothing said
-    assert not [r for r in plan_tiers(ModelShape.from_param_count(3_000_000_000), rtx4090(64), TRAIN).reasons
-                if "gpuResidentFraction" in r]
+    zero2 = plan_tiers(ModelShape.from_param_count(3_000_000_000), rtx4090(64), TRAIN)
+    assert zero2.zero_stage == 2 and not [r for r in zero2.reasons if "gpuResidentFraction" in r]
+    lora = plan_tiers(P13, rtx4090(256), TRAIN, method=Method(type="lora"),
+                      offload=Offload(optimizer="cpu", deepspeed={"zero_optimization": {"stage": 3}}))
+    assert lora.zero_stage == 3 and lora.optimizer == "cpu" and not [r for r in lora.reasons if "gpuResidentFraction" in r]

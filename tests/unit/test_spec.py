@@ -205,6 +205,9 @@ def test_zenflow_is_refused_where_a_resume_could_not_be_exact(job, words):
     ({"deepspeed": {"zero_optimization": {"stage": 2}}}, {}, "needs ZeRO-3 (DeepSpeed's Twin-Flow)"),
     ({"gpuResidentFraction": 1}, {}, "less than 1"),
     ({}, {"method": {"type": "lora"}}, "not yet tested with LoRA or DPO"),
+    ({"cpuResidentFraction": 0.5}, {}, "remove cpuResidentFraction, or remove gpuResidentFraction"),
+    ({"deepspeed": {"zero_optimization": {"super_offload": True}}}, {}, "remove those overrides"),
+    ({"deepspeed": {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}}, {}, "remove those overrides"),
 ])
 def test_a_share_on_the_gpu_is_refused_where_twin_flow_cannot_run(offload, spec, words):
     """offload.gpuResidentFraction: DeepSpeed's Twin-Flow, ZeRO-3 with the optimizer in CPU RAM."""

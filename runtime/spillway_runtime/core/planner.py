@@ -18,10 +18,9 @@ that callers take from here are re-exported.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
@@ -37,7 +36,15 @@ from spillway_runtime.core.estimates import (
 from spillway_runtime.core.hardware import AioSettings, NodeHardware
 from spillway_runtime.core.placement_inputs import OPTIMIZER_SWAP_BUFFERS, ModelShape, PlacementInputs, SwapSettings
 from spillway_runtime.core.plan_summary import PlanSummary
-from spillway_runtime.core.spec import POLICY_TIERS, FineTuneJobSpec, Method, Offload, Training, zenflow_settings
+from spillway_runtime.core.spec import (
+    POLICY_TIERS,
+    FineTuneJobSpec,
+    Method,
+    Offload,
+    Training,
+    twin_flow_placement,
+    zenflow_settings,
+)
 from spillway_runtime.core.spec_types import DType, Tier
 from spillway_runtime.core.tier_sizing import (
     CPU_RESERVED_FRACTION,
@@ -184,7 +191,7 @@ def _allowed(offload: Offload, stage: int, optimizer: Tier, parameters: Tier) ->
         return f"offload.deepspeed sets zero_optimization.stage {forced}"
     if offload.overlap == "zenflow" and (stage, optimizer, parameters) != (2, "cpu", "gpu"):
         return "offload.overlap is zenflow (ZeRO-2, the optimizer in CPU RAM, the parameters on the accelerator)"
-    if offload.gpu_resident_fraction is not None and (stage != 3 or optimizer != "cpu" or parameters == "nvme"):
+    if offload.gpu_resident_fraction is not None and not twin_flow_placement(stage, optimizer, parameters):
         return ("offload.gpuResidentFraction is set (Twin-Flow: ZeRO-3, the optimizer in CPU RAM, the parameters "
                 "on the accelerator or in CPU RAM)")
     allowed = set(POLICY_TIERS[offload.policy]) - {"auto"}  # the spec's one table of what each policy allows
@@ -371,11 +378,11 @@ def _gpu_share_hint(best: OffloadPlan, placement: PlacementInputs) -> list[str]:
     offload.gpuResidentFraction (of GPU_SHARES) that fits and the step it is predicted to save,
     as a reason. Only said, not chosen: Twin-Flow's speed on a GPU is not measured yet (the GPU
     kit's stage e measures it)."""
-    if not (best.feasible and placement.on_gpu and (best.zero_stage, best.optimizer) == (3, "cpu")
-            and best.parameters != "nvme"):
+    if not (best.feasible and placement.on_gpu and twin_flow_placement(best.zero_stage, best.optimizer,
+                                                                          best.parameters)):
         return []
     for share in GPU_SHARES:
-        plan = _evaluate(dataclasses.replace(placement, gpu_resident=share))
+        plan = _evaluate(replace(placement, gpu_resident=share))
         if plan.feasible and plan.step.gpu_share and plan.predicted_step_seconds < best.predicted_step_seconds * 0.99:
             return [f"offload.gpuResidentFraction: {share:g} would keep {plan.step.gpu_share:.0%} of the optimizer "
                     f"on the GPU and update it there (Twin-Flow, {format_bytes(plan.bytes.gpu - best.bytes.gpu)} more "

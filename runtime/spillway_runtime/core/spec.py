@@ -276,19 +276,34 @@ class Offload(SpecModel):
         return self
 
     def _twin_flow_fits(self) -> None:
-        """gpuResidentFraction: ZeRO-3 with the optimizer in CPU RAM, no ZenFlow, no raw ratio."""
+        """gpuResidentFraction: ZeRO-3 with the optimizer in CPU RAM (`twin_flow_placement`), no
+        ZenFlow, no NVMe share, nothing in offload.deepspeed that moves the optimizer elsewhere."""
         if self.optimizer not in ("auto", "cpu") or self.parameters not in ("auto", "gpu", "cpu") \
-                or "cpu" not in POLICY_TIERS[self.policy] or self.overlap != "none":
+                or "cpu" not in POLICY_TIERS[self.policy] or self.overlap != "none" \
+                or self.cpu_resident_fraction is not None:
             raise ValueError(
-                f"gpuResidentFraction is the share of a CPU-RAM optimizer kept on the GPU (ZeRO-3, parameters on the "
-                f"GPU or in CPU RAM, no overlap); optimizer {self.optimizer!r}, parameters {self.parameters!r}, "
-                f"policy {self.policy!r}, overlap {self.overlap!r} exclude it: set optimizer cpu (or auto), "
-                "parameters gpu, cpu or auto and overlap none, or remove gpuResidentFraction")
+                "offload.gpuResidentFraction is the share of a CPU-RAM optimizer kept on the GPU (ZeRO-3, parameters "
+                f"on the GPU or in CPU RAM, no overlap, no cpuResidentFraction); optimizer {self.optimizer!r}, "
+                f"parameters {self.parameters!r}, policy {self.policy!r}, overlap {self.overlap!r} exclude it: set "
+                "optimizer cpu (or auto), parameters gpu, cpu or auto and overlap none, remove cpuResidentFraction, "
+                "or remove gpuResidentFraction")
         zero = self.deepspeed.get("zero_optimization")
-        stage = zero.get("stage") if isinstance(zero, dict) else None
+        zero = zero if isinstance(zero, dict) else {}
+        stage = zero.get("stage")
         if stage is not None and stage != 3:
-            raise ValueError(f"gpuResidentFraction needs ZeRO-3 (DeepSpeed's Twin-Flow); offload.deepspeed sets "
-                             f"zero_optimization.stage {stage}: remove one of them")
+            raise ValueError(f"offload.gpuResidentFraction needs ZeRO-3 (DeepSpeed's Twin-Flow); offload.deepspeed "
+                             f"sets zero_optimization.stage {stage}: remove one of them")
+        block = zero.get("offload_optimizer")
+        if zero.get("super_offload") or (isinstance(block, dict) and block.get("device") not in (None, "cpu")):
+            raise ValueError("offload.gpuResidentFraction with offload.deepspeed's zero_optimization.super_offload or "
+                             "offload_optimizer.device: Twin-Flow steps the rest of the optimizer on the CPU; remove "
+                             "those overrides")
+
+
+def twin_flow_placement(stage: int, optimizer: str, parameters: str) -> bool:
+    """Where DeepSpeed 0.19.8's Twin-Flow (offload.gpuResidentFraction) runs: ZeRO-3, the optimizer
+    in CPU RAM, the parameters on the accelerator or in CPU RAM (not in swap files)."""
+    return stage == 3 and optimizer == "cpu" and parameters in ("gpu", "cpu")
 
 
 # ZenFlow as Spillway runs it (`offload.overlap: zenflow`): the top 10% of gradient columns,

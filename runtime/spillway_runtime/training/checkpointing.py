@@ -301,12 +301,15 @@ class Checkpointing:
 
     def _load(self, info: CheckpointInfo) -> None:
         written = written_shape(self.store, info)
-        self._refuse_other_order(info, written is not None and written.layout != self._shape().layout)
+        resharded = written is not None and written.layout != self._shape().layout
         # With the optimizer moved to or from NVMe alone, or another share of it kept in RAM, a
         # sub-group's state is in swap files on one side and in the ZeRO file on the other: the
         # load below would take the checkpoint for damaged and fall back, where the universal
         # checkpoint carries it across.
-        if written is not None and (written.layout != self._shape().layout or written.swapped != self._shape().swapped):
+        universal = resharded or (written is not None and written.swapped != self._shape().swapped)
+        self._refuse_other_order(info, resharded)
+        self._refuse_twin_flow_through_universal(info, universal)
+        if universal and written is not None:
             self._load_resharded(info, written)
             return
         self.ckpt.expected = self.store.deferred(info.path)
@@ -363,6 +366,24 @@ class Checkpointing:
                 "universal checkpoint maps ZenFlow's column-ordered state wrongly: resume with the processes and "
                 "placement that wrote it, or without offload.overlap from a checkpoint written without it",
                 ExitCode.BAD_INPUT)
+
+    def _refuse_twin_flow_through_universal(self, info: CheckpointInfo, universal: bool) -> None:
+        """DeepSpeed's universal checkpoint load gives every sub-group's Adam moments to the CPU
+        Adam, Twin-Flow's GPU share's too, where its AdamW never reads them (it would restart Adam
+        from zero and hold both copies on the GPU): refused with BAD_INPUT when either side of a
+        resume through it has offload.gpuResidentFraction."""
+        if not universal:
+            return
+        config = (self.store.read_manifest(info.path) or {}).get("config") or {}
+        written = (config.get("offload") or {}).get("gpuResidentFraction")
+        planned = self.run.spec.offload.gpu_resident_fraction
+        if written or planned:
+            raise RunFailed(
+                f"checkpoint {info.name} was written by another number of processes or with the optimizer in "
+                "another tier, which DeepSpeed's universal checkpoint carries across; it does not carry the Adam "
+                "moments of Twin-Flow's GPU share (offload.gpuResidentFraction): resume with the processes and "
+                "optimizer tier that wrote it (offload.optimizer: cpu), then change them at a checkpoint written "
+                "without gpuResidentFraction", ExitCode.BAD_INPUT)
 
     def _restore_zenflow(self, info: CheckpointInfo, state: dict[str, Any]) -> None:
         if self.run.zenflow_interval and not restore_zenflow(self.run.engine, state.get("zenflow"), state["step"],
