@@ -291,7 +291,7 @@ def _choose_swap(shape: ModelShape, optimizer: Tier, parameters: Tier, ranks: in
     partition = max(1, shape.params // ranks)
     sub_group = min(DEFAULT_SUB_GROUP_SIZE, max(MIN_SUB_GROUP_SIZE, partition))
     if optimizer == "nvme" or twin_flow:
-        count = TWIN_FLOW_SUB_GROUPS if twin_flow and optimizer == "cpu" else TIERED_SUB_GROUPS
+        count = TIERED_SUB_GROUPS if optimizer == "nvme" else TWIN_FLOW_SUB_GROUPS
         sub_group = min(sub_group, max(MIN_SUB_GROUP_SIZE, _cut_into(shape, ranks, count)))
     if sub_group_size is not None:
         sub_group = sub_group_size
