@@ -33,14 +33,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import BENCH_DIR, write_job
+from common import BENCH_DIR, proc_io, write_job
 
 RESULT = "RESULT "
-
-
-def proc_io() -> tuple[int, int]:
-    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
-    return int(fields["read_bytes"]), int(fields["write_bytes"])
 
 
 def deepspeed_defaults() -> Any:

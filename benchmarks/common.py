@@ -54,7 +54,8 @@ def dataset() -> Path:
 
 
 def write_job(name: str, model: str, *, steps: int, offload: dict[str, Any], stage: int | None = None,
-              micro_batch: int = 4, sequence: int = 64, method: dict[str, Any] | None = None) -> Path:
+              micro_batch: int = 4, sequence: int = 64, method: dict[str, Any] | None = None,
+              accumulation: int = 1) -> Path:
     deepspeed = dict(offload.pop("deepspeed", {}))
     if stage is not None:
         deepspeed.setdefault("zero_optimization", {})["stage"] = stage
@@ -63,7 +64,7 @@ def write_job(name: str, model: str, *, steps: int, offload: dict[str, Any], sta
         "spec": {
             "model": {"uri": str(model_dir(model)), "dtype": "bf16"},
             "dataset": {"uri": str(dataset())},
-            "training": {"maxSteps": steps, "microBatchSize": micro_batch, "gradientAccumulation": 1,
+            "training": {"maxSteps": steps, "microBatchSize": micro_batch, "gradientAccumulation": accumulation,
                          "sequenceLength": sequence, "learningRate": 1e-3},
             "offload": {**offload, "deepspeed": deepspeed},
             "checkpoint": {"everySteps": 10_000, "keep": 1},
@@ -91,6 +92,13 @@ def run_job(job: Path, run_dir: Path) -> tuple[Any, list[dict[str, Any]]]:
     if result.returncode != 0:
         raise RuntimeError(f"{job.name} failed ({result.returncode}):\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
     return config, read_events(run_dir / "events.jsonl")
+
+
+def proc_io() -> tuple[int, int]:
+    """Bytes (read, written) this process has moved to and from block devices (DeepSpeed's
+    async I/O runs in it)."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
 
 
 def median_step_seconds(events: list[dict[str, Any]], skip: int = 2) -> float:

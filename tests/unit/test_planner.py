@@ -545,3 +545,29 @@ def test_a_zero3_plan_with_gpu_memory_to_spare_names_the_share_twin_flow_would_k
     lora = plan_tiers(P13, rtx4090(256), TRAIN, method=Method(type="lora"),
                       offload=Offload(optimizer="cpu", deepspeed={"zero_optimization": {"stage": 3}}))
     assert lora.zero_stage == 3 and lora.optimizer == "cpu" and not [r for r in lora.reasons if "gpuResidentFraction" in r]
+
+
+def _over_in_ram(plan) -> float:
+    """The plan's step over the same step with the optimizer's NVMe I/O taken out."""
+    step = plan.step
+    return step.total / (step.total - step.optimizer_phase + step.cpu_optimizer)
+
+
+def test_an_optimizer_on_nvme_plan_names_the_accumulation_that_amortizes_its_io():
+    """The optimizer's NVMe reads and writes cost the same per optimizer step whatever its
+    micro-batches: the reason names the smallest training.gradientAccumulation at which the
+    step is at most 1.3x the step without them, and the plans at it and one below agree."""
+    plan = plan_tiers(P13, rtx4090(64), TRAIN)
+    assert plan.label == "Z3 opt:nvme par:cpu" and _over_in_ram(plan) > 1.3
+    [hint] = [r for r in plan.reasons if r.startswith("the optimizer's NVMe I/O adds ")]
+    needed = int(hint.split("training.gradientAccumulation ")[1].split()[0])
+    assert f"(now {TRAIN.gradient_accumulation})" in hint and needed > TRAIN.gradient_accumulation
+    at = plan_tiers(P13, rtx4090(64), TRAIN.model_copy(update={"gradient_accumulation": needed}))
+    below = plan_tiers(P13, rtx4090(64), TRAIN.model_copy(update={"gradient_accumulation": needed - 1}))
+    assert at.label == below.label == plan.label
+    assert _over_in_ram(at) <= 1.3 < _over_in_ram(below)
+    assert f"it would be {_over_in_ram(at):.2f}x ({at.predicted_step_seconds:.3g} s/step)" in hint
+    assert not [r for r in at.reasons if r.startswith("the optimizer's NVMe I/O adds ")]
+    # nothing to amortize with the optimizer in CPU RAM
+    in_ram = plan_tiers(P13, rtx4090(256), TRAIN)
+    assert in_ram.optimizer == "cpu" and not [r for r in in_ram.reasons if "NVMe I/O adds" in r]

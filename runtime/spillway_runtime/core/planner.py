@@ -37,6 +37,7 @@ from spillway_runtime.core.hardware import AioSettings, NodeHardware
 from spillway_runtime.core.placement_inputs import OPTIMIZER_SWAP_BUFFERS, ModelShape, PlacementInputs, SwapSettings
 from spillway_runtime.core.plan_summary import PlanSummary
 from spillway_runtime.core.spec import (
+    GRADIENT_ACCUMULATION_MAX,
     POLICY_TIERS,
     FineTuneJobSpec,
     Method,
@@ -366,7 +367,47 @@ def plan_placement(inputs: PlanInputs, hw: NodeHardware) -> OffloadPlan:
     full_sft = inputs.method is None or (not inputs.method.lora and inputs.method.objective == "sft")
     if offload.gpu_resident_fraction is None and offload.overlap == "none" and full_sft:
         best.reasons.extend(_gpu_share_hint(best, placements[best.label]))
+    best.reasons.extend(_accumulation_hint(best, placements[best.label]))
     return best
+
+
+# What the optimizer's NVMe I/O may add to a step before `_accumulation_hint` says how to amortize it.
+NVME_OVERHEAD_SHARE = 0.3
+
+
+def _over_in_ram(plan: OffloadPlan) -> float:
+    """The plan's step over the same step without the optimizer's NVMe I/O (what the pipelined
+    Adam step does not hide): 1 unless the optimizer is on NVMe."""
+    step = plan.step
+    return step.total / (step.total - step.optimizer_phase + step.cpu_optimizer)
+
+
+def _accumulation_hint(best: OffloadPlan, placement: PlacementInputs) -> list[str]:
+    """With the optimizer on NVMe its reads and writes cost the same every optimizer step, however
+    many micro-batches the step holds, while the forward and backward passes grow with them: when
+    they add more than NVME_OVERHEAD_SHARE to the plan's step, the smallest
+    training.gradientAccumulation at which they add at most that, as a reason (the ratio falls as
+    the accumulation grows: searched by halving). benchmarks/bench_nvme_step.py measures it."""
+    accumulation = placement.training.gradient_accumulation
+    limit = 1 + NVME_OVERHEAD_SHARE
+    if not (best.feasible and best.optimizer == "nvme" and _over_in_ram(best) > limit):
+        return []
+
+    def at(micro_batches: int) -> OffloadPlan:
+        return _evaluate(replace(placement, training=placement.training.model_copy(
+            update={"gradient_accumulation": micro_batches})))
+
+    if _over_in_ram(at(GRADIENT_ACCUMULATION_MAX)) > limit:
+        return []
+    low, high = accumulation, GRADIENT_ACCUMULATION_MAX  # over the limit at low, within it at high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if _over_in_ram(at(middle)) <= limit else (middle, high)
+    amortized = at(high)
+    overhead = best.step.optimizer_phase - best.step.cpu_optimizer
+    return [f"the optimizer's NVMe I/O adds {overhead:.3g} s to every step however many micro-batches it holds "
+            f"({_over_in_ram(best):.2f}x the step without it); at training.gradientAccumulation {high} (now "
+            f"{accumulation}) it would be {_over_in_ram(amortized):.2f}x ({amortized.predicted_step_seconds:.3g} s/step)"]
 
 
 # The shares of a CPU-RAM optimizer `_gpu_share_hint` tries on the GPU, the largest first.

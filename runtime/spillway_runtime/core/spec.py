@@ -33,6 +33,7 @@ from spillway_runtime.core.spec_types import (
 )
 
 MAX_STEPS = 2**31 - 1
+GRADIENT_ACCUMULATION_MAX = 4096
 
 
 class EarlyStopping(SpecModel):
@@ -49,7 +50,7 @@ class Training(SpecModel):
 
     max_steps: int = Field(100, ge=1, le=MAX_STEPS, description="Optimizer steps to run")
     micro_batch_size: int = Field(1, ge=1, le=4096, description="Sequences per GPU per forward pass")
-    gradient_accumulation: int = Field(1, ge=1, le=4096, description="Micro-batches per optimizer step")
+    gradient_accumulation: int = Field(1, ge=1, le=GRADIENT_ACCUMULATION_MAX, description="Micro-batches per optimizer step")
     sequence_length: int = Field(512, ge=8, le=1_048_576, description="Tokens per packed sequence")
     learning_rate: float = Field(2e-5, gt=0, le=1.0, description="Peak learning rate (AdamW), reached after warmupSteps, then "
                                  "cosine decay to minLearningRateRatio x it at maxSteps")

@@ -1,0 +1,159 @@
+"""Benchmark: the step with the optimizer on NVMe beside the step with it in CPU RAM (#39 item 3),
+on one model, side by side in one run, at several gradient accumulations.
+
+The optimizer's NVMe traffic is fixed per optimizer step (16 B read and 16 B written per
+swapped parameter) while the compute grows with the micro-batches in it, so the ratio
+NVMe / CPU-offload falls towards 1 as a step holds more tokens. Each placement runs in a
+process of its own (ZeRO-3, parameters on the accelerator, the optimizer in CPU RAM or on
+NVMe with nothing kept in RAM), in alternation, and times its parts in place:
+
+- forward and backward: every micro-step's time outside `engine.step` (the gradients' swap-out
+  to NVMe runs in the last backward);
+- the optimizer phase: `engine.step` at the accumulation boundary (the Adam step, and on NVMe
+  the sub-groups' reads and writes);
+- the bytes the process read and wrote (/proc/self/io).
+
+The accumulations are 1, 4 and the one the first NVMe plan names (`planner._accumulation_hint`:
+the smallest at which the optimizer's NVMe I/O adds at most 30% to the step). Per accumulation
+it prints RATIO nvme / cpu measured, the same ratio predicted by the planner,
+measured / predicted of each placement's step and of its two phases, and the bound
+max(compute, NVMe bytes at the probe's bandwidths) / the CPU-offload step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import BENCH_DIR, proc_io, write_job
+
+RESULT = "RESULT "
+
+
+def run_once(model: str, steps: int, accumulation: int, optimizer: str) -> dict[str, Any]:
+    """One placement trained in this process; the median of its steps after the first two."""
+    from spillway_runtime.local import prepare_local_run
+    from spillway_runtime.training.recipe import FineTuneRecipe
+
+    name = f"nvme-step-{model}-{optimizer}-{accumulation}"
+    job = write_job(name, model, steps=steps, stage=3, accumulation=accumulation,
+                    offload={"optimizer": optimizer, "parameters": "gpu", "cpuResidentFraction": 0.0,
+                             "nvme": {"path": str(BENCH_DIR / "nvme" / name)}} if optimizer == "nvme"
+                    else {"optimizer": optimizer, "parameters": "gpu"})
+    run_dir = BENCH_DIR / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    config = prepare_local_run(job, run_dir=run_dir)
+    recipe = FineTuneRecipe(config)
+    recipe.setup()
+    engine = recipe.engine
+    in_step = {"seconds": 0.0}
+    plain_step = engine.step
+
+    def timed_step(*a: Any, **k: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return plain_step(*a, **k)
+        finally:
+            in_step["seconds"] += time.perf_counter() - start
+
+    engine.step = timed_step
+    rows = []
+    try:
+        for _ in range(steps):
+            in_step["seconds"] = 0.0
+            read, written = proc_io()
+            start = time.perf_counter()
+            recipe.train_step()
+            total = time.perf_counter() - start
+            read_after, written_after = proc_io()
+            rows.append({"total": total, "optimizer": in_step["seconds"],
+                         "bytes": read_after - read + written_after - written})
+    finally:
+        recipe.cleanup()
+        for done in (run_dir, BENCH_DIR / "nvme" / name):
+            shutil.rmtree(done, ignore_errors=True)
+    rows = rows[2:]
+    plan = config.plan
+    return {
+        "total": statistics.median(r["total"] for r in rows),
+        "optimizer": statistics.median(r["optimizer"] for r in rows),
+        "bytes": statistics.median(r["bytes"] for r in rows),
+        "predicted": plan.predicted_step_seconds, "predicted_optimizer": plan.step.optimizer_phase,
+        "predicted_bytes": plan.step.nvme_bytes, "compute": plan.step.compute,
+        "disk_s_per_byte": plan.step.optimizer_nvme / plan.step.nvme_bytes if plan.step.nvme_bytes else None,
+        "params": plan.model.trainable, "label": plan.label, "load": os.getloadavg()[0],
+        "named": next((int(r.split("training.gradientAccumulation ")[1].split()[0]) for r in plan.reasons
+                       if r.startswith("the optimizer's NVMe I/O adds ")), None),
+    }
+
+
+def measure(args: argparse.Namespace, accumulation: int, optimizer: str, fresh_probe: bool) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--model", args.model, "--steps", str(args.steps),
+               "--one", f"{accumulation}:{optimizer}"]
+    env = {**os.environ, **({"SPILLWAY_PROBE_REFRESH": "1"} if fresh_probe else {})}
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{optimizer} at accumulation {accumulation} failed ({proc.returncode}):\n"
+                           f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len(RESULT):])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="large", choices=["small", "large"])
+    parser.add_argument("--steps", type=int, default=5, help="Optimizer steps per run; the first two are skipped")
+    parser.add_argument("--accumulation", default="1,4,plan",
+                        help="Gradient accumulations, comma-separated; 'plan': the one the first NVMe plan names")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one run, ACCUMULATION:OPTIMIZER
+    args = parser.parse_args()
+    if args.one:
+        accumulation, optimizer = args.one.split(":")
+        print(RESULT + json.dumps(run_once(args.model, args.steps, int(accumulation), optimizer)), flush=True)
+        return
+    probed: set[str] = set()  # the first run of each placement measures this machine's rates (and disk) afresh
+    results: dict[int, dict[str, dict[str, Any]]] = {}
+    named = None
+    for i, asked in enumerate(args.accumulation.split(",")):
+        if asked == "plan" and named is None:
+            continue  # no NVMe plan has named one (its I/O already adds less than 30%)
+        accumulation = named if asked == "plan" else int(asked)
+        order = ("cpu", "nvme") if i % 2 == 0 else ("nvme", "cpu")
+        results[accumulation] = {}
+        for optimizer in order:
+            results[accumulation][optimizer] = measure(args, accumulation, optimizer, optimizer not in probed)
+            probed.add(optimizer)
+        named = named or results[accumulation]["nvme"]["named"]
+    first = next(iter(results.values()))["nvme"]
+    per_byte = first["disk_s_per_byte"]
+    print(f"model {args.model}: {first['params'] / 1e6:.1f}M parameters, {first['label']} beside Z3 opt:cpu par:gpu; "
+          f"{args.steps} steps each, median of steps 3+; the probe's disk: {1 / per_byte / 1e6:.0f} MB/s "
+          "(read and write averaged as the planner does)")
+    for accumulation, pair in results.items():
+        cpu, nvme = pair["cpu"], pair["nvme"]
+        bound = max(cpu["total"], nvme["bytes"] * per_byte)
+        print(f"  accumulation {accumulation:3d}{' (the plan names it)' if accumulation == named else ''}:"
+              f" RATIO nvme / cpu = {nvme['total'] / cpu['total']:.2f}"
+              f" (predicted {nvme['predicted'] / cpu['predicted']:.2f}; bound {bound / cpu['total']:.2f})")
+        for label, r in (("cpu ", cpu), ("nvme", nvme)):
+            fb, fb_predicted = r["total"] - r["optimizer"], r["predicted"] - r["predicted_optimizer"]
+            print(f"    {label}: step {r['total'] * 1000:8.1f} ms (measured/predicted {r['total'] / r['predicted']:.2f})"
+                  f" = forward+backward {fb * 1000:8.1f} ({fb / fb_predicted:.2f}) + optimizer phase"
+                  f" {r['optimizer'] * 1000:7.1f} ({r['optimizer'] / r['predicted_optimizer']:.2f});"
+                  f" disk {r['bytes'] / 2**20:7.1f} MiB/step"
+                  + (f" ({r['bytes'] / r['predicted_bytes']:.2f} of the plan)" if r["predicted_bytes"] else "")
+                  + f"; load {r['load']:.1f} on {os.cpu_count()} CPUs")
+
+
+if __name__ == "__main__":
+    main()
