@@ -136,3 +136,16 @@ def test_zero3_gathers_and_releases_every_tensor_on_the_computes_path() -> None:
     twice = plan_tiers(TINY_WIDE, hw, CPU_TRAIN.model_copy(update={"gradient_accumulation": 2}),
                        Offload(optimizer="gpu", parameters="gpu", deepspeed={"zero_optimization": {"stage": 3}}))
     assert twice.step.gather_release == pytest.approx(2 * z3.step.gather_release)  # every micro-step
+
+
+def test_zero3_copies_its_gradient_partition_once_per_step_zero2_every_micro_step() -> None:
+    """ZeRO-3 converts and copies the gradient partition into the fp32 one at the accumulation
+    boundary only (between boundaries it adds into it); ZeRO-2's offload copies every micro-step.
+    The hooks run in every micro-step of both."""
+    hw = cpu_node(MatmulRate(dtype="bf16", hidden_size=768, flops_per_s=500e9))
+    hooks, copies = 12 * 0.24e-3, 6_478_080 * 2.03e-9
+    for stage, copied in ((3, 1), (2, 4)):
+        offload = Offload(optimizer="cpu", parameters="gpu", deepspeed={"zero_optimization": {"stage": stage}})
+        four = plan_tiers(TINY_WIDE, hw, CPU_TRAIN.model_copy(update={"gradient_accumulation": 4}), offload)
+        assert four.zero_stage == stage
+        assert four.step.gradients == pytest.approx(4 * hooks + copied * copies)
