@@ -93,3 +93,21 @@ def test_a_twin_flow_run_follows_the_schedule_and_resumes_bit_identically(tmp_pa
     assert resharded.returncode == ExitCode.BAD_INPUT, resharded.log[-3000:]
     assert "does not carry the Adam moments of Twin-Flow's GPU share" in resharded.log
 
+
+
+@pytest.mark.integration
+def test_a_rollback_in_the_running_process_restores_the_gpu_shares_moments(tmp_path, make_job):
+    """A NaN micro-batch at step 6 rolls the running engine back to step 4's checkpoint, loaded
+    into the live engine. The GPU share's AdamW must take the checkpoint's moments and step
+    counts, not keep those of the abandoned steps: the run is the same job's without Twin-Flow
+    within 1e-3 at every step (with the load's mend off, the steps after the rollback were not)."""
+    nan_at_step_6 = FaultInjection(nan_micro_batches=[10])  # two micro-batches a step
+    twin = run_job(twin_flow_job(make_job, "twin"), tmp_path / "twin", faults=nan_at_step_6)
+    assert twin.returncode == 0, twin.log[-3000:]
+    [rollback] = twin.of("rollback")
+    assert rollback["step"] == 6 and rollback["checkpoint"] == "step-00000004"
+    plain = run_job(twin_flow_job(make_job, "plain", share=None), tmp_path / "plain", faults=nan_at_step_6)
+    assert plain.returncode == 0, plain.log[-3000:]
+    after, cpu = twin.losses(), plain.losses()
+    assert sorted(after) == list(range(1, MAX_STEPS + 1)) and all(after[s] == after[s] for s in after)
+    assert all(abs(after[s] - cpu[s]) <= 1e-3 * abs(cpu[s]) for s in range(5, MAX_STEPS + 1)), (after, cpu)
