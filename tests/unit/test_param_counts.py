@@ -150,6 +150,28 @@ def test_the_tensors_listed_are_those_deepspeed_cuts_into_sub_groups(name: str) 
         assert ours == real
     assert abs(len(ours) - len(real)) <= 1
     assert abs(max(ours) - max(real)) <= size
+    head = shape.vocab_size * shape.hidden_size
+    assert (listed[-1] == head) == (built[-1] == head)  # an output head last where transformers has one
+
+
+def test_a_tied_moe_has_no_output_head_in_its_sub_groups() -> None:
+    """Experts make the count hold more than an embedding beyond the dense tensors, which a
+    count alone reads as an untied output head: the config's tie_word_embeddings says there is
+    none, and the last tensor is the final norm, as transformers builds it."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    tied = {**SMALL["mixtral-moe"], "tie_word_embeddings": True, "vocab_size": 1000}  # experts outweigh it
+    config = transformers.AutoConfig.for_model(**tied)
+    with torch.device("meta"):
+        built = tuple(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+    shape = ModelShape.from_hf_config(tied)
+    listed = shape.tensor_numels()
+    assert shape.tied_embeddings and sum(listed) == sum(built) == shape.params
+    assert listed[0] == built[0] == shape.vocab_size * shape.hidden_size
+    assert listed[-1] == built[-1] == shape.hidden_size
+    guessed = shape.model_copy(update={"tied_embeddings": None}).tensor_numels()
+    assert guessed[-1] == shape.vocab_size * shape.hidden_size  # what the count alone made of it
 
 
 def _deepspeed_cut(tensors: tuple[int, ...], size: int) -> tuple[int, ...]:

@@ -52,6 +52,9 @@ class ModelShape(BaseModel):
         "over the model's layers of that name. A LoRA adapter of rank r on them has r times that many parameters",
     )
     trainable_params: int | None = Field(None, description="Parameters that train (LoRA's adapters); none: all")
+    tied_embeddings: bool | None = Field(
+        None, description="The output head is the embedding (config.json's tie_word_embeddings); none: not known "
+        "(a shape from a parameter count), guessed from the count")
 
     @property
     def trainable(self) -> int:
@@ -69,8 +72,8 @@ class ModelShape(BaseModel):
         Llama-like decoder, which is the order DeepSpeed cuts them into optimizer sub-groups:
         the embedding; per layer its matrices in `linear_in_out`'s order (each in x out, from
         in + out per layer less the hidden size, which is one side of every one of them), then
-        its two norms; the final norm; the output head where the count holds one (untied
-        embeddings). What the count has beyond these (biases, more norms, MoE experts and
+        its two norms; the final norm; the output head unless the embeddings are tied (where
+        that is not known, where the count holds one). What the count has beyond these (biases, more norms, MoE experts and
         routers) is one tensor per layer after its matrices, so the elements add up to
         `params`. Exact for Llama, Mistral and Gemma (tensor by tensor, against the model
         transformers builds: tests/unit/test_param_counts.py); the full model's, LoRA or not."""
@@ -78,7 +81,7 @@ class ModelShape(BaseModel):
         embed = self.vocab_size * h
         matrices = [h * (in_out // layers - h) for in_out in self.linear_in_out.values() if in_out // layers > h]
         rest = self.params - (embed + layers * (sum(matrices) + 2 * h) + h)
-        head = embed if rest >= embed else 0
+        head = embed if rest >= embed and not self.tied_embeddings else 0
         extra, odd = divmod(max(0, rest - head), layers)
         layer = (*matrices, *((extra,) if extra else ()), h, h)
         return (embed, *(layer * layers), h + odd, *((head,) if head else ()))
@@ -99,6 +102,7 @@ class ModelShape(BaseModel):
             vocab_size=counts.vocab_size,
             num_attention_heads=counts.num_attention_heads,
             linear_in_out=counts.linear_in_out,
+            tied_embeddings=counts.tied_embeddings,
         )
 
     @classmethod
