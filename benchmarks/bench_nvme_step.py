@@ -92,8 +92,7 @@ def run_once(model: str, steps: int, accumulation: int, optimizer: str) -> dict[
         "predicted_bytes": plan.step.nvme_bytes, "compute": plan.step.compute,
         "disk_s_per_byte": plan.step.optimizer_nvme / plan.step.nvme_bytes if plan.step.nvme_bytes else None,
         "params": plan.model.trainable, "label": plan.label, "load": os.getloadavg()[0],
-        "named": next((int(r.split("training.gradientAccumulation ")[1].split()[0]) for r in plan.reasons
-                       if r.startswith("the optimizer's NVMe I/O adds ")), None),
+        "named": plan.amortizing_accumulation,
     }
 
 
@@ -117,6 +116,8 @@ def main() -> None:
                         help="Gradient accumulations, comma-separated; 'plan': the one the first NVMe plan names")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one run, ACCUMULATION:OPTIMIZER
     args = parser.parse_args()
+    if args.steps < 3:
+        parser.error("--steps: at least 3 (the first two are skipped)")
     if args.one:
         accumulation, optimizer = args.one.split(":")
         print(RESULT + json.dumps(run_once(args.model, args.steps, int(accumulation), optimizer)), flush=True)
@@ -128,6 +129,8 @@ def main() -> None:
         if asked == "plan" and named is None:
             continue  # no NVMe plan has named one (its I/O already adds less than 30%)
         accumulation = named if asked == "plan" else int(asked)
+        if accumulation in results:
+            continue  # the plan named one measured already
         order = ("cpu", "nvme") if i % 2 == 0 else ("nvme", "cpu")
         results[accumulation] = {}
         for optimizer in order:
@@ -135,9 +138,10 @@ def main() -> None:
             probed.add(optimizer)
         named = named or results[accumulation]["nvme"]["named"]
     first = next(iter(results.values()))["nvme"]
-    per_byte = first["disk_s_per_byte"]
+    per_byte = first["disk_s_per_byte"] or 0.0  # none: everything under DeepSpeed's minimum swap size
+    disk = f"{1 / per_byte / 1e6:.0f} MB/s" if per_byte else "nothing swapped"
     print(f"model {args.model}: {first['params'] / 1e6:.1f}M parameters, {first['label']} beside Z3 opt:cpu par:gpu; "
-          f"{args.steps} steps each, median of steps 3+; the probe's disk: {1 / per_byte / 1e6:.0f} MB/s "
+          f"{args.steps} steps each, median of steps 3+; the probe's disk: {disk} "
           "(read and write averaged as the planner does)")
     for accumulation, pair in results.items():
         cpu, nvme = pair["cpu"], pair["nvme"]
@@ -153,6 +157,12 @@ def main() -> None:
                   f" disk {r['bytes'] / 2**20:7.1f} MiB/step"
                   + (f" ({r['bytes'] / r['predicted_bytes']:.2f} of the plan)" if r["predicted_bytes"] else "")
                   + f"; load {r['load']:.1f} on {os.cpu_count()} CPUs")
+    in_ram = sorted((a, pair["cpu"]["total"] - pair["cpu"]["optimizer"]) for a, pair in results.items())
+    if len(in_ram) >= 2:
+        (a1, f1), (a2, f2) = in_ram[0], in_ram[-1]
+        per_micro_batch = (f2 - f1) / (a2 - a1)
+        print(f"  CPU RAM's forward and backward: {per_micro_batch * 1000:.1f} ms a micro-batch (from accumulations {a1}"
+              f" and {a2}), and {(f1 - a1 * per_micro_batch) * 1000:.1f} ms once a step (the boundary's own work)")
 
 
 if __name__ == "__main__":

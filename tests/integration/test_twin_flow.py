@@ -11,11 +11,13 @@ things are shown here on a tiny Llama cut into 7 sub-groups, 3 of them on the "G
   at step 4 and 2e-2 at step 12;
 - a run suspended mid-way resumes bit for bit: losses and final checkpoint equal to the
   uninterrupted Twin-Flow run's (DeepSpeed's checkpoint held none of the AdamW's moments);
-- its checkpoint resumes without Twin-Flow too (every sub-group's moments on the CPU Adam).
+- its checkpoint resumes without Twin-Flow too (every sub-group's moments on the CPU Adam);
+- a rollback loads a checkpoint into the running engine, the GPU share's moments with it.
 """
 
 from __future__ import annotations
 
+import math
 import shutil
 import signal
 
@@ -94,7 +96,6 @@ def test_a_twin_flow_run_follows_the_schedule_and_resumes_bit_identically(tmp_pa
     assert "does not carry the Adam moments of Twin-Flow's GPU share" in resharded.log
 
 
-
 @pytest.mark.integration
 def test_a_rollback_in_the_running_process_restores_the_gpu_shares_moments(tmp_path, make_job):
     """A NaN micro-batch at step 6 rolls the running engine back to step 4's checkpoint, loaded
@@ -108,6 +109,7 @@ def test_a_rollback_in_the_running_process_restores_the_gpu_shares_moments(tmp_p
     assert rollback["step"] == 6 and rollback["checkpoint"] == "step-00000004"
     plain = run_job(twin_flow_job(make_job, "plain", share=None), tmp_path / "plain", faults=nan_at_step_6)
     assert plain.returncode == 0, plain.log[-3000:]
+    assert [(r["step"], r["checkpoint"]) for r in plain.of("rollback")] == [(6, "step-00000004")]
     after, cpu = twin.losses(), plain.losses()
-    assert sorted(after) == list(range(1, MAX_STEPS + 1)) and all(after[s] == after[s] for s in after)
+    assert sorted(after) == list(range(1, MAX_STEPS + 1)) and all(math.isfinite(loss) for loss in after.values())
     assert all(abs(after[s] - cpu[s]) <= 1e-3 * abs(cpu[s]) for s in range(5, MAX_STEPS + 1)), (after, cpu)

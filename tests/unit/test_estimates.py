@@ -2,8 +2,13 @@
 
 import pytest
 
-from spillway_runtime.core.estimates import MIN_AIO_BYTES, sub_group_cut
-from spillway_runtime.core.hardware import MatmulRate, NodeHardware, hardware_from_node, matmul_rate_at
+from spillway_runtime.core.estimates import (
+    GRADIENT_SECONDS_PER_PARAM_ON_CPU,
+    GRADIENT_SECONDS_PER_TENSOR,
+    MIN_AIO_BYTES,
+    sub_group_cut,
+)
+from spillway_runtime.core.hardware import DEFAULT_HOST_DEVICE_BPS, MatmulRate, NodeHardware, hardware_from_node, matmul_rate_at
 from spillway_runtime.core.planner import ModelShape, plan_tiers
 from spillway_runtime.core.spec import Offload, Training
 from spillway_runtime.core.units import GiB
@@ -143,9 +148,26 @@ def test_zero3_copies_its_gradient_partition_once_per_step_zero2_every_micro_ste
     boundary only (between boundaries it adds into it); ZeRO-2's offload copies every micro-step.
     The hooks run in every micro-step of both."""
     hw = cpu_node(MatmulRate(dtype="bf16", hidden_size=768, flops_per_s=500e9))
-    hooks, copies = 12 * 0.24e-3, 6_478_080 * 2.03e-9
+    hooks = TINY_WIDE.parameter_tensors * GRADIENT_SECONDS_PER_TENSOR
+    copies = TINY_WIDE.params * GRADIENT_SECONDS_PER_PARAM_ON_CPU
     for stage, copied in ((3, 1), (2, 4)):
         offload = Offload(optimizer="cpu", parameters="gpu", deepspeed={"zero_optimization": {"stage": stage}})
         four = plan_tiers(TINY_WIDE, hw, CPU_TRAIN.model_copy(update={"gradient_accumulation": 4}), offload)
         assert four.zero_stage == stage
         assert four.step.gradients == pytest.approx(4 * hooks + copied * copies)
+
+
+@pytest.mark.parametrize(("parameters", "trips"), [("gpu", 2), ("cpu", 1)])
+def test_zero3_brings_the_accumulated_gradients_to_the_gpu_and_back_every_later_micro_step(
+        parameters: str, trips: int) -> None:
+    """ZeRO-3 with the optimizer offloaded accumulates the gradient partition in CPU RAM: each
+    micro-step after the first copies it to the GPU, adds, and copies it back, 2 B/param each way
+    (with the parameters in CPU RAM the way back is already counted with their transfers)."""
+    model = ModelShape.from_param_count(3_000_000_000)
+    offload = Offload(optimizer="cpu", parameters=parameters, deepspeed={"zero_optimization": {"stage": 3}})
+    one, four = (plan_tiers(model, gpu_node(256), TRAIN.model_copy(update={"gradient_accumulation": n}), offload)
+                 for n in (1, 4))
+    assert one.zero_stage == four.zero_stage == 3 and one.parameters == parameters
+    per_micro_step = 0 if parameters == "gpu" else (2 * 2 * model.params + 2 * model.params) / DEFAULT_HOST_DEVICE_BPS
+    assert four.step.host_device - one.step.host_device == pytest.approx(
+        3 * (per_micro_step + trips * 2 * model.params / DEFAULT_HOST_DEVICE_BPS))

@@ -15,8 +15,10 @@ from spillway_runtime.core.largest import largest_model
 from spillway_runtime.core.plan_summary import PlanSummary
 from spillway_runtime.core.planner import (
     GPU_SHARES,
+    NVME_OVERHEAD_SHARE,
     ModelShape,
     minimum_cpu_for,
+    over_in_ram,
     parse_label,
     plan_summary,
     plan_tiers,
@@ -547,27 +549,36 @@ def test_a_zero3_plan_with_gpu_memory_to_spare_names_the_share_twin_flow_would_k
     assert lora.zero_stage == 3 and lora.optimizer == "cpu" and not [r for r in lora.reasons if "gpuResidentFraction" in r]
 
 
-def _over_in_ram(plan) -> float:
-    """The plan's step over the same step with the optimizer's NVMe I/O taken out."""
-    step = plan.step
-    return step.total / (step.total - step.optimizer_phase + step.cpu_optimizer)
-
-
 def test_an_optimizer_on_nvme_plan_names_the_accumulation_that_amortizes_its_io():
     """The optimizer's NVMe reads and writes cost the same per optimizer step whatever its
-    micro-batches: the reason names the smallest training.gradientAccumulation at which the
-    step is at most 1.3x the step without them, and the plans at it and one below agree."""
+    micro-batches: the reason names the smallest training.gradientAccumulation at which they add
+    at most NVME_OVERHEAD_SHARE to the step, which the plans at it and one below agree with, and
+    the tokens per second there."""
+    limit = 1 + NVME_OVERHEAD_SHARE
     plan = plan_tiers(P13, rtx4090(64), TRAIN)
-    assert plan.label == "Z3 opt:nvme par:cpu" and _over_in_ram(plan) > 1.3
+    assert plan.label == "Z3 opt:nvme par:cpu" and over_in_ram(plan.step) > limit
     [hint] = [r for r in plan.reasons if r.startswith("the optimizer's NVMe I/O adds ")]
-    needed = int(hint.split("training.gradientAccumulation ")[1].split()[0])
-    assert f"(now {TRAIN.gradient_accumulation})" in hint and needed > TRAIN.gradient_accumulation
-    at = plan_tiers(P13, rtx4090(64), TRAIN.model_copy(update={"gradient_accumulation": needed}))
-    below = plan_tiers(P13, rtx4090(64), TRAIN.model_copy(update={"gradient_accumulation": needed - 1}))
-    assert at.label == below.label == plan.label
-    assert _over_in_ram(at) <= 1.3 < _over_in_ram(below)
-    assert f"it would be {_over_in_ram(at):.2f}x ({at.predicted_step_seconds:.3g} s/step)" in hint
-    assert not [r for r in at.reasons if r.startswith("the optimizer's NVMe I/O adds ")]
+
+    def with_accumulation(micro_batches: int):
+        return plan_tiers(P13, rtx4090(64), TRAIN.model_copy(update={"gradient_accumulation": micro_batches}))
+
+    needed = next(n for n in range(TRAIN.gradient_accumulation, 4097) if over_in_ram(with_accumulation(n).step) <= limit)
+    assert plan.amortizing_accumulation == needed
+    at, below = with_accumulation(needed), with_accumulation(needed - 1)
+    assert at.label == below.label == plan.label and at.bytes == plan.bytes
+    assert over_in_ram(at.step) <= limit < over_in_ram(below.step)
+    assert (f"at training.gradientAccumulation {needed} (now {TRAIN.gradient_accumulation}) it would be "
+            f"{over_in_ram(at.step):.2f}x: {at.predicted_step_seconds:.3g} s a step of {at.tokens_per_step:,} tokens, "
+            f"{at.tokens_per_step / at.predicted_step_seconds:.3g} tokens/s") in hint
+    assert f"{plan.tokens_per_step / plan.predicted_step_seconds:.3g} tokens/s)" in hint
+    assert at.amortizing_accumulation is None and not [r for r in at.reasons if "NVMe I/O adds" in r]
     # nothing to amortize with the optimizer in CPU RAM
     in_ram = plan_tiers(P13, rtx4090(256), TRAIN)
-    assert in_ram.optimizer == "cpu" and not [r for r in in_ram.reasons if "NVMe I/O adds" in r]
+    assert in_ram.optimizer == "cpu" and in_ram.amortizing_accumulation is None
+    assert not [r for r in in_ram.reasons if "NVMe I/O adds" in r]
+    # where no accumulation is enough, said so
+    slow_disk = rtx4090(64).model_copy(update={"nvme_read_bytes_per_s": 5e6, "nvme_write_bytes_per_s": 5e6})
+    slow = plan_tiers(P13, slow_disk, TRAIN)
+    [never] = [r for r in slow.reasons if r.startswith("the optimizer's NVMe I/O adds ")]
+    assert slow.optimizer == "nvme" and "; even at training.gradientAccumulation 4096 it would be " in never
+    assert slow.amortizing_accumulation == 4096

@@ -57,7 +57,8 @@ GATHER_SECONDS_PER_PARAM_ON_CPU = 1.16e-9
 # Fitted to the time of ZeRO-2 (optimizer on the CPU) beyond the compute and the Adam step in
 # the same runs (cProfile: dtype conversions, reductions, norms): 11.7 ms for 39 tensors of
 # 0.75M parameters, 19 ms for 12 of 6.5M, 60 ms for 75 of 21M; the fit is within 0.83-1.02.
-# Per micro-step; the conversions are host memory only on the CPU accelerator.
+# The hooks run in every micro-step; the copies (host memory only on the CPU accelerator) in
+# every micro-step under ZeRO-2 and once per optimizer step under ZeRO-3 (`gradient_handling`).
 GRADIENT_SECONDS_PER_TENSOR = 0.24e-3
 GRADIENT_SECONDS_PER_PARAM_ON_CPU = 2.03e-9
 
@@ -377,11 +378,13 @@ def gather_release(placement: PlacementInputs) -> float:
 def gradient_handling(placement: PlacementInputs) -> float:
     """Seconds per step the engine spends on the gradients in every micro-step's backward: a
     hook per tensor, and on the CPU accelerator the host-memory copies of each process's. ZeRO-3
-    converts, norms and copies its gradient partition into the fp32 one at the accumulation
-    boundary only (`_offload_grad_partition_at_boundary`), and between boundaries adds each
-    micro-step's into it: its copies are counted once per optimizer step. On the 210.5M model of
-    benchmarks/bench_nvme_step.py (ZeRO-3, CPU accelerator) the step grew by 930-956 ms a
-    micro-step at accumulations 1, 8 and 16, and the boundary's cost 215 ms beyond that."""
+    converts its gradient partition to fp32, takes its norm and copies it once per optimizer step
+    (with the optimizer offloaded at the accumulation boundary, `_offload_grad_partition_at_boundary`;
+    on the device in `_prepare_fp32_grad_for_sub_group`); between boundaries it only adds each
+    micro-step's partition into its buffer, a pass not counted apart. On the 210.5M model of
+    benchmarks/bench_nvme_step.py (ZeRO-3, optimizer in CPU RAM, CPU accelerator) the step grew
+    by 930-956 ms a micro-step at accumulations 1, 8 and 16, 0.86 of the prediction without that
+    pass, and the boundary's own work was 215 ms, where these copies count 427."""
     copies = 1 if placement.stage == 3 else placement.training.gradient_accumulation
     return _engine_seconds(placement, GRADIENT_SECONDS_PER_TENSOR, GRADIENT_SECONDS_PER_PARAM_ON_CPU,
                            placement.shape.trainable, copies)
@@ -431,6 +434,12 @@ def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSetting
         # grads down and updated 16-bit params up, each rank its own partition (Twin-Flow's GPU
         # share updates its 16-bit params where they are)
         host_device += (2 + 2 * (1 - gpu_share)) * t / ranks / pcie
+        if placement.stage == 3:
+            # ZeRO-3 accumulates the gradient partition in a CPU buffer: every micro-step after the
+            # first brings it to the GPU, adds, and sends it back (`partition_grads`); the
+            # parameters' term below counts a send per micro-step already
+            trips = 2 if parameters == "gpu" else 1
+            host_device += trips * 2 * t / ranks * (micro_steps - 1) / pcie
     if parameters != "gpu":
         # fetch for forward and backward (and DPO's reference forward), grads down, every micro-step
         host_device += ((2 + placement.reference_forwards) * 2 * p + 2 * t) / ranks * micro_steps / pcie

@@ -89,6 +89,9 @@ class OffloadPlan(BaseModel):
     step: StepTime
     predicted_step_seconds: float
     tokens_per_step: int
+    amortizing_accumulation: int | None = Field(
+        None, description="Optimizer on NVMe, its I/O adding over NVME_OVERHEAD_SHARE to the step: the smallest "
+        "training.gradientAccumulation at which it adds at most that (GRADIENT_ACCUMULATION_MAX where none does)")
     predicted_total_seconds: float
     predicted_cost_usd: float | None = None
     shortfalls: list[Shortfall] = Field(default_factory=list)
@@ -367,47 +370,63 @@ def plan_placement(inputs: PlanInputs, hw: NodeHardware) -> OffloadPlan:
     full_sft = inputs.method is None or (not inputs.method.lora and inputs.method.objective == "sft")
     if offload.gpu_resident_fraction is None and offload.overlap == "none" and full_sft:
         best.reasons.extend(_gpu_share_hint(best, placements[best.label]))
-    best.reasons.extend(_accumulation_hint(best, placements[best.label]))
+    found = amortizing_accumulation(best, placements[best.label]) if best.feasible else None
+    if found is not None:
+        best.amortizing_accumulation = found[0]
+        best.reasons.append(_accumulation_hint(best, placements[best.label].training.gradient_accumulation, *found))
     return best
 
 
-# What the optimizer's NVMe I/O may add to a step before `_accumulation_hint` says how to amortize it.
+# What the optimizer's NVMe I/O may add to a step before the plan says how to amortize it.
 NVME_OVERHEAD_SHARE = 0.3
 
 
-def _over_in_ram(plan: OffloadPlan) -> float:
-    """The plan's step over the same step without the optimizer's NVMe I/O (what the pipelined
-    Adam step does not hide): 1 unless the optimizer is on NVMe."""
-    step = plan.step
+def over_in_ram(step: StepTime) -> float:
+    """A step over the same step without the optimizer's NVMe I/O (what the pipelined Adam step
+    does not hide): 1 unless the optimizer is on NVMe. Positive: the Adam step takes time."""
     return step.total / (step.total - step.optimizer_phase + step.cpu_optimizer)
 
 
-def _accumulation_hint(best: OffloadPlan, placement: PlacementInputs) -> list[str]:
-    """With the optimizer on NVMe its reads and writes cost the same every optimizer step, however
-    many micro-batches the step holds, while the forward and backward passes grow with them: when
-    they add more than NVME_OVERHEAD_SHARE to the plan's step, the smallest
-    training.gradientAccumulation at which they add at most that, as a reason (the ratio falls as
-    the accumulation grows: searched by halving). benchmarks/bench_nvme_step.py measures it."""
-    accumulation = placement.training.gradient_accumulation
+def amortizing_accumulation(plan: OffloadPlan, placement: PlacementInputs) -> tuple[int, StepTime] | None:
+    """With the optimizer on NVMe its reads and writes cost the same every optimizer step however
+    many micro-batches the step holds, while the forward and backward passes grow with them: the
+    smallest training.gradientAccumulation (at most GRADIENT_ACCUMULATION_MAX) at which they add
+    at most NVME_OVERHEAD_SHARE to the step, and that step; None when the plan's already add no
+    more. Only the step time is recomputed (the bytes do not depend on the accumulation), and
+    `over_in_ram` falls as the accumulation grows: searched by halving."""
     limit = 1 + NVME_OVERHEAD_SHARE
-    if not (best.feasible and best.optimizer == "nvme" and _over_in_ram(best) > limit):
-        return []
+    if not (plan.optimizer == "nvme" and over_in_ram(plan.step) > limit):
+        return None
 
-    def at(micro_batches: int) -> OffloadPlan:
-        return _evaluate(replace(placement, training=placement.training.model_copy(
-            update={"gradient_accumulation": micro_batches})))
+    def at(micro_batches: int) -> StepTime:
+        training = placement.training.model_copy(update={"gradient_accumulation": micro_batches})
+        return step_time(replace(placement, training=training), plan.activation_checkpointing, plan.swap)
 
-    if _over_in_ram(at(GRADIENT_ACCUMULATION_MAX)) > limit:
-        return []
-    low, high = accumulation, GRADIENT_ACCUMULATION_MAX  # over the limit at low, within it at high
-    while high - low > 1:
+    low, high = placement.training.gradient_accumulation, GRADIENT_ACCUMULATION_MAX
+    steps = {high: at(high)}  # over the limit at low; within it at high, if anywhere
+    while high - low > 1 and over_in_ram(steps[high]) <= limit:
         middle = (low + high) // 2
-        low, high = (low, middle) if _over_in_ram(at(middle)) <= limit else (middle, high)
-    amortized = at(high)
+        steps[middle] = at(middle)
+        low, high = (low, middle) if over_in_ram(steps[middle]) <= limit else (middle, high)
+    return high, steps[high]
+
+
+def _accumulation_hint(best: OffloadPlan, now: int, micro_batches: int, step: StepTime) -> str:
+    """`amortizing_accumulation` as a reason: what the I/O adds now, and the step and tokens per
+    second at that accumulation (or that none is enough). benchmarks/bench_nvme_step.py measures
+    the ratio beside this prediction."""
     overhead = best.step.optimizer_phase - best.step.cpu_optimizer
-    return [f"the optimizer's NVMe I/O adds {overhead:.3g} s to every step however many micro-batches it holds "
-            f"({_over_in_ram(best):.2f}x the step without it); at training.gradientAccumulation {high} (now "
-            f"{accumulation}) it would be {_over_in_ram(amortized):.2f}x ({amortized.predicted_step_seconds:.3g} s/step)"]
+    said = (f"the optimizer's NVMe I/O adds {overhead:.3g} s to every step however many micro-batches it holds "
+            f"({over_in_ram(best.step):.2f}x the step without it; {_rate(best.tokens_per_step / best.step.total)} tokens/s)")
+    if over_in_ram(step) > 1 + NVME_OVERHEAD_SHARE:
+        return f"{said}; even at training.gradientAccumulation {micro_batches} it would be {over_in_ram(step):.2f}x"
+    tokens = best.tokens_per_step // now * micro_batches
+    return (f"{said}; at training.gradientAccumulation {micro_batches} (now {now}) it would be "
+            f"{over_in_ram(step):.2f}x: {step.total:.3g} s a step of {tokens:,} tokens, {_rate(tokens / step.total)} tokens/s")
+
+
+def _rate(per_second: float) -> str:
+    return f"{per_second:,.0f}" if per_second >= 100 else f"{per_second:.3g}"
 
 
 # The shares of a CPU-RAM optimizer `_gpu_share_hint` tries on the GPU, the largest first.
