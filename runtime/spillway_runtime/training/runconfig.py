@@ -23,11 +23,15 @@ S3_CACHE_MOUNT = Path("/mnt/s3-cache")
 
 
 class FaultInjection(BaseModel):
-    """Test hooks, never set by users: make chosen micro-batches produce a NaN loss."""
+    """Test hooks, never set by users: make chosen micro-batches produce a NaN loss, slow steps,
+    wait for uploads."""
 
     nan_micro_batches: list[int] = Field(default_factory=list)
     spike_micro_batches: list[int] = Field(default_factory=list)
     step_sleep_seconds: float = Field(0.0, description="Slow each step so a test can signal mid-run")
+    mirror_every_checkpoint: bool = Field(
+        False, description="Wait for each checkpoint's upload before training on: the mirror uploads the newest "
+        "checkpoint and drops one still waiting, so under load a test's count of uploads would vary")
 
 
 class RuntimeConfig(BaseModel):
