@@ -12,7 +12,8 @@ things are shown here on a tiny Llama cut into 7 sub-groups, 3 of them on the "G
 - a run suspended mid-way resumes bit for bit: losses and final checkpoint equal to the
   uninterrupted Twin-Flow run's (DeepSpeed's checkpoint held none of the AdamW's moments);
 - its checkpoint resumes without Twin-Flow too (every sub-group's moments on the CPU Adam);
-- a rollback loads a checkpoint into the running engine, the GPU share's moments with it.
+- a rollback loads a checkpoint into the running engine, the GPU share's moments with it;
+- DPO with full fine-tuning keeps a share of the policy's optimizer there too.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from spillway_runtime.core.contract import ExitCode
 from spillway_runtime.training.runconfig import FaultInjection
 
 from .conftest import run_job
+from .test_dpo import EXAMPLES
 from .test_exact_resume import assert_same, final_checkpoint
 
 MAX_STEPS = 12
@@ -113,3 +115,45 @@ def test_a_rollback_in_the_running_process_restores_the_gpu_shares_moments(tmp_p
     after, cpu = twin.losses(), plain.losses()
     assert sorted(after) == list(range(1, MAX_STEPS + 1)) and all(math.isfinite(loss) for loss in after.values())
     assert all(abs(after[s] - cpu[s]) <= 1e-3 * abs(cpu[s]) for s in range(5, MAX_STEPS + 1)), (after, cpu)
+
+
+@pytest.mark.integration
+def test_full_fine_tuning_dpo_keeps_a_share_of_the_policys_optimizer_on_the_gpu(tmp_path, tiny_model):
+    """DPO with full fine-tuning: the policy's optimizer keeps 3 of its 7 sub-groups on the "GPU";
+    the frozen reference is an engine without an optimizer, which Twin-Flow does not touch. The
+    losses and reward margins are the same job's without Twin-Flow, within 1e-3."""
+    import yaml
+
+    example = EXAMPLES / "dpo-lora-local.yaml"
+
+    def dpo_job(name: str, share: float | None):
+        doc = yaml.safe_load(example.read_text())
+        spec = doc["spec"]
+        spec["model"]["uri"] = str(tiny_model["model"])
+        spec["dataset"]["uri"] = str((example.parent / spec["dataset"]["uri"]).resolve())
+        spec["dataset"].pop("validation")
+        spec["method"] = {"type": "full", "objective": "dpo", "beta": 0.1}
+        spec["training"].update({"maxSteps": 6, "microBatchSize": 2, "gradientAccumulation": 1,
+                                 "learningRate": 1e-3, "evalEverySteps": 0, "warmupSteps": 2})
+        spec["offload"] = {"optimizer": "cpu", "parameters": "gpu",
+                           "deepspeed": {"zero_optimization": {"stage": 3, "sub_group_size": SUB_GROUP}},
+                           **({"gpuResidentFraction": share} if share else {})}
+        spec["checkpoint"] = {"everySteps": 3, "keep": 1}
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        return path
+
+    twin = run_job(dpo_job("twin", 0.5), tmp_path / "twin")
+    assert twin.returncode == 0, twin.log[-3000:]
+    [placed] = [e["message"] for e in twin.of("log") if e["message"].startswith("Twin-Flow:")]
+    assert placed.startswith("Twin-Flow: 3 of 7 optimizer sub-groups kept and updated on cpu:0"), placed
+    assert any("DPO reference: a frozen copy of the base" in e.get("message", "") for e in twin.of("log"))
+    plain = run_job(dpo_job("plain", None), tmp_path / "plain")
+    assert plain.returncode == 0, plain.log[-3000:]
+    ours, theirs = ({e["step"]: e for e in run.of("step")} for run in (twin, plain))
+    assert sorted(ours) == sorted(theirs) == list(range(1, 7))
+    assert ours[1]["loss"] == theirs[1]["loss"]  # no update yet
+    for s in ours:
+        assert ours[s]["loss"] == pytest.approx(theirs[s]["loss"], rel=1e-3), (s, ours[s], theirs[s])
+        assert ours[s]["rewards/margins"] == pytest.approx(theirs[s]["rewards/margins"], abs=1e-3), (s, ours[s])
+    assert ours[6]["loss"] < ours[1]["loss"]  # it learns

@@ -204,7 +204,9 @@ def test_zenflow_is_refused_where_a_resume_could_not_be_exact(job, words):
     ({"optimizer": "cpu", "overlap": "zenflow"}, ZENFLOW_JOB, "overlap 'zenflow' exclude it"),
     ({"deepspeed": {"zero_optimization": {"stage": 2}}}, {}, "needs ZeRO-3 (DeepSpeed's Twin-Flow)"),
     ({"gpuResidentFraction": 1}, {}, "less than 1"),
-    ({}, {"method": {"type": "lora"}}, "not yet tested with LoRA or DPO"),
+    ({}, {"method": {"type": "lora"}}, "not yet tested with LoRA"),
+    ({}, {"method": {"type": "lora", "objective": "dpo"}, "dataset": {"uri": "pairs.jsonl", "format": "preference"}},
+     "not yet tested with LoRA"),
     ({"cpuResidentFraction": 0.5}, {}, "remove cpuResidentFraction, or remove gpuResidentFraction"),
     ({"deepspeed": {"zero_optimization": {"super_offload": True}}}, {}, "remove those overrides"),
     ({"deepspeed": {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}}, {}, "remove those overrides"),
@@ -221,6 +223,9 @@ def test_a_raw_twin_flow_ratio_is_refused_for_the_share_that_spillway_plans():
         parse_job(minimal(offload={"deepspeed": {"zero_optimization": {"offload_optimizer": {"ratio": 0.7}}}}))
     assert "remove the ratio and set gpuResidentFraction" in str(err.value)
     assert parse_job(minimal(offload={"gpuResidentFraction": 0.3})).spec.offload.gpu_resident_fraction == 0.3
+    dpo = parse_job(minimal(offload={"gpuResidentFraction": 0.3}, method={"type": "full", "objective": "dpo"},
+                            dataset={"uri": "pairs.jsonl", "format": "preference"}))
+    assert dpo.spec.offload.gpu_resident_fraction == 0.3 and dpo.spec.method.objective == "dpo"  # full DPO: allowed
 
 
 def test_zenflow_settings_are_spillways_with_the_interval_the_job_gives():

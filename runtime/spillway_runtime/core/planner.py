@@ -367,8 +367,8 @@ def plan_placement(inputs: PlanInputs, hw: NodeHardware) -> OffloadPlan:
 
     best = _best(candidates, rejected)
     best.reasons = [*_explain(best), *lora_notes, *objective_notes, *best.reasons]
-    full_sft = inputs.method is None or (not inputs.method.lora and inputs.method.objective == "sft")
-    if offload.gpu_resident_fraction is None and offload.overlap == "none" and full_sft:
+    full = inputs.method is None or not inputs.method.lora
+    if offload.gpu_resident_fraction is None and offload.overlap == "none" and full:
         best.reasons.extend(_gpu_share_hint(best, placements[best.label]))
     found = amortizing_accumulation(best, placements[best.label]) if best.feasible else None
     if found is not None:

@@ -216,7 +216,7 @@ class Offload(SpecModel):
         "Adam moments) kept and updated on the GPU, 16 B/param there, the rest on the CPU (DeepSpeed's "
         "Twin-Flow, offload_optimizer.ratio = 1 - share). DeepSpeed keeps the first int(share x sub-groups) "
         "of each process. Omitted: none (a ZeRO-3 plan's reasons name the largest share that fits). Full "
-        "fine-tuning, objective sft",
+        "fine-tuning (sft or dpo)",
     )
     overlap: Literal["none", "zenflow"] = Field(
         "none",
@@ -537,10 +537,10 @@ class FineTuneJobSpec(SpecModel):
                 "a checkpoint to keep as the best; set evalEverySteps (and dataset.validation) or remove earlyStopping")
         if self.offload.overlap == "zenflow":
             self._zenflow_fits()
-        if self.offload.gpu_resident_fraction is not None and (self.method.lora or self.method.objective != "sft"):
+        if self.offload.gpu_resident_fraction is not None and self.method.lora:
             raise ValueError(
-                "offload.gpuResidentFraction is for full fine-tuning with objective sft (not yet tested with LoRA or "
-                "DPO): remove gpuResidentFraction or set method.type full and objective sft")
+                "offload.gpuResidentFraction is for full fine-tuning (not yet tested with LoRA, whose optimizer "
+                "state is the adapters' alone): remove gpuResidentFraction or set method.type full")
         if self.checkpoint.keep_best and self.dataset.validation is None:
             raise ValueError("checkpoint.keepBest needs dataset.validation to tell the best checkpoint; add it or "
                              "remove keepBest")
