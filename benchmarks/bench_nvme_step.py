@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,9 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import BENCH_DIR, proc_io, write_job
-
-RESULT = "RESULT "
+from common import BENCH_DIR, RESULT, proc_io, result_of, write_job
 
 
 def run_once(model: str, steps: int, accumulation: int, optimizer: str) -> dict[str, Any]:
@@ -100,12 +97,7 @@ def measure(args: argparse.Namespace, accumulation: int, optimizer: str, fresh_p
     command = [sys.executable, __file__, "--model", args.model, "--steps", str(args.steps),
                "--one", f"{accumulation}:{optimizer}"]
     env = {**os.environ, **({"SPILLWAY_PROBE_REFRESH": "1"} if fresh_probe else {})}
-    proc = subprocess.run(command, capture_output=True, text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{optimizer} at accumulation {accumulation} failed ({proc.returncode}):\n"
-                           f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len(RESULT):])
+    return result_of(command, f"{optimizer} at accumulation {accumulation}", env)
 
 
 def main() -> None:

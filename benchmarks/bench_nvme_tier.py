@@ -25,7 +25,6 @@ import functools
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,9 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import BENCH_DIR, proc_io, write_job
-
-RESULT = "RESULT "
+from common import BENCH_DIR, RESULT, proc_io, result_of, write_job
 
 
 def deepspeed_defaults() -> Any:
@@ -127,12 +124,7 @@ def train_once(args: argparse.Namespace) -> dict[str, Any]:
 def train(args: argparse.Namespace, aio: Any) -> dict[str, Any]:
     command = [sys.executable, __file__, "--model", args.model, "--steps", str(args.steps),
                "--nvme-path", str(args.nvme_path), "--train-with", aio.model_dump_json()]
-    proc = subprocess.run(command, capture_output=True, text=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"training with {describe(aio)} failed ({proc.returncode}):\n"
-                           f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len(RESULT):])
+    return result_of(command, f"training with {describe(aio)}")
 
 
 def main() -> None:

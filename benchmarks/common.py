@@ -94,6 +94,21 @@ def run_job(job: Path, run_dir: Path) -> tuple[Any, list[dict[str, Any]]]:
     return config, read_events(run_dir / "events.jsonl")
 
 
+RESULT = "RESULT "  # the line a benchmark's child process prints its result on, as JSON
+
+
+def result_of(command: list[str], what: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run a benchmark's child process (one measurement in a process of its own) and return the
+    JSON it printed on its RESULT line; `what` names the measurement if it failed."""
+    import json
+
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{what} failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len(RESULT):])
+
+
 def proc_io() -> tuple[int, int]:
     """Bytes (read, written) this process has moved to and from block devices (DeepSpeed's
     async I/O runs in it)."""
