@@ -13,7 +13,7 @@ NVMe with nothing kept in RAM), in alternation, and times its parts in place:
   the sub-groups' reads and writes);
 - the bytes the process read and wrote (/proc/self/io).
 
-The accumulations are 1, 4 and the one the first NVMe plan names (`planner._accumulation_hint`:
+The accumulations are 1, 4 and the one the first NVMe plan names (`OffloadPlan.amortizing_accumulation`:
 the smallest at which the optimizer's NVMe I/O adds at most 30% to the step). Per accumulation
 it prints RATIO nvme / cpu measured, the same ratio predicted by the planner,
 measured / predicted of each placement's step and of its two phases, and the bound

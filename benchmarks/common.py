@@ -7,6 +7,7 @@ these machines are shared and noisy; absolute figures are printed for context on
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -100,8 +101,6 @@ RESULT = "RESULT "  # the line a benchmark's child process prints its result on,
 def result_of(command: list[str], what: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run a benchmark's child process (one measurement in a process of its own) and return the
     JSON it printed on its RESULT line; `what` names the measurement if it failed."""
-    import json
-
     proc = subprocess.run(command, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
     if proc.returncode != 0 or not lines:

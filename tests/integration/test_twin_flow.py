@@ -121,7 +121,8 @@ def test_a_rollback_in_the_running_process_restores_the_gpu_shares_moments(tmp_p
 def test_full_fine_tuning_dpo_keeps_a_share_of_the_policys_optimizer_on_the_gpu(tmp_path, tiny_model):
     """DPO with full fine-tuning: the policy's optimizer keeps 3 of its 7 sub-groups on the "GPU";
     the frozen reference is an engine without an optimizer, which Twin-Flow does not touch. The
-    losses and reward margins are the same job's without Twin-Flow, within 1e-3."""
+    losses and log-probabilities are the same job's without Twin-Flow within 1e-3 relative, the
+    reward margins within 1e-3."""
     import yaml
 
     example = EXAMPLES / "dpo-lora-local.yaml"
@@ -156,4 +157,6 @@ def test_full_fine_tuning_dpo_keeps_a_share_of_the_policys_optimizer_on_the_gpu(
     for s in ours:
         assert ours[s]["loss"] == pytest.approx(theirs[s]["loss"], rel=1e-3), (s, ours[s], theirs[s])
         assert ours[s]["rewards/margins"] == pytest.approx(theirs[s]["rewards/margins"], abs=1e-3), (s, ours[s])
+        for logps in ("logps/chosen", "logps/rejected"):
+            assert ours[s][logps] == pytest.approx(theirs[s][logps], rel=1e-3), (s, logps, ours[s], theirs[s])
     assert ours[6]["loss"] < ours[1]["loss"]  # it learns

@@ -515,6 +515,8 @@ def test_twin_flow_keeps_the_first_sub_groups_on_the_gpu_and_steps_them_there():
     assert twin.step.gpu_share == pytest.approx(share)
     assert twin.step.cpu_optimizer == pytest.approx(plain.step.cpu_optimizer * (1 - share)
                                                     + 48 * model.params * share / 2e12)
+    # the share's fp32 gradients (4 B/param) and updated parameters (2 B) stay on the GPU
+    assert plain.step.host_device - twin.step.host_device == pytest.approx(6 * on_gpu / DEFAULT_HOST_DEVICE_BPS)
     assert f"optimizer: {kept} of {len(cut.sizes)} sub-groups per process kept and updated on the GPU" in " ".join(
         twin.reasons)
     assert "Twin-Flow" in twin.step.formula()
@@ -570,7 +572,7 @@ def test_an_optimizer_on_nvme_plan_names_the_accumulation_that_amortizes_its_io(
     assert (f"at training.gradientAccumulation {needed} (now {TRAIN.gradient_accumulation}) it would be "
             f"{over_in_ram(at.step):.2f}x: {at.predicted_step_seconds:.3g} s a step of {at.tokens_per_step:,} tokens, "
             f"{at.tokens_per_step / at.predicted_step_seconds:.3g} tokens/s") in hint
-    assert f"{plan.tokens_per_step / plan.predicted_step_seconds:.3g} tokens/s)" in hint
+    assert f"; now {plan.tokens_per_step / plan.predicted_step_seconds:.3g} tokens/s)" in hint
     assert at.amortizing_accumulation is None and not [r for r in at.reasons if "NVMe I/O adds" in r]
     # nothing to amortize with the optimizer in CPU RAM
     in_ram = plan_tiers(P13, rtx4090(256), TRAIN)
@@ -581,4 +583,4 @@ def test_an_optimizer_on_nvme_plan_names_the_accumulation_that_amortizes_its_io(
     slow = plan_tiers(P13, slow_disk, TRAIN)
     [never] = [r for r in slow.reasons if r.startswith("the optimizer's NVMe I/O adds ")]
     assert slow.optimizer == "nvme" and "; even at training.gradientAccumulation 4096 it would be " in never
-    assert slow.amortizing_accumulation == 4096
+    assert slow.amortizing_accumulation is None

@@ -402,6 +402,22 @@ def _engine_seconds(placement: PlacementInputs, per_tensor: float, per_param_on_
     return seconds
 
 
+def offloaded_zero3_bytes(trainable: int, gpu_share: float, parameters: Tier, micro_steps: int) -> float:
+    """Bytes ZeRO-3 moves between the GPU and host memory per optimizer step for `trainable`
+    parameters with the optimizer offloaded, as DeepSpeed 0.19.8's stage3 does: every micro-step
+    the 16-bit gradient partition goes down into its CPU accumulation buffer and comes back up
+    (`partition_grads`: `copy_` then `.to(device)` in the first, the accumulation's add on the GPU
+    in the others), 2 B/param each way; at the boundary the fp32 gradients go down to the CPU
+    Adam's partition (4 B/param); after its step the updated 16-bit parameters go up where they
+    live on the GPU (2 B/param). Twin-Flow's GPU share keeps its fp32 gradients and parameters
+    on the GPU. With the parameters off the GPU their term counts the gradients' way down."""
+    down = 2 * micro_steps if parameters == "gpu" else 0
+    up = 2 * micro_steps
+    boundary = 4 * (1 - gpu_share)
+    updated = 2 * (1 - gpu_share) if parameters == "gpu" else 0
+    return (down + up + boundary + updated) * trainable
+
+
 def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSettings) -> StepTime:
     """Seconds per optimizer step: max(compute + the engine's gradient handling + ZeRO-3's
     gather and release, host-device, parameter NVMe) for the forward and backward passes,
@@ -430,16 +446,11 @@ def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSetting
         cut = placement_cut(placement, swap)
         gpu_share = cut.on_gpu(placement.gpu_resident) / cut.total
     host_device = 0.0
-    if optimizer != "gpu":
-        # grads down and updated 16-bit params up, each rank its own partition (Twin-Flow's GPU
-        # share updates its 16-bit params where they are)
-        host_device += (2 + 2 * (1 - gpu_share)) * t / ranks / pcie
-        if placement.stage == 3:
-            # ZeRO-3 accumulates the gradient partition in a CPU buffer: every micro-step after the
-            # first brings it to the GPU, adds, and sends it back (`partition_grads`); the
-            # parameters' term below counts a send per micro-step already
-            trips = 2 if parameters == "gpu" else 1
-            host_device += trips * 2 * t / ranks * (micro_steps - 1) / pcie
+    if optimizer != "gpu" and placement.stage == 3:
+        host_device += offloaded_zero3_bytes(t, gpu_share, parameters, micro_steps) / ranks / pcie
+    elif optimizer != "gpu":
+        # grads down and updated 16-bit params up, each rank its own partition
+        host_device += 4 * t / ranks / pcie
     if parameters != "gpu":
         # fetch for forward and backward (and DPO's reference forward), grads down, every micro-step
         host_device += ((2 + placement.reference_forwards) * 2 * p + 2 * t) / ranks * micro_steps / pcie

@@ -91,7 +91,8 @@ class OffloadPlan(BaseModel):
     tokens_per_step: int
     amortizing_accumulation: int | None = Field(
         None, description="Optimizer on NVMe, its I/O adding over NVME_OVERHEAD_SHARE to the step: the smallest "
-        "training.gradientAccumulation at which it adds at most that (GRADIENT_ACCUMULATION_MAX where none does)")
+        "training.gradientAccumulation at which it adds at most that; none where no accumulation up to "
+        "GRADIENT_ACCUMULATION_MAX does")
     predicted_total_seconds: float
     predicted_cost_usd: float | None = None
     shortfalls: list[Shortfall] = Field(default_factory=list)
@@ -372,7 +373,8 @@ def plan_placement(inputs: PlanInputs, hw: NodeHardware) -> OffloadPlan:
         best.reasons.extend(_gpu_share_hint(best, placements[best.label]))
     found = amortizing_accumulation(best, placements[best.label]) if best.feasible else None
     if found is not None:
-        best.amortizing_accumulation = found[0]
+        if over_in_ram(found[1]) <= 1 + NVME_OVERHEAD_SHARE:
+            best.amortizing_accumulation = found[0]
         best.reasons.append(_accumulation_hint(best, placements[best.label].training.gradient_accumulation, *found))
     return best
 
@@ -417,7 +419,8 @@ def _accumulation_hint(best: OffloadPlan, now: int, micro_batches: int, step: St
     the ratio beside this prediction."""
     overhead = best.step.optimizer_phase - best.step.cpu_optimizer
     said = (f"the optimizer's NVMe I/O adds {overhead:.3g} s to every step however many micro-batches it holds "
-            f"({over_in_ram(best.step):.2f}x the step without it; {_rate(best.tokens_per_step / best.step.total)} tokens/s)")
+            f"({over_in_ram(best.step):.2f}x the step without it; now {_rate(best.tokens_per_step / best.step.total)} "
+            "tokens/s)")
     if over_in_ram(step) > 1 + NVME_OVERHEAD_SHARE:
         return f"{said}; even at training.gradientAccumulation {micro_batches} it would be {over_in_ram(step):.2f}x"
     tokens = best.tokens_per_step // now * micro_batches

@@ -264,8 +264,8 @@ class Checkpointing:
             self.swap_files.committed(pending.staging, info.path)
         if self.mirror is not None:
             self.mirror.submit(info.name, info.step, info.path)
-            if self.run.cfg.faults.mirror_every_checkpoint:
-                self.mirror.drain(timeout=300)
+            if self.run.cfg.faults.mirror_every_checkpoint and not self.mirror.drain(timeout=300):
+                raise RunFailed(f"fault injection: {info.name} was not uploaded within 300 s")
         stall = self.pending_stall + time.monotonic() - waited
         background = self.pending_background[0].seconds if self.pending_background else 0.0
         self.run.last_saved_step = pending.step
