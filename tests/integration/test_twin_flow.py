@@ -122,7 +122,8 @@ def test_full_fine_tuning_dpo_keeps_a_share_of_the_policys_optimizer_on_the_gpu(
     """DPO with full fine-tuning: the policy's optimizer keeps 3 of its 7 sub-groups on the "GPU";
     the frozen reference is an engine without an optimizer, which Twin-Flow does not touch. The
     losses and log-probabilities are the same job's without Twin-Flow within 1e-3 relative, the
-    reward margins within 1e-3."""
+    reward margins within 1e-3; killed after a checkpoint and restarted, it reports the same
+    steps to the bit."""
     import yaml
 
     example = EXAMPLES / "dpo-lora-local.yaml"
@@ -160,3 +161,16 @@ def test_full_fine_tuning_dpo_keeps_a_share_of_the_policys_optimizer_on_the_gpu(
         for logps in ("logps/chosen", "logps/rejected"):
             assert ours[s][logps] == pytest.approx(theirs[s][logps], rel=1e-3), (s, logps, ours[s], theirs[s])
     assert ours[6]["loss"] < ours[1]["loss"]  # it learns
+
+    # SIGKILLed after step 3's checkpoint and restarted: the share's moments come back with it,
+    # and steps 4-6 report what the uninterrupted run did, to the bit
+    job = dpo_job("killed", 0.5)
+    killed = run_job(job, tmp_path / "killed", faults=FaultInjection(step_sleep_seconds=0.4), signal_at_step=4)
+    assert killed.returncode == -9, killed.log[-3000:]
+    resumed = run_job(job, tmp_path / "killed")
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    assert resumed.of("resumed")[-1]["step"] == 3
+    quantities = ("loss", "rewards/margins", "logps/chosen", "logps/rejected")
+    again = {e["step"]: e for e in resumed.of("step")}
+    assert {s: [again[s][q] for q in quantities] for s in (4, 5, 6)} == {
+        s: [ours[s][q] for q in quantities] for s in (4, 5, 6)}
