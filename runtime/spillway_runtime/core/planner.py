@@ -373,9 +373,11 @@ def plan_placement(inputs: PlanInputs, hw: NodeHardware) -> OffloadPlan:
         best.reasons.extend(_gpu_share_hint(best, placements[best.label]))
     found = amortizing_accumulation(best, placements[best.label]) if best.feasible else None
     if found is not None:
-        if over_in_ram(found[1]) <= 1 + NVME_OVERHEAD_SHARE:
-            best.amortizing_accumulation = found[0]
-        best.reasons.append(_accumulation_hint(best, placements[best.label].training.gradient_accumulation, *found))
+        micro_batches, step = found
+        enough = over_in_ram(step) <= 1 + NVME_OVERHEAD_SHARE
+        best.amortizing_accumulation = micro_batches if enough else None
+        best.reasons.append(_accumulation_hint(best, placements[best.label].training.gradient_accumulation,
+                                               micro_batches, step, enough))
     return best
 
 
@@ -413,7 +415,7 @@ def amortizing_accumulation(plan: OffloadPlan, placement: PlacementInputs) -> tu
     return high, steps[high]
 
 
-def _accumulation_hint(best: OffloadPlan, now: int, micro_batches: int, step: StepTime) -> str:
+def _accumulation_hint(best: OffloadPlan, now: int, micro_batches: int, step: StepTime, enough: bool) -> str:
     """`amortizing_accumulation` as a reason: what the I/O adds now, and the step and tokens per
     second at that accumulation (or that none is enough). benchmarks/bench_nvme_step.py measures
     the ratio beside this prediction."""
@@ -421,7 +423,7 @@ def _accumulation_hint(best: OffloadPlan, now: int, micro_batches: int, step: St
     said = (f"the optimizer's NVMe I/O adds {overhead:.3g} s to every step however many micro-batches it holds "
             f"({over_in_ram(best.step):.2f}x the step without it; now {_rate(best.tokens_per_step / best.step.total)} "
             "tokens/s)")
-    if over_in_ram(step) > 1 + NVME_OVERHEAD_SHARE:
+    if not enough:
         return f"{said}; even at training.gradientAccumulation {micro_batches} it would be {over_in_ram(step):.2f}x"
     tokens = best.tokens_per_step // now * micro_batches
     return (f"{said}; at training.gradientAccumulation {micro_batches} (now {now}) it would be "
