@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from tests.e2e.conftest import HACK_CLUSTER, Cluster
+from tests.e2e.cluster import HACK_CLUSTER, Cluster
 from tests.e2e.operator_fixtures import free_port
 from tests.integration.storage_fixtures import serving
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.e2e.conftest import HACK_CLUSTER, Cluster
+from tests.e2e.cluster import HACK_CLUSTER, Cluster
 from tests.integration.storage_fixtures import serving
 
 NAMESPACE = "local-path-storage"

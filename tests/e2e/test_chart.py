@@ -28,7 +28,7 @@ from .operator_fixtures import OperatorProcess
 from .test_chart_render import CHART, RELEASE, ROOT
 
 if TYPE_CHECKING:
-    from .conftest import Cluster
+    from .cluster import Cluster
 
 pytestmark = pytest.mark.e2e
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from .conftest import Cluster
+    from .cluster import Cluster
 
 pytestmark = pytest.mark.e2e
 

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.conftest import Cluster
+from tests.e2e.cluster import Cluster
 from tests.e2e.local_volumes import LocalStorage, running_local_path
 
 

@@ -25,7 +25,7 @@ import pytest
 
 from spillway_operator.certs import CERT_KEY, KEY_KEY, make_cert, service_dns_names
 from tests.bad_jobs import CORPUS, with_
-from tests.e2e.conftest import REPO_ROOT, Cluster
+from tests.e2e.cluster import REPO_ROOT, Cluster
 from tests.e2e.operator_fixtures import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.realnode]

@@ -25,7 +25,7 @@ import pytest
 from spillway_operator.builders import RENDEZVOUS_PORT
 from spillway_operator.netpol import build_network_policy
 from spillway_operator.settings import OperatorSettings
-from tests.e2e.conftest import HACK_CLUSTER, Cluster
+from tests.e2e.cluster import HACK_CLUSTER, Cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.realnode]
 

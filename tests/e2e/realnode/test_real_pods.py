@@ -43,7 +43,7 @@ from spillway_operator.builders import checkpoint_pvc_name
 from spillway_runtime.core.hardware import NVME_PATH_ANNOTATION
 from spillway_runtime.meta_shape import shape_from_config
 from spillway_runtime.tiny import build_tiny_model, write_chat_dataset, write_dataset
-from tests.e2e.conftest import REPO_ROOT, Cluster
+from tests.e2e.cluster import REPO_ROOT, Cluster
 from tests.e2e.local_volumes import LocalStorage
 from tests.e2e.operator_fixtures import active_pods, running_operator, wait_status
 from tests.e2e.test_api_cluster import ApiServer

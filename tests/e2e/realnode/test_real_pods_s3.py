@@ -36,7 +36,7 @@ from spillway_operator.pod_specs import s3_cache_sub_path
 from spillway_runtime.core.hardware import NVME_PATH_ANNOTATION
 from spillway_runtime.core.spec import parse_job
 from spillway_runtime.tiny import build_tiny_model, write_dataset
-from tests.e2e.conftest import Cluster
+from tests.e2e.cluster import Cluster
 from tests.e2e.operator_fixtures import running_operator, wait_status
 from tests.e2e.realnode.test_real_pods import EXAMPLE, POD_TIMEOUT_S, RealNode, _kill_trainer
 from tests.integration.storage_fixtures import ACCESS_KEY, SECRET_KEY, stop, weed_command
