@@ -50,6 +50,25 @@ def start_writer(root: Path, step: int) -> tuple[subprocess.Popen[str], float]:
     return proc, time.monotonic()
 
 
+def kill_and_restart(base: Path, root: Path, after: float) -> int:
+    """The step a restart finds after the writer of checkpoint 2 is SIGKILLed `after` seconds in."""
+    shutil.copytree(base, root)
+    proc, began = start_writer(root, 2)
+    time.sleep(max(0.0, began + after - time.monotonic()))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+    store = CheckpointStore(root, keep=1, log=lambda _message: None)
+    found = store.find_good()
+    assert found is not None and found.name in (checkpoint_name(1), checkpoint_name(2)), root.name
+    assert store.verify(found.path) is None
+    for committed in root.glob(f"{PREFIX}*"):  # a visible checkpoint is a whole one
+        assert store.verify(committed) is None, f"{root.name}: {committed.name} is damaged"
+    latest = (root / LATEST).read_text()
+    assert latest in (checkpoint_name(1), checkpoint_name(2)) and (root / latest).is_dir(), root.name
+    return found.step
+
+
 def test_kill_at_any_moment_of_a_checkpoint_write_keeps_a_good_one(tmp_path):
     base = tmp_path / "base"
     proc, _ = start_writer(base, 1)
@@ -60,23 +79,18 @@ def test_kill_at_any_moment_of_a_checkpoint_write_keeps_a_good_one(tmp_path):
     assert proc.wait(timeout=120) == 0
     write_seconds = time.monotonic() - began
 
-    outcomes = []
-    for point, fraction in enumerate(KILL_AT):
-        root = tmp_path / f"kill-{point}"
-        shutil.copytree(base, root)
-        proc, began = start_writer(root, 2)
-        time.sleep(max(0.0, began + write_seconds * fraction - time.monotonic()))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-
-        store = CheckpointStore(root, keep=1, log=lambda _message: None)
-        found = store.find_good()
-        assert found is not None and found.name in (checkpoint_name(1), checkpoint_name(2)), point
-        assert store.verify(found.path) is None
-        for committed in root.glob(f"{PREFIX}*"):  # a visible checkpoint is a whole one
-            assert store.verify(committed) is None, f"kill point {point}: {committed.name} is damaged"
-        latest = (root / LATEST).read_text()
-        assert latest in (checkpoint_name(1), checkpoint_name(2)) and (root / latest).is_dir(), point
-        outcomes.append(found.step)
-    # the kills really spread over the write: some before the commit, some after it
+    outcomes = [
+        kill_and_restart(base, tmp_path / f"kill-{point}", write_seconds * fraction) for point, fraction in enumerate(KILL_AT)
+    ]
+    # The kills must really spread over the write, some before the commit and some after it. On a
+    # loaded machine one write can take much longer (or shorter) than the timed one, so where every
+    # kill came before the commit, later moments are tried, each one more kill point, until one comes
+    # after it; and earlier ones where every kill came after it.
+    late, early = KILL_AT[-1], KILL_AT[1]
+    while 2 not in outcomes and late < 8:
+        late *= 1.25
+        outcomes.append(kill_and_restart(base, tmp_path / f"kill-late-{len(outcomes)}", write_seconds * late))
+    while 1 not in outcomes and early > 1e-4:
+        early /= 2
+        outcomes.append(kill_and_restart(base, tmp_path / f"kill-early-{len(outcomes)}", write_seconds * early))
     assert 1 in outcomes and 2 in outcomes, outcomes
