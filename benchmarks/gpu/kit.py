@@ -340,12 +340,14 @@ def run_measurement(job: dict[str, Any]) -> dict[str, Any]:
         optimizer = torch.optim.AdamW(model.parameters(), lr=params["lr"], betas=tuple(params["betas"]),
                                       eps=params["eps"], weight_decay=params["weight_decay"], fused=cuda or None)
     from spillway_runtime.deepspeed_fixes import (
+        hold_one_steps_gradient_partitions_only,
         run_twin_flow_as_deepspeed_describes_it,
         view_zenflow_weights_in_column_order,
     )
 
     view_zenflow_weights_in_column_order()  # as the runtime runs ZenFlow (DeepSpeed 0.19.8 scrambles its weights)
     run_twin_flow_as_deepspeed_describes_it()  # and Twin-Flow (its AdamW's schedule; on a CPU dry run, its path)
+    hold_one_steps_gradient_partitions_only()  # and one micro-batch a step offloaded: no 16-bit gradient buffer
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     generator = torch.Generator().manual_seed(0)
     tokens = job["micro_batch"] * job["seq"]

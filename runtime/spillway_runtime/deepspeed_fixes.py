@@ -8,16 +8,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from spillway_runtime.core.estimates import resident_sub_groups
+from spillway_runtime.core.estimates import gradient_partition_held, resident_sub_groups
 from spillway_runtime.core.planner import OffloadPlan
+from spillway_runtime.core.spec_types import DType
 
 _MARK = "_spillway_unique_params"
 _RESIDENT_MARK = "_spillway_resident_sub_groups"
 _resident_fraction = 0.0  # read by the patched ZeRO-3 optimizer as it is built (`keep_first_sub_groups_in_ram`)
 
 
-def apply(plan: OffloadPlan) -> None:
+def apply(plan: OffloadPlan, whole_gradient_buffer: bool = False) -> None:
+    """`whole_gradient_buffer`: leave DeepSpeed's own 16-bit gradient buffer (a test's reference)."""
+    global _whole_gradient_buffer
     view_zenflow_weights_in_column_order()  # only ZenFlow's optimizers take the mended path
+    _whole_gradient_buffer = whole_gradient_buffer
+    if plan.zero_stage == 3 and plan.optimizer != "gpu":
+        hold_one_steps_gradient_partitions_only()
     if plan.parameters == "nvme":
         swap_each_parameter_in_once()
     if plan.uses_nvme:
@@ -261,3 +267,99 @@ def _accelerator_share(zero: Any) -> list[tuple[int, Any]]:
         zero._clear_fp32_optimizer_param_groups()
     return [(index[id(flat)], flat) for i, flat in enumerate(zero.fp32_partitioned_groups_flat)
             if zero.subgroup_to_device[i] != "cpu"]
+
+
+_ONE_STEP_MARK = "_spillway_one_step_gradients"
+_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"  # the name-mangled map
+_one_step_originals: dict[str, Any] = {}  # DeepSpeed's own ZeRO-3 methods that the mend below wraps
+_whole_gradient_buffer = False  # `apply`'s: the mend below leaves every optimizer as DeepSpeed builds it
+
+
+def one_step_gradient_partitions(zero: Any) -> bool:
+    """Whether ZeRO-3 optimizer `zero` takes the mend below (`estimates.gradient_partition_held`'s
+    rule, read from the optimizer)."""
+    import torch
+
+    dtype: DType = "fp16" if zero.dtype == torch.float16 else "fp32" if zero.dtype == torch.float32 else "bf16"
+    return (bool(zero.offload_optimizer) and not _whole_gradient_buffer
+            and not gradient_partition_held(zero.gradient_accumulation_steps, dtype, bool(zero.zenflow)))
+
+
+def hold_one_steps_gradient_partitions_only() -> None:
+    """ZeRO-3 with the optimizer offloaded: DeepSpeed 0.19.8 allocates a 16-bit gradient partition
+    of the whole model in host RAM (`grad_partitions_flat_buffer`, 2 B/param, pinned where
+    pin_memory is on) to accumulate gradients over the micro-steps of an optimizer step. Every
+    micro-step copies each reduced partition down into it and back up to the device
+    (`partition_grads`), and at the boundary converts it to fp32 for the CPU Adam or the swap
+    files. With one micro-step a step nothing accumulates, yet the buffer stays: on 64 GiB of RAM
+    it was what bound the largest model with everything on NVMe (25.2B, 47.4 GiB of it the
+    buffer). With one micro-step a step (and no fp16 loss scaling, whose overflow check reads the
+    buffer, and no ZenFlow), each parameter's partition is allocated on the device when its
+    bucket is reduced and freed once the boundary's copy has taken it: no buffer in RAM, no
+    16-bit round trip to the host, the same values (tests/integration/test_one_step_gradients.py)."""
+    from deepspeed.runtime.zero import stage3
+
+    cls = stage3.DeepSpeedZeroOptimizer_Stage3
+    if getattr(cls.partition_grads, _ONE_STEP_MARK, False):
+        return
+    for name, function in (("_setup_for_real_optimizer", _setup_without_the_gradient_buffer),
+                           ("partition_grads", _partition_grads_then_free),
+                           ("_finalize_offload_gradient_accumulation", _finalize_then_free)):
+        _one_step_originals[name] = getattr(cls, name)
+        setattr(function, _ONE_STEP_MARK, True)
+        setattr(cls, name, function)
+
+
+class _PartitionsOnDemand(dict):  # type: ignore[type-arg]
+    """ds_id -> its 16-bit gradient partition, allocated (zeroed, as DeepSpeed's buffer is) on
+    the device the first time `partition_grads` asks for it."""
+
+    def __init__(self, numel: dict[int, int], dtype: Any, device: str):
+        super().__init__()
+        self._numel, self._dtype, self._device = numel, dtype, device
+
+    def __missing__(self, ds_id: int) -> Any:
+        import torch
+
+        self[ds_id] = partition = torch.zeros(self._numel[ds_id], dtype=self._dtype, device=self._device)
+        return partition
+
+
+def _setup_without_the_gradient_buffer(self: Any) -> Any:
+    if not one_step_gradient_partitions(self):
+        return _one_step_originals["_setup_for_real_optimizer"](self)
+    import torch
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    # DeepSpeed 0.19.8's `_setup_for_real_optimizer` up to the buffer, which is left out
+    self._create_fp32_partitions()
+    dist.barrier()
+    self._create_next_swappable_fp32_groups()
+    self.initialize_optimizer_states()
+    dist.barrier()
+    device = get_accelerator().current_device_name()
+    if self.contiguous_gradients:
+        for dtype, bucket in self.ipg_buckets.items():
+            bucket.buffer = torch.empty(self.reduce_bucket_size, dtype=dtype, device=device)
+    self.grad_partitions_flat_buffer = torch.empty(0, dtype=self.gradient_accumulation_dtype, device=device)
+    numel = {param.ds_id: param.partition_numel() for group in self.fp16_groups for param in group}
+    setattr(self, _GRAD_PARTITIONS, _PartitionsOnDemand(numel, self.gradient_accumulation_dtype, device))
+    return None
+
+
+def _partition_grads_then_free(self: Any, params_to_release: list[Any], grad_partitions: list[Any]) -> Any:
+    buffers = _one_step_originals["partition_grads"](self, params_to_release, grad_partitions)
+    partitions = self.__dict__.get(_GRAD_PARTITIONS)
+    if isinstance(partitions, _PartitionsOnDemand) and self.is_gradient_accumulation_boundary():
+        for param in params_to_release:  # the boundary's copy (fp32, for the CPU Adam or the swap) has them
+            partitions.pop(param.ds_id, None)
+    return buffers
+
+
+def _finalize_then_free(self: Any) -> Any:
+    finalized = _one_step_originals["_finalize_offload_gradient_accumulation"](self)
+    partitions = self.__dict__.get(_GRAD_PARTITIONS)
+    if isinstance(partitions, _PartitionsOnDemand):
+        partitions.clear()
+    return finalized

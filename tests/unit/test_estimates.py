@@ -159,19 +159,22 @@ def test_zero3_copies_its_gradient_partition_once_per_step_zero2_every_micro_ste
 
 @pytest.mark.parametrize("parameters", ["gpu", "cpu"])
 def test_zero3_with_the_optimizer_offloaded_moves_its_gradients_as_deepspeed_does(parameters: str) -> None:
-    """Per optimizer step, per rank, between GPU and host (DeepSpeed 0.19.8's stage3): every
-    micro-step the 16-bit gradient partition down into its CPU accumulation buffer and back up
-    (2 B/param each way), at the boundary the fp32 gradients down (4 B/param), and the updated
-    16-bit parameters up where they live on the GPU (2 B/param). With the parameters in CPU RAM
-    their own term fetches them for the forward and backward and counts the gradients' way down."""
+    """Per optimizer step, per rank, between GPU and host (DeepSpeed 0.19.8's stage3): with more
+    than one micro-step a step, every micro-step the 16-bit gradient partition down into its CPU
+    accumulation buffer and back up (2 B/param each way); with one, no such buffer and no round
+    trip (deepspeed_fixes.hold_one_steps_gradient_partitions_only); at the boundary the fp32
+    gradients down (4 B/param), and the updated 16-bit parameters up where they live on the GPU
+    (2 B/param). With the parameters in CPU RAM their own term fetches them for the forward and
+    backward and counts the gradients' way down."""
     model = ModelShape.from_param_count(3_000_000_000)
     offload = Offload(optimizer="cpu", parameters=parameters, deepspeed={"zero_optimization": {"stage": 3}})
     p = t = model.params
     for micro_steps in (1, 4):
         plan = plan_tiers(model, gpu_node(256), TRAIN.model_copy(update={"gradient_accumulation": micro_steps}), offload)
         assert (plan.zero_stage, plan.parameters) == (3, parameters)
+        round_trip = 2 * t if micro_steps > 1 else 0
         if parameters == "gpu":
-            moved = (2 + 2) * t * micro_steps + 4 * t + 2 * t
+            moved = 2 * round_trip * micro_steps + 4 * t + 2 * t
         else:
-            moved = (2 * 2 * p + 2 * t + 2 * t) * micro_steps + 4 * t
+            moved = (2 * 2 * p + round_trip + round_trip) * micro_steps + 4 * t
         assert plan.step.host_device == pytest.approx(moved / DEFAULT_HOST_DEVICE_BPS)

@@ -24,10 +24,11 @@ from spillway_runtime.core.planner import (
     plan_tiers,
 )
 from spillway_runtime.core.spec import Method, Offload, Training
-from spillway_runtime.core.units import GiB
+from spillway_runtime.core.units import GiB, format_bytes
 
 P13 = ModelShape.from_param_count(13_000_000_000)
 TRAIN = Training(sequence_length=2048, micro_batch_size=1, gradient_accumulation=8, max_steps=1000)
+ONE_MICRO_BATCH = TRAIN.model_copy(update={"gradient_accumulation": 1})  # no 16-bit gradient partition held in RAM
 
 
 def rtx4090(ram_gib: int, nvme_tb: float = 2.0) -> NodeHardware:
@@ -45,7 +46,12 @@ def test_param_count_shape_is_llama_like():
 
 
 def test_13b_on_one_24gb_gpu_fits_with_state_in_cpu_ram():
-    plan = plan_tiers(P13, rtx4090(256), TRAIN)
+    """With one micro-batch a step. With more, DeepSpeed also holds a 16-bit gradient partition
+    of the whole model in RAM to accumulate into (2 B/param, 24.2 GiB more), which 256 GiB does
+    not hold beside the rest: the plan puts the optimizer under the NVMe swapper, which keeps its
+    sub-groups in RAM as far as RAM holds them (here all: 14 B/param in pageable RAM, against 16
+    in pinned with the optimizer in CPU RAM)."""
+    plan = plan_tiers(P13, rtx4090(256), ONE_MICRO_BATCH)
     assert plan.feasible
     assert (plan.zero_stage, plan.optimizer, plan.parameters) == (3, "cpu", "cpu")
     assert plan.bytes.nvme == 0
@@ -54,6 +60,12 @@ def test_13b_on_one_24gb_gpu_fits_with_state_in_cpu_ram():
     # ... and fits in 256 GiB but needs more than 220 GiB of it.
     assert 220 * GiB < minimum_cpu_for(plan) < 256 * GiB
     assert plan.bytes.gpu < 24 * GiB
+
+    accumulating = plan_tiers(P13, rtx4090(256), TRAIN)
+    assert accumulating.label == "Z3 opt:nvme par:cpu" and accumulating.swap.cpu_resident_fraction > 0.5
+    assert "CPU RAM is short" in {r.placement: r.why for r in accumulating.rejected}["Z3 opt:cpu par:cpu"]
+    alike = plan_tiers(P13, rtx4090(512), TRAIN)  # where both fit: the buffer's 2 B/param, and no more
+    assert alike.label == plan.label and alike.bytes.cpu - plan.bytes.cpu == 2 * P13.params
 
 
 def test_13b_with_only_64gb_ram_spills_the_optimizer_to_nvme():
@@ -351,17 +363,29 @@ def test_the_largest_model_is_where_each_placement_stops_fitting():
     assert bound["Z2 opt:gpu par:gpu"].startswith("GPU memory per GPU, 21.8 GiB usable: model states")
     assert ": model states" in bound["Z2 opt:gpu par:gpu"] and "(20.0 B/param), activations" in bound["Z2 opt:gpu par:gpu"]
     # all state off the GPU: RAM, filled by the 16-bit gradient partition DeepSpeed keeps there
-    # (2 B/param) and the swap buffers, which are sized by the largest tensor
+    # to accumulate the 8 micro-batches into (2 B/param) and the swap buffers, which are sized
+    # by the largest tensor
     largest = bound["Z3 opt:nvme par:nvme"]
     assert largest.startswith("CPU RAM, 58.9 GiB usable: 16-bit gradients") and "(2.0 B/param)" in largest
     assert "swap buffers" in largest and "training processes" in largest
-    assert bound["Z3 opt:cpu par:cpu"].startswith("CPU RAM, 58.9 GiB usable: optimizer state, gradients and 16-bit "
-                                                  "parameters")
+    assert bound["Z3 opt:cpu par:cpu"].startswith("CPU RAM, 58.9 GiB usable: optimizer state and fp32 gradients, "
+                                                  "16-bit parameters and 16-bit gradients")
     assert by["Z3 opt:nvme par:nvme"] >= by["Z3 opt:nvme par:cpu"] >= by["Z3 opt:nvme par:gpu"] > by["Z2 opt:gpu par:gpu"]
+
+    # With one micro-batch a step no 16-bit gradient partition is held (the runtime's
+    # deepspeed_fixes.hold_one_steps_gradient_partitions_only): everything on NVMe is bound by
+    # the NVMe's space, about four times the parameters, and the optimizer in RAM by 2 B/param less
+    one = {f.placement: f for f in largest_model(hw, ONE_MICRO_BATCH)}
+    assert one["Z3 opt:nvme par:nvme"].parameters > 3.5 * by["Z3 opt:nvme par:nvme"]
+    assert (one["Z3 opt:nvme par:nvme"].bound_by or "").startswith("NVMe space")
+    in_ram = one["Z3 opt:cpu par:cpu"]
+    assert (in_ram.bound_by or "").startswith("CPU RAM, 58.9 GiB usable: optimizer state and fp32 gradients and "
+                                              "16-bit parameters 57.6 GiB (18.0 B/param)")
+    assert in_ram.parameters > by["Z3 opt:cpu par:cpu"] * 1.1
 
 
 def test_the_largest_model_says_why_a_placement_is_out():
-    no_nvme = largest_model(rtx4090(256, nvme_tb=0), TRAIN, Offload(policy="cpu"))
+    no_nvme = largest_model(rtx4090(256, nvme_tb=0), ONE_MICRO_BATCH, Offload(policy="cpu"))
     out = {f.placement: f.why_not for f in no_nvme if f.why_not}
     assert out and all("nvme" in p for p in out)
     assert max(f.parameters for f in no_nvme) > 13e9  # 13B fits in 256 GB of RAM (see above)
@@ -532,15 +556,17 @@ def test_twin_flow_keeps_the_first_sub_groups_on_the_gpu_and_steps_them_there():
 def test_a_zero3_plan_with_gpu_memory_to_spare_names_the_share_twin_flow_would_keep_there():
     """Said in the reasons, not chosen: the largest share of GPU_SHARES that fits, and the step
     the job would get by pinning it (the same plan as pinning it gives)."""
-    plan = plan_tiers(P13, rtx4090(256), TRAIN)
+    plan = plan_tiers(P13, rtx4090(256), ONE_MICRO_BATCH)
     assert plan.label == "Z3 opt:cpu par:cpu" and plan.swap.gpu_resident_fraction == 0
     [hint] = [r for r in plan.reasons if r.startswith("offload.gpuResidentFraction: ")]
     share = float(hint.split()[1])
-    pinned = plan_tiers(P13, rtx4090(256), TRAIN, Offload(optimizer="cpu", parameters="cpu", gpu_resident_fraction=share))
+    pinned = plan_tiers(P13, rtx4090(256), ONE_MICRO_BATCH,
+                        Offload(optimizer="cpu", parameters="cpu", gpu_resident_fraction=share))
     assert pinned.feasible and f"{pinned.predicted_step_seconds:.3g} s/step predicted instead of " \
         f"{plan.predicted_step_seconds:.3g}" in hint
-    larger = plan_tiers(P13, rtx4090(256), TRAIN, Offload(optimizer="cpu", parameters="cpu",
-                                                           gpu_resident_fraction=GPU_SHARES[GPU_SHARES.index(share) - 1]))
+    larger = plan_tiers(P13, rtx4090(256), ONE_MICRO_BATCH,
+                        Offload(optimizer="cpu", parameters="cpu",
+                                gpu_resident_fraction=GPU_SHARES[GPU_SHARES.index(share) - 1]))
     assert not larger.feasible  # the largest that fits
     assert not [r for r in pinned.reasons if r.startswith("offload.gpuResidentFraction: ")]
     # where it could not run (ZeRO-2, LoRA): nothing said
@@ -575,7 +601,7 @@ def test_an_optimizer_on_nvme_plan_names_the_accumulation_that_amortizes_its_io(
     assert f"; now {plan.tokens_per_step / plan.predicted_step_seconds:.3g} tokens/s)" in hint
     assert at.amortizing_accumulation is None and not [r for r in at.reasons if "NVMe I/O adds" in r]
     # nothing to amortize with the optimizer in CPU RAM
-    in_ram = plan_tiers(P13, rtx4090(256), TRAIN)
+    in_ram = plan_tiers(P13, rtx4090(256), ONE_MICRO_BATCH)
     assert in_ram.optimizer == "cpu" and in_ram.amortizing_accumulation is None
     assert not [r for r in in_ram.reasons if "NVMe I/O adds" in r]
     # where no accumulation is enough, said so
@@ -584,3 +610,18 @@ def test_an_optimizer_on_nvme_plan_names_the_accumulation_that_amortizes_its_io(
     [never] = [r for r in slow.reasons if r.startswith("the optimizer's NVMe I/O adds ")]
     assert slow.optimizer == "nvme" and "; even at training.gradientAccumulation 4096 it would be " in never
     assert slow.amortizing_accumulation is None
+
+    # From one micro-batch a step, more make DeepSpeed hold a 16-bit gradient partition in RAM:
+    # the accumulation named is timed with the RAM share left beside it, as full plans at it are
+    one = plan_tiers(P13, rtx4090(64), ONE_MICRO_BATCH)
+    [hint] = [r for r in one.reasons if r.startswith("the optimizer's NVMe I/O adds ")]
+    needed = one.amortizing_accumulation
+    assert needed is not None and needed > 2
+    at, below = (plan_tiers(P13, rtx4090(64), ONE_MICRO_BATCH.model_copy(update={"gradient_accumulation": n}))
+                 for n in (needed, needed - 1))
+    assert at.label == below.label == one.label and at.bytes.cpu - one.bytes.cpu <= 2 * P13.params
+    assert over_in_ram(at.step) <= limit < over_in_ram(below.step)
+    assert at.swap.cpu_resident_fraction < one.swap.cpu_resident_fraction
+    assert hint.endswith(f" (more than one micro-batch a step: DeepSpeed holds a 16-bit gradient partition of the whole "
+                         f"model in RAM, {format_bytes(2 * P13.params)} per node; "
+                         f"{at.swap.cpu_resident_fraction:.0%} of the optimizer's sub-groups stay in RAM beside it)")

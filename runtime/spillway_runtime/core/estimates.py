@@ -121,14 +121,16 @@ class StepTime(BaseModel):
 
 def model_state_bytes(
     stage: int, optimizer: Tier, parameters: Tier, params: int, largest_layer: int, gpus_per_node: int, nodes: int,
-    trainable: int | None = None,
+    trainable: int | None = None, gradient_partition: bool = False,
 ) -> tuple[int, int]:
     # gpus_per_node counts training processes: GPUs, or processes on a CPU accelerator.
     """(GPU bytes per GPU, CPU bytes per node) for model states, as DeepSpeed's estimators
     compute them with additional_buffer_factor=1.0 and zero.Init. NVMe placements extend
     them: what moves to NVMe leaves the CPU figure (see `nvme_state_bytes`). With LoRA
     (`trainable` < `params`) the 16-bit weights count every parameter and the gradients and
-    optimizer state (fp32 master, both moments, fp32 gradient: 16 B) only the trainable."""
+    optimizer state (fp32 master, both moments, fp32 gradient: 16 B) only the trainable.
+    `gradient_partition`: ZeRO-3 with the optimizer offloaded keeps a 16-bit gradient partition
+    of the whole model in RAM (`holds_gradient_partition`), which the estimators leave out."""
     t = params if trainable is None else trainable
     total_gpus = gpus_per_node * nodes
     per_node = gpus_per_node
@@ -146,10 +148,10 @@ def model_state_bytes(
         gpu = large
         cpu_states = (2 * params + 16 * t) // nodes
     # Optimizer on NVMe: the fp32 master, both moments and the fp32 gradient (16 B/param) go
-    # to swap files; the 16-bit gradient partition (stage3.grad_partitions_flat_buffer) stays
-    # in CPU RAM, and the fp32 staging buffers are counted with the pinned swap buffers.
+    # to swap files; the fp32 staging buffers are counted with the pinned swap buffers.
     if optimizer == "nvme":
         cpu_states -= OPTIMIZER_SWAP_BYTES_PER_PARAM * t // nodes
+    if gradient_partition:  # DeepSpeed's 16-bit gradient partition in RAM (`gradient_partition_held`)
         cpu_states += 2 * t // nodes
     # Parameters on NVMe: the 16-bit partition (2 B/param) leaves RAM for swap files.
     if parameters == "nvme":
@@ -402,17 +404,34 @@ def _engine_seconds(placement: PlacementInputs, per_tensor: float, per_param_on_
     return seconds
 
 
-def offloaded_zero3_bytes(trainable: int, gpu_share: float, parameters: Tier, micro_steps: int) -> float:
+def gradient_partition_held(accumulation: int, dtype: DType, zenflow: bool) -> bool:
+    """Whether ZeRO-3 with its optimizer offloaded keeps DeepSpeed 0.19.8's 16-bit gradient
+    partition of the whole model in host RAM (`grad_partitions_flat_buffer`, 2 B/param) and
+    copies each micro-step's gradients down into it and back up: where micro-steps accumulate
+    into it (more than one a step), where fp16's loss scaling checks it for overflow, and under
+    ZenFlow. Otherwise the runtime holds one bucket's partitions at a time, on the device
+    (`deepspeed_fixes.hold_one_steps_gradient_partitions_only`)."""
+    return accumulation > 1 or dtype == "fp16" or zenflow
+
+
+def holds_gradient_partition(placement: PlacementInputs) -> bool:
+    return placement.stage == 3 and placement.optimizer != "gpu" and gradient_partition_held(
+        placement.training.gradient_accumulation, placement.dtype, bool(placement.zenflow_interval))
+
+
+def offloaded_zero3_bytes(trainable: int, gpu_share: float, parameters: Tier, micro_steps: int,
+                          held: bool = True) -> float:
     """Bytes ZeRO-3 moves between the GPU and host memory per optimizer step for `trainable`
     parameters with the optimizer offloaded, as DeepSpeed 0.19.8's stage3 does: every micro-step
     the 16-bit gradient partition goes down into its CPU accumulation buffer and comes back up
     (`partition_grads`: `copy_` then `.to(device)` in the first, the accumulation's add on the GPU
-    in the others), 2 B/param each way; at the boundary the fp32 gradients go down to the CPU
-    Adam's partition (4 B/param); after its step the updated 16-bit parameters go up where they
-    live on the GPU (2 B/param). Twin-Flow's GPU share keeps its fp32 gradients and parameters
-    on the GPU. With the parameters off the GPU their term counts the gradients' way down."""
-    down = 2 * micro_steps if parameters == "gpu" else 0
-    up = 2 * micro_steps
+    in the others), 2 B/param each way, where that buffer is `held` (`gradient_partition_held`);
+    at the boundary the fp32 gradients go down to the CPU Adam's partition (4 B/param); after
+    its step the updated 16-bit parameters go up where they live on the GPU (2 B/param).
+    Twin-Flow's GPU share keeps its fp32 gradients and parameters on the GPU. With the
+    parameters off the GPU their term counts the gradients' way down."""
+    down = 2 * micro_steps if parameters == "gpu" and held else 0
+    up = 2 * micro_steps if held else 0
     boundary = 4 * (1 - gpu_share)
     updated = 2 * (1 - gpu_share) if parameters == "gpu" else 0
     return (down + up + boundary + updated) * trainable
@@ -446,14 +465,17 @@ def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSetting
         cut = placement_cut(placement, swap)
         gpu_share = cut.on_gpu(placement.gpu_resident) / cut.total
     host_device = 0.0
+    held = holds_gradient_partition(placement)
     if optimizer != "gpu" and placement.stage == 3:
-        host_device += offloaded_zero3_bytes(t, gpu_share, parameters, micro_steps) / ranks / pcie
+        host_device += offloaded_zero3_bytes(t, gpu_share, parameters, micro_steps, held) / ranks / pcie
     elif optimizer != "gpu":
         # grads down and updated 16-bit params up, each rank its own partition
         host_device += 4 * t / ranks / pcie
     if parameters != "gpu":
-        # fetch for forward and backward (and DPO's reference forward), grads down, every micro-step
-        host_device += ((2 + placement.reference_forwards) * 2 * p + 2 * t) / ranks * micro_steps / pcie
+        # fetch for forward and backward (and DPO's reference forward), and the 16-bit grads down
+        # where a buffer holds them, every micro-step
+        grads_down = 2 * t if held else 0
+        host_device += ((2 + placement.reference_forwards) * 2 * p + grads_down) / ranks * micro_steps / pcie
     param_nvme, opt_nvme, nvme_bytes = _nvme_seconds(placement, swap)
     cpu_adam = hw.cpu_adam_params_per_s or DEFAULT_CPU_ADAM_PARAMS_PER_S
     # fused Adam on a GPU streams ~16 B/param three times at HBM speed (~2 TB/s)

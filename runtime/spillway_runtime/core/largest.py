@@ -77,9 +77,21 @@ def largest_model(
         step = _evaluate(inputs_at(params)).predicted_step_seconds if params else None
         bound = None
         if params < LARGEST_SEARCHED:
-            bound = _what_binds(inputs_at(max(10**6, params + max(1, params // 100))))  # 1% past the answer
+            past = _past(params, lambda n: _evaluate(inputs_at(n)).feasible)
+            bound = _what_binds(inputs_at(past))
         out.append(LargestFit(placement=label, parameters=params, predicted_step_seconds=step, bound_by=bound))
     return out
+
+
+def _past(params: int, fits: Callable[[int], bool]) -> int:
+    """The first count 1%, 2%, ... past the answer that does not fit: the answer is rounded down
+    to 3 digits, by up to 1%, so 1% past it may still fit."""
+    past = max(10**6, params + max(1, params // 100))
+    for _ in range(8):
+        if not fits(past):
+            break
+        past += max(1, params // 100)
+    return past
 
 
 _NOT_PER_PARAM = {"swap buffers", "training processes", "activations", "swap files"}

@@ -29,6 +29,7 @@ from spillway_runtime.core.estimates import (
     MIN_AIO_BYTES,
     StepTime,
     activation_bytes,
+    holds_gradient_partition,
     lora_parameters,
     model_state_bytes,
     step_time,
@@ -371,14 +372,49 @@ def plan_placement(inputs: PlanInputs, hw: NodeHardware) -> OffloadPlan:
     full = inputs.method is None or not inputs.method.lora
     if offload.gpu_resident_fraction is None and offload.overlap == "none" and full:
         best.reasons.extend(_gpu_share_hint(best, placements[best.label]))
-    found = amortizing_accumulation(best, placements[best.label]) if best.feasible else None
-    if found is not None:
-        micro_batches, step = found
-        enough = over_in_ram(step) <= 1 + NVME_OVERHEAD_SHARE
-        best.amortizing_accumulation = micro_batches if enough else None
-        best.reasons.append(_accumulation_hint(best, placements[best.label].training.gradient_accumulation,
-                                               micro_batches, step, enough))
+    if best.feasible:
+        best.reasons.extend(_amortizing(best, placements[best.label]))
     return best
+
+
+def _amortizing(best: OffloadPlan, placement: PlacementInputs) -> list[str]:
+    """`amortizing_accumulation` set on the plan and said as a reason (none where the I/O adds
+    little), timed with the tiers of `_accumulating`."""
+    timing = _accumulating(best, placement)
+    now = placement.training.gradient_accumulation
+    if timing is None:
+        return [_accumulation_hint(best, now, None, False) + _gradient_partition_note(placement, None)]
+    found = amortizing_accumulation(best, placement, timing)
+    if found is None:
+        return []
+    micro_batches, step = found
+    enough = over_in_ram(step) <= 1 + NVME_OVERHEAD_SHARE
+    best.amortizing_accumulation = micro_batches if enough else None
+    note = _gradient_partition_note(placement, timing) if timing is not best else ""
+    return [_accumulation_hint(best, now, (micro_batches, step), enough) + note]
+
+
+def _accumulating(plan: OffloadPlan, placement: PlacementInputs) -> OffloadPlan | None:
+    """The plan whose tiers time the steps at more micro-batches: this one, or where it has one
+    micro-batch a step and more make DeepSpeed hold a 16-bit gradient partition of the whole model
+    in RAM (`holds_gradient_partition`), the same placement planned at two, its RAM shares sized
+    beside that partition; None where the node does not hold it."""
+    if not (plan.optimizer == "nvme" and over_in_ram(plan.step) > 1 + NVME_OVERHEAD_SHARE):
+        return plan
+    if holds_gradient_partition(placement):
+        return plan
+    two = _evaluate(replace(placement, training=placement.training.model_copy(update={"gradient_accumulation": 2})))
+    return two if two.feasible else None
+
+
+def _gradient_partition_note(placement: PlacementInputs, timing: OffloadPlan | None) -> str:
+    """What more micro-batches than one cost in RAM: the 16-bit gradient partition's bytes, and
+    the RAM share kept beside it, or that the node does not hold it (`timing` None)."""
+    held = f"{format_bytes(2 * placement.shape.trainable // placement.nodes)} per node"
+    said = " (more than one micro-batch a step: DeepSpeed holds a 16-bit gradient partition of the whole model in RAM, "
+    if timing is None:
+        return f"{said}{held}, which this node does not hold beside the rest)"
+    return f"{said}{held}; {timing.swap.cpu_resident_fraction:.0%} of the optimizer's sub-groups stay in RAM beside it)"
 
 
 # What the optimizer's NVMe I/O may add to a step before the plan says how to amortize it.
@@ -391,20 +427,24 @@ def over_in_ram(step: StepTime) -> float:
     return step.total / (step.total - step.optimizer_phase + step.cpu_optimizer)
 
 
-def amortizing_accumulation(plan: OffloadPlan, placement: PlacementInputs) -> tuple[int, StepTime] | None:
+def amortizing_accumulation(plan: OffloadPlan, placement: PlacementInputs,
+                             timing: OffloadPlan | None = None) -> tuple[int, StepTime] | None:
     """With the optimizer on NVMe its reads and writes cost the same every optimizer step however
     many micro-batches the step holds, while the forward and backward passes grow with them: the
     smallest training.gradientAccumulation (at most GRADIENT_ACCUMULATION_MAX) at which they add
     at most NVME_OVERHEAD_SHARE to the step, and that step; None when the plan's already add no
-    more. Only the step time is recomputed (the bytes do not depend on the accumulation), and
-    `over_in_ram` falls as the accumulation grows: searched by halving."""
+    more. Only the step time is recomputed, with the tiers of `timing` (`_accumulating`; the
+    plan's own by default: the bytes do not depend on the accumulation but for the 16-bit
+    gradient partition more than one micro-batch holds), and `over_in_ram` falls as the
+    accumulation grows: searched by halving."""
     limit = 1 + NVME_OVERHEAD_SHARE
     if not (plan.optimizer == "nvme" and over_in_ram(plan.step) > limit):
         return None
 
     def at(micro_batches: int) -> StepTime:
         training = placement.training.model_copy(update={"gradient_accumulation": micro_batches})
-        return step_time(replace(placement, training=training), plan.activation_checkpointing, plan.swap)
+        tiers = timing or plan
+        return step_time(replace(placement, training=training), tiers.activation_checkpointing, tiers.swap)
 
     low, high = placement.training.gradient_accumulation, GRADIENT_ACCUMULATION_MAX
     steps = {high: at(high)}  # over the limit at low; within it at high, if anywhere
@@ -415,14 +455,17 @@ def amortizing_accumulation(plan: OffloadPlan, placement: PlacementInputs) -> tu
     return high, steps[high]
 
 
-def _accumulation_hint(best: OffloadPlan, now: int, micro_batches: int, step: StepTime, enough: bool) -> str:
+def _accumulation_hint(best: OffloadPlan, now: int, found: tuple[int, StepTime] | None, enough: bool) -> str:
     """`amortizing_accumulation` as a reason: what the I/O adds now, and the step and tokens per
-    second at that accumulation (or that none is enough). benchmarks/bench_nvme_step.py measures
-    the ratio beside this prediction."""
+    second at that accumulation (or that none is enough; `found` None: none was searched).
+    benchmarks/bench_nvme_step.py measures the ratio beside this prediction."""
     overhead = best.step.optimizer_phase - best.step.cpu_optimizer
     said = (f"the optimizer's NVMe I/O adds {overhead:.3g} s to every step however many micro-batches it holds "
             f"({over_in_ram(best.step):.2f}x the step without it; now {_rate(best.tokens_per_step / best.step.total)} "
             "tokens/s)")
+    if found is None:
+        return said
+    micro_batches, step = found
     if not enough:
         return f"{said}; even at training.gradientAccumulation {micro_batches} it would be {over_in_ram(step):.2f}x"
     tokens = best.tokens_per_step // now * micro_batches

@@ -23,6 +23,7 @@ from spillway_runtime.core.estimates import (
     SubGroupCut,
     activation_bytes,
     gpu_sub_groups,
+    holds_gradient_partition,
     model_state_bytes,
     nvme_state_bytes,
     placement_cut,
@@ -216,7 +217,7 @@ def _size_memory(placement: PlacementInputs) -> Sizing:
     p, shape, hw = placement, placement.shape, placement.hw
     gpu_state, cpu_state = model_state_bytes(
         p.stage, p.optimizer, p.parameters, shape.params, shape.largest_layer_params, p.ranks_per_node, p.nodes,
-        shape.trainable_params,
+        shape.trainable_params, gradient_partition=holds_gradient_partition(p),
     )
     if p.dtype == "fp32":
         # fp32 training keeps 4-byte weights and grads where the estimators assume 2.
@@ -419,8 +420,8 @@ def _keep_share_in_ram(placement: PlacementInputs, sizing: Sizing, swap: SwapSet
 def _keep_share_on_gpu(placement: PlacementInputs, sizing: Sizing, swap: SwapSettings, groups: SubGroupCut) -> None:
     """Twin-Flow (offload.gpuResidentFraction): the first int(share x n) of each rank's n
     sub-groups keep their fp32 masters, both Adam moments and fp32 gradient (16 B/param) on the
-    GPU and are updated there by torch's AdamW; their bytes leave CPU RAM. The 16-bit gradient
-    partition stays in RAM (DeepSpeed copies every gradient through it)."""
+    GPU and are updated there by torch's AdamW; their bytes leave CPU RAM. A 16-bit gradient
+    partition held in RAM (`holds_gradient_partition`) stays there whole."""
     share, count = placement.gpu_resident, len(groups.sizes)
     kept = groups.on_gpu(share)  # elements per rank
     swap.gpu_resident_fraction = share
@@ -436,14 +437,9 @@ def _keep_share_on_gpu(placement: PlacementInputs, sizing: Sizing, swap: SwapSet
 def tier_parts(placement: PlacementInputs, sized: SizedPlacement) -> dict[OffloadTier, dict[str, int]]:
     """What fills each tier of a sized placement, by name, as `_tier_bytes` adds it up (per
     GPU, per node, per node): what `largest` names as the bound of a model's size. Of the
-    model states in RAM, the kinds the placement keeps there (in the states' name: DeepSpeed
-    0.19.8 keeps the 16-bit gradient partition in RAM whenever the optimizer is off the GPU)."""
+    model states in RAM, the kinds the placement keeps there, by name."""
     sizing, ranks = sized.sizing, placement.ranks_per_node
-    states = {("nvme", "nvme"): "16-bit gradients", ("nvme", "cpu"): "16-bit parameters and gradients",
-              ("cpu", "gpu"): "optimizer state and gradients",
-              ("cpu", "cpu"): "optimizer state, gradients and 16-bit parameters",
-              ("cpu", "nvme"): "optimizer state and gradients"}.get((placement.optimizer, placement.parameters),
-                                                                     "model states")
+    states = _states_in_ram(placement)
     cpu = {states: sizing.cpu_state, "swap buffers": _swap_buffers(placement, sized.swap),
            "training processes": sizing.overhead}
     gpu = {"model states": sizing.gpu_state, "activations": sizing.activations}
@@ -453,6 +449,18 @@ def tier_parts(placement: PlacementInputs, sized: SizedPlacement) -> dict[Offloa
                 // placement.nodes}
         gpu = {}
     return {"gpu": gpu, "cpu": cpu, "nvme": {"swap files": sizing.nvme}}
+
+
+def _states_in_ram(placement: PlacementInputs) -> str:
+    """What of the model states a placement keeps in RAM: "model states" where the optimizer is
+    on the GPU; else its state there or not, the 16-bit parameters there or not, and the 16-bit
+    gradient partition where DeepSpeed holds one (`holds_gradient_partition`)."""
+    if placement.optimizer == "gpu":
+        return "model states"
+    kinds = ["optimizer state and fp32 gradients"] if placement.optimizer == "cpu" else []
+    kinds += ["16-bit parameters"] if placement.parameters == "cpu" else []
+    kinds += ["16-bit gradients"] if holds_gradient_partition(placement) else []
+    return (", ".join(kinds[:-1]) + " and " + kinds[-1] if len(kinds) > 1 else kinds[0]) if kinds else "no model states"
 
 
 def _swap_buffers(placement: PlacementInputs, swap: SwapSettings) -> int:

@@ -13,6 +13,35 @@ from spillway_runtime.core.planner import OffloadPlan
 from spillway_runtime.training.dsconfig import REFERENCE_DIR
 
 
+def release_free_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's `malloc_trim`; elsewhere nothing):
+    loading a model and building the engine free gigabytes of temporaries that the allocator
+    would otherwise keep resident, and measured set-up memory would count them."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:
+        return
+
+
+def anonymous_bytes() -> int | None:
+    """This process's resident anonymous memory (Linux's RssAnon): its heap and tensors, without
+    the pages of files it maps (the model's safetensors, the dataset cache), which the kernel may
+    drop and read again. None where the platform does not say."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def tier_bytes(plan: OffloadPlan, nvme_dir: str | None, torch: Any) -> dict[str, int]:
     """In use now: this process's resident memory, the GPU's allocated memory, the swap files."""
     import psutil

@@ -93,7 +93,9 @@ class FineTuneRecipe:
 
     def _memory(self, stage: str) -> None:
         """Where the resident memory goes during set-up (the plan's CPU figure covers all of it)."""
-        self.reporter.event("memory", stage=stage, bytes=disk_usage.tier_bytes(self.plan, self.cfg.nvme_dir, self.torch))
+        disk_usage.release_free_heap()
+        self.reporter.event("memory", stage=stage, bytes=disk_usage.tier_bytes(self.plan, self.cfg.nvme_dir, self.torch),
+                            anonymous=disk_usage.anonymous_bytes())
 
     def log(self, message: str) -> None:
         self.reporter.event("log", message=message)
@@ -189,7 +191,7 @@ class FineTuneRecipe:
 
         from spillway_runtime import deepspeed_fixes
         self.checkpoints.keep_share()
-        deepspeed_fixes.apply(self.plan)
+        deepspeed_fixes.apply(self.plan, whole_gradient_buffer=self.cfg.faults.whole_gradient_buffer)
         if self.plan.uses_nvme:
             self.log(f"up to {format_bytes(self.plan.bytes.nvme)} is written to NVMe swap files every step: "
                      "sustained offloading wears a consumer SSD's rated write endurance (TBW); datacenter SSDs "

@@ -24,7 +24,7 @@ S3_CACHE_MOUNT = Path("/mnt/s3-cache")
 
 class FaultInjection(BaseModel):
     """Test hooks, never set by users: make chosen micro-batches produce a NaN loss, slow steps,
-    wait for uploads."""
+    wait for uploads, build DeepSpeed's reference."""
 
     nan_micro_batches: list[int] = Field(default_factory=list)
     spike_micro_batches: list[int] = Field(default_factory=list)
@@ -32,6 +32,9 @@ class FaultInjection(BaseModel):
     mirror_every_checkpoint: bool = Field(
         False, description="Wait for each checkpoint's upload before training on: the mirror uploads the newest "
         "checkpoint and drops one still waiting, so under load a test's count of uploads would vary")
+    whole_gradient_buffer: bool = Field(
+        False, description="Build ZeRO-3 as DeepSpeed does, with its whole-model 16-bit gradient buffer in RAM "
+        "(`deepspeed_fixes.hold_one_steps_gradient_partitions_only` left out): the reference a test compares with")
 
 
 class RuntimeConfig(BaseModel):
