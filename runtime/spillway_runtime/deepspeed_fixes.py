@@ -15,6 +15,7 @@ from spillway_runtime.core.spec_types import DType
 _MARK = "_spillway_unique_params"
 _RESIDENT_MARK = "_spillway_resident_sub_groups"
 _resident_fraction = 0.0  # read by the patched ZeRO-3 optimizer as it is built (`keep_first_sub_groups_in_ram`)
+_whole_gradient_buffer = False  # `apply`'s: `hold_one_steps_gradient_partitions_only` leaves every optimizer as is
 
 
 def apply(plan: OffloadPlan, whole_gradient_buffer: bool = False) -> None:
@@ -272,7 +273,6 @@ def _accelerator_share(zero: Any) -> list[tuple[int, Any]]:
 _ONE_STEP_MARK = "_spillway_one_step_gradients"
 _GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"  # the name-mangled map
 _one_step_originals: dict[str, Any] = {}  # DeepSpeed's own ZeRO-3 methods that the mend below wraps
-_whole_gradient_buffer = False  # `apply`'s: the mend below leaves every optimizer as DeepSpeed builds it
 
 
 def one_step_gradient_partitions(zero: Any) -> bool:
@@ -281,8 +281,17 @@ def one_step_gradient_partitions(zero: Any) -> bool:
     import torch
 
     dtype: DType = "fp16" if zero.dtype == torch.float16 else "fp32" if zero.dtype == torch.float32 else "bf16"
-    return (bool(zero.offload_optimizer) and not _whole_gradient_buffer
+    # a subclass with its own `partition_grads` (SuperOffload's) would never free the partitions
+    own = type(zero).partition_grads is _partition_grads_then_free
+    return (own and bool(zero.offload_optimizer) and not _whole_gradient_buffer
             and not gradient_partition_held(zero.gradient_accumulation_steps, dtype, bool(zero.zenflow)))
+
+
+def gradient_buffer_bytes(engine: Any) -> int | None:
+    """What DeepSpeed's whole-model 16-bit gradient buffer of `engine`'s ZeRO-3 optimizer holds
+    (0 under the mend below); None without one (no ZeRO-3 optimizer, or ZeRO-2)."""
+    buffer = getattr(getattr(engine, "optimizer", None), "grad_partitions_flat_buffer", None)
+    return None if buffer is None else int(buffer.numel() * buffer.element_size())
 
 
 def hold_one_steps_gradient_partitions_only() -> None:
@@ -297,8 +306,12 @@ def hold_one_steps_gradient_partitions_only() -> None:
     buffer, and no ZenFlow), each parameter's partition is allocated on the device when its
     bucket is reduced and freed once the boundary's copy has taken it: no buffer in RAM, no
     16-bit round trip to the host, the same values (tests/integration/test_one_step_gradients.py)."""
+    import deepspeed
     from deepspeed.runtime.zero import stage3
 
+    if deepspeed.__version__ != "0.19.8":  # `_setup_without_the_gradient_buffer` is that version's set-up, in part
+        raise RuntimeError(f"deepspeed {deepspeed.__version__}: Spillway's ZeRO-3 mends are for 0.19.8, the version "
+                           "it pins; install that one")
     cls = stage3.DeepSpeedZeroOptimizer_Stage3
     if getattr(cls.partition_grads, _ONE_STEP_MARK, False):
         return
@@ -332,7 +345,8 @@ def _setup_without_the_gradient_buffer(self: Any) -> Any:
     from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator
 
-    # DeepSpeed 0.19.8's `_setup_for_real_optimizer` up to the buffer, which is left out
+    # DeepSpeed 0.19.8's `_setup_for_real_optimizer` up to the buffer, which is left out (and
+    # but for its log lines)
     self._create_fp32_partitions()
     dist.barrier()
     self._create_next_swappable_fp32_groups()
@@ -358,8 +372,16 @@ def _partition_grads_then_free(self: Any, params_to_release: list[Any], grad_par
 
 
 def _finalize_then_free(self: Any) -> Any:
+    """DeepSpeed's unmanaged accumulation (the boundary at `engine.step`, which Spillway does
+    not use): the boundary's copies read the partitions on the current stream, not the reduce
+    stream they were allocated on, so they are recorded on it before they are freed."""
+    from deepspeed.accelerator import get_accelerator
+
     finalized = _one_step_originals["_finalize_offload_gradient_accumulation"](self)
     partitions = self.__dict__.get(_GRAD_PARTITIONS)
     if isinstance(partitions, _PartitionsOnDemand):
+        if not get_accelerator().is_synchronized_device():
+            for partition in partitions.values():
+                partition.record_stream(get_accelerator().current_stream())
         partitions.clear()
     return finalized

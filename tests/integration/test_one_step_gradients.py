@@ -42,6 +42,16 @@ def test_one_micro_batch_a_step_on_nvme_trains_and_resumes_as_deepspeed_does(mak
     assert mended.config.plan.label == "Z3 opt:nvme par:nvme"
     losses = [e["loss"] for e in mended.of("step")]
     assert len(losses) == STEPS and losses == [e["loss"] for e in reference.of("step")]
+    # DeepSpeed's buffer (2 B per parameter of the partitions, padded to async-I/O blocks with
+    # the parameters on NVMe) is there in the reference only, and again with two micro-batches
+    params = mended.config.plan.model.params
+    assert _buffer(reference) >= 2 * params and _buffer(mended) == 0
+    two = make_job("two-micro-batches", training={"maxSteps": 2, "gradientAccumulation": 2, "microBatchSize": 1},
+                   offload={"policy": "nvme", "optimizer": "nvme", "parameters": "nvme",
+                            "nvme": {"path": str(tmp_path / "nvme-two")}}, checkpoint={"everySteps": 100})
+    accumulating = run_job(two, tmp_path / "two")
+    assert accumulating.returncode == 0, accumulating.log[-3000:]
+    assert _buffer(accumulating) == _buffer(reference)
 
     killed = run_job(job, tmp_path / "killed", faults=FaultInjection(step_sleep_seconds=0.4), signal_at_step=4)
     assert killed.returncode != 0
@@ -71,3 +81,9 @@ def test_the_gradient_buffer_leaves_ram(tiny_model, tmp_path: Path) -> None:
     assert [e["loss"] for e in mended.of("step")] == [e["loss"] for e in reference.of("step")]
     engine = [next(e["anonymous"] for e in run.of("memory") if e["stage"] == "engine") for run in (reference, mended)]
     assert abs((engine[0] - engine[1]) / (2 * params) - 1) <= 0.10, (engine, 2 * params)
+    assert (_buffer(reference), _buffer(mended)) == (2 * params, 0)
+
+
+def _buffer(run) -> int:
+    """The bytes of DeepSpeed's 16-bit gradient buffer, as the runtime reports them once the engine is built."""
+    return next(e["gradient_buffer"] for e in run.of("memory") if e["stage"] == "engine")

@@ -178,3 +178,22 @@ def test_zero3_with_the_optimizer_offloaded_moves_its_gradients_as_deepspeed_doe
         else:
             moved = (2 * 2 * p + round_trip + round_trip) * micro_steps + 4 * t
         assert plan.step.host_device == pytest.approx(moved / DEFAULT_HOST_DEVICE_BPS)
+
+
+def test_the_gradient_partition_is_held_where_micro_batches_accumulate_fp16_scales_or_zenflow_runs() -> None:
+    """DeepSpeed's whole-model gradient partition in RAM with ZeRO-3 and the optimizer offloaded:
+    held with more than one micro-batch a step, with fp16 (its overflow check reads it), under
+    ZenFlow; else not (deepspeed_fixes.hold_one_steps_gradient_partitions_only). Its bytes are
+    the training dtype's."""
+    from spillway_runtime.core.estimates import gradient_partition_held
+
+    assert not gradient_partition_held(1, "bf16", False) and not gradient_partition_held(1, "fp32", False)
+    assert gradient_partition_held(2, "bf16", False) and gradient_partition_held(1, "fp16", False)
+    assert gradient_partition_held(1, "bf16", True)
+    model = ModelShape.from_param_count(3_000_000_000)
+    zero3 = Offload(optimizer="cpu", parameters="gpu", deepspeed={"zero_optimization": {"stage": 3}})
+    one = TRAIN.model_copy(update={"gradient_accumulation": 1})
+    two = TRAIN.model_copy(update={"gradient_accumulation": 2})
+    bf16 = [plan_tiers(model, gpu_node(256), t, zero3).bytes.cpu for t in (one, two)]
+    fp32 = [plan_tiers(model, gpu_node(256), t, zero3, dtype="fp32").bytes.cpu for t in (one, two)]
+    assert (bf16[1] - bf16[0], fp32[1] - fp32[0]) == (2 * model.params, 4 * model.params)

@@ -121,7 +121,7 @@ class StepTime(BaseModel):
 
 def model_state_bytes(
     stage: int, optimizer: Tier, parameters: Tier, params: int, largest_layer: int, gpus_per_node: int, nodes: int,
-    trainable: int | None = None, gradient_partition: bool = False,
+    trainable: int | None = None, gradient_partition: int = 0,
 ) -> tuple[int, int]:
     # gpus_per_node counts training processes: GPUs, or processes on a CPU accelerator.
     """(GPU bytes per GPU, CPU bytes per node) for model states, as DeepSpeed's estimators
@@ -129,8 +129,9 @@ def model_state_bytes(
     them: what moves to NVMe leaves the CPU figure (see `nvme_state_bytes`). With LoRA
     (`trainable` < `params`) the 16-bit weights count every parameter and the gradients and
     optimizer state (fp32 master, both moments, fp32 gradient: 16 B) only the trainable.
-    `gradient_partition`: ZeRO-3 with the optimizer offloaded keeps a 16-bit gradient partition
-    of the whole model in RAM (`holds_gradient_partition`), which the estimators leave out."""
+    `gradient_partition`: bytes per trainable parameter of the gradient partition of the whole
+    model that ZeRO-3 with the optimizer offloaded keeps in RAM (`gradient_partition_bytes`),
+    which the estimators leave out."""
     t = params if trainable is None else trainable
     total_gpus = gpus_per_node * nodes
     per_node = gpus_per_node
@@ -151,8 +152,7 @@ def model_state_bytes(
     # to swap files; the fp32 staging buffers are counted with the pinned swap buffers.
     if optimizer == "nvme":
         cpu_states -= OPTIMIZER_SWAP_BYTES_PER_PARAM * t // nodes
-    if gradient_partition:  # DeepSpeed's 16-bit gradient partition in RAM (`gradient_partition_held`)
-        cpu_states += 2 * t // nodes
+    cpu_states += gradient_partition * t // nodes
     # Parameters on NVMe: the 16-bit partition (2 B/param) leaves RAM for swap files.
     if parameters == "nvme":
         cpu_states -= 2 * params // nodes
@@ -419,19 +419,26 @@ def holds_gradient_partition(placement: PlacementInputs) -> bool:
         placement.training.gradient_accumulation, placement.dtype, bool(placement.zenflow_interval))
 
 
+def gradient_partition_bytes(placement: PlacementInputs) -> int:
+    """Bytes per trainable parameter of that partition (DeepSpeed's gradient accumulation dtype,
+    the training dtype's) where it is held; 0 where not."""
+    return DTYPE_BYTES[placement.dtype] if holds_gradient_partition(placement) else 0
+
+
 def offloaded_zero3_bytes(trainable: int, gpu_share: float, parameters: Tier, micro_steps: int,
-                          held: bool = True) -> float:
+                          partition: int) -> float:
     """Bytes ZeRO-3 moves between the GPU and host memory per optimizer step for `trainable`
     parameters with the optimizer offloaded, as DeepSpeed 0.19.8's stage3 does: every micro-step
     the 16-bit gradient partition goes down into its CPU accumulation buffer and comes back up
     (`partition_grads`: `copy_` then `.to(device)` in the first, the accumulation's add on the GPU
-    in the others), 2 B/param each way, where that buffer is `held` (`gradient_partition_held`);
+    in the others), `partition` B/param each way (`gradient_partition_bytes`: 2, or 0 where no
+    such buffer is held);
     at the boundary the fp32 gradients go down to the CPU Adam's partition (4 B/param); after
     its step the updated 16-bit parameters go up where they live on the GPU (2 B/param).
     Twin-Flow's GPU share keeps its fp32 gradients and parameters on the GPU. With the
     parameters off the GPU their term counts the gradients' way down."""
-    down = 2 * micro_steps if parameters == "gpu" and held else 0
-    up = 2 * micro_steps if held else 0
+    down = partition * micro_steps if parameters == "gpu" else 0
+    up = partition * micro_steps
     boundary = 4 * (1 - gpu_share)
     updated = 2 * (1 - gpu_share) if parameters == "gpu" else 0
     return (down + up + boundary + updated) * trainable
@@ -465,17 +472,16 @@ def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSetting
         cut = placement_cut(placement, swap)
         gpu_share = cut.on_gpu(placement.gpu_resident) / cut.total
     host_device = 0.0
-    held = holds_gradient_partition(placement)
+    partition = gradient_partition_bytes(placement)
     if optimizer != "gpu" and placement.stage == 3:
-        host_device += offloaded_zero3_bytes(t, gpu_share, parameters, micro_steps, held) / ranks / pcie
+        host_device += offloaded_zero3_bytes(t, gpu_share, parameters, micro_steps, partition) / ranks / pcie
     elif optimizer != "gpu":
         # grads down and updated 16-bit params up, each rank its own partition
         host_device += 4 * t / ranks / pcie
     if parameters != "gpu":
         # fetch for forward and backward (and DPO's reference forward), and the 16-bit grads down
         # where a buffer holds them, every micro-step
-        grads_down = 2 * t if held else 0
-        host_device += ((2 + placement.reference_forwards) * 2 * p + grads_down) / ranks * micro_steps / pcie
+        host_device += ((2 + placement.reference_forwards) * 2 * p + partition * t) / ranks * micro_steps / pcie
     param_nvme, opt_nvme, nvme_bytes = _nvme_seconds(placement, swap)
     cpu_adam = hw.cpu_adam_params_per_s or DEFAULT_CPU_ADAM_PARAMS_PER_S
     # fused Adam on a GPU streams ~16 B/param three times at HBM speed (~2 TB/s)

@@ -78,20 +78,20 @@ def largest_model(
         bound = None
         if params < LARGEST_SEARCHED:
             past = _past(params, lambda n: _evaluate(inputs_at(n)).feasible)
-            bound = _what_binds(inputs_at(past))
+            bound = _what_binds(inputs_at(past)) if past is not None else None
         out.append(LargestFit(placement=label, parameters=params, predicted_step_seconds=step, bound_by=bound))
     return out
 
 
-def _past(params: int, fits: Callable[[int], bool]) -> int:
-    """The first count 1%, 2%, ... past the answer that does not fit: the answer is rounded down
-    to 3 digits, by up to 1%, so 1% past it may still fit."""
-    past = max(10**6, params + max(1, params // 100))
-    for _ in range(8):
+def _past(params: int, fits: Callable[[int], bool]) -> int | None:
+    """The first count 1%, 2%, ... 8% past the answer that does not fit (None if each does): the
+    answer is rounded down to 3 digits, and the model shapes of nearby counts differ (layers,
+    widths), so what fits is not monotonic in the count near the bound, and 1% past may fit."""
+    for percent in range(1, 9):
+        past = max(10**6, params + max(1, params * percent // 100))
         if not fits(past):
-            break
-        past += max(1, params // 100)
-    return past
+            return past
+    return None
 
 
 _NOT_PER_PARAM = {"swap buffers", "training processes", "activations", "swap files"}

@@ -29,6 +29,7 @@ from spillway_runtime.core.estimates import (
     MIN_AIO_BYTES,
     StepTime,
     activation_bytes,
+    gradient_partition_bytes,
     holds_gradient_partition,
     lora_parameters,
     model_state_bytes,
@@ -373,13 +374,15 @@ def plan_placement(inputs: PlanInputs, hw: NodeHardware) -> OffloadPlan:
     if offload.gpu_resident_fraction is None and offload.overlap == "none" and full:
         best.reasons.extend(_gpu_share_hint(best, placements[best.label]))
     if best.feasible:
-        best.reasons.extend(_amortizing(best, placements[best.label]))
+        best.reasons.extend(_amortizing_reasons(best, placements[best.label]))
     return best
 
 
-def _amortizing(best: OffloadPlan, placement: PlacementInputs) -> list[str]:
-    """`amortizing_accumulation` set on the plan and said as a reason (none where the I/O adds
-    little), timed with the tiers of `_accumulating`."""
+def _amortizing_reasons(best: OffloadPlan, placement: PlacementInputs) -> list[str]:
+    """Sets the plan's `amortizing_accumulation`, and says it as a reason, timed with the tiers
+    of `_accumulating`; none where the optimizer's NVMe I/O adds at most NVME_OVERHEAD_SHARE."""
+    if not (best.optimizer == "nvme" and over_in_ram(best.step) > 1 + NVME_OVERHEAD_SHARE):
+        return []
     timing = _accumulating(best, placement)
     now = placement.training.gradient_accumulation
     if timing is None:
@@ -399,9 +402,7 @@ def _accumulating(plan: OffloadPlan, placement: PlacementInputs) -> OffloadPlan 
     micro-batch a step and more make DeepSpeed hold a 16-bit gradient partition of the whole model
     in RAM (`holds_gradient_partition`), the same placement planned at two, its RAM shares sized
     beside that partition; None where the node does not hold it."""
-    if not (plan.optimizer == "nvme" and over_in_ram(plan.step) > 1 + NVME_OVERHEAD_SHARE):
-        return plan
-    if holds_gradient_partition(placement):
+    if plan.optimizer != "nvme" or holds_gradient_partition(placement):
         return plan
     two = _evaluate(replace(placement, training=placement.training.model_copy(update={"gradient_accumulation": 2})))
     return two if two.feasible else None
@@ -410,11 +411,14 @@ def _accumulating(plan: OffloadPlan, placement: PlacementInputs) -> OffloadPlan 
 def _gradient_partition_note(placement: PlacementInputs, timing: OffloadPlan | None) -> str:
     """What more micro-batches than one cost in RAM: the 16-bit gradient partition's bytes, and
     the RAM share kept beside it, or that the node does not hold it (`timing` None)."""
-    held = f"{format_bytes(2 * placement.shape.trainable // placement.nodes)} per node"
-    said = " (more than one micro-batch a step: DeepSpeed holds a 16-bit gradient partition of the whole model in RAM, "
+    two = replace(placement, training=placement.training.model_copy(update={"gradient_accumulation": 2}))
+    held = f"{format_bytes(gradient_partition_bytes(two) * placement.shape.trainable // placement.nodes)} per node"
+    said = (" (more than one micro-batch a step: DeepSpeed holds a gradient partition of the whole model in RAM, "
+            f"{held}")
     if timing is None:
-        return f"{said}{held}, which this node does not hold beside the rest)"
-    return f"{said}{held}; {timing.swap.cpu_resident_fraction:.0%} of the optimizer's sub-groups stay in RAM beside it)"
+        return f"{said}, which this node does not hold beside the rest in this placement)"
+    kept = timing.swap.cpu_resident_fraction
+    return f"{said}; in this placement {kept:.0%} of the optimizer's sub-groups stay in RAM beside it)"
 
 
 # What the optimizer's NVMe I/O may add to a step before the plan says how to amortize it.

@@ -23,7 +23,7 @@ from spillway_runtime.core.estimates import (
     SubGroupCut,
     activation_bytes,
     gpu_sub_groups,
-    holds_gradient_partition,
+    gradient_partition_bytes,
     model_state_bytes,
     nvme_state_bytes,
     placement_cut,
@@ -217,7 +217,7 @@ def _size_memory(placement: PlacementInputs) -> Sizing:
     p, shape, hw = placement, placement.shape, placement.hw
     gpu_state, cpu_state = model_state_bytes(
         p.stage, p.optimizer, p.parameters, shape.params, shape.largest_layer_params, p.ranks_per_node, p.nodes,
-        shape.trainable_params, gradient_partition=holds_gradient_partition(p),
+        shape.trainable_params, gradient_partition=gradient_partition_bytes(p),
     )
     if p.dtype == "fp32":
         # fp32 training keeps 4-byte weights and grads where the estimators assume 2.
@@ -421,7 +421,7 @@ def _keep_share_on_gpu(placement: PlacementInputs, sizing: Sizing, swap: SwapSet
     """Twin-Flow (offload.gpuResidentFraction): the first int(share x n) of each rank's n
     sub-groups keep their fp32 masters, both Adam moments and fp32 gradient (16 B/param) on the
     GPU and are updated there by torch's AdamW; their bytes leave CPU RAM. A 16-bit gradient
-    partition held in RAM (`holds_gradient_partition`) stays there whole."""
+    partition held in RAM (`gradient_partition_bytes`) stays there whole."""
     share, count = placement.gpu_resident, len(groups.sizes)
     kept = groups.on_gpu(share)  # elements per rank
     swap.gpu_resident_fraction = share
@@ -453,14 +453,16 @@ def tier_parts(placement: PlacementInputs, sized: SizedPlacement) -> dict[Offloa
 
 def _states_in_ram(placement: PlacementInputs) -> str:
     """What of the model states a placement keeps in RAM: "model states" where the optimizer is
-    on the GPU; else its state there or not, the 16-bit parameters there or not, and the 16-bit
-    gradient partition where DeepSpeed holds one (`holds_gradient_partition`)."""
+    on the GPU; else its state there or not (fp32 master, moments and gradients), the 16-bit
+    parameters there or not, and the gradient partition where DeepSpeed holds one
+    (`gradient_partition_bytes`)."""
     if placement.optimizer == "gpu":
         return "model states"
-    kinds = ["optimizer state and fp32 gradients"] if placement.optimizer == "cpu" else []
+    partition = gradient_partition_bytes(placement)
+    kinds = ["optimizer state"] if placement.optimizer == "cpu" else []
     kinds += ["16-bit parameters"] if placement.parameters == "cpu" else []
-    kinds += ["16-bit gradients"] if holds_gradient_partition(placement) else []
-    return (", ".join(kinds[:-1]) + " and " + kinds[-1] if len(kinds) > 1 else kinds[0]) if kinds else "no model states"
+    kinds += [f"{8 * partition}-bit gradients"] if partition else []
+    return ", ".join(kinds) or "no model states"
 
 
 def _swap_buffers(placement: PlacementInputs, swap: SwapSettings) -> int:

@@ -88,14 +88,16 @@ class FineTuneRecipe:
         self._setup_data()
         self._memory("dataset")
         self._setup_engine()
-        self._memory("engine")
+        from spillway_runtime.deepspeed_fixes import gradient_buffer_bytes
+
+        self._memory("engine", gradient_buffer=gradient_buffer_bytes(self.engine))
         self.checkpoints.setup()
 
-    def _memory(self, stage: str) -> None:
+    def _memory(self, stage: str, **more: Any) -> None:
         """Where the resident memory goes during set-up (the plan's CPU figure covers all of it)."""
         disk_usage.release_free_heap()
         self.reporter.event("memory", stage=stage, bytes=disk_usage.tier_bytes(self.plan, self.cfg.nvme_dir, self.torch),
-                            anonymous=disk_usage.anonymous_bytes())
+                            anonymous=disk_usage.anonymous_bytes(), **more)
 
     def log(self, message: str) -> None:
         self.reporter.event("log", message=message)
