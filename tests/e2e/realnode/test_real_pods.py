@@ -59,7 +59,10 @@ KEEP = 5
 # A pod's first step waits for its container (a 6 GB image, already unpacked) and torch's
 # import on a loaded 2-core machine: minutes, not seconds, at worst.
 POD_TIMEOUT_S = 600
-TWO_RANK_STEPS = 12
+# Two ranks: room between the status showing step 3 (it is published every 5 s) and the end
+# for the swap-file check and the suspend to reach the pod (with 12 a run ended first, exit 0,
+# in two gates on 2026-12-05)
+TWO_RANK_STEPS = 24
 BAD_LINE = 4
 
 
