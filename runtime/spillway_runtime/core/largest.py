@@ -73,11 +73,14 @@ def largest_model(
                 optimizer=o, parameters=p, gpus_per_node=gpus, ranks_per_node=ranks_per_node, nodes=nodes,
             )
 
-        params = _largest_fitting(lambda n: _evaluate(inputs_at(n)).feasible)
+        def fits(params: int) -> bool:
+            return _evaluate(inputs_at(params)).feasible
+
+        params = _largest_fitting(fits)
         step = _evaluate(inputs_at(params)).predicted_step_seconds if params else None
         bound = None
         if params < LARGEST_SEARCHED:
-            past = _past(params, lambda n: _evaluate(inputs_at(n)).feasible)
+            past = _past(params, fits)
             bound = _what_binds(inputs_at(past)) if past is not None else None
         out.append(LargestFit(placement=label, parameters=params, predicted_step_seconds=step, bound_by=bound))
     return out

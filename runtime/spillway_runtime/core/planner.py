@@ -404,15 +404,19 @@ def _accumulating(plan: OffloadPlan, placement: PlacementInputs) -> OffloadPlan 
     beside that partition; None where the node does not hold it."""
     if plan.optimizer != "nvme" or holds_gradient_partition(placement):
         return plan
-    two = _evaluate(replace(placement, training=placement.training.model_copy(update={"gradient_accumulation": 2})))
+    two = _evaluate(_with_accumulation(placement, 2))
     return two if two.feasible else None
+
+
+def _with_accumulation(placement: PlacementInputs, micro_batches: int) -> PlacementInputs:
+    return replace(placement, training=placement.training.model_copy(update={"gradient_accumulation": micro_batches}))
 
 
 def _gradient_partition_note(placement: PlacementInputs, timing: OffloadPlan | None) -> str:
     """What more micro-batches than one cost in RAM: the 16-bit gradient partition's bytes, and
     the RAM share kept beside it, or that the node does not hold it (`timing` None)."""
-    two = replace(placement, training=placement.training.model_copy(update={"gradient_accumulation": 2}))
-    held = f"{format_bytes(gradient_partition_bytes(two) * placement.shape.trainable // placement.nodes)} per node"
+    partition = gradient_partition_bytes(_with_accumulation(placement, 2))
+    held = f"{format_bytes(partition * placement.shape.trainable // placement.nodes)} per node"
     said = (" (more than one micro-batch a step: DeepSpeed holds a gradient partition of the whole model in RAM, "
             f"{held}")
     if timing is None:
@@ -445,10 +449,10 @@ def amortizing_accumulation(plan: OffloadPlan, placement: PlacementInputs,
     if not (plan.optimizer == "nvme" and over_in_ram(plan.step) > limit):
         return None
 
+    tiers = timing or plan
+
     def at(micro_batches: int) -> StepTime:
-        training = placement.training.model_copy(update={"gradient_accumulation": micro_batches})
-        tiers = timing or plan
-        return step_time(replace(placement, training=training), tiers.activation_checkpointing, tiers.swap)
+        return step_time(_with_accumulation(placement, micro_batches), tiers.activation_checkpointing, tiers.swap)
 
     low, high = placement.training.gradient_accumulation, GRADIENT_ACCUMULATION_MAX
     steps = {high: at(high)}  # over the limit at low; within it at high, if anywhere

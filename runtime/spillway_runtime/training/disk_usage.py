@@ -18,15 +18,10 @@ def release_free_heap() -> None:
     loading a model and building the engine free gigabytes of temporaries that the allocator
     would otherwise keep resident, and measured set-up memory would count them."""
     import ctypes
-    import ctypes.util
 
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        if libc is not None and hasattr(libc, "malloc_trim"):
-            libc.malloc_trim(0)
-    except OSError:
-        return
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own symbols: libc's, where glibc
+    if trim is not None:
+        trim(0)
 
 
 def anonymous_bytes() -> int | None:
