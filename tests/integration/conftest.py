@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import signal
 import subprocess
 import time
@@ -125,16 +126,25 @@ def _last_step(events_path: Path, offset: int) -> int:
 
 def run_job(job_path: Path, run_dir: Path, *, processes: int = 1, faults: FaultInjection | None = None,
             signal_at_step: int | None = None, sig: int = signal.SIGKILL, timeout: float = 600,
-            signal_when: Callable[[list[dict[str, Any]]], bool] | None = None) -> Run:
+            signal_when: Callable[[list[dict[str, Any]]], bool] | None = None, memlock: int | None = None) -> Run:
     """Run the runtime to completion, or send `sig` once the events show `signal_at_step`
-    (or `signal_when` holds for this launch's events)."""
+    (or `signal_when` holds for this launch's events). `memlock`: as in a pod run as a non-root
+    uid, RLIMIT_MEMLOCK of that many bytes and no CAP_IPC_LOCK (root's, which ignores it)."""
     config = prepare_local_run(job_path, run_dir=run_dir, processes=processes, faults=faults)
     log_path = run_dir / f"runtime-{int(time.time() * 1000)}.log"
     events = run_dir / "events.jsonl"
     offset = events.stat().st_size if events.exists() else 0
+    command = runtime_command(run_dir / "runtime.json", processes)
+    limit: Callable[[], None] | None = None
+    if memlock is not None:
+        if os.geteuid() == 0:  # a non-root uid has no CAP_IPC_LOCK to drop
+            command = ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock", *command]
+
+        def limit() -> None:
+            resource.setrlimit(resource.RLIMIT_MEMLOCK, (memlock, memlock))
     with log_path.open("w") as log:
-        child = subprocess.Popen(runtime_command(run_dir / "runtime.json", processes), env=runtime_env(config),
-                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        child = subprocess.Popen(command, env=runtime_env(config), stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True, preexec_fn=limit)
         deadline = time.monotonic() + timeout
         try:
             while child.poll() is None:

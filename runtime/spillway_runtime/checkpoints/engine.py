@@ -35,12 +35,12 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from spillway_runtime.checkpoints import unpickle
 from spillway_runtime.checkpoints.tensor_io import (
-    CHUNK,
-    READ_AHEAD,
+    MIN_CHUNK,
     TENSOR_SUFFIX,
     CheckpointIOError,
     DirectIO,
     Written,
+    chunk_under,
     empty_for,
     join_state,
     refs_in,
@@ -48,10 +48,6 @@ from spillway_runtime.checkpoints.tensor_io import (
 )
 
 OFFLOADED = "offloaded_tensors"
-# Of RLIMIT_MEMLOCK, what the checkpoint's I/O buffers (two to write, READ_AHEAD to read)
-# may lock together: the optimizer swapper's buffers are fitted to 0.75 of it (hardware.MEMLOCK_SHARE).
-MEMLOCK_SHARE = 0.15
-MIN_CHUNK = 1 << 20
 
 
 def direct_io(aio: Any, memlock: int | None, directory: Path) -> DirectIO:
@@ -59,7 +55,7 @@ def direct_io(aio: Any, memlock: int | None, directory: Path) -> DirectIO:
     locked buffers fitted under RLIMIT_MEMLOCK (`memlock`, None when unlimited); through the
     page cache where they would be under `MIN_CHUNK` each, or where `directory`'s
     filesystem refuses O_DIRECT."""
-    chunk = CHUNK if memlock is None else min(CHUNK, int(memlock * MEMLOCK_SHARE) // (2 + READ_AHEAD))
+    chunk = chunk_under(memlock)
     return DirectIO(chunk=max(chunk, MIN_CHUNK), block_size=aio.block_size, queue_depth=aio.queue_depth,
                     parallelism=aio.intra_op_parallelism, direct=chunk >= MIN_CHUNK and takes_direct_io(directory))
 

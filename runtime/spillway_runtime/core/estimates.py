@@ -246,17 +246,27 @@ def sub_group_cut(shape: ModelShape, ranks: int, sub_group_size: int, min_swap_b
 
 
 @functools.lru_cache(maxsize=1024)
+def sub_groups(tensors: tuple[int, ...], ranks: int, sub_group_size: int) -> tuple[tuple[int, ...], ...]:
+    """The tensors (their whole elements, in the order the optimizer gets them) grouped as
+    DeepSpeed 0.19.8's `_create_fp16_sub_groups` groups them: a group is closed once its
+    tensors' shares of one rank (ceil(elements / ranks)) hold `sub_group_size` elements."""
+    if sub_group_size >= sum(-(-n // ranks) for n in tensors):
+        return (tensors,)
+    groups: list[tuple[int, ...]] = []
+    group: list[int] = []
+    filled = 0
+    for n in tensors:
+        group.append(n)
+        filled += -(-n // ranks)
+        if filled >= sub_group_size:
+            groups.append(tuple(group))
+            group, filled = [], 0
+    return (*groups, tuple(group)) if group else tuple(groups)
+
+
+@functools.lru_cache(maxsize=1024)
 def _cut(tensors: tuple[int, ...], ranks: int, sub_group_size: int) -> tuple[int, ...]:
-    parts = [-(-n // ranks) for n in tensors]
-    if sub_group_size >= sum(parts):
-        return (sum(parts),)
-    sizes, current = [], 0
-    for n in parts:
-        current += n
-        if current >= sub_group_size:
-            sizes.append(current)
-            current = 0
-    return (*sizes, current) if current else tuple(sizes)
+    return tuple(sum(-(-n // ranks) for n in group) for group in sub_groups(tensors, ranks, sub_group_size))
 
 
 def lora_parameters(shape: ModelShape, rank: int, target_modules: list[str] | str) -> tuple[int, list[str]]:

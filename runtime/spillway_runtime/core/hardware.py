@@ -236,8 +236,7 @@ def hardware_from_node(node: dict[str, Any]) -> NodeHardware:
 
 CAP_IPC_LOCK = 14
 
-# Of RLIMIT_MEMLOCK, what the swap buffers may take: the async I/O handles lock small
-# bounce buffers of their own.
+# Of RLIMIT_MEMLOCK, what the node probe's async I/O sweep may lock.
 MEMLOCK_SHARE = 0.75
 
 

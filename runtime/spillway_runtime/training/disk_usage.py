@@ -24,13 +24,14 @@ def release_free_heap() -> None:
         trim(0)
 
 
-def anonymous_bytes() -> int | None:
-    """This process's resident anonymous memory (Linux's RssAnon): its heap and tensors, without
-    the pages of files it maps (the model's safetensors, the dataset cache), which the kernel may
-    drop and read again. None where the platform does not say."""
+def status_bytes(field: str) -> int | None:
+    """A figure of this process's memory from Linux's /proc/self/status: `RssAnon`, its resident
+    anonymous memory (its heap and tensors, without the pages of files it maps, which the kernel
+    may drop and read again); `VmLck`, what it has locked (mlock). None where the platform does
+    not say."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         return None

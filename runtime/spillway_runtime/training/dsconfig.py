@@ -14,10 +14,11 @@ Pure apart from `validate_deepspeed_config`, which imports DeepSpeed.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
-from spillway_runtime.core.estimates import twin_flow_ratio
-from spillway_runtime.core.hardware import MEMLOCK_SHARE
+from spillway_runtime.checkpoints.tensor_io import checkpoint_locked_bytes
+from spillway_runtime.core.estimates import sub_groups, twin_flow_ratio
 from spillway_runtime.core.planner import MIN_AIO_BYTES, OPTIMIZER_SWAP_BUFFERS, OffloadPlan
 from spillway_runtime.core.spec import FineTuneJobSpec, zenflow_settings
 
@@ -60,52 +61,163 @@ def reference_config(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+PAGE_BYTES = 4096  # mlock() locks whole pages; DeepSpeed's locked allocations start on one
+MASTER_BYTES = 4  # the optimizer swapper's element: fp32 masters, moments and gradients
+
+
+@dataclass(frozen=True)
+class Trainable:
+    """What DeepSpeed cuts its optimizer sub-groups from: the trainable tensors' whole elements,
+    in the order the optimizer gets them, and the processes that share each."""
+
+    tensors: tuple[int, ...]
+    ranks: int
+
+    def groups(self, sub_group_size: int) -> tuple[tuple[int, ...], ...]:
+        return sub_groups(self.tensors, self.ranks, max(1, sub_group_size))
+
+    def share(self, group: tuple[int, ...]) -> int:
+        """A rank's elements of a sub-group (each tensor's ceil(elements / ranks))."""
+        return sum(-(-n // self.ranks) for n in group)
+
+
+def _aligned(elements: int, element_bytes: int, intra_op: int) -> int:
+    align = max(1, 1024 * intra_op // element_bytes)
+    return -(-elements // align) * align
+
+
+def _swap_blocks(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], int, int]:
+    """(zero_optimization, its offload_optimizer, its offload_param, the async I/O's intra-op
+    threads, the bytes of the model's dtype, in which the parameter swapper holds it)."""
+    zero = config.get("zero_optimization") or {}
+    intra_op = int((config.get("aio") or {}).get("intra_op_parallelism", 1))
+    dtype_bytes = 2 if any((config.get(k) or {}).get("enabled") for k in ("bf16", "fp16")) else 4
+    return zero, zero.get("offload_optimizer") or {}, zero.get("offload_param") or {}, intra_op, dtype_bytes
+
+
+def _locked(elements: int, element_bytes: int, intra_op: int) -> int:
+    """Bytes one locked allocation of `elements` takes: DeepSpeed aligns each swapped tensor to
+    1 KiB per intra-op thread (`_io_aligned_numel`), and mlock() whole pages."""
+    nbytes = _aligned(elements, element_bytes, intra_op) * element_bytes
+    return -(-nbytes // PAGE_BYTES) * PAGE_BYTES
+
+
+def locked_swap_bytes(config: dict[str, Any], trainable: Trainable | None, parameter_swappers: int = 1) -> int:
+    """What DeepSpeed 0.19.8 locks in RAM (mlock, its async I/O's `new_cpu_locked_tensor`) for
+    the NVMe swap of `config`, byte for byte:
+    - each parameter swapper's buffers (`AsyncPartitionedParameterSwapper`, made by zero.Init as
+      the model loads): buffer_count x buffer_size elements of the model's dtype, each aligned,
+      in one allocation; DPO's frozen reference of a full fine-tune has its own
+      (`parameter_swappers` 2);
+    - with the optimizer built, the partitioned swap buffer the updated 16-bit parameters leave
+      through (`reserve_partitioned_swap_space`): the whole tensors, not a rank's share, of the
+      sub-group whose share is largest;
+    - the optimizer swapper's buffers (`SwapBufferManager`): buffer_count allocations of the
+      largest sub-group's share in fp32 (the gradient being swapped takes one of them).
+    `trainable` None: what is locked before the optimizer is built (the parameter swappers')."""
+    zero, optimizer, param, intra_op, dtype_bytes = _swap_blocks(config)
+    locked = 0
+    if param.get("device") == "nvme":
+        count, size = int(param.get("buffer_count", 5)), int(param.get("buffer_size", 100_000_000))
+        locked += parameter_swappers * _locked(count * _aligned(size, dtype_bytes, intra_op), dtype_bytes, intra_op)
+    if trainable is None or not trainable.tensors:
+        return locked
+    groups = trainable.groups(int(zero.get("sub_group_size", 1_000_000_000)))
+    largest = max(groups, key=trainable.share)  # the first of the largest, as DeepSpeed picks it
+    if param.get("device") == "nvme":
+        locked += _locked(sum(_aligned(n, dtype_bytes, intra_op) for n in largest), dtype_bytes, intra_op)
+    if optimizer.get("device") == "nvme":
+        count = int(optimizer.get("buffer_count", OPTIMIZER_SWAP_BUFFERS))
+        locked += count * _locked(trainable.share(largest), MASTER_BYTES, intra_op)
+    return locked
+
+
+def _holds_sub_groups(config: dict[str, Any], trainable: Trainable) -> bool:
+    """With the parameters and the optimizer on NVMe, DeepSpeed first builds the fp32 state by
+    reading each sub-group's 16-bit share through the parameter swapper's buffers, and asserts
+    that each holds the largest (`_initialize_from_swapped_fp16_params`)."""
+    zero, optimizer, param, intra_op, dtype_bytes = _swap_blocks(config)
+    if optimizer.get("device") != "nvme" or param.get("device") != "nvme":
+        return True
+    largest = max(trainable.share(g) for g in trainable.groups(int(zero.get("sub_group_size", 1_000_000_000))))
+    buffer = _aligned(int(param.get("buffer_size", 100_000_000)), dtype_bytes, intra_op)
+    return buffer >= _aligned(largest, MASTER_BYTES, intra_op)
+
+
 def fit_swap_buffers_to_memlock(
-    config: dict[str, Any], params_per_rank: int, limit: int | None, parameter_swappers: int = 1
+    config: dict[str, Any], trainable: Trainable | None, limit: int | None, parameter_swappers: int = 1
 ) -> tuple[dict[str, Any], str | None]:
     """DeepSpeed mlock()s its NVMe swap buffers whatever `pin_memory` says; when that
     exceeds RLIMIT_MEMLOCK it prints "mlock failed" and dies of SIGSEGV. A container run
     as a non-root uid gets its runtime's limit (8 MiB under systemd's default) and no
-    CAP_IPC_LOCK to ignore it. Fit the optimizer's swap buffers under it: DeepSpeed's
-    fewest buffers (no pipelined I/O), then smaller sub-groups (Adam is elementwise: the
-    same numbers in smaller pieces), never below DeepSpeed's minimum swap size, under
-    which it would silently keep the state in RAM. Where even that cannot fit, a clear
-    error. `limit` None: no limit applies. `parameter_swappers` 2: DPO's frozen reference of a
-    full fine-tune swaps its own parameters with buffers as large. Returns the config to use
-    and what changed."""
-    zero = config.get("zero_optimization") or {}
-    optimizer = zero.get("offload_optimizer") or {}
-    param = zero.get("offload_param") or {}
-    swaps_optimizer = optimizer.get("device") == "nvme"
-    param_locked = 0
-    if param.get("device") == "nvme":
-        param_locked = int(param.get("buffer_count", 5)) * int(param.get("buffer_size", 100_000_000)) * 2
-        param_locked *= parameter_swappers
-    buffers = int(optimizer.get("buffer_count", OPTIMIZER_SWAP_BUFFERS)) + 1  # + fp32 gradient staging
-    sub_group = min(int(zero.get("sub_group_size", 1_000_000_000)), max(1, params_per_rank))
-    locked = param_locked + (buffers * sub_group * 4 if swaps_optimizer else 0)
-    budget = int((limit or 0) * MEMLOCK_SHARE)
-    if limit is None or locked <= budget:
+    CAP_IPC_LOCK to ignore it. Fit what DeepSpeed locks (`locked_swap_bytes`) under it, beside
+    the checkpoint's own locked buffers: DeepSpeed's fewest optimizer buffers (no pipelined
+    I/O), then smaller sub-groups (Adam is elementwise: the same numbers in smaller pieces),
+    never below DeepSpeed's minimum swap size, under which it would silently keep the state in
+    RAM. A sub-group runs to the end of a tensor, so the largest tensor bounds the fit. Where
+    even that cannot fit, a clear error. Sub-groups are also cut finer, limit or none, where
+    the parameter swapper's buffers would not hold the largest (`_holds_sub_groups`: the plan
+    sizes them from its model shape; this is the model as built). `trainable` None: before the
+    model is built, the parameter swappers' buffers only (they are locked as it loads).
+    `limit` None: no limit applies. Returns the config to use and what changed."""
+    budget = None if limit is None else limit - checkpoint_locked_bytes(limit)
+
+    def locked(cfg: dict[str, Any]) -> int:
+        return locked_swap_bytes(cfg, trainable, parameter_swappers)
+
+    def fits(cfg: dict[str, Any]) -> bool:
+        return (budget is None or locked(cfg) <= budget) and (trainable is None or _holds_sub_groups(cfg, trainable))
+
+    if fits(config):
         return config, None
-    fewest = OPTIMIZER_SWAP_BUFFERS + 1
-    fitted = min(sub_group, (budget - param_locked) // (fewest * 4)) if swaps_optimizer else 0
-    min_swap = max(MIN_AIO_BYTES, int((config.get("aio") or {}).get("block_size", 0))) // 4
-    if param_locked >= budget or (swaps_optimizer and fitted < min(min_swap, sub_group)):
-        raise DeepSpeedConfigError(
-            f"DeepSpeed locks {_mib(locked)} of NVMe swap buffers in RAM (mlock) but this process may lock "
-            f"{_mib(limit)} (RLIMIT_MEMLOCK): raise the limit where the run starts (`ulimit -l unlimited`; "
-            f"in a cluster, the node's container runtime, e.g. LimitMEMLOCK=infinity in containerd's "
-            f"systemd unit), or keep the state in CPU RAM (offload.optimizer/parameters: cpu)"
-        )
+    need = locked(config)
+    over_limit = limit is not None and budget is not None and need > budget
+    checkpoint = f", of which the checkpoint takes {_mib(limit - budget)}" if limit and budget and limit > budget else ""
+    refusal = (f"DeepSpeed locks {_mib(need)} of NVMe swap buffers in RAM (mlock) but this process may lock "
+               f"{_mib(limit or 0)} (RLIMIT_MEMLOCK{checkpoint})")
+    remedy = ("raise the limit where the run starts (`ulimit -l unlimited`; in a cluster, the node's container "
+              "runtime, e.g. LimitMEMLOCK=infinity in containerd's systemd unit), or keep the state in CPU RAM "
+              "(offload.optimizer/parameters: cpu)")
+    zero, optimizer, param, _, _ = _swap_blocks(config)
+    if trainable is None or optimizer.get("device") != "nvme":
+        swappers = (f"the parameter swapper's {param.get('buffer_count', 5)} buffers of "
+                    f"{int(param.get('buffer_size', 100_000_000)):,} elements" if param.get("device") == "nvme" else "")
+        raise DeepSpeedConfigError(f"{refusal}{': ' + swappers if trainable is None and swappers else ''}: {remedy}")
     out = copy.deepcopy(config)
-    out["zero_optimization"]["sub_group_size"] = fitted
-    out["zero_optimization"]["offload_optimizer"].update(
-        {"buffer_count": OPTIMIZER_SWAP_BUFFERS, "pipeline_read": False, "pipeline_write": False})
-    return out, (
-        f"optimizer swap: {OPTIMIZER_SWAP_BUFFERS} buffers of {fitted:,} elements, not {buffers - 1} of "
-        f"{sub_group:,}: DeepSpeed locks them in RAM and RLIMIT_MEMLOCK is {_mib(limit)} (raise it for "
-        f"larger, pipelined swap I/O)"
-    )
+    if over_limit:
+        out["zero_optimization"]["offload_optimizer"].update(
+            {"buffer_count": OPTIMIZER_SWAP_BUFFERS, "pipeline_read": False, "pipeline_write": False})
+    size = int(zero.get("sub_group_size", 1_000_000_000))
+
+    def at(sub_group_size: int) -> dict[str, Any]:
+        out["zero_optimization"]["sub_group_size"] = sub_group_size
+        return out
+
+    if not fits(at(1)):  # every tensor its own sub-group: the largest still cannot fit
+        raise DeepSpeedConfigError(
+            f"{refusal}: its optimizer swap buffers hold a whole tensor, and the largest one "
+            f"({max(trainable.tensors):,} elements) needs {_mib(locked(at(1)))}; {remedy}")
+    low, high = 1, min(size, trainable.share(trainable.tensors))  # the largest size that fits, by bisection
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(at(mid)) else (low, mid - 1)
+    while low > 1 and not fits(at(low)):  # the cut is not monotone in the size everywhere
+        low -= 1
+    largest_share = max(trainable.share(g) for g in trainable.groups(size))
+    min_swap = max(MIN_AIO_BYTES, int((config.get("aio") or {}).get("block_size", 0))) // MASTER_BYTES
+    if over_limit and low < min(min_swap, largest_share):
+        raise DeepSpeedConfigError(
+            f"{refusal}: sub-groups small enough to fit ({low:,} elements) are under DeepSpeed's minimum swap "
+            f"size ({min_swap:,}), where it would keep the state in RAM unplanned; {remedy}")
+    fitted = at(low)
+    buffer = max(trainable.share(g) for g in trainable.groups(low))
+    swap = fitted["zero_optimization"]["offload_optimizer"]
+    before = f"{int(optimizer.get('buffer_count', OPTIMIZER_SWAP_BUFFERS))} of {largest_share:,}"
+    why = (f"DeepSpeed locks {_mib(locked(fitted))} of them in RAM and RLIMIT_MEMLOCK is {_mib(limit or 0)} (raise "
+           "it for larger, pipelined swap I/O)" if over_limit else
+           "the parameter swapper's buffers, through which DeepSpeed first reads each sub-group, hold no more")
+    return fitted, (f"optimizer swap: {swap.get('buffer_count')} buffers of {buffer:,} elements (sub-groups of "
+                    f"{low:,}), not {before}: {why}")
 
 
 def _mib(n: int) -> str:

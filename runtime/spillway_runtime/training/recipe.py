@@ -25,7 +25,13 @@ from spillway_runtime.training import disk_usage, evaluation, exporting, k8s_sta
 from spillway_runtime.training.checkpointing import Checkpointing
 from spillway_runtime.training.data import CACHE_DIR_NAME, PackedDataset, sources_fingerprint, token_cache_path, tokenize_sources
 from spillway_runtime.training.dataset_files import DatasetError
-from spillway_runtime.training.dsconfig import DeepSpeedConfigError, fit_swap_buffers_to_memlock, reference_config
+from spillway_runtime.training.dsconfig import (
+    DeepSpeedConfigError,
+    Trainable,
+    fit_swap_buffers_to_memlock,
+    locked_swap_bytes,
+    reference_config,
+)
 from spillway_runtime.training.lora import with_lora
 from spillway_runtime.training.processes import free_port
 from spillway_runtime.training.reporting import Reporter
@@ -90,14 +96,15 @@ class FineTuneRecipe:
         self._setup_engine()
         from spillway_runtime.deepspeed_fixes import gradient_buffer_bytes
 
-        self._memory("engine", gradient_buffer=gradient_buffer_bytes(self.engine))
+        self._memory("engine", gradient_buffer=gradient_buffer_bytes(self.engine), swap_locked=self.swap_locked)
         self.checkpoints.setup()
 
     def _memory(self, stage: str, **more: Any) -> None:
         """Where the resident memory goes during set-up (the plan's CPU figure covers all of it)."""
         disk_usage.release_free_heap()
         self.reporter.event("memory", stage=stage, bytes=disk_usage.tier_bytes(self.plan, self.cfg.nvme_dir, self.torch),
-                            anonymous=disk_usage.anonymous_bytes(), **more)
+                            anonymous=disk_usage.status_bytes("RssAnon"), locked=disk_usage.status_bytes("VmLck"),
+                            **more)
 
     def log(self, message: str) -> None:
         self.reporter.event("log", message=message)
@@ -199,15 +206,7 @@ class FineTuneRecipe:
                      "sustained offloading wears a consumer SSD's rated write endurance (TBW); datacenter SSDs "
                      "are made for it")
         ds_config = dict(self.cfg.deepspeed)
-        params_per_rank = -(-self.plan.model.params // max(1, self.world_size))
-        try:
-            full_dpo = self.spec.method.objective == "dpo" and not self.spec.method.lora  # a reference engine too
-            ds_config, fitted = fit_swap_buffers_to_memlock(ds_config, params_per_rank, memlock_limit(),
-                                                            parameter_swappers=2 if full_dpo else 1)
-        except DeepSpeedConfigError as err:
-            raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
-        if fitted:
-            self.log(fitted)
+        self._fit_to_memlock(ds_config, None)  # the parameter swappers' buffers are locked as the model loads
         dtype = self.spec.model.dtype
         if dtype == "bf16" and self.plan.accelerator == "cuda" and not self.torch.cuda.is_bf16_supported():
             # Pre-Ampere GPUs (V100, T4) have no bf16: train in fp16 with dynamic loss scaling.
@@ -236,9 +235,11 @@ class FineTuneRecipe:
         if self.spec.method.lora:
             model = self._with_lora(model)
         startup.import_muon_without_compiling()
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
-        )
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        ds_config = self._fit_to_memlock(ds_config, Trainable(
+            tuple(int(getattr(p, "ds_numel", p.numel())) for p in trainable), max(1, self.world_size)))
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=trainable,
+                                                                 config=ds_config)
         self.log(
             f"engine: ZeRO-{self.plan.zero_stage}, optimizer {type(self.engine.optimizer).__name__}"
             f"/{type(getattr(self.engine.optimizer, 'optimizer', None)).__name__}"
@@ -254,6 +255,19 @@ class FineTuneRecipe:
 
             self.reference = (adapters_off(self.engine, self.engine.module.disable_adapter) if self.spec.method.lora
                               else self._frozen_reference(torch_dtype, ds_config))
+
+    def _fit_to_memlock(self, ds_config: dict[str, Any], trainable: Trainable | None) -> dict[str, Any]:
+        """`ds_config` with DeepSpeed's locked swap buffers fitted under RLIMIT_MEMLOCK (or a refusal,
+        exit 2); `self.swap_locked`: what DeepSpeed will lock, byte for byte."""
+        parameter_swappers = 2 if self.spec.method.objective == "dpo" and not self.spec.method.lora else 1
+        try:
+            fitted, why = fit_swap_buffers_to_memlock(ds_config, trainable, memlock_limit(), parameter_swappers)
+        except DeepSpeedConfigError as err:
+            raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
+        if why:
+            self.log(why)
+        self.swap_locked = locked_swap_bytes(fitted, trainable, parameter_swappers)
+        return fitted
 
     def _frozen_reference(self, torch_dtype: Any, ds_config: dict[str, Any]) -> Any:
         from spillway_runtime.training.dpo import frozen_reference

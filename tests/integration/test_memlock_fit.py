@@ -1,0 +1,79 @@
+"""DeepSpeed locks (mlock) its NVMe swap buffers in RAM, and a pod run as a non-root uid may
+lock only its container runtime's RLIMIT_MEMLOCK (8 MiB under systemd's default) without
+CAP_IPC_LOCK to ignore it; past it DeepSpeed prints "mlock failed" and dies of SIGSEGV. The
+runtime counts what DeepSpeed will lock, byte for byte (`dsconfig.locked_swap_bytes`), and fits
+it under the limit or refuses by name. Here each job runs under that limit without the
+capability, as in such a pod, and the bytes this process has locked once the engine is built
+(Linux's VmLck) are compared with the count.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .conftest import job_document, run_job
+from .test_planner_measured import _model
+
+pytestmark = pytest.mark.integration
+
+LIMIT = 8 << 20
+# One tensor of 1M elements (the input embedding, and the head beside it): DeepSpeed's four
+# optimizer swap buffers each hold a whole one in fp32, 16 MiB, whatever the sub-group size.
+WIDE_VOCABULARY = {"model_type": "llama", "vocab_size": 16384, "hidden_size": 64, "intermediate_size": 128,
+                   "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+                   "tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize(("optimizer", "parameters", "memlock"),
+                         [("nvme", "cpu", LIMIT), ("cpu", "nvme", LIMIT), ("nvme", "nvme", None)])
+def test_what_deepspeed_locks_is_counted_to_the_byte(make_job, tmp_path: Path, optimizer: str, parameters: str,
+                                                     memlock: int | None) -> None:
+    """Under a pod's 8 MiB, and (everything on NVMe, which needs more: below) with root's
+    CAP_IPC_LOCK, where nothing is fitted."""
+    job = make_job(f"locked-{optimizer}-{parameters}", training={"maxSteps": 4},
+                   offload={"policy": "nvme", "optimizer": optimizer, "parameters": parameters,
+                            "nvme": {"path": str(tmp_path / "nvme")}})
+    run = run_job(job, tmp_path / "run", memlock=memlock)
+    assert run.returncode == 0, run.log[-3000:]
+    assert run.config.plan.label == f"Z3 opt:{optimizer} par:{parameters}"
+    engine = next(e for e in run.of("memory") if e["stage"] == "engine")
+    assert engine["locked"] == engine["swap_locked"] > 0, engine
+    assert engine["locked"] <= (memlock or engine["locked"])
+    assert [e["step"] for e in run.of("step")] == [1, 2, 3, 4]
+    if optimizer == "nvme" and memlock:  # the plan's sub-group (the whole model, 12 x 3 MB) was cut to fit
+        assert any("optimizer swap: 4 buffers of" in e["message"] for e in run.of("log")), run.log[-3000:]
+
+
+def test_what_cannot_fit_is_refused_by_name_before_deepspeed_starts(make_job, tiny_model, tmp_path: Path) -> None:
+    # A tensor whose four fp32 optimizer buffers (16 MiB) no sub-group size can shrink.
+    _model(tiny_model["model"], tmp_path / "model", WIDE_VOCABULARY)
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(job_document(
+        "wide", tmp_path / "model", tiny_model["data"], training={"maxSteps": 2},
+        offload={"policy": "nvme", "optimizer": "nvme", "parameters": "cpu", "nvme": {"path": str(tmp_path / "nvme")}},
+    )))
+    refused = run_job(job, tmp_path / "refused", memlock=LIMIT)
+    assert refused.returncode == 2, refused.log[-3000:]
+    failure = refused.of("failed")[-1]["reason"]
+    assert "the largest one (1,048,576 elements) needs 16.0 MiB" in failure, failure
+    assert "RLIMIT_MEMLOCK" in failure and "LimitMEMLOCK=infinity" in failure
+    assert not refused.of("step")
+    # Where nothing limits it (root's CAP_IPC_LOCK) the same job trains, locked as counted.
+    unlimited = run_job(job, tmp_path / "unlimited")
+    assert unlimited.returncode == 0, unlimited.log[-3000:]
+    engine = next(e for e in unlimited.of("memory") if e["stage"] == "engine")
+    assert engine["locked"] == engine["swap_locked"] >= 4 * (1 << 20) * 4, engine
+    # Everything on NVMe: the parameter swapper's 16 buffers, each as large as the largest
+    # sub-group (DeepSpeed reads the sub-groups through them), take more than 8 MiB even at
+    # DeepSpeed's minimum swap size: refused before the model loads.
+    everything = make_job("everything", training={"maxSteps": 2},
+                          offload={"policy": "nvme", "optimizer": "nvme", "parameters": "nvme",
+                                   "nvme": {"path": str(tmp_path / "nvme-all")}})
+    refused = run_job(everything, tmp_path / "everything", memlock=LIMIT)
+    assert refused.returncode == 2, refused.log[-3000:]
+    failure = refused.of("failed")[-1]["reason"]
+    assert "the parameter swapper's 16 buffers" in failure and "LimitMEMLOCK=infinity" in failure, failure
+    assert not any(e["stage"] == "engine" for e in refused.of("memory"))
