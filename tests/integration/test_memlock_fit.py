@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from spillway_runtime.training.runconfig import FaultInjection
+
 from .conftest import job_document, run_job
 from .test_planner_measured import _model
 
@@ -33,7 +35,7 @@ def test_what_deepspeed_locks_is_counted_to_the_byte(make_job, tmp_path: Path, o
                                                      memlock: int | None) -> None:
     """Under a pod's 8 MiB, and (everything on NVMe, which needs more: below) with root's
     CAP_IPC_LOCK, where nothing is fitted."""
-    job = make_job(f"locked-{optimizer}-{parameters}", training={"maxSteps": 4},
+    job = make_job(f"locked-{optimizer}-{parameters}", training={"maxSteps": 6},
                    offload={"policy": "nvme", "optimizer": optimizer, "parameters": parameters,
                             "nvme": {"path": str(tmp_path / "nvme")}})
     run = run_job(job, tmp_path / "run", memlock=memlock)
@@ -42,9 +44,20 @@ def test_what_deepspeed_locks_is_counted_to_the_byte(make_job, tmp_path: Path, o
     engine = next(e for e in run.of("memory") if e["stage"] == "engine")
     assert engine["locked"] == engine["swap_locked"] > 0, engine
     assert engine["locked"] <= (memlock or engine["locked"])
-    assert [e["step"] for e in run.of("step")] == [1, 2, 3, 4]
+    assert [e["step"] for e in run.of("step")] == [1, 2, 3, 4, 5, 6]
     if optimizer == "nvme" and memlock:  # the plan's sub-group (the whole model, 12 x 3 MB) was cut to fit
         assert any("optimizer swap: 4 buffers of" in e["message"] for e in run.of("log")), run.log[-3000:]
+        # SIGKILLed after step 3's checkpoint, resumed under the same limit: the swap files and the
+        # checkpoint read back through the same locked buffers, to the same losses
+        killed = run_job(job, tmp_path / "killed", memlock=memlock, faults=FaultInjection(step_sleep_seconds=0.4),
+                         signal_at_step=4)
+        assert killed.returncode != 0
+        resumed = run_job(job, tmp_path / "killed", memlock=memlock)
+        assert resumed.returncode == 0, resumed.log[-3000:]
+        assert [e["step"] for e in resumed.of("resumed")] == [3]
+        losses = {e["step"]: e["loss"] for e in run.of("step")}
+        after = {e["step"]: e["loss"] for e in resumed.of("step")}  # the last launch's, where a step ran twice
+        assert after == losses, (after, losses)
 
 
 def test_what_cannot_fit_is_refused_by_name_before_deepspeed_starts(make_job, tiny_model, tmp_path: Path) -> None:
