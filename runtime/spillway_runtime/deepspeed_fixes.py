@@ -301,7 +301,7 @@ def hold_one_steps_gradient_partitions_only() -> None:
     micro-step copies each reduced partition down into it and back up to the device
     (`partition_grads`), and at the boundary converts it to fp32 for the CPU Adam or the swap
     files. With one micro-step a step nothing accumulates, yet the buffer stays: on 64 GiB of RAM
-    it was what bound the largest model with everything on NVMe (25.2B, 47.4 GiB of it the
+    it is what binds the largest model with everything on NVMe (25.0B, 47.0 GiB of it the
     buffer). With one micro-step a step (and no fp16 loss scaling, whose overflow check reads the
     buffer, and no ZenFlow), each parameter's partition is allocated on the device when its
     bucket is reduced and freed once the boundary's copy has taken it: no buffer in RAM, no

@@ -154,7 +154,7 @@ def test_swap_buffers_are_fitted_under_the_memlock_limit_or_refused_by_name():
     assert config["zero_optimization"]["sub_group_size"] == 1_000_000_000  # the input is left as it was
     assert config["zero_optimization"]["offload_optimizer"]["buffer_count"] == 8
     # A tensor larger than any sub-group size can cut: its buffers alone would not fit.
-    with pytest.raises(DeepSpeedConfigError, match=r"the largest one \(1,048,576 elements\) needs 16\.0 MiB"):
+    with pytest.raises(DeepSpeedConfigError, match=r"lock 16\.0 MiB, as each holds a whole one \(the largest: 1,048,576"):
         fit_swap_buffers_to_memlock(config, Trainable((1_048_576, 7_528), ranks=1), 8 << 20)
     # Already small enough: unchanged.
     assert fit_swap_buffers_to_memlock(config, many(100, 1_000), 8 << 20) == (config, None)
@@ -167,19 +167,31 @@ def test_swap_buffers_are_fitted_under_the_memlock_limit_or_refused_by_name():
         fit_swap_buffers_to_memlock(config, None, 8 << 20)
 
 
-def test_sub_groups_are_cut_finer_where_the_parameter_swappers_buffers_would_not_hold_them():
-    """With both on NVMe DeepSpeed first reads each sub-group through the parameter swapper's
-    buffers and asserts they hold the largest; the plan sizes them from its model shape, and the
-    model as built may cut differently."""
+def test_sub_groups_are_cut_finer_where_fast_init_reads_them_through_the_parameter_swappers_buffers():
+    """With both on NVMe and `offload_optimizer.fast_init` (an override) DeepSpeed first reads
+    each sub-group through the parameter swapper's buffers and asserts they hold the largest;
+    without it, one parameter at a time, and nothing needs cutting."""
     config = {"bf16": {"enabled": True},
               "zero_optimization": {"sub_group_size": 1_000_000,
                                     "offload_optimizer": {"device": "nvme", "buffer_count": 12, "pipeline_read": True},
                                     "offload_param": {"device": "nvme", "buffer_count": 16, "buffer_size": 300_000}}}
     model = many(100, 7_500)
+    assert fit_swap_buffers_to_memlock(config, model, None) == (config, None)
+    config["zero_optimization"]["offload_optimizer"]["fast_init"] = True
     fitted, why = fit_swap_buffers_to_memlock(config, model, None)
     # 40 tensors (300,000 elements) fill a buffer; the swap buffers stay as they were: no limit
     assert fitted["zero_optimization"]["sub_group_size"] == 300_000
     assert fitted["zero_optimization"]["offload_optimizer"]["buffer_count"] == 12
     assert why is not None and "sub-groups of 300,000" in why and "hold no more" in why
-    config["zero_optimization"]["offload_param"]["device"] = "cpu"  # no parameter swapper: nothing to hold
-    assert fit_swap_buffers_to_memlock(config, model, None) == (config, None)
+
+
+def test_the_parameters_partitioned_swap_buffer_is_fitted_with_the_optimizer_in_ram():
+    """The whole tensors of the largest sub-group leave through it: with the optimizer in CPU
+    RAM the sub-groups are cut finer to fit it, with no minimum swap size to keep."""
+    config = {"bf16": {"enabled": True},
+              "zero_optimization": {"sub_group_size": 1_000_000_000, "offload_optimizer": {"device": "cpu"},
+                                    "offload_param": {"device": "nvme", "buffer_count": 16, "buffer_size": 65_536}}}
+    model = Trainable((65_536,) * 100, ranks=2)  # 6.5M elements: a 13 MB buffer as one sub-group
+    fitted, why = fit_swap_buffers_to_memlock(config, model, 8 << 20)
+    assert locked_swap_bytes(config, model) > 8 << 20 >= locked_swap_bytes(fitted, model)
+    assert why is not None and "optimizer sub-groups of" in why and "partitioned swap buffer" in why

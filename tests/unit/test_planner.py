@@ -370,7 +370,7 @@ def test_the_largest_model_is_where_each_placement_stops_fitting():
     assert "swap buffers" in largest and "training processes" in largest
     assert bound["Z3 opt:cpu par:cpu"].startswith("CPU RAM, 58.9 GiB usable: optimizer state, 16-bit parameters, "
                                                   "16-bit gradients 57.6 GiB (20.0 B/param)")
-    assert by["Z3 opt:nvme par:nvme"] == 25_200_000_000  # docs/one-machine.md
+    assert by["Z3 opt:nvme par:nvme"] == 25_000_000_000  # docs/one-machine.md
     assert by["Z3 opt:nvme par:nvme"] >= by["Z3 opt:nvme par:cpu"] >= by["Z3 opt:nvme par:gpu"] > by["Z2 opt:gpu par:gpu"]
 
     # With one micro-batch a step no 16-bit gradient partition is held (the runtime's
@@ -635,17 +635,13 @@ def test_an_optimizer_on_nvme_plan_names_the_accumulation_that_amortizes_its_io(
     assert hint.endswith("which this node does not hold beside the rest in this placement)")
 
 
-def test_the_parameter_swappers_buffers_are_as_large_as_what_they_hold():
-    """Each swapped-in parameter takes a whole buffer, and with the optimizer on NVMe too
-    DeepSpeed first reads each optimizer sub-group through them: each buffer holds the largest
-    tensor, or that sub-group where larger. DeepSpeed's default of 1e8 elements locked 3.2 GB in
-    16 buffers for a model of 0.75M parameters."""
+def test_the_parameter_swappers_buffers_are_as_large_as_the_largest_tensor():
+    """Each swapped-in parameter takes a whole buffer. DeepSpeed's default of 1e8 elements
+    locked 3.2 GB in 16 buffers for a model of 0.75M parameters."""
     small = ModelShape.from_param_count(50_000_000)
     node = rtx4090(16, nvme_tb=0.5)
-    only_parameters = plan_tiers(small, node, ONE_MICRO_BATCH, Offload(policy="nvme", optimizer="cpu", parameters="nvme"))
-    assert only_parameters.swap.param_buffer_size == small.largest_param_numel < 100_000_000
-    both = plan_tiers(small, node, ONE_MICRO_BATCH, Offload(policy="nvme", optimizer="nvme", parameters="nvme"))
-    largest_group = sub_group_cut(small, 1, both.swap.sub_group_size, 0).largest
-    assert both.swap.param_buffer_size == max(small.largest_param_numel, largest_group)
-    # the 13B embedding (164M elements) is larger than DeepSpeed's default, as before
-    assert plan_tiers(P13, rtx4090(64), ONE_MICRO_BATCH).swap.param_buffer_size >= P13.largest_param_numel
+    for optimizer in ("cpu", "nvme"):
+        plan = plan_tiers(small, node, ONE_MICRO_BATCH, Offload(policy="nvme", optimizer=optimizer, parameters="nvme"))
+        assert plan.swap.param_buffer_size == small.largest_param_numel < 100_000_000
+    # the 13B embedding (164M elements) is larger than DeepSpeed's default
+    assert plan_tiers(P13, rtx4090(64), ONE_MICRO_BATCH).swap.param_buffer_size == P13.largest_param_numel

@@ -132,7 +132,8 @@ def size_placement(placement: PlacementInputs) -> SizedPlacement:
     """Size one placement: memory -> swap settings -> swap minimum -> RAM-resident share of the
     optimizer -> pinning -> shortfall. With the optimizer on NVMe and the sub-group the
     planner's to choose, finer sub-groups are tried too (`_finer_sub_groups`), each pipelined
-    and plain, and the fastest predicted step that fits is kept: the pipelined swapper pins 13
+    and plain, and the fastest predicted step that fits is kept (where none fits, the least short,
+    whose bytes then say what binds the placement): the pipelined swapper pins 13
     buffers of the largest sub-group, so a finer cut frees RAM for more resident sub-groups
     (13B with 160 GiB of RAM: 52 GB of buffers at 1e9 elements), down to the largest tensor
     (a sub-group of its own: 8.6 GB at 1e8, the embedding's 164M elements), and the plain
@@ -144,16 +145,21 @@ def size_placement(placement: PlacementInputs) -> SizedPlacement:
     for size in (sized.swap.sub_group_size, *_finer_sub_groups(sized.swap.sub_group_size)):
         for pipeline in (True, False):  # at the first size, the one `_choose_swap` did not choose
             swap = SwapSettings(
-                sub_group_size=size, pipeline=pipeline,
-                param_buffer_size=param_buffer_size(placement.shape, placement.ranks, placement.optimizer, size),
+                sub_group_size=size, pipeline=pipeline, param_buffer_size=sized.swap.param_buffer_size,
                 optimizer_buffer_count=OPTIMIZER_SWAP_BUFFERS_PIPELINED if pipeline else OPTIMIZER_SWAP_BUFFERS)
             candidate = _size_with(placement, swap)
-            if candidate.shortfalls:
+            if candidate.shortfalls:  # where none fits, the one least short says what binds
+                if best.shortfalls and _short(candidate) < _short(best):
+                    best = candidate
                 continue
             seconds = _seconds(placement, candidate)
             if best.shortfalls or seconds < best_seconds * (1 - 1e-6):
                 best, best_seconds = candidate, seconds
     return best
+
+
+def _short(sized: SizedPlacement) -> int:
+    return sum(s.short_bytes for s in sized.shortfalls)
 
 
 def _finer_sub_groups(size: int) -> list[int]:
@@ -297,8 +303,7 @@ def _choose_swap(shape: ModelShape, optimizer: Tier, parameters: Tier, ranks: in
     if sub_group_size is not None:
         sub_group = sub_group_size
     if optimizer != "nvme":
-        return SwapSettings(sub_group_size=sub_group,
-                            param_buffer_size=param_buffer_size(shape, ranks, optimizer, sub_group))
+        return SwapSettings(sub_group_size=sub_group, param_buffer_size=shape.largest_param_numel)
     budget = max(0, cpu_spare) // 2 // ranks
     pipeline = False
     for buffers in (OPTIMIZER_SWAP_BUFFERS_PIPELINED, OPTIMIZER_SWAP_BUFFERS):
@@ -313,20 +318,12 @@ def _choose_swap(shape: ModelShape, optimizer: Tier, parameters: Tier, ranks: in
         sub_group_size=int(sub_group),
         optimizer_buffer_count=OPTIMIZER_SWAP_BUFFERS_PIPELINED if pipeline else OPTIMIZER_SWAP_BUFFERS,
         pipeline=pipeline,
-        param_buffer_size=param_buffer_size(shape, ranks, optimizer, int(sub_group)),
+        # Each swapped-in parameter takes a whole buffer: as large as the largest tensor (DeepSpeed's
+        # default, 1e8 elements, locked 3.2 GB in 16 buffers for a model of 0.75M parameters).
+        param_buffer_size=shape.largest_param_numel,
     )
 
 
-def param_buffer_size(shape: ModelShape, ranks: int, optimizer: Tier, sub_group_size: int) -> int:
-    """Elements of each of the parameter swapper's buffers: the largest tensor, as each
-    swapped-in parameter takes a whole buffer; with the optimizer on NVMe too, at least the
-    largest sub-group's share, which DeepSpeed reads through these buffers when it first builds
-    the fp32 state (`_initialize_from_swapped_fp16_params` asserts it). DeepSpeed's default,
-    1e8 elements, locked 3.2 GB in 16 buffers for a model of 0.75M parameters."""
-    size = shape.largest_param_numel
-    if optimizer == "nvme":
-        size = max(size, sub_group_cut(shape, ranks, sub_group_size, 0).largest)
-    return size
 
 
 def _cut_into(shape: ModelShape, ranks: int, count: int) -> int:
@@ -340,7 +337,7 @@ def _cut_into(shape: ModelShape, ranks: int, count: int) -> int:
 
 
 def _pinned_bytes(swap: SwapSettings, optimizer: Tier, parameters: Tier, ranks_per_node: int, largest_group: int,
-                  parameter_swappers: int = 1) -> int:
+                  whole_group: int, parameter_swappers: int = 1) -> int:
     """Swap buffers per node. DeepSpeed sizes the optimizer's by the largest sub-group it
     actually formed (`SubGroupCut.largest`: more than the sub-group size by part of a tensor,
     or one tensor larger than it, such as the embedding); the parameter swapper's are
@@ -351,6 +348,9 @@ def _pinned_bytes(swap: SwapSettings, optimizer: Tier, parameters: Tier, ranks_p
         per_rank += (swap.optimizer_buffer_count + 1) * largest_group * 4
     if parameters == "nvme":
         per_rank += swap.param_buffer_count * swap.param_buffer_size * 2 * parameter_swappers
+        # and the partitioned swap buffer the updated 16-bit parameters leave through: the whole
+        # tensors of the largest sub-group (`reserve_partitioned_swap_space`)
+        per_rank += 2 * whole_group
     return per_rank * ranks_per_node
 
 
@@ -478,9 +478,10 @@ def _states_in_ram(placement: PlacementInputs) -> str:
 
 
 def _swap_buffers(placement: PlacementInputs, swap: SwapSettings) -> int:
-    largest = placement_cut(placement, swap).largest if placement.optimizer == "nvme" else 0
-    return _pinned_bytes(swap, placement.optimizer, placement.parameters, placement.ranks_per_node, largest,
-                         2 if placement.reference_params else 1)
+    largest = placement_cut(placement, swap).largest if "nvme" in (placement.optimizer, placement.parameters) else 0
+    whole = min(placement.shape.trainable, largest * placement.ranks)  # its tensors whole, not a rank's share
+    return _pinned_bytes(swap, placement.optimizer, placement.parameters, placement.ranks_per_node,
+                         largest if placement.optimizer == "nvme" else 0, whole, 2 if placement.reference_params else 1)
 
 
 def _pin(placement: PlacementInputs, sizing: Sizing, swap: SwapSettings) -> tuple[int, int]:

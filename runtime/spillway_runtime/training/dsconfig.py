@@ -14,6 +14,7 @@ Pure apart from `validate_deepspeed_config`, which imports DeepSpeed.
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +62,7 @@ def reference_config(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-PAGE_BYTES = 4096  # mlock() locks whole pages; DeepSpeed's locked allocations start on one
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")  # mlock() locks whole pages; DeepSpeed's allocations start on one
 MASTER_BYTES = 4  # the optimizer swapper's element: fp32 masters, moments and gradients
 
 
@@ -133,11 +134,12 @@ def locked_swap_bytes(config: dict[str, Any], trainable: Trainable | None, param
 
 
 def _holds_sub_groups(config: dict[str, Any], trainable: Trainable) -> bool:
-    """With the parameters and the optimizer on NVMe, DeepSpeed first builds the fp32 state by
-    reading each sub-group's 16-bit share through the parameter swapper's buffers, and asserts
-    that each holds the largest (`_initialize_from_swapped_fp16_params`)."""
+    """With the parameters and the optimizer on NVMe and `offload_optimizer.fast_init` (an
+    override: Spillway does not set it), DeepSpeed first builds the fp32 state by reading each
+    sub-group's 16-bit share through the parameter swapper's buffers, and asserts that each holds
+    the largest (`_initialize_from_swapped_fp16_params`); without it, one parameter at a time."""
     zero, optimizer, param, intra_op, dtype_bytes = _swap_blocks(config)
-    if optimizer.get("device") != "nvme" or param.get("device") != "nvme":
+    if optimizer.get("device") != "nvme" or param.get("device") != "nvme" or not optimizer.get("fast_init"):
         return True
     largest = max(trainable.share(g) for g in trainable.groups(int(zero.get("sub_group_size", 1_000_000_000))))
     buffer = _aligned(int(param.get("buffer_size", 100_000_000)), dtype_bytes, intra_op)
@@ -152,14 +154,15 @@ def fit_swap_buffers_to_memlock(
     as a non-root uid gets its runtime's limit (8 MiB under systemd's default) and no
     CAP_IPC_LOCK to ignore it. Fit what DeepSpeed locks (`locked_swap_bytes`) under it, beside
     the checkpoint's own locked buffers: DeepSpeed's fewest optimizer buffers (no pipelined
-    I/O), then smaller sub-groups (Adam is elementwise: the same numbers in smaller pieces),
-    never below DeepSpeed's minimum swap size, under which it would silently keep the state in
-    RAM. A sub-group runs to the end of a tensor, so the largest tensor bounds the fit. Where
-    even that cannot fit, a clear error. Sub-groups are also cut finer, limit or none, where
-    the parameter swapper's buffers would not hold the largest (`_holds_sub_groups`: the plan
-    sizes them from its model shape; this is the model as built). `trainable` None: before the
-    model is built, the parameter swappers' buffers only (they are locked as it loads).
-    `limit` None: no limit applies. Returns the config to use and what changed."""
+    I/O), then smaller sub-groups (the optimizer's buffers and the parameters' partitioned swap
+    buffer hold the largest; Adam is elementwise: the same numbers in smaller pieces), with the
+    optimizer on NVMe never below DeepSpeed's minimum swap size, under which it would silently
+    keep the state in RAM. A sub-group runs to the end of a tensor, so the largest tensor bounds
+    the fit. Where even that cannot fit, a clear error. Sub-groups are also cut finer, limit or
+    none, where the parameter swapper's buffers must hold them (`_holds_sub_groups`).
+    `trainable` None: before the model is built, the parameter swappers' buffers only (they are
+    locked as it loads). `limit` None: no limit applies. Returns the config to use and what
+    changed."""
     budget = None if limit is None else limit - checkpoint_locked_bytes(limit)
 
     def locked(cfg: dict[str, Any]) -> int:
@@ -171,20 +174,22 @@ def fit_swap_buffers_to_memlock(
     if fits(config):
         return config, None
     need = locked(config)
-    over_limit = limit is not None and budget is not None and need > budget
+    over_limit = budget is not None and need > budget
     checkpoint = f", of which the checkpoint takes {_mib(limit - budget)}" if limit and budget and limit > budget else ""
     refusal = (f"DeepSpeed locks {_mib(need)} of NVMe swap buffers in RAM (mlock) but this process may lock "
-               f"{_mib(limit or 0)} (RLIMIT_MEMLOCK{checkpoint})")
+               f"{_mib(limit or 0)} (RLIMIT_MEMLOCK{checkpoint})" if over_limit else
+               "offload.deepspeed: zero_optimization.offload_param.buffer_size holds no optimizer sub-group, which "
+               "offload_optimizer.fast_init reads through it")
     remedy = ("raise the limit where the run starts (`ulimit -l unlimited`; in a cluster, the node's container "
               "runtime, e.g. LimitMEMLOCK=infinity in containerd's systemd unit), or keep the state in CPU RAM "
-              "(offload.optimizer/parameters: cpu)")
+              "(offload.optimizer/parameters: cpu)" if over_limit else "remove fast_init or raise buffer_size")
     zero, optimizer, param, _, _ = _swap_blocks(config)
-    if trainable is None or optimizer.get("device") != "nvme":
+    if trainable is None or "nvme" not in (optimizer.get("device"), param.get("device")):
         swappers = (f"the parameter swapper's {param.get('buffer_count', 5)} buffers of "
                     f"{int(param.get('buffer_size', 100_000_000)):,} elements" if param.get("device") == "nvme" else "")
         raise DeepSpeedConfigError(f"{refusal}{': ' + swappers if trainable is None and swappers else ''}: {remedy}")
     out = copy.deepcopy(config)
-    if over_limit:
+    if over_limit and optimizer.get("device") == "nvme":
         out["zero_optimization"]["offload_optimizer"].update(
             {"buffer_count": OPTIMIZER_SWAP_BUFFERS, "pipeline_read": False, "pipeline_write": False})
     size = int(zero.get("sub_group_size", 1_000_000_000))
@@ -193,31 +198,34 @@ def fit_swap_buffers_to_memlock(
         out["zero_optimization"]["sub_group_size"] = sub_group_size
         return out
 
-    if not fits(at(1)):  # every tensor its own sub-group: the largest still cannot fit
+    if not fits(at(1)):  # every tensor a sub-group of its own: the largest still cannot fit
+        largest = max(trainable.tensors)
         raise DeepSpeedConfigError(
-            f"{refusal}: its optimizer swap buffers hold a whole tensor, and the largest one "
-            f"({max(trainable.tensors):,} elements) needs {_mib(locked(at(1)))}; {remedy}")
+            f"{refusal}: even with every tensor a sub-group of its own DeepSpeed's swap buffers lock "
+            f"{_mib(locked(at(1)))}, as each holds a whole one (the largest: {largest:,} elements, "
+            f"{-(-largest // trainable.ranks):,} a process); {remedy}")
     low, high = 1, min(size, trainable.share(trainable.tensors))  # the largest size that fits, by bisection
-    while low < high:
+    while low < high:  # (the cut is not monotone in the size everywhere: a size that fits, maybe not the largest)
         mid = (low + high + 1) // 2
         low, high = (mid, high) if fits(at(mid)) else (low, mid - 1)
-    while low > 1 and not fits(at(low)):  # the cut is not monotone in the size everywhere
-        low -= 1
     largest_share = max(trainable.share(g) for g in trainable.groups(size))
     min_swap = max(MIN_AIO_BYTES, int((config.get("aio") or {}).get("block_size", 0))) // MASTER_BYTES
-    if over_limit and low < min(min_swap, largest_share):
+    if optimizer.get("device") == "nvme" and low < min(min_swap, largest_share):
         raise DeepSpeedConfigError(
             f"{refusal}: sub-groups small enough to fit ({low:,} elements) are under DeepSpeed's minimum swap "
             f"size ({min_swap:,}), where it would keep the state in RAM unplanned; {remedy}")
     fitted = at(low)
     buffer = max(trainable.share(g) for g in trainable.groups(low))
-    swap = fitted["zero_optimization"]["offload_optimizer"]
-    before = f"{int(optimizer.get('buffer_count', OPTIMIZER_SWAP_BUFFERS))} of {largest_share:,}"
-    why = (f"DeepSpeed locks {_mib(locked(fitted))} of them in RAM and RLIMIT_MEMLOCK is {_mib(limit or 0)} (raise "
-           "it for larger, pipelined swap I/O)" if over_limit else
-           "the parameter swapper's buffers, through which DeepSpeed first reads each sub-group, hold no more")
-    return fitted, (f"optimizer swap: {swap.get('buffer_count')} buffers of {buffer:,} elements (sub-groups of "
-                    f"{low:,}), not {before}: {why}")
+    why = (f"DeepSpeed locks {_mib(locked(fitted))} of swap buffers and RLIMIT_MEMLOCK is {_mib(limit or 0)} (raise it "
+           "for larger, pipelined swap I/O)" if over_limit else
+           "the parameter swapper's buffers, through which fast_init reads each sub-group, hold no more")
+    if optimizer.get("device") == "nvme":
+        count = fitted["zero_optimization"]["offload_optimizer"].get("buffer_count")
+        before = f"{int(optimizer.get('buffer_count', OPTIMIZER_SWAP_BUFFERS))} of {largest_share:,}"
+        return fitted, (f"optimizer swap: {count} buffers of {buffer:,} elements (sub-groups of {low:,}), not "
+                        f"{before}: {why}")
+    return fitted, (f"optimizer sub-groups of {low:,} elements, not {size:,}: the parameters' partitioned swap "
+                    f"buffer holds the largest whole; {why}")
 
 
 def _mib(n: int) -> str:
