@@ -21,7 +21,8 @@ from typing import Any
 
 import psutil
 
-from spillway_runtime.core.hardware import MEMLOCK_SHARE, AioSettings, MatmulRate, NodeHardware, memlock_limit
+from spillway_runtime.core.hardware import AioSettings, MatmulRate, NodeHardware, memlock_limit
+from spillway_runtime.core.memlock import PROBE_SHARE
 from spillway_runtime.core.planner import MIN_AIO_BYTES
 
 
@@ -123,7 +124,7 @@ def aio_io_bytes(io_bytes: int) -> int:
     limit = memlock_limit()
     if limit is None:
         return io_bytes
-    io_bytes = min(io_bytes, int(limit * MEMLOCK_SHARE) // MIN_AIO_BYTES * MIN_AIO_BYTES)
+    io_bytes = min(io_bytes, int(limit * PROBE_SHARE) // MIN_AIO_BYTES * MIN_AIO_BYTES)
     if io_bytes < MIN_AIO_BYTES:
         raise ProbeError(
             f"RLIMIT_MEMLOCK is {limit:,} bytes, under the {MIN_AIO_BYTES:,} the async I/O sweep locks: raise "

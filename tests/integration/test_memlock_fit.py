@@ -1,7 +1,7 @@
 """DeepSpeed locks (mlock) its NVMe swap buffers in RAM, and a pod run as a non-root uid may
 lock only its container runtime's RLIMIT_MEMLOCK (8 MiB under systemd's default) without
 CAP_IPC_LOCK to ignore it; past it DeepSpeed prints "mlock failed" and dies of SIGSEGV. The
-runtime counts what DeepSpeed will lock, byte for byte (`dsconfig.locked_swap_bytes`), and fits
+runtime counts what DeepSpeed will lock, byte for byte (`memlock.locked_swap_bytes`), and fits
 it under the limit or refuses by name. Here each job runs under that limit without the
 capability, as in such a pod, and the bytes this process has locked once the engine is built
 (Linux's VmLck) are compared with the count.

@@ -35,17 +35,16 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from spillway_runtime.checkpoints import unpickle
 from spillway_runtime.checkpoints.tensor_io import (
-    MIN_CHUNK,
     TENSOR_SUFFIX,
     CheckpointIOError,
     DirectIO,
     Written,
-    chunk_under,
     empty_for,
     join_state,
     refs_in,
     split_state,
 )
+from spillway_runtime.core.memlock import MIN_CHUNK, chunk_under
 
 OFFLOADED = "offloaded_tensors"
 

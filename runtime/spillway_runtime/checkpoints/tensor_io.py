@@ -24,25 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# the chunk, and what its buffers may lock under RLIMIT_MEMLOCK beside DeepSpeed's swap buffers
+from spillway_runtime.core.memlock import CHUNK, READ_AHEAD
+
 BLOCK_HASH = "sha256-chunks"  # the manifest's name for the chunked checksum below
-CHUNK = 32 << 20  # bytes per I/O and per hashed block
-READ_AHEAD = 4  # a read's buffers: reads in flight while earlier chunks are copied and hashed
-# Of RLIMIT_MEMLOCK, what the checkpoint's I/O buffers (two to write, READ_AHEAD to read) may
-# lock together; DeepSpeed's swap buffers are fitted under the rest
-# (`training.dsconfig.fit_swap_buffers_to_memlock`).
-MEMLOCK_SHARE = 0.15
-MIN_CHUNK = 1 << 20  # under it, no buffers are locked: the I/O goes through the page cache
-
-
-def chunk_under(memlock: int | None) -> int:
-    """The checkpoint's I/O chunk where this process may lock `memlock` bytes (None: no limit)."""
-    return CHUNK if memlock is None else min(CHUNK, int(memlock * MEMLOCK_SHARE) // (2 + READ_AHEAD))
-
-
-def checkpoint_locked_bytes(memlock: int | None) -> int:
-    """The most the checkpoint's buffers lock at once under RLIMIT_MEMLOCK `memlock`."""
-    chunk = chunk_under(memlock)
-    return (2 + READ_AHEAD) * chunk if chunk >= MIN_CHUNK else 0
 TENSOR_SUFFIX = ".tensors"
 INLINE_BYTES = 1 << 20  # tensors under this stay inside the pickled file
 

@@ -236,10 +236,6 @@ def hardware_from_node(node: dict[str, Any]) -> NodeHardware:
 
 CAP_IPC_LOCK = 14
 
-# Of RLIMIT_MEMLOCK, what the node probe's async I/O sweep may lock.
-MEMLOCK_SHARE = 0.75
-
-
 def memlock_limit() -> int | None:
     """How much this process may mlock(): None when unlimited (no limit, or CAP_IPC_LOCK,
     which root has on most hosts). The soft limit is raised to the hard one first."""

@@ -7,20 +7,18 @@ The known traps are handled here rather than left to users:
 - `offload_param.buffer_size` must cover the largest parameter or the swapper fails;
 - parameters on NVMe need enough swap buffers for every parameter alive at once: more
   buffers than DeepSpeed's 5 and no reuse-distance caching (see `build_deepspeed_config`);
-- NVMe offload (and any parameter offload) needs ZeRO stage 3.
+- NVMe offload (and any parameter offload) needs ZeRO stage 3;
+- what DeepSpeed locks for its swap must fit under RLIMIT_MEMLOCK (`core.memlock`).
 Pure apart from `validate_deepspeed_config`, which imports DeepSpeed.
 """
 
 from __future__ import annotations
 
 import copy
-import os
-from dataclasses import dataclass
 from typing import Any
 
-from spillway_runtime.checkpoints.tensor_io import checkpoint_locked_bytes
-from spillway_runtime.core.estimates import sub_groups, twin_flow_ratio
-from spillway_runtime.core.planner import MIN_AIO_BYTES, OPTIMIZER_SWAP_BUFFERS, OffloadPlan
+from spillway_runtime.core.estimates import twin_flow_ratio
+from spillway_runtime.core.planner import OffloadPlan
 from spillway_runtime.core.spec import FineTuneJobSpec, zenflow_settings
 
 
@@ -60,176 +58,6 @@ def reference_config(config: dict[str, Any]) -> dict[str, Any]:
         zero["offload_param"] = param
     out["zero_optimization"] = zero
     return out
-
-
-PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")  # mlock() locks whole pages; DeepSpeed's allocations start on one
-MASTER_BYTES = 4  # the optimizer swapper's element: fp32 masters, moments and gradients
-
-
-@dataclass(frozen=True)
-class Trainable:
-    """What DeepSpeed cuts its optimizer sub-groups from: the trainable tensors' whole elements,
-    in the order the optimizer gets them, and the processes that share each."""
-
-    tensors: tuple[int, ...]
-    ranks: int
-
-    def groups(self, sub_group_size: int) -> tuple[tuple[int, ...], ...]:
-        return sub_groups(self.tensors, self.ranks, max(1, sub_group_size))
-
-    def share(self, group: tuple[int, ...]) -> int:
-        """A rank's elements of a sub-group (each tensor's ceil(elements / ranks))."""
-        return sum(-(-n // self.ranks) for n in group)
-
-
-def _aligned(elements: int, element_bytes: int, intra_op: int) -> int:
-    align = max(1, 1024 * intra_op // element_bytes)
-    return -(-elements // align) * align
-
-
-def _swap_blocks(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], int, int]:
-    """(zero_optimization, its offload_optimizer, its offload_param, the async I/O's intra-op
-    threads, the bytes of the model's dtype, in which the parameter swapper holds it)."""
-    zero = config.get("zero_optimization") or {}
-    intra_op = int((config.get("aio") or {}).get("intra_op_parallelism", 1))
-    dtype_bytes = 2 if any((config.get(k) or {}).get("enabled") for k in ("bf16", "fp16")) else 4
-    return zero, zero.get("offload_optimizer") or {}, zero.get("offload_param") or {}, intra_op, dtype_bytes
-
-
-def _locked(elements: int, element_bytes: int, intra_op: int) -> int:
-    """Bytes one locked allocation of `elements` takes: DeepSpeed aligns each swapped tensor to
-    1 KiB per intra-op thread (`_io_aligned_numel`), and mlock() whole pages."""
-    nbytes = _aligned(elements, element_bytes, intra_op) * element_bytes
-    return -(-nbytes // PAGE_BYTES) * PAGE_BYTES
-
-
-def locked_swap_bytes(config: dict[str, Any], trainable: Trainable | None, parameter_swappers: int = 1) -> int:
-    """What DeepSpeed 0.19.8 locks in RAM (mlock, its async I/O's `new_cpu_locked_tensor`) for
-    the NVMe swap of `config`, byte for byte:
-    - each parameter swapper's buffers (`AsyncPartitionedParameterSwapper`, made by zero.Init as
-      the model loads): buffer_count x buffer_size elements of the model's dtype, each aligned,
-      in one allocation; DPO's frozen reference of a full fine-tune has its own
-      (`parameter_swappers` 2);
-    - with the optimizer built, the partitioned swap buffer the updated 16-bit parameters leave
-      through (`reserve_partitioned_swap_space`): the whole tensors, not a rank's share, of the
-      sub-group whose share is largest;
-    - the optimizer swapper's buffers (`SwapBufferManager`): buffer_count allocations of the
-      largest sub-group's share in fp32 (the gradient being swapped takes one of them).
-    `trainable` None: what is locked before the optimizer is built (the parameter swappers')."""
-    zero, optimizer, param, intra_op, dtype_bytes = _swap_blocks(config)
-    locked = 0
-    if param.get("device") == "nvme":
-        count, size = int(param.get("buffer_count", 5)), int(param.get("buffer_size", 100_000_000))
-        locked += parameter_swappers * _locked(count * _aligned(size, dtype_bytes, intra_op), dtype_bytes, intra_op)
-    if trainable is None or not trainable.tensors:
-        return locked
-    groups = trainable.groups(int(zero.get("sub_group_size", 1_000_000_000)))
-    largest = max(groups, key=trainable.share)  # the first of the largest, as DeepSpeed picks it
-    if param.get("device") == "nvme":
-        locked += _locked(sum(_aligned(n, dtype_bytes, intra_op) for n in largest), dtype_bytes, intra_op)
-    if optimizer.get("device") == "nvme":
-        count = int(optimizer.get("buffer_count", OPTIMIZER_SWAP_BUFFERS))
-        locked += count * _locked(trainable.share(largest), MASTER_BYTES, intra_op)
-    return locked
-
-
-def _holds_sub_groups(config: dict[str, Any], trainable: Trainable) -> bool:
-    """With the parameters and the optimizer on NVMe and `offload_optimizer.fast_init` (an
-    override: Spillway does not set it), DeepSpeed first builds the fp32 state by reading each
-    sub-group's 16-bit share through the parameter swapper's buffers, and asserts that each holds
-    the largest (`_initialize_from_swapped_fp16_params`); without it, one parameter at a time."""
-    zero, optimizer, param, intra_op, dtype_bytes = _swap_blocks(config)
-    if optimizer.get("device") != "nvme" or param.get("device") != "nvme" or not optimizer.get("fast_init"):
-        return True
-    largest = max(trainable.share(g) for g in trainable.groups(int(zero.get("sub_group_size", 1_000_000_000))))
-    buffer = _aligned(int(param.get("buffer_size", 100_000_000)), dtype_bytes, intra_op)
-    return buffer >= _aligned(largest, MASTER_BYTES, intra_op)
-
-
-def fit_swap_buffers_to_memlock(
-    config: dict[str, Any], trainable: Trainable | None, limit: int | None, parameter_swappers: int = 1
-) -> tuple[dict[str, Any], str | None]:
-    """DeepSpeed mlock()s its NVMe swap buffers whatever `pin_memory` says; when that
-    exceeds RLIMIT_MEMLOCK it prints "mlock failed" and dies of SIGSEGV. A container run
-    as a non-root uid gets its runtime's limit (8 MiB under systemd's default) and no
-    CAP_IPC_LOCK to ignore it. Fit what DeepSpeed locks (`locked_swap_bytes`) under it, beside
-    the checkpoint's own locked buffers: DeepSpeed's fewest optimizer buffers (no pipelined
-    I/O), then smaller sub-groups (the optimizer's buffers and the parameters' partitioned swap
-    buffer hold the largest; Adam is elementwise: the same numbers in smaller pieces), with the
-    optimizer on NVMe never below DeepSpeed's minimum swap size, under which it would silently
-    keep the state in RAM. A sub-group runs to the end of a tensor, so the largest tensor bounds
-    the fit. Where even that cannot fit, a clear error. Sub-groups are also cut finer, limit or
-    none, where the parameter swapper's buffers must hold them (`_holds_sub_groups`).
-    `trainable` None: before the model is built, the parameter swappers' buffers only (they are
-    locked as it loads). `limit` None: no limit applies. Returns the config to use and what
-    changed."""
-    budget = None if limit is None else limit - checkpoint_locked_bytes(limit)
-
-    def locked(cfg: dict[str, Any]) -> int:
-        return locked_swap_bytes(cfg, trainable, parameter_swappers)
-
-    def fits(cfg: dict[str, Any]) -> bool:
-        return (budget is None or locked(cfg) <= budget) and (trainable is None or _holds_sub_groups(cfg, trainable))
-
-    if fits(config):
-        return config, None
-    need = locked(config)
-    over_limit = budget is not None and need > budget
-    checkpoint = f", of which the checkpoint takes {_mib(limit - budget)}" if limit and budget and limit > budget else ""
-    refusal = (f"DeepSpeed locks {_mib(need)} of NVMe swap buffers in RAM (mlock) but this process may lock "
-               f"{_mib(limit or 0)} (RLIMIT_MEMLOCK{checkpoint})" if over_limit else
-               "offload.deepspeed: zero_optimization.offload_param.buffer_size holds no optimizer sub-group, which "
-               "offload_optimizer.fast_init reads through it")
-    remedy = ("raise the limit where the run starts (`ulimit -l unlimited`; in a cluster, the node's container "
-              "runtime, e.g. LimitMEMLOCK=infinity in containerd's systemd unit), or keep the state in CPU RAM "
-              "(offload.optimizer/parameters: cpu)" if over_limit else "remove fast_init or raise buffer_size")
-    zero, optimizer, param, _, _ = _swap_blocks(config)
-    if trainable is None or "nvme" not in (optimizer.get("device"), param.get("device")):
-        swappers = (f"the parameter swapper's {param.get('buffer_count', 5)} buffers of "
-                    f"{int(param.get('buffer_size', 100_000_000)):,} elements" if param.get("device") == "nvme" else "")
-        raise DeepSpeedConfigError(f"{refusal}{': ' + swappers if trainable is None and swappers else ''}: {remedy}")
-    out = copy.deepcopy(config)
-    if over_limit and optimizer.get("device") == "nvme":
-        out["zero_optimization"]["offload_optimizer"].update(
-            {"buffer_count": OPTIMIZER_SWAP_BUFFERS, "pipeline_read": False, "pipeline_write": False})
-    size = int(zero.get("sub_group_size", 1_000_000_000))
-
-    def at(sub_group_size: int) -> dict[str, Any]:
-        out["zero_optimization"]["sub_group_size"] = sub_group_size
-        return out
-
-    if not fits(at(1)):  # every tensor a sub-group of its own: the largest still cannot fit
-        largest = max(trainable.tensors)
-        raise DeepSpeedConfigError(
-            f"{refusal}: even with every tensor a sub-group of its own DeepSpeed's swap buffers lock "
-            f"{_mib(locked(at(1)))}, as each holds a whole one (the largest: {largest:,} elements, "
-            f"{-(-largest // trainable.ranks):,} a process); {remedy}")
-    low, high = 1, min(size, trainable.share(trainable.tensors))  # the largest size that fits, by bisection
-    while low < high:  # (the cut is not monotone in the size everywhere: a size that fits, maybe not the largest)
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if fits(at(mid)) else (low, mid - 1)
-    largest_share = max(trainable.share(g) for g in trainable.groups(size))
-    min_swap = max(MIN_AIO_BYTES, int((config.get("aio") or {}).get("block_size", 0))) // MASTER_BYTES
-    if optimizer.get("device") == "nvme" and low < min(min_swap, largest_share):
-        raise DeepSpeedConfigError(
-            f"{refusal}: sub-groups small enough to fit ({low:,} elements) are under DeepSpeed's minimum swap "
-            f"size ({min_swap:,}), where it would keep the state in RAM unplanned; {remedy}")
-    fitted = at(low)
-    buffer = max(trainable.share(g) for g in trainable.groups(low))
-    why = (f"DeepSpeed locks {_mib(locked(fitted))} of swap buffers and RLIMIT_MEMLOCK is {_mib(limit or 0)} (raise it "
-           "for larger, pipelined swap I/O)" if over_limit else
-           "the parameter swapper's buffers, through which fast_init reads each sub-group, hold no more")
-    if optimizer.get("device") == "nvme":
-        count = fitted["zero_optimization"]["offload_optimizer"].get("buffer_count")
-        before = f"{int(optimizer.get('buffer_count', OPTIMIZER_SWAP_BUFFERS))} of {largest_share:,}"
-        return fitted, (f"optimizer swap: {count} buffers of {buffer:,} elements (sub-groups of {low:,}), not "
-                        f"{before}: {why}")
-    return fitted, (f"optimizer sub-groups of {low:,} elements, not {size:,}: the parameters' partitioned swap "
-                    f"buffer holds the largest whole; {why}")
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB"
 
 
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

@@ -19,19 +19,14 @@ from typing import Any
 from spillway_runtime import library_output
 from spillway_runtime.core.contract import STOP_GRACE_SECONDS_ENV, ExitCode
 from spillway_runtime.core.hardware import memlock_limit
+from spillway_runtime.core.memlock import MemlockError, Trainable, fit_swap_buffers_to_memlock, locked_swap_bytes
 from spillway_runtime.core.spec import zenflow_settings
 from spillway_runtime.core.units import format_bytes
 from spillway_runtime.training import disk_usage, evaluation, exporting, k8s_status, startup
 from spillway_runtime.training.checkpointing import Checkpointing
 from spillway_runtime.training.data import CACHE_DIR_NAME, PackedDataset, sources_fingerprint, token_cache_path, tokenize_sources
 from spillway_runtime.training.dataset_files import DatasetError
-from spillway_runtime.training.dsconfig import (
-    DeepSpeedConfigError,
-    Trainable,
-    fit_swap_buffers_to_memlock,
-    locked_swap_bytes,
-    reference_config,
-)
+from spillway_runtime.training.dsconfig import reference_config
 from spillway_runtime.training.lora import with_lora
 from spillway_runtime.training.processes import free_port
 from spillway_runtime.training.reporting import Reporter
@@ -262,7 +257,7 @@ class FineTuneRecipe:
         parameter_swappers = 2 if self.spec.method.objective == "dpo" and not self.spec.method.lora else 1
         try:
             fitted, why = fit_swap_buffers_to_memlock(ds_config, trainable, memlock_limit(), parameter_swappers)
-        except DeepSpeedConfigError as err:
+        except MemlockError as err:
             raise RunFailed(str(err), ExitCode.BAD_INPUT) from None
         if why:
             self.log(why)
