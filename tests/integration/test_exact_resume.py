@@ -29,6 +29,8 @@ import torch
 
 from spillway_runtime.checkpoints.store import LATEST, MANIFEST, CheckpointStore, checkpoint_name
 from spillway_runtime.core.contract import ExitCode
+from spillway_runtime.core.estimates import MIN_AIO_BYTES, _cut
+from spillway_runtime.meta_shape import shape_from_config
 from spillway_runtime.training.checkpointing import STATE_FILE
 from spillway_runtime.training.runconfig import FaultInjection
 
@@ -64,6 +66,9 @@ KILLED = [(2, "cpu", "gpu"), (3, "nvme", "gpu")]
 # runtime (a pod's memlock-fitted buffers cut every model this way).
 IN_MEMORY_REMAINDER = 700_000
 TWO_RANK_SUB_GROUP = 300_000  # of each rank's 376,384 elements: 300,000+ swapped, the rest in memory
+# The wide model's share (3.2M elements a rank) with its parameters on NVMe too: its matrices
+# swapped (3,093,504), the norms and the output head in memory (145,536)
+TWO_RANK_WIDE_SUB_GROUP = 3_000_000
 SUSPEND_PLACEMENT = (3, "nvme", "cpu")  # the demo's placement: its NVMe optimizer state is the hardest to restore
 RESUMED = [p for p in PLACEMENTS if p != SUSPEND_PLACEMENT]  # that one resumes after its suspend
 
@@ -76,6 +81,8 @@ def placement_job(make_job, nvme: Path, stage: int, optimizer: str, parameters: 
     zero: dict[str, Any] = {"stage": stage}
     if (stage, optimizer, parameters) == (3, "nvme", "gpu"):
         zero["sub_group_size"] = sub_group_size or IN_MEMORY_REMAINDER
+    elif sub_group_size is not None:
+        zero["sub_group_size"] = sub_group_size
     offload = {"optimizer": optimizer, "parameters": parameters, "nvme": {"path": str(nvme)},
                "deepspeed": {"zero_optimization": zero}}
     return make_job(name, model=model, training={"maxSteps": MAX_STEPS}, offload=offload,
@@ -226,15 +233,22 @@ def restart_with_rollback_state(source: Path, target: Path, rollback: dict) -> N
 
 
 @pytest.mark.integration
-def test_two_processes_suspend_and_resume_is_bit_identical(tmp_path, make_job):
+@pytest.mark.parametrize("parameters", ["gpu", "nvme"])
+def test_two_processes_suspend_and_resume_is_bit_identical(tmp_path, make_job, tiny_model, parameters):
     """Two ranks, each checkpointing its own shard, each partition cut into a swapped sub-group
     and an in-memory remainder (as a pod's memlock-fitted buffers cut it). The remainder holds small parameters that
     ZeRO-3 keeps gathered whole on every rank: with two ranks they must be gathered again
     from the restored partitions, or the first step after the resume runs with them as
-    the model was built (losses off by 1e-3 from there on)."""
+    the model was built (losses off by 1e-3 from there on). With the parameters on NVMe the
+    remainder's 16-bit parameters have no partition in memory: they are written back to their
+    swap files (a pod's resume failed with "'NoneType' object has no attribute 'data'")."""
+    sub_group = TWO_RANK_SUB_GROUP if parameters == "gpu" else TWO_RANK_WIDE_SUB_GROUP
+    shares = _cut(shape_from_config(tiny_model["model" if parameters == "gpu" else "wide"]).tensor_numels(), 2,
+                  sub_group)
+    assert len(shares) == 2 and shares[0] >= MIN_AIO_BYTES // 4 > shares[1], shares  # swapped, and in memory
+
     def job(name: str) -> Path:
-        return placement_job(make_job, tmp_path / "nvme", 3, "nvme", "gpu", name=name,
-                             sub_group_size=TWO_RANK_SUB_GROUP)
+        return placement_job(make_job, tmp_path / "nvme", 3, "nvme", parameters, name=name, sub_group_size=sub_group)
 
     shm_before = set(Path("/dev/shm").glob("deepspeed_*"))
     reference = run_job(job("reference"), tmp_path / "reference", processes=2)

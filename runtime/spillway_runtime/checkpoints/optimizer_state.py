@@ -119,6 +119,12 @@ def restore_in_memory_subgroups(engine: Any, load_dir: str, tag: str, load: Call
         state.clear()
         for key, value in states.get(i, {}).items():
             state[key] = value.to(fp32.device).clone() if torch.is_tensor(value) else value
+        if zero.fp16_partitioned_groups_flat[i] is None:
+            # parameters on NVMe: no flat 16-bit partition in memory; written back to their swap
+            # files from the fp32 masters, as DeepSpeed's step does (`_partitioned_params_swap_out`)
+            if fp32.numel() > 0:
+                zero._partitioned_params_swap_out(i)
+            continue
         if fp32.numel() > 0:
             zero.fp16_partitioned_groups_flat[i].data.copy_(fp32.data)
         unflat = zero.unflatten(zero.fp16_partitioned_groups_flat[i], zero.fp16_partitioned_groups[i])
