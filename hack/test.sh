@@ -35,6 +35,9 @@ if ((${#pytest_args[@]})) || wants integration || wants e2e || wants realnode; t
 if ((${#pytest_args[@]})) || wants realnode; then needs_images=1; fi
 
 SECONDS_AT_START=$SECONDS
+# The disk is shared with whatever else runs on this machine, and the runtime image's cold
+# build needs ~25 GB at its peak (hack/images: make_room): a red run out of space says so here.
+echo "== disk: $(($(df --output=avail -k . | tail -1) / 1024 / 1024)) GiB free under $(pwd)"
 timed() { # NAME CMD...: run CMD, then print its time
   local name=$1 start=$SECONDS rc=0
   shift

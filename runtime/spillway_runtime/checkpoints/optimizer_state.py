@@ -119,17 +119,14 @@ def restore_in_memory_subgroups(engine: Any, load_dir: str, tag: str, load: Call
         state.clear()
         for key, value in states.get(i, {}).items():
             state[key] = value.to(fp32.device).clone() if torch.is_tensor(value) else value
-        if zero.fp16_partitioned_groups_flat[i] is None:
-            # parameters on NVMe: no flat 16-bit partition in memory; written back to their swap
-            # files from the fp32 masters, as DeepSpeed's step does (`_partitioned_params_swap_out`)
-            if fp32.numel() > 0:
-                zero._partitioned_params_swap_out(i)
-            continue
+        # Put back the 16-bit parameters as DeepSpeed's step does: into the flat 16-bit
+        # partition and the parameters over it, or, with the parameters on NVMe (no flat
+        # partition in memory), into their swap files. An empty partition has nothing to
+        # copy or swap; its parameters are pointed at the empty flat one all the same.
         if fp32.numel() > 0:
-            zero.fp16_partitioned_groups_flat[i].data.copy_(fp32.data)
-        unflat = zero.unflatten(zero.fp16_partitioned_groups_flat[i], zero.fp16_partitioned_groups[i])
-        for partitioned, restored in zip(zero.fp16_partitioned_groups[i], unflat, strict=True):
-            partitioned.data = restored.data
+            zero._reassign_or_swap_out_partitioned_parameters(i)
+        elif zero.fp16_partitioned_groups_flat[i] is not None:
+            zero._unflatten_partitioned_parameters(i)
     # Small parameters stay gathered whole on every rank (ZeRO-3's persistent ones): free
     # them and gather them again from the restored partitions, as DeepSpeed's own load
     # does. With one rank the partition is the whole tensor; with two, the first step
