@@ -143,6 +143,8 @@ if ((${#rest[@]})); then
     echo "== warning: ${free_gb} GB free in ${TMPDIR:-/tmp}; the whole suite needs about 20 GB (old pytest-of-$(id -un) runs can go)"
   fi
   expression=$(printf ' or %s' "${marks[@]}")
-  timed "tiers ${rest[*]}" pytest -n "$WORKERS" -m "${expression# or }" tests/integration tests/e2e
+  # -v: each test's outcome as it ends, with its worker (xdist lists failures only at the
+  # end): a run stopped by hand, or by CI's time limit, still names what failed.
+  timed "tiers ${rest[*]}" pytest -v -n "$WORKERS" -m "${expression# or }" tests/integration tests/e2e
 fi
 echo "== all: $((SECONDS - SECONDS_AT_START)) s"
