@@ -3,7 +3,6 @@ follower takes over when the leader is killed."""
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Callable
@@ -32,7 +31,7 @@ def _holder(cluster: Any) -> str:
     return str(lease.get("spec", {}).get("holderIdentity") or "")
 
 
-def _identity(log: Path, timeout: float = 30) -> str:
+def _identity(log: Path, timeout: float = 90) -> str:
     def asked() -> str | None:
         found = re.search(r"waiting for lease \S+ as (\S+)", log.read_text() if log.exists() else "")
         return found.group(1) if found else None
@@ -55,14 +54,19 @@ def test_only_the_lease_holder_reconciles_and_a_follower_takes_over(
     node = make_node("gpu-48g-nvme")
     for _ in range(2):
         add_checkpoint_volume(cluster)
-    first = _replica(cluster, tmp_path / "a.log")
-    a = _identity(tmp_path / "a.log")
-    cluster.wait_for(lambda: _holder(cluster) == a, 30, what="replica a holds the lease")
-    second = _replica(cluster, tmp_path / "b.log")
-    b = _identity(tmp_path / "b.log")
+    # Both replicas are stopped however the test ends: one left running after a timed-out
+    # wait (under a gate's load) went on reconciling the next tests' jobs in this cluster.
+    started: list[OperatorProcess] = []
     try:
+        first = _replica(cluster, tmp_path / "a.log")
+        started.append(first)
+        a = _identity(tmp_path / "a.log")
+        cluster.wait_for(lambda: _holder(cluster) == a, 90, what="replica a holds the lease")
+        second = _replica(cluster, tmp_path / "b.log")
+        started.append(second)
+        b = _identity(tmp_path / "b.log")
         cluster.apply(job_manifest("one", node=node), namespace)
-        wait_status(cluster, namespace, "one", lambda s: s.get("phase") == "Running", timeout=60)
+        wait_status(cluster, namespace, "one", lambda s: s.get("phase") == "Running", timeout=180)
         assert len(active_pods(cluster, namespace, "one")) == 1
         assert "leading as" not in (tmp_path / "b.log").read_text()  # b waits, touches nothing
         assert _holder(cluster) == a
@@ -83,6 +87,5 @@ def test_only_the_lease_holder_reconciles_and_a_follower_takes_over(
         second.stop()  # clean shutdown releases the lease at once
         cluster.wait_for(lambda: _holder(cluster) == "", 15, what="lease released")
     finally:
-        first.kill()
-        second.stop()
-        print(json.dumps({"a": a, "b": b}))
+        for replica in started:
+            replica.kill()

@@ -11,6 +11,7 @@ test_checkpoint_kill_points.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,9 +19,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import yaml
 
@@ -43,7 +46,10 @@ SPILLWAY = [sys.executable, "-m", "spillway_api.cli"]
 class CliRun:
     """`spillway run` in a session of its own, as a shell starts a foreground job."""
 
+    started: list[CliRun] = []  # this test's runs, ended by `_end_runs` when it ends
+
     def __init__(self, tmp_path: Path, job_file: Path, run_dir: Path, processes: int = 1):
+        CliRun.started.append(self)
         self.run_dir = run_dir
         self.env = {**os.environ, "SPILLWAY_DATABASE_URL": f"sqlite:///{tmp_path / 'spillway.db'}",
                     "SPILLWAY_DATA_DIR": str(tmp_path / "data"), "COLUMNS": "200"}
@@ -69,11 +75,34 @@ class CliRun:
         try:
             return self.proc.wait(timeout=600)
         finally:
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.end()
+
+    def end(self) -> None:
+        """Kill what is left of the run: `spillway run` and its training processes (each in a
+        session of its own, out of reach of a signal to the command's group). A test that
+        failed waiting left a two-process run training for 18 minutes beside the next tests
+        of a gate already short of CPU."""
+        if self.proc.poll() is not None:
+            return
+        try:
+            tree = [psutil.Process(self.proc.pid)]
+            tree += tree[0].children(recursive=True)
+        except psutil.NoSuchProcess:
+            return
+        for process in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        psutil.wait_procs(tree, timeout=30)
 
     def output(self) -> str:
         return self.log.read_text()
+
+
+@pytest.fixture(autouse=True)
+def _end_runs() -> Iterator[None]:
+    yield
+    while CliRun.started:
+        CliRun.started.pop().end()
 
 
 def write_job(tmp_path: Path, tiny_model: dict[str, Path], name: str, every: int) -> Path:
@@ -224,8 +253,6 @@ def test_a_second_ctrl_c_is_an_abort_only_if_the_stop_checkpoint_was_not_durable
 
 
 def test_a_killed_spillway_run_leaves_no_training_process_behind(tmp_path, tiny_model):
-    import psutil
-
     job = write_job(tmp_path, tiny_model, "orphan", every=1000)
     run = CliRun(tmp_path, job, tmp_path / "run")
     run.wait_for_step(3)
