@@ -188,6 +188,10 @@ def plan(
     method: Annotated[Literal["full", "lora"] | None, typer.Option(
         help="full or lora (rank 16 on every linear layer unless the job file says otherwise)")] = None,
     lora_rank: Annotated[int | None, typer.Option(help="LoRA rank (implies --method lora)")] = None,
+    memlock: Annotated[str | None, typer.Option(
+        help="What a training process may lock (RLIMIT_MEMLOCK, `ulimit -l`): 8MiB (a container's under systemd's "
+             "default), or unlimited; DeepSpeed locks its NVMe swap buffers. Default: this process's, when probed "
+             "here; else unlimited")] = None,
 ) -> None:
     """Decide where training state lives; exit 3 when nothing fits, naming the short tier.
     With --max-params: the largest model that fits, per placement."""
@@ -216,6 +220,8 @@ def plan(
                 hw, _ = hardware_for_run(nvme_dir, measure=False)
             else:
                 hw = probe_basic()
+        if memlock is not None:
+            hw = hw.model_copy(update={"memlock_bytes": None if memlock == "unlimited" else parse_size(memlock)})
         if max_params:
             spec = job.spec if job else None
             fits = largest_model(hw, spec.training if spec else Training(), spec.offload if spec else None,

@@ -87,6 +87,7 @@ def probe_basic(nvme_path: str | Path | None = None, name: str = "local") -> Nod
         cpu_cores=_cores(),
         cpu_memory_bytes=total,
         cpu_memory_available_bytes=available,
+        memlock_bytes=memlock_limit(),
     )
     if nvme_path is not None:
         path = Path(nvme_path)

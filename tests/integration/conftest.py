@@ -10,6 +10,7 @@ import os
 import resource
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,7 +84,8 @@ class Run:
 
     @property
     def events(self) -> list[dict[str, Any]]:
-        return read_events(self.run_dir / "events.jsonl")
+        path = self.run_dir / "events.jsonl"
+        return read_events(path) if path.exists() else []
 
     def losses(self) -> dict[int, float]:
         """Per-step loss; a step logged twice (after a resume) keeps its last value."""
@@ -124,24 +126,62 @@ def _last_step(events_path: Path, offset: int) -> int:
     return max((e["step"] for e in _new_events(events_path, offset) if e["event"] == "step"), default=0)
 
 
+def _limited(memlock: int, command: list[str]) -> tuple[list[str], Callable[[], None]]:
+    """`command` as in a pod run as a non-root uid: RLIMIT_MEMLOCK `memlock` and no CAP_IPC_LOCK
+    (root's, which ignores the limit); with the function that sets the limit in the child."""
+    if os.geteuid() == 0:  # a non-root uid has no CAP_IPC_LOCK to drop
+        command = ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock", *command]
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (memlock, memlock))
+    return command, limit
+
+
+_PREPARE = """
+import sys
+from pathlib import Path
+from spillway_runtime.core.planner import PlanningError
+from spillway_runtime.local import prepare_local_run
+from spillway_runtime.training.runconfig import FaultInjection
+try:
+    prepare_local_run(Path(sys.argv[1]), run_dir=Path(sys.argv[2]), processes=int(sys.argv[3]),
+                      faults=FaultInjection.model_validate_json(sys.argv[4]) if sys.argv[4] else None)
+except PlanningError as err:
+    print(err)
+    sys.exit(3)
+"""
+
+
+def _prepare_under(memlock: int, job_path: Path, run_dir: Path, processes: int,
+                   faults: FaultInjection | None) -> subprocess.CompletedProcess[str]:
+    """`prepare_local_run` in a child under the limit: the plan sees the limit `spillway run` would."""
+    command, limit = _limited(memlock, [sys.executable, "-c", _PREPARE, str(job_path), str(run_dir), str(processes),
+                                        faults.model_dump_json() if faults else ""])
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, preexec_fn=limit,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+
+
 def run_job(job_path: Path, run_dir: Path, *, processes: int = 1, faults: FaultInjection | None = None,
             signal_at_step: int | None = None, sig: int = signal.SIGKILL, timeout: float = 600,
             signal_when: Callable[[list[dict[str, Any]]], bool] | None = None, memlock: int | None = None) -> Run:
     """Run the runtime to completion, or send `sig` once the events show `signal_at_step`
     (or `signal_when` holds for this launch's events). `memlock`: as in a pod run as a non-root
     uid, RLIMIT_MEMLOCK of that many bytes and no CAP_IPC_LOCK (root's, which ignores it)."""
-    config = prepare_local_run(job_path, run_dir=run_dir, processes=processes, faults=faults)
+    if memlock is None:
+        config = prepare_local_run(job_path, run_dir=run_dir, processes=processes, faults=faults)
+    else:  # planned under the limit too, as `spillway run` plans where it runs
+        prepared = _prepare_under(memlock, job_path, run_dir, processes, faults)
+        if prepared.returncode:
+            return Run(RuntimeConfig.model_construct(run_dir=str(run_dir)), prepared.returncode,
+                       prepared.stdout + prepared.stderr)
+        config = RuntimeConfig.read(run_dir / "runtime.json")
     log_path = run_dir / f"runtime-{int(time.time() * 1000)}.log"
     events = run_dir / "events.jsonl"
     offset = events.stat().st_size if events.exists() else 0
     command = runtime_command(run_dir / "runtime.json", processes)
     limit: Callable[[], None] | None = None
     if memlock is not None:
-        if os.geteuid() == 0:  # a non-root uid has no CAP_IPC_LOCK to drop
-            command = ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock", *command]
-
-        def limit() -> None:
-            resource.setrlimit(resource.RLIMIT_MEMLOCK, (memlock, memlock))
+        command, limit = _limited(memlock, command)
     with log_path.open("w") as log:
         child = subprocess.Popen(command, env=runtime_env(config), stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True, preexec_fn=limit)

@@ -42,4 +42,5 @@ def test_the_probe_measures_nvme_under_an_8_mib_memlock_limit(tmp_path: Path) ->
     hw = json.loads(proc.stdout[proc.stdout.index("{"):])
     assert hw["nvme_read_bytes_per_s"] > 0 and hw["nvme_write_bytes_per_s"] > 0
     assert hw["aio"]["block_size"] <= LIMIT
+    assert hw["memlock_bytes"] == LIMIT  # what the planner fits DeepSpeed's swap buffers under (the node annotation)
     assert not list(tmp_path.glob(".spillway-aio-probe-*"))  # its scratch file is gone

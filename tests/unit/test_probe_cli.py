@@ -65,3 +65,19 @@ def test_plan_config_counts_the_shape_from_config_json(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "t5"}))
     bad = runner.invoke(build_app(), ["plan", "--config", str(tmp_path / "config.json"), "--gpu-memory", "80GiB"])
     assert bad.exit_code == 2 and "parameterCount" in bad.output, bad.output
+
+
+def test_plan_under_a_memlock_limit_names_it_and_exits_3() -> None:
+    from typer.testing import CliRunner
+
+    from spillway_api.cli import build_app
+
+    runner = CliRunner()
+    node = ["plan", "--params", "13B", "--gpu-memory", "24GiB", "--cpu-memory", "64GiB", "--nvme", "2TB"]
+    free = runner.invoke(build_app(), [*node, "--memlock", "unlimited", "--output", "json"])
+    assert free.exit_code == 0 and json.loads(free.output)["feasible"], free.output
+    # A container's 8 MiB: the embedding's swap buffers alone need 2.4 GiB locked, and the
+    # optimizer does not fit 64 GiB of RAM
+    limited = runner.invoke(build_app(), [*node, "--memlock", "8MiB"])
+    assert limited.exit_code == 3, limited.output
+    assert "RLIMIT_MEMLOCK" in limited.output and "LimitMEMLOCK" in limited.output, limited.output

@@ -33,6 +33,11 @@ AIO_ANNOTATIONS: dict[str, str] = {
     "spillway.dev/aio-intra-op-parallelism": "intra_op_parallelism",
 }
 NVME_PATH_ANNOTATION = "spillway.dev/nvme-path"
+# RLIMIT_MEMLOCK of a training process on the node, as the probe found it (its container runs as
+# a training pod's do: non-root, no capability): bytes, or "unlimited". DeepSpeed locks its NVMe
+# swap buffers under it (`core.memlock`); absent (never probed), the planner assumes no limit.
+MEMLOCK_ANNOTATION = "spillway.dev/memlock-bytes"
+UNLIMITED = "unlimited"
 # The probe's CPU matmul rates (`NodeHardware.cpu_matmul`), one entry per dtype and hidden size:
 # "bf16@256=4100000000,bf16@1024=3900000000,fp32@256=...". One annotation, as the figures are one curve.
 CPU_MATMUL_ANNOTATION = "spillway.dev/cpu-matmul-flops-per-second"
@@ -148,6 +153,9 @@ class NodeHardware(BaseModel):
     cpu_matmul: list[MatmulRate] = Field(
         default_factory=list, description="Measured on nodes without GPUs, where training runs on the CPU"
     )
+    memlock_bytes: int | None = Field(
+        None, ge=0, description="RLIMIT_MEMLOCK of a training process (what DeepSpeed's swap buffers may lock): "
+        "None where unlimited, or not probed")
     probe_seconds: float | None = None
 
     @property
@@ -170,6 +178,7 @@ class NodeHardware(BaseModel):
         return (
             f"{self.gpu_count}x{self.gpu_product or 'cpu'}/{self.gpu_memory_bytes >> 30}Gi"
             f"/ram{self.cpu_memory_bytes >> 30}Gi/nvme{self.nvme_free_bytes >> 30}Gi"
+            + ("" if self.memlock_bytes is None else f"/memlock{self.memlock_bytes >> 10}Ki")
         )
 
     def to_annotations(self) -> dict[str, str]:
@@ -180,6 +189,7 @@ class NodeHardware(BaseModel):
             out[NVME_PATH_ANNOTATION] = self.nvme_path
         if self.cpu_matmul:
             out[CPU_MATMUL_ANNOTATION] = matmul_annotation(self.cpu_matmul)
+        out[MEMLOCK_ANNOTATION] = UNLIMITED if self.memlock_bytes is None else str(self.memlock_bytes)
         return out
 
 
@@ -230,6 +240,7 @@ def hardware_from_node(node: dict[str, Any]) -> NodeHardware:
         nvme_path=annotations.get(NVME_PATH_ANNOTATION),
         aio=aio_from_annotations(annotations),
         cpu_matmul=matmul_from_annotation(annotations.get(CPU_MATMUL_ANNOTATION)),
+        memlock_bytes=_int(annotations.get(MEMLOCK_ANNOTATION)),  # "unlimited", or absent: None
         **{k: v for k, v in values.items() if v is not None},
     )
 

@@ -88,7 +88,7 @@ def _locked(elements: int, element_bytes: int, intra_op: int) -> int:
 
 
 @dataclass(frozen=True)
-class SwapSettings:
+class SwapLocks:
     """The settings of a DeepSpeed config that decide what its NVMe swap locks, read once."""
 
     sub_group_size: int
@@ -101,9 +101,10 @@ class SwapSettings:
     intra_op: int
     dtype_bytes: int  # the model's dtype, in which the parameter swapper holds it
     min_swap: int  # DeepSpeed's minimum swap size in elements: under it, the state stays in RAM
+    pipeline_off: bool = False  # the fit took DeepSpeed's fewest optimizer buffers: no pipelined swap I/O
 
     @classmethod
-    def of(cls, config: dict[str, Any]) -> SwapSettings:
+    def of(cls, config: dict[str, Any]) -> SwapLocks:
         zero = config.get("zero_optimization") or {}
         optimizer, param = zero.get("offload_optimizer") or {}, zero.get("offload_param") or {}
         aio = config.get("aio") or {}
@@ -162,32 +163,47 @@ def locked_swap_bytes(config: dict[str, Any], trainable: Trainable | None, param
     - the optimizer swapper's buffers (`SwapBufferManager`): buffer_count allocations of the
       largest sub-group's share in fp32 (the gradient being swapped takes one of them).
     `trainable` None: what is locked before the optimizer is built (the parameter swappers')."""
-    return SwapSettings.of(config).locked(trainable, parameter_swappers)
+    return SwapLocks.of(config).locked(trainable, parameter_swappers)
 
 
 def fit_swap_buffers_to_memlock(
     config: dict[str, Any], trainable: Trainable | None, limit: int | None, parameter_swappers: int = 1
 ) -> tuple[dict[str, Any], str | None]:
-    """Fit what DeepSpeed locks (`locked_swap_bytes`) under RLIMIT_MEMLOCK, beside the
+    """`fit_swap` on a DeepSpeed config: the config to use (a copy where it changed) and what
+    changed."""
+    given = SwapLocks.of(config)
+    fitted, why = fit_swap(given, trainable, limit, parameter_swappers)
+    if fitted == given:
+        return config, why
+    out = copy.deepcopy(config)
+    out["zero_optimization"]["sub_group_size"] = fitted.sub_group_size
+    if fitted.pipeline_off:
+        out["zero_optimization"]["offload_optimizer"].update(
+            {"buffer_count": fitted.optimizer_buffers, "pipeline_read": False, "pipeline_write": False})
+    return out, why
+
+
+def fit_swap(given: SwapLocks, trainable: Trainable | None, limit: int | None,
+             parameter_swappers: int = 1) -> tuple[SwapLocks, str | None]:
+    """Fit what DeepSpeed locks (`locked_swap_bytes`) under RLIMIT_MEMLOCK `limit`, beside the
     checkpoint's own locked buffers: DeepSpeed's fewest optimizer buffers (no pipelined I/O),
     then smaller sub-groups (the optimizer's buffers and the parameters' partitioned swap buffer
     hold the largest; Adam is elementwise: the same numbers in smaller pieces), with the
     optimizer on NVMe never below DeepSpeed's minimum swap size, under which it would silently
     keep the state in RAM. A sub-group runs to the end of a tensor, so the largest tensor bounds
-    the fit. Where even that cannot fit, a clear error. Sub-groups are also cut finer, limit or
-    none, where the parameter swapper's buffers must hold them (`holds_sub_groups`).
-    `trainable` None: before the model is built, the parameter swappers' buffers only (they are
-    locked as it loads). `limit` None: no limit applies. Returns the config to use and what
-    changed."""
+    the fit. Where even that cannot fit, `MemlockError` says so by name. Sub-groups are also cut
+    finer, limit or none, where the parameter swapper's buffers must hold them
+    (`holds_sub_groups`). `trainable` None: before the model is built, the parameter swappers'
+    buffers only (they are locked as it loads). `limit` None: no limit applies. Returns the
+    settings to use and what changed."""
     budget = swap_budget(limit)
-    given = SwapSettings.of(config)
 
-    def fits(settings: SwapSettings) -> bool:
+    def fits(settings: SwapLocks) -> bool:
         return ((budget is None or settings.locked(trainable, parameter_swappers) <= budget)
                 and (trainable is None or settings.holds_sub_groups(trainable)))
 
     if fits(given):
-        return config, None
+        return given, None
     need = given.locked(trainable, parameter_swappers)
     over_limit = budget is not None and need > budget
     checkpoint = f", of which the checkpoint takes {_mib(limit - budget)}" if limit and budget and limit > budget else ""
@@ -202,10 +218,10 @@ def fit_swap_buffers_to_memlock(
         swappers = (f"the parameter swapper's {given.param_buffers} buffers of {given.param_buffer_size:,} elements"
                     if given.param_device == "nvme" else "")
         raise MemlockError(f"{refusal}{': ' + swappers if trainable is None and swappers else ''}: {remedy}")
-    fewest = (dataclasses.replace(given, optimizer_buffers=OPTIMIZER_SWAP_BUFFERS)
+    fewest = (dataclasses.replace(given, optimizer_buffers=OPTIMIZER_SWAP_BUFFERS, pipeline_off=True)
               if over_limit and given.optimizer_device == "nvme" else given)
 
-    def at(sub_group_size: int) -> SwapSettings:
+    def at(sub_group_size: int) -> SwapLocks:
         return dataclasses.replace(fewest, sub_group_size=sub_group_size)
 
     if not fits(at(1)):  # every tensor a sub-group of its own: the largest still cannot fit
@@ -224,19 +240,25 @@ def fit_swap_buffers_to_memlock(
             f"{refusal}: sub-groups small enough to fit ({low:,} elements) are under DeepSpeed's minimum swap "
             f"size ({given.min_swap:,}), where it would keep the state in RAM unplanned; {remedy}")
     fitted = at(low)
-    out = copy.deepcopy(config)
-    out["zero_optimization"]["sub_group_size"] = low
     why = (f"DeepSpeed locks {_mib(fitted.locked(trainable, parameter_swappers))} of swap buffers and RLIMIT_MEMLOCK "
            f"is {_mib(limit or 0)} (raise it for larger, pipelined swap I/O)" if over_limit else
            "the parameter swapper's buffers, through which fast_init reads each sub-group, hold no more")
     if given.optimizer_device != "nvme":
-        return out, (f"optimizer sub-groups of {low:,} elements, not {given.sub_group_size:,}: the parameters' "
-                     f"partitioned swap buffer holds the largest whole; {why}")
-    if fewest is not given:
-        out["zero_optimization"]["offload_optimizer"].update(
-            {"buffer_count": fitted.optimizer_buffers, "pipeline_read": False, "pipeline_write": False})
-    return out, (f"optimizer swap: {fitted.optimizer_buffers} buffers of {trainable.largest_share(low):,} elements "
-                 f"(sub-groups of {low:,}), not {given.optimizer_buffers} of {largest_share:,}: {why}")
+        return fitted, (f"optimizer sub-groups of {low:,} elements, not {given.sub_group_size:,}: the parameters' "
+                        f"partitioned swap buffer holds the largest whole; {why}")
+    return fitted, (f"optimizer swap: {fitted.optimizer_buffers} buffers of {trainable.largest_share(low):,} elements "
+                    f"(sub-groups of {low:,}), not {given.optimizer_buffers} of {largest_share:,}: {why}")
+
+
+def floor_locked(given: SwapLocks, trainable: Trainable, parameter_swappers: int = 1) -> int:
+    """The least DeepSpeed can lock for `given`'s swap: its fewest optimizer buffers, with
+    sub-groups as small as `fit_swap` cuts them (every tensor its own; with the optimizer on
+    NVMe, none under the minimum swap size)."""
+    smallest = 1
+    if given.optimizer_device == "nvme":
+        smallest = max(1, min(given.min_swap, trainable.largest_share(given.sub_group_size)))
+        given = dataclasses.replace(given, optimizer_buffers=OPTIMIZER_SWAP_BUFFERS)
+    return dataclasses.replace(given, sub_group_size=smallest).locked(trainable, parameter_swappers)
 
 
 def _mib(n: int) -> str:

@@ -32,6 +32,7 @@ from spillway_runtime.core.estimates import (
     sub_group_cut,
 )
 from spillway_runtime.core.hardware import AioSettings
+from spillway_runtime.core.memlock import MemlockError, SwapLocks, Trainable, fit_swap, floor_locked, swap_budget
 from spillway_runtime.core.placement_inputs import (
     OPTIMIZER_SWAP_BUFFERS,
     OPTIMIZER_SWAP_BUFFERS_PIPELINED,
@@ -94,9 +95,11 @@ class TierBytes(BaseModel):
 
 
 class Shortfall(BaseModel):
-    """A tier that a placement needs more of than the node has."""
+    """A tier that a placement needs more of than the node has; or "memlock": the bytes
+    DeepSpeed's NVMe swap must lock (mlock) in a process, over what the node's RLIMIT_MEMLOCK
+    leaves it beside the checkpoint's buffers (`core.memlock`)."""
 
-    tier: OffloadTier
+    tier: OffloadTier | Literal["memlock"]
     need_bytes: int
     have_bytes: int
 
@@ -106,9 +109,15 @@ class Shortfall(BaseModel):
 
     @property
     def label(self) -> str:
-        return {"gpu": "GPU memory per GPU", "cpu": "CPU RAM", "nvme": "NVMe space"}[self.tier]
+        return {"gpu": "GPU memory per GPU", "cpu": "CPU RAM", "nvme": "NVMe space",
+                "memlock": "Memory a process may lock (RLIMIT_MEMLOCK)"}[self.tier]
 
     def describe(self) -> str:
+        if self.tier == "memlock":
+            return (f"{self.label} is short by {format_bytes(self.short_bytes)}: DeepSpeed's NVMe swap buffers lock "
+                    f"at least {format_bytes(self.need_bytes)} beside the checkpoint's, and the node leaves "
+                    f"{format_bytes(self.have_bytes)} (raise LimitMEMLOCK in the node's container runtime, or keep "
+                    "the state in CPU RAM: offload.optimizer/parameters: cpu)")
         return (
             f"{self.label} is short by {self.short_bytes / GiB:.1f} GiB "
             f"(needs {format_bytes(self.need_bytes)}, has {format_bytes(self.have_bytes)})"
@@ -140,7 +149,7 @@ def size_placement(placement: PlacementInputs) -> SizedPlacement:
     swapper pins 5 instead of 13."""
     sized = _size_with(placement, None)
     if placement.optimizer != "nvme" or placement.sub_group_size is not None:
-        return sized
+        return _fit_to_memlock(placement, sized)
     best, best_seconds = sized, _seconds(placement, sized)
     for size in (sized.swap.sub_group_size, *_finer_sub_groups(sized.swap.sub_group_size)):
         for pipeline in (True, False):  # at the first size, the one `_choose_swap` did not choose
@@ -155,7 +164,61 @@ def size_placement(placement: PlacementInputs) -> SizedPlacement:
             seconds = _seconds(placement, candidate)
             if best.shortfalls or seconds < best_seconds * (1 - 1e-6):
                 best, best_seconds = candidate, seconds
-    return best
+    return _fit_to_memlock(placement, best)
+
+
+def _fit_to_memlock(placement: PlacementInputs, sized: SizedPlacement) -> SizedPlacement:
+    """`sized` with DeepSpeed's NVMe swap buffers fitted under the node's RLIMIT_MEMLOCK as the
+    runtime will fit them (`core.memlock.fit_swap`: the fewest optimizer buffers, no pipelined
+    I/O, smaller sub-groups) and sized again with them; where no fit exists, a "memlock"
+    shortfall, so the planner chooses another placement and admission says why, before a pod
+    that could only exit 2. No limit (none probed), or nothing on NVMe: `sized` as it is."""
+    limit = placement.hw.memlock_bytes
+    if limit is None or "nvme" not in (placement.optimizer, placement.parameters):
+        return sized
+    given, trainable = _swap_locks(placement, sized.swap), _trainable(placement)
+    swappers = 2 if placement.reference_params else 1
+    try:
+        fitted, why = fit_swap(given, trainable, limit, swappers)
+    except MemlockError:
+        have = swap_budget(limit) or 0
+        short = Shortfall(tier="memlock", need_bytes=max(have + 1, floor_locked(given, trainable, swappers)),
+                          have_bytes=have)
+        return dataclasses.replace(sized, shortfalls=[*sized.shortfalls, short])
+    if fitted == given:
+        return sized
+    swap = SwapSettings(sub_group_size=fitted.sub_group_size, param_buffer_size=sized.swap.param_buffer_size,
+                        pipeline=sized.swap.pipeline and not fitted.pipeline_off,
+                        optimizer_buffer_count=fitted.optimizer_buffers)
+    refitted = _size_with(placement, swap)
+    refitted.sizing.reasons.append(f"NVMe swap fitted under the node's RLIMIT_MEMLOCK of {format_bytes(limit)}: {why}")
+    return refitted
+
+
+def _swap_locks(placement: PlacementInputs, swap: SwapSettings) -> SwapLocks:
+    """What the DeepSpeed config built from `swap` will lock (`dsconfig.build_deepspeed_config`)."""
+    aio = placement.hw.aio or AioSettings()
+    return SwapLocks(
+        sub_group_size=swap.sub_group_size, optimizer_device=placement.optimizer,
+        optimizer_buffers=swap.optimizer_buffer_count, fast_init=False, param_device=placement.parameters,
+        param_buffers=swap.param_buffer_count, param_buffer_size=swap.param_buffer_size,
+        intra_op=aio.intra_op_parallelism, dtype_bytes=DTYPE_BYTES[placement.dtype],
+        min_swap=max(MIN_AIO_BYTES, aio.block_size) // 4)
+
+
+LORA_PIECES = 1024  # a LoRA partition's pieces for the memlock fit (its adapters are not modelled one by one)
+
+
+def _trainable(placement: PlacementInputs) -> Trainable:
+    """The tensors DeepSpeed cuts the optimizer's sub-groups from: the model's, in order, for a
+    full fine-tune; LoRA's adapters, not modelled one by one (`sub_group_cut`), as LORA_PIECES
+    equal pieces of the partition, each at least a hidden row."""
+    shape = placement.shape
+    if shape.trainable_params is None:
+        return Trainable(shape.tensor_numels(), placement.ranks)
+    piece = max(shape.hidden_size, -(-shape.trainable_params // LORA_PIECES))
+    count, rest = divmod(shape.trainable_params, piece)
+    return Trainable((piece,) * count + ((rest,) if rest else ()), placement.ranks)
 
 
 def _short(sized: SizedPlacement) -> int:
@@ -446,7 +509,7 @@ def _keep_share_on_gpu(placement: PlacementInputs, sizing: Sizing, swap: SwapSet
         + ("" if on_gpu else f": a share of {share:g} is under one sub-group, so none is"))
 
 
-def tier_parts(placement: PlacementInputs, sized: SizedPlacement) -> dict[OffloadTier, dict[str, int]]:
+def tier_parts(placement: PlacementInputs, sized: SizedPlacement) -> dict[str, dict[str, int]]:
     """What fills each tier of a sized placement, by name, as `_tier_bytes` adds it up (per
     GPU, per node, per node): what `largest` names as the bound of a model's size. Of the
     model states in RAM, the kinds the placement keeps there, by name."""
@@ -460,7 +523,9 @@ def tier_parts(placement: PlacementInputs, sized: SizedPlacement) -> dict[Offloa
                 "load copies and device gradients": CPU_ACCELERATOR_EXTRA_BYTES_PER_PARAM * placement.shape.params
                 // placement.nodes}
         gpu = {}
-    return {"gpu": gpu, "cpu": cpu, "nvme": {"swap files": sizing.nvme}}
+    locked = {"swap buffers": floor_locked(_swap_locks(placement, sized.swap), _trainable(placement),
+                                           2 if placement.reference_params else 1)}
+    return {"gpu": gpu, "cpu": cpu, "nvme": {"swap files": sizing.nvme}, "memlock": locked}
 
 
 def _states_in_ram(placement: PlacementInputs) -> str:

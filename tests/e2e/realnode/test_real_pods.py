@@ -40,7 +40,7 @@ import yaml
 from kubernetes.utils import parse_quantity
 
 from spillway_operator.builders import checkpoint_pvc_name
-from spillway_runtime.core.hardware import NVME_PATH_ANNOTATION
+from spillway_runtime.core.hardware import MEMLOCK_ANNOTATION, NVME_PATH_ANNOTATION
 from spillway_runtime.meta_shape import shape_from_config
 from spillway_runtime.tiny import build_tiny_model, write_chat_dataset, write_dataset
 from tests.e2e.cluster import REPO_ROOT, Cluster
@@ -158,10 +158,11 @@ def real(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         path.chmod(0o755 if path.is_dir() else 0o644)
     (root / "nvme").mkdir()
     (root / "nvme").chmod(0o1777)  # as the chart's node probe leaves its directory
-    # What the node probe (its own test) would have written: the NVMe the plan may spill to.
+    # What the node probe (its own test) would have written: the NVMe the plan may spill to, and
+    # what a pod may lock there (this machine's containers: 8 MiB), under which the plan fits the swap.
     usage = shutil.disk_usage(root)
     annotations = {NVME_PATH_ANNOTATION: str(root / "nvme"), "spillway.dev/nvme-capacity-bytes": str(usage.total),
-                   "spillway.dev/nvme-free-bytes": str(usage.free)}
+                   "spillway.dev/nvme-free-bytes": str(usage.free), MEMLOCK_ANNOTATION: str(8 << 20)}
     cluster.kubectl("annotate", "node", node, "--overwrite", *[f"{k}={v}" for k, v in annotations.items()])
     storage_class = f"spillway-e2e-real-{secrets.token_hex(3)}"
     cluster.kubectl("apply", "-f", "-", input=json.dumps({
@@ -673,6 +674,9 @@ def test_the_node_probe_daemonset_measures_and_annotates_the_real_node(
                     "nvme-capacity-bytes", "nvme-free-bytes"):
             assert float(annotations[f"spillway.dev/{key}"]) > 0, (key, annotations)
         assert int(annotations["spillway.dev/nvme-capacity-bytes"]) == shutil.disk_usage(nvme).total
+        # what a training pod may lock, as the probe's container (non-root, no capability) found it:
+        # this machine's containers get 8 MiB (hack/CLUSTER.md); the operator plans the swap under it
+        assert annotations[MEMLOCK_ANNOTATION] == str(8 << 20), annotations
         # jobs' and fetch pods' subPaths: the kubelet makes them with these modes, no root container needed
         for root in (nvme, s3_cache):
             assert (root.stat().st_mode & 0o7777, root.stat().st_uid) == (0o1777, RUNTIME_UID), root

@@ -151,6 +151,10 @@ def test_plan_dry_run(client: Any) -> None:
                                                                                    "nvme_capacity_bytes": 0}})
     assert not short.json()["data"][0]["feasible"]
     assert any("CPU RAM is short by" in s for s in short.json()["data"][0]["shortfalls"])
+    # a node whose pods may lock 8 MiB (its probe's spillway.dev/memlock-bytes): no NVMe swap fits
+    locked = client.post("/v1/plan", json={"parameterCount": "13B", "hardware": {**hw, "memlock_bytes": 8 << 20}})
+    assert not locked.json()["data"][0]["feasible"], locked.text
+    assert any("RLIMIT_MEMLOCK" in s for s in locked.json()["data"][0]["shortfalls"]), locked.text
     # LoRA: only the adapters' optimizer state is sized, so the same node needs no NVMe
     lora = client.post("/v1/plan", json={"parameterCount": "13B", "hardware": {**hw, "nvme_free_bytes": 0,
                                                                                   "nvme_capacity_bytes": 0},
