@@ -163,11 +163,13 @@ def _prepare_under(memlock: int, job_path: Path, run_dir: Path, processes: int,
 
 def run_job(job_path: Path, run_dir: Path, *, processes: int = 1, faults: FaultInjection | None = None,
             signal_at_step: int | None = None, sig: int = signal.SIGKILL, timeout: float = 600,
-            signal_when: Callable[[list[dict[str, Any]]], bool] | None = None, memlock: int | None = None) -> Run:
+            signal_when: Callable[[list[dict[str, Any]]], bool] | None = None, memlock: int | None = None,
+            planned_unlimited: bool = False) -> Run:
     """Run the runtime to completion, or send `sig` once the events show `signal_at_step`
     (or `signal_when` holds for this launch's events). `memlock`: as in a pod run as a non-root
-    uid, RLIMIT_MEMLOCK of that many bytes and no CAP_IPC_LOCK (root's, which ignores it)."""
-    if memlock is None:
+    uid, RLIMIT_MEMLOCK of that many bytes and no CAP_IPC_LOCK (root's, which ignores it), planned
+    under it too, unless `planned_unlimited` (as on a node the probe never measured)."""
+    if memlock is None or planned_unlimited:
         config = prepare_local_run(job_path, run_dir=run_dir, processes=processes, faults=faults)
     else:  # planned under the limit too, as `spillway run` plans where it runs
         prepared = _prepare_under(memlock, job_path, run_dir, processes, faults)

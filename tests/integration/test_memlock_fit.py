@@ -77,6 +77,14 @@ def test_a_tensor_whose_swap_buffers_cannot_fit_is_refused_by_name(tiny_model, t
     assert "Memory a process may lock (RLIMIT_MEMLOCK) is short by" in refused.log, refused.log[-3000:]
     assert "LimitMEMLOCK" in refused.log
     assert not refused.of("step")
+    # Planned where no limit is known (a node the probe never measured): the runtime refuses by
+    # name, with exit 2, before DeepSpeed starts
+    unprobed = run_job(job, tmp_path / "unprobed", memlock=LIMIT, planned_unlimited=True)
+    assert unprobed.returncode == 2, unprobed.log[-3000:]
+    failure = unprobed.of("failed")[-1]["reason"]
+    assert "lock 16.0 MiB, as each holds a whole one (the largest: 1,048,576 elements" in failure, failure
+    assert "RLIMIT_MEMLOCK" in failure and "LimitMEMLOCK=infinity" in failure
+    assert not unprobed.of("step")
     # Where nothing limits it (root's CAP_IPC_LOCK) the same job trains, locked as counted.
     unlimited = run_job(job, tmp_path / "unlimited")
     assert unlimited.returncode == 0, unlimited.log[-3000:]

@@ -6,11 +6,18 @@ tests/integration/test_memlock_fit.py."""
 
 import pytest
 
+from spillway_runtime.core.estimates import lora_tensors
 from spillway_runtime.core.hardware import MEMLOCK_ANNOTATION, NodeHardware, hardware_from_node
 from spillway_runtime.core.largest import largest_model
-from spillway_runtime.core.memlock import Trainable, fit_swap_buffers_to_memlock, locked_swap_bytes, swap_budget
+from spillway_runtime.core.memlock import (
+    MemlockError,
+    Trainable,
+    fit_swap_buffers_to_memlock,
+    locked_swap_bytes,
+    swap_budget,
+)
 from spillway_runtime.core.planner import ModelShape, plan_tiers
-from spillway_runtime.core.spec import Offload, Training, parse_job
+from spillway_runtime.core.spec import Method, Offload, Training, parse_job
 from spillway_runtime.core.units import GiB
 from spillway_runtime.training.dsconfig import build_deepspeed_config
 
@@ -102,3 +109,66 @@ def test_the_limit_travels_as_a_node_annotation() -> None:
     assert back({}).memlock_bytes is None  # never probed: planned as unlimited, as before
     # nodes under different limits plan apart
     assert cpu_node(POD_LIMIT).shape_key() != cpu_node(None).shape_key()
+
+    # set by hand: a quantity is read as bytes, systemd's spelling as no limit, nonsense as not probed
+    assert back({MEMLOCK_ANNOTATION: "8Mi"}).memlock_bytes == POD_LIMIT
+    assert back({MEMLOCK_ANNOTATION: "infinity"}).memlock_bytes is None
+    assert back({MEMLOCK_ANNOTATION: "lots"}).memlock_bytes is None
+
+
+# A Llama 7B's shape: LoRA under 8 MiB is the case that matters (a full fine-tune's embedding
+# alone needs more), and its adapters are not pieces of equal size.
+LLAMA_7B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+            "tie_word_embeddings": False}
+
+
+def test_loras_adapters_are_counted_as_peft_makes_them() -> None:
+    """The tensors the planner fits LoRA's swap to are PEFT's, in DeepSpeed's order: here against
+    the model transformers and PEFT build (on the meta device, from a smaller config of the
+    same family, with the runtime's own `with_lora`)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from spillway_runtime.training.lora import with_lora
+
+    config = {**LLAMA_7B, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2}
+    for targets in (["all-linear"], ["q_proj", "v_proj", "down_proj"]):
+        method = Method(type="lora", rank=8, target_modules=targets)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+        model, trainable, _ = with_lora(model, method)
+        built = tuple(p.numel() for p in model.parameters() if p.requires_grad)
+        shape = ModelShape.from_hf_config(config)
+        assert lora_tensors(shape, 8, method.peft_targets) == built
+        assert sum(built) == trainable
+
+
+def test_a_lora_plan_under_the_limit_is_one_the_runtime_leaves_as_it_is() -> None:
+    shape = ModelShape.from_hf_config(LLAMA_7B)
+    method = Method(type="lora", rank=16, target_modules=["all-linear"])
+    adapters = Trainable(lora_tensors(shape, 16, method.peft_targets), ranks=1)
+    offload = {"policy": "nvme", "optimizer": "nvme", "parameters": "cpu"}
+    spec = spec_with({**offload, "nvme": {"path": "/nvme"}})
+    spec = spec.model_copy(update={"method": method})
+    for limit in (POD_LIMIT, 6 << 20, 5 << 20):
+        plan = plan_tiers(shape, limited(rtx4090(64), limit), SHORT, Offload(**offload), method=method)
+        config = build_deepspeed_config(plan, spec, nvme_path="/nvme")
+        if plan.feasible:  # the runtime, counting PEFT's tensors, finds nothing to change
+            assert fit_swap_buffers_to_memlock(config, adapters, limit) == (config, None), limit
+        else:  # and where the plan says no, the runtime would refuse too
+            assert [s.tier for s in plan.shortfalls] == ["memlock"]
+            with pytest.raises(MemlockError):
+                fit_swap_buffers_to_memlock(config, adapters, limit)
+
+
+def test_the_jobs_deepspeed_overrides_are_counted_as_the_runtime_counts_them() -> None:
+    """offload.deepspeed decides what is locked too: 16 parameter buffers of a 1M-element
+    size lock 32 MiB, which no plan under 8 MiB may take; the same job without it fits."""
+    offload = {"policy": "nvme", "optimizer": "cpu", "parameters": "nvme"}
+    plain = plan_tiers(SMALL, cpu_node(POD_LIMIT), SHORT, Offload(**offload))
+    assert plain.feasible
+    wide = {"zero_optimization": {"offload_param": {"buffer_size": 1_048_576}}}
+    plan = plan_tiers(SMALL, cpu_node(POD_LIMIT), SHORT, Offload(**offload, deepspeed=wide))
+    assert not plan.feasible and [s.tier for s in plan.shortfalls] == ["memlock"]

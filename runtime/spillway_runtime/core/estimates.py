@@ -277,6 +277,27 @@ def lora_parameters(shape: ModelShape, rank: int, target_modules: list[str] | st
     return rank * sum(shape.linear_in_out.get(name, 0) for name in names), missing
 
 
+# Linear layers whose input is the wide side and whose output is the hidden size (the rest take
+# the hidden size in): a LoRA A is rank x in, its B out x rank.
+OUTPUT_PROJECTIONS = frozenset({"o_proj", "down_proj", "out_proj", "dense", "dense_4h_to_h", "w2", "wo", "c_proj"})
+
+
+def lora_tensors(shape: ModelShape, rank: int, target_modules: list[str] | str) -> tuple[int, ...]:
+    """LoRA's trainable tensors in the order PEFT registers them, which is the order DeepSpeed
+    cuts the optimizer's sub-groups from: per layer, per adapted linear layer in the model's
+    order (`linear_in_out`), its A (rank x in) then its B (out x rank). Each linear layer is the
+    hidden size by another (`ModelShape.tensor_numels`); adds up to `lora_parameters`."""
+    names = [n for n in shape.linear_in_out if target_modules == "all-linear" or n in target_modules]
+    h, layers = shape.hidden_size, shape.num_layers
+    layer: list[int] = []
+    for name in names:
+        other = shape.linear_in_out[name] // layers - h
+        if other > 0:
+            wide_in = name in OUTPUT_PROJECTIONS
+            layer += [rank * (other if wide_in else h), (h if wide_in else other) * rank]
+    return tuple(layer) * layers
+
+
 def activation_bytes(shape: ModelShape, training: Training, dtype: DType, checkpointing: bool) -> int:
     """Peak activation memory of one micro-batch on one GPU.
 

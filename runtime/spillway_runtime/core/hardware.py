@@ -196,7 +196,20 @@ class NodeHardware(BaseModel):
 def _int(value: Any) -> int | None:
     try:
         return int(float(str(value)))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # "infinity", "1e400": not a figure
+        return None
+
+
+def memlock_from_annotation(value: str | None) -> int | None:
+    """RLIMIT_MEMLOCK from `MEMLOCK_ANNOTATION`: bytes, or a Kubernetes quantity (8Mi) set by
+    hand; None for "unlimited" (systemd's "infinity" too), for absent, and for what does not parse."""
+    if value is None or value.strip().lower() in (UNLIMITED, "infinity"):
+        return None
+    from spillway_runtime.core.units import parse_size
+
+    try:
+        return parse_size(value.strip())
+    except ValueError:
         return None
 
 
@@ -240,7 +253,7 @@ def hardware_from_node(node: dict[str, Any]) -> NodeHardware:
         nvme_path=annotations.get(NVME_PATH_ANNOTATION),
         aio=aio_from_annotations(annotations),
         cpu_matmul=matmul_from_annotation(annotations.get(CPU_MATMUL_ANNOTATION)),
-        memlock_bytes=_int(annotations.get(MEMLOCK_ANNOTATION)),  # "unlimited", or absent: None
+        memlock_bytes=memlock_from_annotation(annotations.get(MEMLOCK_ANNOTATION)),
         **{k: v for k, v in values.items() if v is not None},
     )
 

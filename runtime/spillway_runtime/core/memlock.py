@@ -36,6 +36,19 @@ DEFAULT_PARAM_BUFFERS = 5
 DEFAULT_PARAM_BUFFER_SIZE = 100_000_000
 
 
+def merge_settings(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """DeepSpeed settings with `override` merged in last, block by block: what
+    `training.dsconfig` does with a job's offload.deepspeed, and the planner to count the
+    swap those settings lock."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_settings(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
 class MemlockError(ValueError):
     """DeepSpeed's swap buffers cannot fit under the limit, or the config contradicts itself."""
 

@@ -10,7 +10,7 @@ nothing here imports them. No torch, no I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -52,6 +52,9 @@ class ModelShape(BaseModel):
         "over the model's layers of that name. A LoRA adapter of rank r on them has r times that many parameters",
     )
     trainable_params: int | None = Field(None, description="Parameters that train (LoRA's adapters); none: all")
+    adapter_tensors: tuple[int, ...] | None = Field(
+        None, exclude=True, description="LoRA's trainable tensors' elements in the order DeepSpeed gets them "
+        "(`estimates.lora_tensors`): what the optimizer's sub-groups are cut from; not kept in a stored plan")
     tied_embeddings: bool | None = Field(
         None, description="The output head is the embedding (config.json's tie_word_embeddings); none: not known "
         "(a shape from a parameter count), guessed from the count")
@@ -179,6 +182,9 @@ class PlacementInputs:
     zenflow_topk: float = 0.0
     # offload.gpuResidentFraction: the share of a CPU-RAM optimizer's sub-groups on the GPU (0: none)
     gpu_resident: float = 0.0
+    # the job's offload.deepspeed, merged over the config the plan makes: what DeepSpeed's swap locks
+    # depends on its buffer counts and sizes, aio block and threads, and fast_init
+    deepspeed: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def on_gpu(self) -> bool:

@@ -32,6 +32,7 @@ from spillway_runtime.core.estimates import (
     gradient_partition_bytes,
     holds_gradient_partition,
     lora_parameters,
+    lora_tensors,
     model_state_bytes,
     step_time,
 )
@@ -358,7 +359,8 @@ def plan_placement(inputs: PlanInputs, hw: NodeHardware) -> OffloadPlan:
             shape=shape, hw=hw, training=training, dtype=dtype, stage=stage, optimizer=optimizer,
             parameters=parameters, gpus_per_node=gpus, ranks_per_node=ranks_per_node, nodes=nodes,
             price_per_hour=price_per_hour, cpu_resident=_cpu_resident(offload),
-            sub_group_size=_sub_group_override(offload), reference_forwards=reference_forwards,
+            sub_group_size=_sub_group_override(offload), deepspeed=offload.deepspeed,
+            reference_forwards=reference_forwards,
             reference_params=reference_params, gpu_resident=offload.gpu_resident_fraction or 0.0, **_zenflow(offload),
         )
         candidates.append(_evaluate(placements[label]))
@@ -518,7 +520,8 @@ def _with_lora(shape: ModelShape, method: Method | None) -> tuple[ModelShape, li
              "gradients and optimizer state count the adapters only"]
     if missing:
         notes.append(f"LoRA: the model has no linear layers named {', '.join(missing)} (not counted)")
-    return shape.model_copy(update={"trainable_params": max(1, trainable)}), notes
+    adapters = lora_tensors(shape, method.rank, method.peft_targets)
+    return shape.model_copy(update={"trainable_params": max(1, trainable), "adapter_tensors": adapters or None}), notes
 
 
 def _with_objective(training: Training, method: Method | None) -> tuple[Training, int, list[str]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -32,7 +32,15 @@ from spillway_runtime.core.estimates import (
     sub_group_cut,
 )
 from spillway_runtime.core.hardware import AioSettings
-from spillway_runtime.core.memlock import MemlockError, SwapLocks, Trainable, fit_swap, floor_locked, swap_budget
+from spillway_runtime.core.memlock import (
+    MemlockError,
+    SwapLocks,
+    Trainable,
+    fit_swap,
+    floor_locked,
+    merge_settings,
+    swap_budget,
+)
 from spillway_runtime.core.placement_inputs import (
     OPTIMIZER_SWAP_BUFFERS,
     OPTIMIZER_SWAP_BUFFERS_PIPELINED,
@@ -196,26 +204,34 @@ def _fit_to_memlock(placement: PlacementInputs, sized: SizedPlacement) -> SizedP
 
 
 def _swap_locks(placement: PlacementInputs, swap: SwapSettings) -> SwapLocks:
-    """What the DeepSpeed config built from `swap` will lock (`dsconfig.build_deepspeed_config`)."""
+    """What the DeepSpeed config built from `swap` will lock: its swap blocks as
+    `dsconfig.build_deepspeed_config` writes them, with the job's offload.deepspeed merged last."""
     aio = placement.hw.aio or AioSettings()
-    return SwapLocks(
-        sub_group_size=swap.sub_group_size, optimizer_device=placement.optimizer,
-        optimizer_buffers=swap.optimizer_buffer_count, fast_init=False, param_device=placement.parameters,
-        param_buffers=swap.param_buffer_count, param_buffer_size=swap.param_buffer_size,
-        intra_op=aio.intra_op_parallelism, dtype_bytes=DTYPE_BYTES[placement.dtype],
-        min_swap=max(MIN_AIO_BYTES, aio.block_size) // 4)
+    zero: dict[str, Any] = {"sub_group_size": swap.sub_group_size}
+    if placement.optimizer != "gpu":
+        zero["offload_optimizer"] = {"device": placement.optimizer, "buffer_count": swap.optimizer_buffer_count}
+    if placement.parameters != "gpu":
+        zero["offload_param"] = {"device": placement.parameters, "buffer_count": swap.param_buffer_count,
+                                 "buffer_size": swap.param_buffer_size}
+    settings = {"zero_optimization": zero, "bf16": {"enabled": placement.dtype == "bf16"},
+                "fp16": {"enabled": placement.dtype == "fp16"},
+                "aio": {"block_size": aio.block_size, "intra_op_parallelism": aio.intra_op_parallelism}}
+    return SwapLocks.of(merge_settings(settings, dict(placement.deepspeed)))
 
 
-LORA_PIECES = 1024  # a LoRA partition's pieces for the memlock fit (its adapters are not modelled one by one)
+LORA_PIECES = 1024  # a LoRA partition's pieces where its adapters are not known one by one
 
 
 def _trainable(placement: PlacementInputs) -> Trainable:
     """The tensors DeepSpeed cuts the optimizer's sub-groups from: the model's, in order, for a
-    full fine-tune; LoRA's adapters, not modelled one by one (`sub_group_cut`), as LORA_PIECES
-    equal pieces of the partition, each at least a hidden row."""
+    full fine-tune; LoRA's adapters as PEFT makes them (`estimates.lora_tensors`), or where a
+    shape does not carry them (read back from a stored plan), LORA_PIECES equal pieces of the
+    partition, each at least a hidden row."""
     shape = placement.shape
     if shape.trainable_params is None:
         return Trainable(shape.tensor_numels(), placement.ranks)
+    if shape.adapter_tensors:
+        return Trainable(shape.adapter_tensors, placement.ranks)
     piece = max(shape.hidden_size, -(-shape.trainable_params // LORA_PIECES))
     count, rest = divmod(shape.trainable_params, piece)
     return Trainable((piece,) * count + ((rest,) if rest else ()), placement.ranks)

@@ -18,6 +18,7 @@ import copy
 from typing import Any
 
 from spillway_runtime.core.estimates import twin_flow_ratio
+from spillway_runtime.core.memlock import merge_settings as _merge
 from spillway_runtime.core.planner import OffloadPlan
 from spillway_runtime.core.spec import FineTuneJobSpec, zenflow_settings
 
@@ -57,16 +58,6 @@ def reference_config(config: dict[str, Any]) -> dict[str, Any]:
         param["nvme_path"] = f"{str(param['nvme_path']).rstrip('/')}/{REFERENCE_DIR}"
         zero["offload_param"] = param
     out["zero_optimization"] = zero
-    return out
-
-
-def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
     return out
 
 
