@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,16 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import BENCH_DIR
 
+from spillway_runtime.probe import _time_best as best_of
+
 REPEATS = 3
-
-
-def best_seconds(run: Callable[[], object]) -> float:
-    best = float("inf")
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def measure(directory: Path, mib: int) -> str:
@@ -57,9 +48,9 @@ def measure(directory: Path, mib: int) -> str:
         reader.wait()
         writer.wait()
 
-    w = best_seconds(lambda: (writer.pwrite(b, fb, False, True), writer.wait()))
-    r = best_seconds(lambda: (reader.pread(a, fa, False, True), reader.wait()))
-    c = best_seconds(both)
+    w = best_of(lambda: (writer.pwrite(b, fb, False, True), writer.wait()), REPEATS)
+    r = best_of(lambda: (reader.pread(a, fa, False, True), reader.wait()), REPEATS)
+    c = best_of(both, REPEATS)
     os.remove(fa)
     os.remove(fb)
     return (f"{mib} MiB: write {size / w / 1e6:.0f} MB/s, read {size / r / 1e6:.0f} MB/s, "
