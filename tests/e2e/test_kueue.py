@@ -7,7 +7,7 @@ Under a real Kueue (built from the Go module proxy, tests/e2e/kueue_fixtures.py)
 - a two-node job under quota for one node is never started in part: no pod until the
   quota holds both, then both at once.
 The preemption of a running job, which checkpoints and later resumes with no lost step,
-needs a real training pod: tests/e2e/realnode/test_real_pods.py.
+needs a real training pod: tests/e2e/realnode/pods/test_resume.py.
 
 A node pool that scales from zero: a job submitted while no node fits is planned on the
 pool's declared template and waits for its node, saying so; the node added afterwards

@@ -38,7 +38,7 @@ from spillway_runtime.core.spec import parse_job
 from spillway_runtime.tiny import build_tiny_model, write_dataset
 from tests.e2e.cluster import Cluster
 from tests.e2e.operator_fixtures import running_operator, wait_status
-from tests.e2e.realnode.test_real_pods import EXAMPLE, POD_TIMEOUT_S, RealNode, _kill_trainer
+from tests.e2e.realnode.real_jobs import EXAMPLE, POD_TIMEOUT_S, RealNode, kill_trainer
 from tests.integration.storage_fixtures import ACCESS_KEY, SECRET_KEY, stop, weed_command
 
 pytestmark = [pytest.mark.e2e, pytest.mark.realnode]
@@ -118,7 +118,7 @@ def s3_real(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
     build_tiny_model(inputs / "model")
     write_dataset(inputs / "data" / "arithmetic.jsonl", count=400)
     (root / "nvme").mkdir()
-    # What the node probe would have written: the NVMe the plan may spill to (test_real_pods does the same)
+    # What the node probe would have written: the NVMe the plan may spill to (pods/conftest.py does the same)
     usage = shutil.disk_usage(root)
     annotations = {NVME_PATH_ANNOTATION: str(root / "nvme"), "spillway.dev/nvme-capacity-bytes": str(usage.total),
                    "spillway.dev/nvme-free-bytes": str(usage.free)}
@@ -258,7 +258,7 @@ def test_a_job_whose_volume_and_pod_are_lost_resumes_from_the_mirror(
                 POD_TIMEOUT_S, "a checkpoint in the mirror")
     # The training process dies (SIGKILL: no stop checkpoint) and the volume is emptied while
     # the next attempt waits out its backoff, as when the node and its disk are lost
-    assert _kill_trainer(namespace, "lost") >= 1
+    assert kill_trainer(namespace, "lost") >= 1
     wait_status(cluster, namespace, "lost", lambda s: int(s.get("attempt") or 0) >= 1, POD_TIMEOUT_S,
                 "the attempt counted")
     for entry in checkpoints.iterdir():

@@ -1,7 +1,7 @@
 """The model's config.json read from its claim before planning: the reader pod the
 reconciler starts, what it does with each outcome, and the reader itself
 (`spillway_runtime.core.model_config`) on real files. The pod running on a real node is
-tests/e2e/realnode/test_real_pods.py."""
+tests/e2e/realnode/pods/test_training.py."""
 
 from __future__ import annotations
 
