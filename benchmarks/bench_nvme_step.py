@@ -36,6 +36,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import BENCH_DIR, RESULT, proc_io, result_of, write_job
 
+# The ZeRO-3 optimizer's own methods that make up its step, timed in place on the instance
+# (DeepSpeed 0.19.8's stage3.py calls each through self): what each part of the optimizer
+# phase costs against the plan's terms. The gradients' swap-out runs in the last backward.
+PARTS = {
+    "_prepare_sub_group": "read wait",  # a sub-group's state and gradient in (the pipeline's prefetch waited on)
+    "unscale_and_clip_grads": "unscale",
+    "_optimizer_step": "adam",  # the CPU Adam on the sub-group, fp32 to 16-bit included
+    "_reassign_or_swap_out_partitioned_parameters": "16-bit copy",
+    "_release_sub_group": "write wait",  # its state out (the previous sub-group's write waited on)
+    "_swap_out_offload_fp32_gradients": "gradient write",
+}
+
+
+def timed_parts(optimizer: Any) -> dict[str, list[float]]:
+    """Wraps PARTS on the optimizer instance; returns [seconds, calls] per part, added up until
+    the caller resets them."""
+    parts: dict[str, list[float]] = {label: [0.0, 0] for label in PARTS.values()}
+    for method, label in PARTS.items():
+        plain = getattr(optimizer, method)
+
+        def timed(*a: Any, _plain: Any = plain, _label: str = label, **k: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return _plain(*a, **k)
+            finally:
+                parts[_label][0] += time.perf_counter() - start
+                parts[_label][1] += 1
+
+        setattr(optimizer, method, timed)
+    return parts
+
 
 def run_once(model: str, steps: int, accumulation: int, optimizer: str) -> dict[str, Any]:
     """One placement trained in this process; the median of its steps after the first two."""
@@ -64,17 +95,21 @@ def run_once(model: str, steps: int, accumulation: int, optimizer: str) -> dict[
             in_step["seconds"] += time.perf_counter() - start
 
     engine.step = timed_step
+    parts = timed_parts(engine.optimizer)
     rows = []
     try:
         for _ in range(steps):
             in_step["seconds"] = 0.0
+            for part in parts.values():
+                part[:] = [0.0, 0]
             read, written = proc_io()
             start = time.perf_counter()
             recipe.train_step()
             total = time.perf_counter() - start
             read_after, written_after = proc_io()
             rows.append({"total": total, "optimizer": in_step["seconds"],
-                         "bytes": read_after - read + written_after - written})
+                         "bytes": read_after - read + written_after - written,
+                         "parts": {label: tuple(part) for label, part in parts.items()}})
     finally:
         recipe.cleanup()
         for done in (run_dir, BENCH_DIR / "nvme" / name):
@@ -90,6 +125,10 @@ def run_once(model: str, steps: int, accumulation: int, optimizer: str) -> dict[
         "disk_s_per_byte": plan.step.optimizer_nvme / plan.step.nvme_bytes if plan.step.nvme_bytes else None,
         "params": plan.model.trainable, "label": plan.label, "load": os.getloadavg()[0],
         "named": plan.amortizing_accumulation,
+        "parts": {label: [statistics.median(r["parts"][label][0] for r in rows), rows[-1]["parts"][label][1]]
+                  for label in PARTS.values()},
+        "predicted_adam": plan.step.cpu_optimizer, "predicted_optimizer_nvme": plan.step.optimizer_nvme,
+        "swapped_sub_groups": plan.step.swapped_sub_groups, "pipelined": plan.step.pipelined,
     }
 
 
@@ -149,6 +188,14 @@ def main() -> None:
                   f" disk {r['bytes'] / 2**20:7.1f} MiB/step"
                   + (f" ({r['bytes'] / r['predicted_bytes']:.2f} of the plan)" if r["predicted_bytes"] else "")
                   + f"; load {r['load']:.1f} on {os.cpu_count()} CPUs")
+        for label, r in (("cpu ", cpu), ("nvme", nvme)):
+            parts = ", ".join(f"{name} {seconds * 1000:.1f}" + (f" ({calls}x)" if calls != 1 else "")
+                              for name, (seconds, calls) in r["parts"].items() if calls)
+            rest = r["optimizer"] - sum(seconds for name, (seconds, _) in r["parts"].items() if name != "gradient write")
+            print(f"    {label} parts, ms a step: {parts}; the step's other work {rest * 1000:.1f}. Planned: adam"
+                  f" {r['predicted_adam'] * 1000:.1f} ({r['parts']['adam'][0] / r['predicted_adam']:.2f}), NVMe"
+                  f" {r['predicted_optimizer_nvme'] * 1000:.1f} over {r['swapped_sub_groups']} sub-groups"
+                  f"{', pipelined' if r['pipelined'] else ''}")
     in_ram = sorted((a, pair["cpu"]["total"] - pair["cpu"]["optimizer"]) for a, pair in results.items())
     if len(in_ram) >= 2:
         (a1, f1), (a2, f2) = in_ram[0], in_ram[-1]

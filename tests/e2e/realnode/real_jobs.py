@@ -70,7 +70,7 @@ class RealNode:
             processes: int = 1, nodes: int = 1, spec_update: dict[str, Any] | None = None,
             labels: dict[str, str] | None = None, top: dict[str, Any] | None = None) -> Path:
         """`kubectl apply -f examples/tiny-cluster.yaml` under another name, with this
-        module's storage class (its NVMe directory, jobs/NAMESPACE/NAME under the node's NVMe
+        fixture's storage class (its NVMe directory, jobs/NAMESPACE/NAME under the node's NVMe
         root, is the operator's choice, not the job's); returns its checkpoint
         directory on this machine. With ``nodes`` 2 it spans both real nodes. ``labels``
         go on the job, ``top`` are top-level spec fields (spec.queueName)."""

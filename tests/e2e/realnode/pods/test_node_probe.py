@@ -26,7 +26,7 @@ def test_the_node_probe_daemonset_measures_and_annotates_the_real_node(
     directory and CPU Adam, and annotates the node with the figures and the *host* path."""
     node = cluster.real_node
     repository, tag = real.image.rsplit(":", 1)
-    nvme = real.root / "nvme"  # what the module's jobs spill to: the figures stay true for them
+    nvme = real.root / "nvme"  # what this folder's jobs spill to: the figures stay true for them
     s3_cache = real.root / f"s3-cache-{secrets.token_hex(3)}"  # made by the kubelet, prepared by the probe
     before = cluster.kubectl_json("get", "node", node)["metadata"].get("annotations", {})
     release = f"p{secrets.token_hex(3)}"
@@ -91,7 +91,7 @@ def test_the_node_probe_daemonset_measures_and_annotates_the_real_node(
         assert "team" not in cluster.kubectl_json("get", "node", node)["metadata"].get("labels", {})
     finally:
         cluster.helm("uninstall", release, "-n", namespace, "--wait", timeout=300)
-        # Put the node's figures back as the module's fixture wrote them (other tests plan on them).
+        # Put the node's figures back as the folder's fixture wrote them (other tests plan on them).
         now = cluster.kubectl_json("get", "node", node)["metadata"].get("annotations", {})
         changes = [f"{k}={before[k]}" if k in before else f"{k}-"
                    for k in now if k.startswith("spillway.dev/") and now[k] != before.get(k)]
