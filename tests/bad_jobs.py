@@ -58,6 +58,8 @@ CORPUS: list[tuple[str, dict[str, Any], str]] = [
      "spec.offload.deepspeed.train_batch_size is 64 but the training settings give 4"),
     ("accumulation contradicts training", with_("offload.deepspeed", {"gradient_accumulation_steps": 8}),
      "spec.offload.deepspeed.gradient_accumulation_steps"),
+    ("SuperOffload", with_("offload.deepspeed", {"zero_optimization": {"offload_optimizer": {"super_offload": True}}}),
+     "spec.offload: offload.deepspeed: zero_optimization.offload_optimizer.super_offload is not supported"),
     ("cpu processes with GPUs", with_("resources", {"gpusPerNode": 2, "cpuProcesses": 2}), "resources.cpuProcesses"),
     ("too many nodes", with_("resources.nodes", 5000), "spec.resources.nodes"),
     ("bad toleration effect", with_("resources.tolerations", [{"key": "a", "effect": "Sometimes"}]),

@@ -269,6 +269,12 @@ class Offload(SpecModel):
             raise ValueError("offload.deepspeed: zero_optimization.offload_optimizer.ratio is set from "
                              "offload.gpuResidentFraction (ratio = 1 - share), where Spillway plans the GPU bytes and "
                              "checkpoints the GPU share's Adam moments: remove the ratio and set gpuResidentFraction")
+        superoffload = [key for key in ("super_offload", "cpuadam_cores_perc") if isinstance(block, dict) and key in block]
+        if superoffload:
+            raise ValueError(f"offload.deepspeed: zero_optimization.offload_optimizer.{superoffload[0]} is not "
+                             "supported: DeepSpeed's SuperOffload needs a CUDA GPU and steps the CPU Adam in a worker "
+                             "process whose state Spillway's checkpoints do not hold, so a resume would not be exact: "
+                             f"remove {' and '.join(superoffload)} (docs/one-machine.md, SuperOffload)")
         if self.optimizer == "gpu" and self.parameters in ("cpu", "nvme"):
             raise ValueError(
                 "parameters offloaded while the optimizer stays on GPU is not a useful placement: "
