@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from spillway_runtime.core.estimates import GRADIENT_SECONDS_PER_PARAM_ON_CPU, GRADIENT_SECONDS_PER_TENSOR, host_scales
 from spillway_runtime.core.hardware import AioSettings, matmul_rate_at
 from spillway_runtime.local import prepare_local_run
 from spillway_runtime.probe import probe_basic
@@ -168,15 +167,7 @@ def test_the_first_run_measures_the_machines_compute_rates_and_the_plan_uses_the
     assert all(1e8 < r.flops_per_s < 1e14 for r in rates), rates  # 0.1 GFLOP/s .. 100 TFLOP/s
     adam = entry.hardware.cpu_adam_params_per_s
     assert adam is not None and 1e6 < adam < 1e12
-    hw = entry.hardware  # the host work, which scales the plan's per-tensor and per-parameter terms
-    assert hw.host_ops_per_s is not None and 1e3 < hw.host_ops_per_s < 1e9, hw.host_ops_per_s
-    assert hw.host_copy_params_per_s is not None and 1e6 < hw.host_copy_params_per_s < 1e12
     step, shape = first.plan.step, first.plan.model
-    tensor_scale, param_scale = host_scales(hw)  # ZeRO-2, one process: hooks and copies every micro-step
-    micro_steps = first.job.spec.training.gradient_accumulation
-    assert step.gradients == pytest.approx(micro_steps * (
-        shape.parameter_tensors * GRADIENT_SECONDS_PER_TENSOR * tensor_scale
-        + shape.trainable * GRADIENT_SECONDS_PER_PARAM_ON_CPU * param_scale))
     assert step.flops_source.startswith("measured: bf16 decoder layers at hidden size"), step.flops_source
     assert step.flops_per_s == matmul_rate_at(rates, "bf16", shape.hidden_size)
     assert step.compute == pytest.approx(step.flops / step.flops_per_s)
