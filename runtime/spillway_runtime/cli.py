@@ -95,9 +95,6 @@ def probe(
         )
     if hw.host_device_bytes_per_s:
         rows["Host->GPU"] = f"{hw.host_device_bytes_per_s / 1e9:.1f} GB/s"
-    if hw.host_ops_per_s and hw.host_copy_params_per_s:
-        rows["Host work"] = (f"{hw.host_ops_per_s / 1e3:.0f}k small tensor ops/s, 16-bit to fp32 copy "
-                             f"{hw.host_copy_params_per_s / 1e9:.2f} G params/s")
     for k, v in rows.items():
         table.add_row(k, v)
     Console().print(table)

@@ -325,38 +325,6 @@ def measure_cpu_adam(params: int = 20_000_000, steps: int = 3,
     return ds_rate, torch_rate
 
 
-HOST_OPS = 20_000  # small in-place additions timed from Python
-HOST_COPY_PARAMS = 8 << 20
-
-
-def measure_host_work(repeats: int = 3) -> tuple[float, float]:
-    """(small tensor operations a second, parameters a second of a 16-bit to fp32 copy in host
-    memory): what DeepSpeed's engine does around the compute. Its per-tensor hooks are Python
-    calls of a few small tensor operations each, so they go at the speed of Python and torch's
-    dispatch, not of the matmuls; on the CPU accelerator its gathers and gradient conversions
-    copy whole partitions in host memory. Machines differ in these apart from their compute (one
-    of 2 cores ran the hooks at half the speed on one day as on another, the matmuls at 0.7), so
-    the step time scales its host terms by these (`estimates.host_scales`)."""
-    import torch
-
-    small = torch.zeros(16)
-
-    def dispatch() -> None:
-        for _ in range(HOST_OPS):
-            small.add_(1.0)
-
-    dispatch()
-    ops = HOST_OPS / _time_best(dispatch, repeats)
-    src = torch.ones(HOST_COPY_PARAMS, dtype=torch.bfloat16)
-    dst = torch.empty(HOST_COPY_PARAMS, dtype=torch.float32)
-
-    def copy() -> None:
-        dst.copy_(src)
-
-    copy()
-    return ops, HOST_COPY_PARAMS / _time_best(copy, repeats)
-
-
 def measure_host_device(num_bytes: int = 256 << 20) -> float | None:
     """Pinned host -> GPU copy, B/s; None without a GPU (on the CPU accelerator there is no copy)."""
     import torch
@@ -386,7 +354,6 @@ def probe(nvme_path: str | Path | None = None, *, quick: bool = False, aio_budge
         )
     hw.cpu_adam_params_per_s, hw.torch_adamw_params_per_s = measure_cpu_adam()
     hw.host_device_bytes_per_s = measure_host_device()
-    hw.host_ops_per_s, hw.host_copy_params_per_s = measure_host_work()
     if not hw.gpu_count:
         # training here runs on the CPU accelerator: its step time is these layers
         hw.cpu_matmul = measure_cpu_matmul(hw.cpu_cores, budget_seconds=4.0)

@@ -41,11 +41,9 @@ from spillway_runtime.core.hardware import COMPUTE_PROBE_VERSION, AioSettings, N
 MEASURED_FIELDS = (
     "nvme_read_bytes_per_s", "nvme_write_bytes_per_s", "aio",
     "cpu_adam_params_per_s", "torch_adamw_params_per_s", "host_device_bytes_per_s", "cpu_matmul",
-    "host_ops_per_s", "host_copy_params_per_s",
 )
 # What the compute entry holds: the machine's rates the step time is made of, whatever the disk.
-COMPUTE_FIELDS = ("cpu_matmul", "cpu_adam_params_per_s", "torch_adamw_params_per_s", "host_device_bytes_per_s",
-                  "host_ops_per_s", "host_copy_params_per_s")
+COMPUTE_FIELDS = ("cpu_matmul", "cpu_adam_params_per_s", "torch_adamw_params_per_s", "host_device_bytes_per_s")
 DAY_SECONDS = 86_400
 EntryT = TypeVar("EntryT", bound=BaseModel)
 _IMPORTED_AT = time.time()
@@ -335,7 +333,7 @@ def _compute_staleness(entry: ComputeEntry | None, fp: ComputeFingerprint, setti
 def measure_compute(basic: NodeHardware, budget_seconds: float) -> NodeHardware:
     """`basic` with what the step time is made of measured: without GPUs the CPU matmul curve
     (the CPU accelerator's compute), the CPU optimizer step, and with GPUs the host-device copy."""
-    from spillway_runtime.probe import measure_cpu_adam, measure_cpu_matmul, measure_host_device, measure_host_work
+    from spillway_runtime.probe import measure_cpu_adam, measure_cpu_matmul, measure_host_device
 
     update: dict[str, object] = {}
     if basic.gpu_count:
@@ -345,7 +343,6 @@ def measure_compute(basic: NodeHardware, budget_seconds: float) -> NodeHardware:
     ds_rate, torch_rate = measure_cpu_adam(4_000_000, 2, torch_too=False)
     update["cpu_adam_params_per_s"] = ds_rate or torch_rate
     update["torch_adamw_params_per_s"] = torch_rate
-    update["host_ops_per_s"], update["host_copy_params_per_s"] = measure_host_work()
     return basic.model_copy(update=update)
 
 

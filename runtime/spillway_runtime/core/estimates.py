@@ -21,7 +21,6 @@ from spillway_runtime.core.hardware import (
     DEFAULT_NVME_READ_BPS,
     DEFAULT_NVME_WRITE_BPS,
     AioSettings,
-    NodeHardware,
     matmul_rate_at,
 )
 from spillway_runtime.core.placement_inputs import ModelShape, PlacementInputs, SwapSettings
@@ -62,11 +61,6 @@ GATHER_SECONDS_PER_PARAM_ON_CPU = 1.16e-9
 # every micro-step under ZeRO-2 and once per optimizer step under ZeRO-3 (`gradient_handling`).
 GRADIENT_SECONDS_PER_TENSOR = 0.24e-3
 GRADIENT_SECONDS_PER_PARAM_ON_CPU = 2.03e-9
-# What the probe's host work measured (`probe.measure_host_work`) on the machine and day the
-# four constants above were fitted: a machine whose probe measures slower host work gets
-# proportionally longer per-tensor and per-parameter terms (`host_scales`).
-REFERENCE_HOST_OPS_PER_S = 1.0e6
-REFERENCE_HOST_COPY_PARAMS_PER_S = 4.0e9
 
 
 class StepTime(BaseModel):
@@ -429,25 +423,15 @@ def gradient_handling(placement: PlacementInputs) -> float:
                            placement.shape.trainable, copies)
 
 
-def host_scales(hw: NodeHardware) -> tuple[float, float]:
-    """(per-tensor, per-parameter) factors on the host work's constants: the reference machine's
-    rates over this node's, as its probe measured them; 1 where it measured none."""
-    ops, copies = hw.host_ops_per_s, hw.host_copy_params_per_s
-    return (REFERENCE_HOST_OPS_PER_S / ops if ops else 1.0,
-            REFERENCE_HOST_COPY_PARAMS_PER_S / copies if copies else 1.0)
-
-
 def _engine_seconds(placement: PlacementInputs, per_tensor: float, per_param_on_cpu: float, params: int,
                     copies: int | None = None) -> float:
     """Host work of DeepSpeed's per-tensor hooks in every micro-step, plus on the CPU accelerator
     copies of `params` in host memory by each process on the node (on a GPU at HBM speed: left
-    out) in `copies` of them (every micro-step unless said); each at this node's host speed."""
+    out) in `copies` of them (every micro-step unless said)."""
     micro_steps = placement.training.gradient_accumulation
-    tensor_scale, param_scale = host_scales(placement.hw)
-    seconds = placement.shape.parameter_tensors * per_tensor * tensor_scale * micro_steps
+    seconds = placement.shape.parameter_tensors * per_tensor * micro_steps
     if not placement.on_gpu:
-        seconds += (params * per_param_on_cpu * param_scale * placement.ranks_per_node
-                    * (micro_steps if copies is None else copies))
+        seconds += params * per_param_on_cpu * placement.ranks_per_node * (micro_steps if copies is None else copies)
     return seconds
 
 

@@ -23,8 +23,6 @@ ANNOTATIONS: dict[str, str] = {
     "spillway.dev/nvme-write-bytes-per-second": "nvme_write_bytes_per_s",
     "spillway.dev/cpu-adam-params-per-second": "cpu_adam_params_per_s",
     "spillway.dev/host-device-bytes-per-second": "host_device_bytes_per_s",
-    "spillway.dev/host-ops-per-second": "host_ops_per_s",
-    "spillway.dev/host-copy-params-per-second": "host_copy_params_per_s",
 }
 # annotation key -> AioSettings field: the async I/O settings the probe's sweep found best
 # on the node's NVMe, read back into `NodeHardware.aio` so a cluster plan's `aio` block is
@@ -87,9 +85,8 @@ class AioSettings(BaseModel):
 # way is measured again. 1: a bare linear layer. 2: a Llama decoder layer. The linear layer's
 # matmuls ran at 868 GFLOP/s (bf16, hidden 768, 2 cores) where a whole step of a model that
 # wide reached 500: norms, rotary embeddings, attention, activations and residuals are a third
-# of a layer's time at that width, less the wider the layer. 3: the host work too
-# (`probe.measure_host_work`).
-COMPUTE_PROBE_VERSION = 3
+# of a layer's time at that width, less the wider the layer.
+COMPUTE_PROBE_VERSION = 2
 
 
 class MatmulRate(BaseModel):
@@ -153,11 +150,6 @@ class NodeHardware(BaseModel):
     cpu_adam_params_per_s: float | None = None
     torch_adamw_params_per_s: float | None = None
     host_device_bytes_per_s: float | None = None
-    host_ops_per_s: float | None = Field(
-        None, description="Small tensor operations a second from Python (the dispatch DeepSpeed's per-tensor hooks "
-        "are made of), `probe.measure_host_work`")
-    host_copy_params_per_s: float | None = Field(
-        None, description="Parameters a second of a 16-bit to fp32 copy in host memory, `probe.measure_host_work`")
     cpu_matmul: list[MatmulRate] = Field(
         default_factory=list, description="Measured on nodes without GPUs, where training runs on the CPU"
     )

@@ -54,7 +54,7 @@ def test_the_node_probe_daemonset_measures_and_annotates_the_real_node(
         assert [p["spec"]["nodeName"] for p in pods["items"]] == [node]
         assert annotations[NVME_PATH_ANNOTATION] == str(nvme)  # the host's path, not the container's /nvme
         for key in ("nvme-read-bytes-per-second", "nvme-write-bytes-per-second", "cpu-adam-params-per-second",
-                    "nvme-capacity-bytes", "nvme-free-bytes", "host-ops-per-second", "host-copy-params-per-second"):
+                    "nvme-capacity-bytes", "nvme-free-bytes"):
             assert float(annotations[f"spillway.dev/{key}"]) > 0, (key, annotations)
         assert int(annotations["spillway.dev/nvme-capacity-bytes"]) == shutil.disk_usage(nvme).total
         # what a training pod may lock, as the probe's container (non-root, no capability) found it:
