@@ -1,7 +1,9 @@
 """Benchmark 4: offload overhead (report only).
 
 Median step time of each placement on the same model, as a ratio to ZeRO-2 and to
-ZeRO-3 with everything on the accelerator, measured in the same run; and the planner's
+ZeRO-3 with everything on the accelerator, measured in the same run, each placement run
+--repeats times in turn (this shared machine's step times move by up to 2x between runs
+minutes apart on the 0.75M model: one run of each is not a figure); and the planner's
 predicted step time beside it (measured / predicted), to show how far its step-time
 model is from this machine. The prediction uses the rates `spillway run` measured and
 cached for this machine (SPILLWAY_PROBE_CACHE_DIR; see `probe_cache`), and the load
@@ -11,6 +13,7 @@ average beside each placement says how much of the machine the run had.
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -23,24 +26,32 @@ PLACEMENTS = [(2, "gpu", "gpu"), (2, "cpu", "gpu"), (3, "gpu", "gpu"), (3, "cpu"
 
 
 def main() -> None:
-    args = model_arguments("wide", ["tiny", "wide", "small"], steps=12)
-    results = []
-    for stage, optimizer, parameters in PLACEMENTS:
-        name = f"overhead-{args.model}-z{stage}-{optimizer}-{parameters}"
-        job = write_job(name, args.model, steps=args.steps, stage=stage,
-                        offload={"optimizer": optimizer, "parameters": parameters,
-                                 "nvme": {"path": str(BENCH_DIR / "nvme" / name)}})
-        config, events = run_job(job, BENCH_DIR / name)
-        results.append((config.plan.label, median_step_seconds(events), config.plan.predicted_step_seconds,
-                        os.getloadavg()[0]))
+    args = model_arguments("wide", ["tiny", "wide", "small"], steps=12, repeats=3)
+    runs: dict[str, list[tuple[float, float, float]]] = {}  # label -> (median step, predicted, load) a round
+    for round_ in range(args.repeats):
+        shift = round_ % len(PLACEMENTS)  # each round starts elsewhere: no placement always runs first
+        for stage, optimizer, parameters in PLACEMENTS[shift:] + PLACEMENTS[:shift]:
+            name = f"overhead-{args.model}-z{stage}-{optimizer}-{parameters}"
+            job = write_job(name, args.model, steps=args.steps, stage=stage,
+                            offload={"optimizer": optimizer, "parameters": parameters,
+                                     "nvme": {"path": str(BENCH_DIR / "nvme" / name)}})
+            config, events = run_job(job, BENCH_DIR / name)
+            runs.setdefault(config.plan.label, []).append(
+                (median_step_seconds(events), config.plan.predicted_step_seconds, os.getloadavg()[0]))
     print(f"compute rate: {config.plan.step.compute_rate()}")
-    z2 = results[0][1]
-    z3 = next(seconds for label, seconds, _, _ in results if label == "Z3 opt:gpu par:gpu")
-    print(f"model {args.model}, {args.steps} steps each, median step time (first 2 steps skipped)")
-    for label, seconds, predicted, load in results:
-        print(f"  {label:22s} {seconds * 1000:8.1f} ms   RATIO vs Z2 no offload = {seconds / z2:.2f}"
-              f"   vs Z3 no offload = {seconds / z3:.2f}   predicted {predicted * 1000:7.1f} ms"
-              f" (measured/predicted {seconds / predicted:.2f}; load {load:.1f} on {os.cpu_count()} CPUs)")
+    measured = {label: statistics.median(m for m, _, _ in rows) for label, rows in runs.items()}
+    z2, z3 = measured["Z2 opt:gpu par:gpu"], measured["Z3 opt:gpu par:gpu"]
+    print(f"model {args.model}, {args.steps} steps a run, {args.repeats} runs of each placement in turn; a run's step"
+          " time is the median of its steps after the first 2, a placement's the median of its runs")
+    for label, rows in runs.items():
+        ratios = sorted(m / p for m, p, _ in rows)
+        loads = sorted(load for _, _, load in rows)
+        predicted = statistics.median(p for _, p, _ in rows)
+        print(f"  {label:22s} {measured[label] * 1000:8.1f} ms (runs {min(m for m, _, _ in rows) * 1000:.1f}-"
+              f"{max(m for m, _, _ in rows) * 1000:.1f})   RATIO vs Z2 no offload = {measured[label] / z2:.2f}"
+              f"   vs Z3 no offload = {measured[label] / z3:.2f}   predicted {predicted * 1000:7.1f} ms"
+              f" (measured/predicted {measured[label] / predicted:.2f}, runs {ratios[0]:.2f}-{ratios[-1]:.2f};"
+              f" load {loads[0]:.1f}-{loads[-1]:.1f} on {os.cpu_count()} CPUs)")
 
 
 if __name__ == "__main__":

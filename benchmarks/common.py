@@ -24,13 +24,16 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 MODELS = {"tiny": (128, 4, 4), "wide": (768, 1, 6), "small": (512, 8, 8), "large": (1024, 20, 16)}
 
 
-def model_arguments(default: str, choices: list[str], steps: int) -> argparse.Namespace:
-    """--model and --steps; and the first run of this benchmark measures this machine's rates
-    afresh (`run_job`) instead of planning with a cached probe (one measured under load a day
-    earlier had put the predictions 2x off)."""
+def model_arguments(default: str, choices: list[str], steps: int, repeats: int | None = None) -> argparse.Namespace:
+    """--model and --steps (and --repeats where given a default); and the first run of this
+    benchmark measures this machine's rates afresh (`run_job`) instead of planning with a cached
+    probe (one measured under load a day earlier had put the predictions 2x off)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=default, choices=choices)
     parser.add_argument("--steps", type=int, default=steps)
+    if repeats is not None:
+        parser.add_argument("--repeats", type=int, default=repeats,
+                            help="Rounds of every run, each round in another order; medians and ranges reported")
     os.environ["SPILLWAY_PROBE_REFRESH"] = "1"
     return parser.parse_args()
 
