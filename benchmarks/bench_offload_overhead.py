@@ -25,8 +25,36 @@ PLACEMENTS = [(2, "gpu", "gpu"), (2, "cpu", "gpu"), (3, "gpu", "gpu"), (3, "cpu"
               (3, "nvme", "gpu"), (3, "nvme", "cpu"), (3, "nvme", "nvme")]
 
 
+HOST_OPS = 20_000
+
+
+def host_rates() -> tuple[float, float]:
+    """(small in-place tensor additions a second from Python, parameters a second of a 16-bit to
+    fp32 host copy): printed beside ZeRO-3's time over ZeRO-2 (its per-tensor hooks and host
+    copies), so that runs on different days show whether a probe of these would follow that
+    host work (the step-time model's host constants are fixed figures)."""
+    import torch
+
+    from spillway_runtime.probe import _time_best
+
+    small = torch.zeros(16)
+    src, dst = torch.ones(8 << 20, dtype=torch.bfloat16), torch.empty(8 << 20)
+
+    def ops() -> None:
+        for _ in range(HOST_OPS):
+            small.add_(1.0)
+
+    def copy() -> None:
+        dst.copy_(src)
+
+    ops()
+    copy()
+    return HOST_OPS / _time_best(ops, 3), (8 << 20) / _time_best(copy, 3)
+
+
 def main() -> None:
     args = model_arguments("wide", ["tiny", "wide", "small"], steps=12, repeats=3)
+    before = host_rates()
     runs: dict[str, list[tuple[float, float, float]]] = {}  # label -> (median step, predicted, load) a round
     for round_ in range(args.repeats):
         shift = round_ % len(PLACEMENTS)  # each round starts elsewhere: no placement always runs first
@@ -38,6 +66,7 @@ def main() -> None:
             config, events = run_job(job, BENCH_DIR / name)
             runs.setdefault(config.plan.label, []).append(
                 (median_step_seconds(events), config.plan.predicted_step_seconds, os.getloadavg()[0]))
+    after = host_rates()
     print(f"compute rate: {config.plan.step.compute_rate()}")
     measured = {label: statistics.median(m for m, _, _ in rows) for label, rows in runs.items()}
     z2, z3 = measured["Z2 opt:gpu par:gpu"], measured["Z3 opt:gpu par:gpu"]
@@ -52,6 +81,9 @@ def main() -> None:
               f"   vs Z3 no offload = {measured[label] / z3:.2f}   predicted {predicted * 1000:7.1f} ms"
               f" (measured/predicted {measured[label] / predicted:.2f}, runs {ratios[0]:.2f}-{ratios[-1]:.2f};"
               f" load {loads[0]:.1f}-{loads[-1]:.1f} on {os.cpu_count()} CPUs)")
+    print(f"ZeRO-3's time over ZeRO-2 (its hooks and host copies): {(z3 - z2) * 1000:.1f} ms; this machine's host"
+          f" work before/after the runs: {before[0] / 1e3:.0f}k/{after[0] / 1e3:.0f}k small tensor ops a second,"
+          f" a 16-bit to fp32 copy {before[1] / 1e9:.2f}/{after[1] / 1e9:.2f} G params a second")
 
 
 if __name__ == "__main__":
