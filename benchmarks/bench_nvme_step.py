@@ -49,12 +49,12 @@ PARTS = {
 }
 
 
-def timed_parts(optimizer: Any) -> dict[str, list[float]]:
-    """Wraps PARTS on the optimizer instance; returns [seconds, calls] per part, added up until
-    the caller resets them."""
-    parts: dict[str, list[float]] = {label: [0.0, 0] for label in PARTS.values()}
-    for method, label in PARTS.items():
-        plain = getattr(optimizer, method)
+def timed_parts(instance: Any, methods: dict[str, str]) -> dict[str, list[float]]:
+    """Wraps `methods` (name: label) on the instance; returns [seconds, calls] per label, added
+    up until the caller resets them."""
+    parts: dict[str, list[float]] = {label: [0.0, 0] for label in methods.values()}
+    for method, label in methods.items():
+        plain = getattr(instance, method)
 
         def timed(*a: Any, _plain: Any = plain, _label: str = label, **k: Any) -> Any:
             start = time.perf_counter()
@@ -64,7 +64,7 @@ def timed_parts(optimizer: Any) -> dict[str, list[float]]:
                 parts[_label][0] += time.perf_counter() - start
                 parts[_label][1] += 1
 
-        setattr(optimizer, method, timed)
+        setattr(instance, method, timed)
     return parts
 
 
@@ -84,22 +84,12 @@ def run_once(model: str, steps: int, accumulation: int, optimizer: str) -> dict[
     recipe = FineTuneRecipe(config)
     recipe.setup()
     engine = recipe.engine
-    in_step = {"seconds": 0.0}
-    plain_step = engine.step
-
-    def timed_step(*a: Any, **k: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return plain_step(*a, **k)
-        finally:
-            in_step["seconds"] += time.perf_counter() - start
-
-    engine.step = timed_step
-    parts = timed_parts(engine.optimizer)
+    in_step = timed_parts(engine, {"step": "optimizer"})["optimizer"]
+    parts = timed_parts(engine.optimizer, PARTS)
     rows = []
     try:
         for _ in range(steps):
-            in_step["seconds"] = 0.0
+            in_step[:] = [0.0, 0]
             for part in parts.values():
                 part[:] = [0.0, 0]
             read, written = proc_io()
@@ -107,7 +97,7 @@ def run_once(model: str, steps: int, accumulation: int, optimizer: str) -> dict[
             recipe.train_step()
             total = time.perf_counter() - start
             read_after, written_after = proc_io()
-            rows.append({"total": total, "optimizer": in_step["seconds"],
+            rows.append({"total": total, "optimizer": in_step[0],
                          "bytes": read_after - read + written_after - written,
                          "parts": {label: tuple(part) for label, part in parts.items()}})
     finally:

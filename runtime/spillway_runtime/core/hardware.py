@@ -15,6 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from spillway_runtime.core.units import parse_size
+
 # annotation key -> NodeHardware field (all integers as decimal strings)
 ANNOTATIONS: dict[str, str] = {
     "spillway.dev/nvme-capacity-bytes": "nvme_capacity_bytes",
@@ -205,8 +207,6 @@ def memlock_from_annotation(value: str | None) -> int | None:
     hand; None for "unlimited" (systemd's "infinity" too), for absent, and for what does not parse."""
     if value is None or value.strip().lower() in (UNLIMITED, "infinity"):
         return None
-    from spillway_runtime.core.units import parse_size
-
     try:
         return parse_size(value.strip())
     except ValueError:
@@ -224,7 +224,6 @@ def aio_from_annotations(annotations: dict[str, str]) -> AioSettings | None:
 
 def parse_quantity(value: str) -> int:
     """Kubernetes resource quantity ('64Gi', '16', '500m' cpu) to an integer (cpu rounded down)."""
-    from spillway_runtime.core.units import parse_size
 
     if value.endswith("m") and value[:-1].isdigit():
         return int(value[:-1]) // 1000

@@ -191,6 +191,11 @@ class PlacementInputs:
         return self.gpus_per_node > 0
 
     @property
+    def parameter_swappers(self) -> int:
+        """DeepSpeed's parameter swappers in a process: the model's, and full DPO's frozen copy's."""
+        return 2 if self.reference_params else 1
+
+    @property
     def ranks(self) -> int:
         return self.ranks_per_node * self.nodes
 

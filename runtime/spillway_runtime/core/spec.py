@@ -265,11 +265,12 @@ class Offload(SpecModel):
             self._twin_flow_fits()
         zero = self.deepspeed.get("zero_optimization")
         block = zero.get("offload_optimizer") if isinstance(zero, dict) else None
-        if isinstance(block, dict) and "ratio" in block:
+        block = block if isinstance(block, dict) else {}
+        if "ratio" in block:
             raise ValueError("offload.deepspeed: zero_optimization.offload_optimizer.ratio is set from "
                              "offload.gpuResidentFraction (ratio = 1 - share), where Spillway plans the GPU bytes and "
                              "checkpoints the GPU share's Adam moments: remove the ratio and set gpuResidentFraction")
-        superoffload = [key for key in ("super_offload", "cpuadam_cores_perc") if isinstance(block, dict) and key in block]
+        superoffload = [key for key in ("super_offload", "cpuadam_cores_perc") if key in block]
         if superoffload:
             raise ValueError(f"offload.deepspeed: zero_optimization.offload_optimizer.{superoffload[0]} is not "
                              "supported: DeepSpeed's SuperOffload needs a CUDA GPU and steps the CPU Adam in a worker "

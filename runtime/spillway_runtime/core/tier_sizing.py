@@ -184,8 +184,7 @@ def _fit_to_memlock(placement: PlacementInputs, sized: SizedPlacement) -> SizedP
     limit = placement.hw.memlock_bytes
     if limit is None or "nvme" not in (placement.optimizer, placement.parameters):
         return sized
-    given, trainable = _swap_locks(placement, sized.swap), _trainable(placement)
-    swappers = 2 if placement.reference_params else 1
+    given, trainable, swappers = _swap_locks(placement, sized.swap), _trainable(placement), placement.parameter_swappers
     try:
         fitted, why = fit_swap(given, trainable, limit, swappers)
     except MemlockError:
@@ -540,7 +539,7 @@ def tier_parts(placement: PlacementInputs, sized: SizedPlacement) -> dict[str, d
                 // placement.nodes}
         gpu = {}
     locked = {"swap buffers": floor_locked(_swap_locks(placement, sized.swap), _trainable(placement),
-                                           2 if placement.reference_params else 1)}
+                                           placement.parameter_swappers)}
     return {"gpu": gpu, "cpu": cpu, "nvme": {"swap files": sizing.nvme}, "memlock": locked}
 
 
@@ -562,7 +561,7 @@ def _swap_buffers(placement: PlacementInputs, swap: SwapSettings) -> int:
     largest = placement_cut(placement, swap).largest if "nvme" in (placement.optimizer, placement.parameters) else 0
     whole = min(placement.shape.trainable, largest * placement.ranks)  # its tensors whole, not a rank's share
     return _pinned_bytes(swap, placement.optimizer, placement.parameters, placement.ranks_per_node,
-                         largest if placement.optimizer == "nvme" else 0, whole, 2 if placement.reference_params else 1)
+                         largest if placement.optimizer == "nvme" else 0, whole, placement.parameter_swappers)
 
 
 def _pin(placement: PlacementInputs, sizing: Sizing, swap: SwapSettings) -> tuple[int, int]:
