@@ -50,7 +50,9 @@ def test_missing_pvc_and_storage_class_hold_the_job_until_they_exist(
                                     for c in s.get("conditions", [])), timeout=60)
     message = _condition(job, "InputsReady")["message"]
     assert "PersistentVolumeClaim 'base-models'" in message and "StorageClass 'fast-ckpt'" in message
-    assert any(e["reason"] == "InputsMissing" and e["type"] == "Warning" for e in events_of(cluster, namespace, "inputs"))
+    # the Event is posted beside the status, not before it: a loaded gate once read the status first
+    cluster.wait_for(lambda: any(e["reason"] == "InputsMissing" and e["type"] == "Warning"
+                                 for e in events_of(cluster, namespace, "inputs")), 30, what="the InputsMissing event")
     time.sleep(3)
     assert active_pods(cluster, namespace, "inputs") == []  # nothing half-provisioned
 
