@@ -67,7 +67,8 @@ def main() -> None:
             runs.setdefault(config.plan.label, []).append(
                 (median_step_seconds(events), config.plan.predicted_step_seconds, os.getloadavg()[0]))
     after = host_rates()
-    print(f"compute rate: {config.plan.step.compute_rate()}")
+    print(f"compute rate: {config.plan.step.compute_rate()}; DeepSpeed's host work measured at "
+          f"{config.plan.step.host_work_scale:.2f}x the step-time model's constants (`engine_probe`)")
     measured = {label: statistics.median(m for m, _, _ in rows) for label, rows in runs.items()}
     z2, z3 = measured["Z2 opt:gpu par:gpu"], measured["Z3 opt:gpu par:gpu"]
     print(f"model {args.model}, {args.steps} steps a run, {args.repeats} runs of each placement in turn; a run's step"

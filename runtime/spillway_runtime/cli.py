@@ -95,6 +95,8 @@ def probe(
         )
     if hw.host_device_bytes_per_s:
         rows["Host->GPU"] = f"{hw.host_device_bytes_per_s / 1e9:.1f} GB/s"
+    if hw.host_work_scale:
+        rows["DeepSpeed host work"] = f"{hw.host_work_scale:.2f}x the step-time model's constants"
     for k, v in rows.items():
         table.add_row(k, v)
     Console().print(table)

@@ -5,7 +5,8 @@ measured: NVMe read/write with DeepSpeed's async I/O over a short sweep of
 block size, queue depth and parallelism (the best settings are kept for the
 plan's `aio` block), the CPU optimizer step of DeepSpeedCPUAdam and torch's
 fused AdamW, host-device copies when a GPU is present, and without one the
-CPU's matmul rate per dtype and hidden size (the CPU accelerator's compute). Every measurement
+CPU's matmul rate per dtype and hidden size (the CPU accelerator's compute), and DeepSpeed's
+host work around the compute (`engine_probe`). Every measurement
 is bounded in time; `quick=True` skips the speed measurements.
 """
 
@@ -24,6 +25,7 @@ import psutil
 from spillway_runtime.core.hardware import AioSettings, MatmulRate, NodeHardware, memlock_limit
 from spillway_runtime.core.memlock import PROBE_SHARE
 from spillway_runtime.core.planner import MIN_AIO_BYTES
+from spillway_runtime.engine_probe import measure_engine_host_work
 
 
 class ProbeError(RuntimeError):
@@ -354,6 +356,7 @@ def probe(nvme_path: str | Path | None = None, *, quick: bool = False, aio_budge
         )
     hw.cpu_adam_params_per_s, hw.torch_adamw_params_per_s = measure_cpu_adam()
     hw.host_device_bytes_per_s = measure_host_device()
+    hw.host_work_scale = measure_engine_host_work()
     if not hw.gpu_count:
         # training here runs on the CPU accelerator: its step time is these layers
         hw.cpu_matmul = measure_cpu_matmul(hw.cpu_cores, budget_seconds=4.0)

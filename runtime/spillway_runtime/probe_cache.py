@@ -41,9 +41,11 @@ from spillway_runtime.core.hardware import COMPUTE_PROBE_VERSION, AioSettings, N
 MEASURED_FIELDS = (
     "nvme_read_bytes_per_s", "nvme_write_bytes_per_s", "aio",
     "cpu_adam_params_per_s", "torch_adamw_params_per_s", "host_device_bytes_per_s", "cpu_matmul",
+    "host_work_scale",
 )
 # What the compute entry holds: the machine's rates the step time is made of, whatever the disk.
-COMPUTE_FIELDS = ("cpu_matmul", "cpu_adam_params_per_s", "torch_adamw_params_per_s", "host_device_bytes_per_s")
+COMPUTE_FIELDS = ("cpu_matmul", "cpu_adam_params_per_s", "torch_adamw_params_per_s", "host_device_bytes_per_s",
+                  "host_work_scale")
 DAY_SECONDS = 86_400
 EntryT = TypeVar("EntryT", bound=BaseModel)
 _IMPORTED_AT = time.time()
@@ -332,7 +334,9 @@ def _compute_staleness(entry: ComputeEntry | None, fp: ComputeFingerprint, setti
 
 def measure_compute(basic: NodeHardware, budget_seconds: float) -> NodeHardware:
     """`basic` with what the step time is made of measured: without GPUs the CPU matmul curve
-    (the CPU accelerator's compute), the CPU optimizer step, and with GPUs the host-device copy."""
+    (the CPU accelerator's compute), the CPU optimizer step, with GPUs the host-device copy, and
+    DeepSpeed's host work (`engine_probe`)."""
+    from spillway_runtime.engine_probe import measure_engine_host_work
     from spillway_runtime.probe import measure_cpu_adam, measure_cpu_matmul, measure_host_device
 
     update: dict[str, object] = {}
@@ -343,6 +347,7 @@ def measure_compute(basic: NodeHardware, budget_seconds: float) -> NodeHardware:
     ds_rate, torch_rate = measure_cpu_adam(4_000_000, 2, torch_too=False)
     update["cpu_adam_params_per_s"] = ds_rate or torch_rate
     update["torch_adamw_params_per_s"] = torch_rate
+    update["host_work_scale"] = measure_engine_host_work()
     return basic.model_copy(update=update)
 
 

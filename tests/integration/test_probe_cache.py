@@ -171,6 +171,9 @@ def test_the_first_run_measures_the_machines_compute_rates_and_the_plan_uses_the
     assert step.flops_source.startswith("measured: bf16 decoder layers at hidden size"), step.flops_source
     assert step.flops_per_s == matmul_rate_at(rates, "bf16", shape.hidden_size)
     assert step.compute == pytest.approx(step.flops / step.flops_per_s)
+    # DeepSpeed's own engine ran both stages (`engine_probe`) and the host terms carry its ratio
+    scale = entry.hardware.host_work_scale
+    assert scale is not None and step.host_work_scale == scale, entry.hardware
 
     second = prepare_local_run(make_job("again", offload={"policy": "none"}), run_dir=tmp_path / "run2")
     assert ComputeEntry.model_validate_json(path.read_bytes()).measured_at == entry.measured_at  # not measured again

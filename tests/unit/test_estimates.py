@@ -143,6 +143,24 @@ def test_zero3_gathers_and_releases_every_tensor_on_the_computes_path() -> None:
     assert twice.step.gather_release == pytest.approx(2 * z3.step.gather_release)  # every micro-step
 
 
+def test_a_node_whose_probe_measured_slower_host_work_gets_longer_hooks_and_copies_and_says_so() -> None:
+    """`NodeHardware.host_work_scale` (`engine_probe`: ZeRO-3 over ZeRO-2 on a micro model,
+    measured over predicted) multiplies the four host constants, gathers and gradients alike;
+    the compute and the optimizer step keep their own measured rates."""
+    rate = MatmulRate(dtype="bf16", hidden_size=768, flops_per_s=500e9)
+    stage3 = Offload(optimizer="gpu", parameters="gpu", deepspeed={"zero_optimization": {"stage": 3}})
+    fitted = plan_tiers(TINY_WIDE, cpu_node(rate), CPU_TRAIN, stage3)
+    slower = plan_tiers(TINY_WIDE, cpu_node(rate).model_copy(update={"host_work_scale": 2.1}), CPU_TRAIN, stage3)
+    assert fitted.step.host_work_scale == 1.0 and slower.step.host_work_scale == 2.1
+    assert slower.step.gather_release == pytest.approx(2.1 * fitted.step.gather_release)
+    assert slower.step.gradients == pytest.approx(2.1 * fitted.step.gradients)
+    assert (slower.step.compute, slower.step.cpu_optimizer) == (fitted.step.compute, fitted.step.cpu_optimizer)
+    assert slower.predicted_step_seconds == pytest.approx(
+        fitted.predicted_step_seconds + 1.1 * (fitted.step.gather_release + fitted.step.gradients))
+    assert "host work measured at 2.10x the fitted constants" in slower.step.formula()
+    assert "host work" not in fitted.step.formula()
+
+
 def test_zero3_copies_its_gradient_partition_once_per_step_zero2_every_micro_step() -> None:
     """ZeRO-3 converts and copies the gradient partition into the fp32 one at the accumulation
     boundary only (between boundaries it adds into it); ZeRO-2's offload copies every micro-step.

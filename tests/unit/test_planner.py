@@ -309,6 +309,19 @@ def test_the_probed_aio_settings_round_trip_through_node_annotations():
     assert plan_tiers(P13, back, TRAIN).aio == hw.aio
 
 
+def test_the_probed_host_work_round_trips_through_node_annotations_and_junk_reads_as_unmeasured():
+    hw = rtx4090(64).model_copy(update={"host_work_scale": 1.8765})
+    annotations = hw.to_annotations()
+    assert annotations["spillway.dev/host-work-scale"] == "1.877"
+    node = {"metadata": {"name": "n", "annotations": annotations},
+            "status": {"allocatable": {"cpu": "16", "memory": "64Gi"}}}
+    assert hardware_from_node(node).host_work_scale == 1.877
+    for junk in ("fast", "0", "-2", "inf", "nan"):
+        annotations["spillway.dev/host-work-scale"] = junk
+        assert hardware_from_node(node).host_work_scale is None, junk
+    assert "spillway.dev/host-work-scale" not in rtx4090(64).to_annotations()  # the quick probe measures none
+
+
 def test_a_node_with_part_of_the_aio_annotations_plans_with_the_defaults():
     """Half a measurement is not a setting anyone measured; a garbled value is not one either."""
     annotations = {"spillway.dev/aio-block-size": str(8 << 20), "spillway.dev/aio-queue-depth": "128"}

@@ -69,6 +69,8 @@ class StepTime(BaseModel):
     compute: float
     gather_release: float = Field(0.0, description="ZeRO-3: gathering and releasing each parameter, on the compute's path")
     gradients: float = Field(0.0, description="Bucketing, reducing, converting and clipping the gradients, in the backward")
+    host_work_scale: float = Field(1.0, description="gradients and gather_release: the fitted constants times this "
+                                   "(NodeHardware.host_work_scale, as the node's probe measured it)")
     host_device: float
     nvme: float = Field(description="parameter_nvme + optimizer_nvme")
     parameter_nvme: float = 0.0
@@ -90,7 +92,9 @@ class StepTime(BaseModel):
     def formula(self) -> str:
         """The sum `total` is, with the figures in it, as the plan's reasons state it."""
         compute = f"compute {self.compute:.3g} + gradients {self.gradients:.3g}" + (
-            f" + ZeRO-3 gather/release {self.gather_release:.3g}" if self.gather_release else "")
+            f" + ZeRO-3 gather/release {self.gather_release:.3g}" if self.gather_release else "") + (
+            f" (DeepSpeed's host work measured at {self.host_work_scale:.2f}x the fitted constants)"
+            if self.host_work_scale != 1.0 else "")
         forward_backward = (f"max({compute}, host-device {self.host_device:.3g}, "
                             f"parameter NVMe {self.parameter_nvme:.3g})")
         if self.pipelined and self.swapped_sub_groups and self.optimizer_nvme:
@@ -427,12 +431,13 @@ def _engine_seconds(placement: PlacementInputs, per_tensor: float, per_param_on_
                     copies: int | None = None) -> float:
     """Host work of DeepSpeed's per-tensor hooks in every micro-step, plus on the CPU accelerator
     copies of `params` in host memory by each process on the node (on a GPU at HBM speed: left
-    out) in `copies` of them (every micro-step unless said)."""
+    out) in `copies` of them (every micro-step unless said); all of it at this node's speed
+    (`NodeHardware.host_work_scale`: the constants as they are where the probe measured none)."""
     micro_steps = placement.training.gradient_accumulation
     seconds = placement.shape.parameter_tensors * per_tensor * micro_steps
     if not placement.on_gpu:
         seconds += params * per_param_on_cpu * placement.ranks_per_node * (micro_steps if copies is None else copies)
-    return seconds
+    return seconds * (placement.hw.host_work_scale or 1.0)
 
 
 def gradient_partition_held(accumulation: int, dtype: DType, zenflow: bool) -> bool:
@@ -538,6 +543,7 @@ def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSetting
         compute=compute,
         gather_release=gather,
         gradients=gradients,
+        host_work_scale=hw.host_work_scale or 1.0,
         host_device=host_device,
         nvme=param_nvme + opt_nvme,
         parameter_nvme=param_nvme,

@@ -43,6 +43,7 @@ UNLIMITED = "unlimited"
 # The probe's CPU matmul rates (`NodeHardware.cpu_matmul`), one entry per dtype and hidden size:
 # "bf16@256=4100000000,bf16@1024=3900000000,fp32@256=...". One annotation, as the figures are one curve.
 CPU_MATMUL_ANNOTATION = "spillway.dev/cpu-matmul-flops-per-second"
+HOST_WORK_ANNOTATION = "spillway.dev/host-work-scale"  # NodeHardware.host_work_scale, a ratio
 GFD_PRODUCT = "nvidia.com/gpu.product"
 GFD_MEMORY_MIB = "nvidia.com/gpu.memory"
 GFD_COUNT = "nvidia.com/gpu.count"
@@ -87,8 +88,9 @@ class AioSettings(BaseModel):
 # way is measured again. 1: a bare linear layer. 2: a Llama decoder layer. The linear layer's
 # matmuls ran at 868 GFLOP/s (bf16, hidden 768, 2 cores) where a whole step of a model that
 # wide reached 500: norms, rotary embeddings, attention, activations and residuals are a third
-# of a layer's time at that width, less the wider the layer.
-COMPUTE_PROBE_VERSION = 2
+# of a layer's time at that width, less the wider the layer. 3: DeepSpeed's host work too
+# (`engine_probe`: `NodeHardware.host_work_scale`).
+COMPUTE_PROBE_VERSION = 3
 
 
 class MatmulRate(BaseModel):
@@ -152,6 +154,10 @@ class NodeHardware(BaseModel):
     cpu_adam_params_per_s: float | None = None
     torch_adamw_params_per_s: float | None = None
     host_device_bytes_per_s: float | None = None
+    host_work_scale: float | None = Field(
+        None, description="DeepSpeed's host work here (hooks, host copies) over the machine the step-time model's "
+        "host constants were fitted on: ZeRO-3's time over ZeRO-2 on a micro model, measured over predicted "
+        "(`engine_probe`); None: the constants as they are")
     cpu_matmul: list[MatmulRate] = Field(
         default_factory=list, description="Measured on nodes without GPUs, where training runs on the CPU"
     )
@@ -191,6 +197,8 @@ class NodeHardware(BaseModel):
             out[NVME_PATH_ANNOTATION] = self.nvme_path
         if self.cpu_matmul:
             out[CPU_MATMUL_ANNOTATION] = matmul_annotation(self.cpu_matmul)
+        if self.host_work_scale:
+            out[HOST_WORK_ANNOTATION] = f"{self.host_work_scale:.3f}"
         out[MEMLOCK_ANNOTATION] = UNLIMITED if self.memlock_bytes is None else str(self.memlock_bytes)
         return out
 
@@ -200,6 +208,15 @@ def _int(value: Any) -> int | None:
         return int(float(str(value)))
     except (TypeError, ValueError, OverflowError):  # "infinity", "1e400": not a figure
         return None
+
+
+def _scale(value: str | None) -> float | None:
+    """`HOST_WORK_ANNOTATION`'s ratio; None for absent and for what is not a positive finite figure."""
+    try:
+        scale = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return scale if scale is not None and 0 < scale < math.inf else None
 
 
 def memlock_from_annotation(value: str | None) -> int | None:
@@ -252,6 +269,7 @@ def hardware_from_node(node: dict[str, Any]) -> NodeHardware:
         nvme_path=annotations.get(NVME_PATH_ANNOTATION),
         aio=aio_from_annotations(annotations),
         cpu_matmul=matmul_from_annotation(annotations.get(CPU_MATMUL_ANNOTATION)),
+        host_work_scale=_scale(annotations.get(HOST_WORK_ANNOTATION)),
         memlock_bytes=memlock_from_annotation(annotations.get(MEMLOCK_ANNOTATION)),
         **{k: v for k, v in values.items() if v is not None},
     )

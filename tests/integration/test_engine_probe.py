@@ -1,0 +1,36 @@
+"""The probe of DeepSpeed's host work (`engine_probe`): DeepSpeed's own engine, ZeRO-2 and then
+ZeRO-3, on the micro model the step-time model's host constants were fitted on; and what a
+node gets where it cannot be measured."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from spillway_runtime.engine_probe import RESULT, measure_engine_host_work, predicted_gather_seconds
+
+
+@pytest.mark.integration
+def test_the_engine_probe_times_both_zero_stages_of_the_fitted_micro_model() -> None:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "spillway_runtime.engine_probe"], capture_output=True, text=True,
+                          env=env, timeout=300, check=True)
+    [line] = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
+    result = json.loads(line[len(RESULT):])
+    # bench_offload_overhead's tiny model, where GATHER_SECONDS_PER_TENSOR was fitted: 26.5 ms
+    assert (result["tensors"], result["params"], result["on_gpu"]) == (39, 787_584, False)
+    assert predicted_gather_seconds(39, 787_584, on_gpu=False) == pytest.approx(0.0270, abs=5e-4)
+    # ZeRO-3 gathers and releases every one of its 39 tensors around the same compute
+    assert 0 < result["zero2_seconds"] < result["zero3_seconds"] < 10, result
+
+
+@pytest.mark.integration
+def test_a_probe_that_cannot_run_deepspeed_leaves_the_constants_and_says_why(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("DS_ACCELERATOR", "abacus")  # DeepSpeed refuses an accelerator it does not know
+    assert measure_engine_host_work() is None
+    said = capsys.readouterr().out
+    assert "probe: DeepSpeed's host work not measured (exit 1:" in said and "abacus" in said, said
