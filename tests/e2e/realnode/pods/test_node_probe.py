@@ -53,8 +53,9 @@ def test_the_node_probe_daemonset_measures_and_annotates_the_real_node(
         pods = cluster.kubectl_json("get", "pods", "-n", namespace, "-l", "app.kubernetes.io/component=node-probe")
         assert [p["spec"]["nodeName"] for p in pods["items"]] == [node]
         assert annotations[NVME_PATH_ANNOTATION] == str(nvme)  # the host's path, not the container's /nvme
+        # host-work-scale: DeepSpeed's own engine ran ZeRO-2 and ZeRO-3 in the probe's container (engine_probe)
         for key in ("nvme-read-bytes-per-second", "nvme-write-bytes-per-second", "cpu-adam-params-per-second",
-                    "nvme-capacity-bytes", "nvme-free-bytes"):
+                    "nvme-capacity-bytes", "nvme-free-bytes", "host-work-scale"):
             assert float(annotations[f"spillway.dev/{key}"]) > 0, (key, annotations)
         assert int(annotations["spillway.dev/nvme-capacity-bytes"]) == shutil.disk_usage(nvme).total
         # what a training pod may lock, as the probe's container (non-root, no capability) found it:
