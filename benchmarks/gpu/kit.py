@@ -12,7 +12,8 @@ models, every stage still run: tests/integration/test_gpu_kit.py). Stages:
   b. a ~3x larger model under the same cap with ZeRO-3 and the optimizer on the CPU
      (DeepSpeedCPUAdam), then the optimizer on NVMe with the parameters on the CPU;
   c. beside every measurement, the planner's prediction for the same shape on this machine
-     (plan_placement on probe_basic's NodeHardware): bytes per tier and step time as ratios;
+     (plan_placement on probe_basic's NodeHardware, with engine_probe's host work): bytes per
+     tier and step time as ratios;
   e. stage a's smallest shape as plain ZeRO-Offload, with Twin-Flow keeping 30% of the
      optimizer on the GPU, and with ZenFlow: step time, peak GPU memory, losses (both ZeRO-3
      variants cut into ~16 sub-groups since 2026-12-05: not comparable with earlier runs);
@@ -154,9 +155,13 @@ class Settings:
 # ----------------------------------------------------------------------------- planning (c)
 
 def node_hardware(settings: Settings) -> Any:
+    """The capacities, and DeepSpeed's host work on this machine's accelerator (`engine_probe`,
+    ~10 s): stage c's predictions carry it, and the report's hardware holds it."""
+    from spillway_runtime.engine_probe import measure_engine_host_work
     from spillway_runtime.probe import probe_basic
 
     hw = probe_basic(settings.work / "nvme")
+    hw.host_work_scale = measure_engine_host_work()
     if settings.cap_bytes and hw.gpu_count:
         hw = hw.model_copy(update={"gpu_memory_bytes": min(hw.gpu_memory_bytes, settings.cap_bytes)})
     if settings.host_memory_bytes and settings.host_memory_bytes > hw.cpu_memory_bytes:

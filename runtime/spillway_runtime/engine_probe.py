@@ -65,10 +65,11 @@ def _step_seconds(stage: int, device: str) -> tuple[float, int, int]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
+    model: torch.nn.Module = LlamaForCausalLM(LlamaConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=2 * SEQUENCE,
-        tie_word_embeddings=False, use_cache=False)).to(torch.bfloat16)
+        tie_word_embeddings=False, use_cache=False))
+    model = model.to(torch.bfloat16)
     tensors, params = len(list(model.parameters())), sum(p.numel() for p in model.parameters())
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
               "gradient_clipping": 1.0, "steps_per_print": 10**9, "bf16": {"enabled": True},
@@ -132,8 +133,8 @@ def measure_engine_host_work() -> float | None:
         print(f"probe: DeepSpeed's host work not measured (exit {proc.returncode}: {tail[0]})")
         return None
     result = json.loads(lines[-1][len(RESULT):])
-    over = result["zero3_seconds"] - result["zero2_seconds"]
-    scale = over / predicted_gather_seconds(result["tensors"], result["params"], result["on_gpu"])
+    over = float(result["zero3_seconds"]) - float(result["zero2_seconds"])
+    scale = over / predicted_gather_seconds(int(result["tensors"]), int(result["params"]), bool(result["on_gpu"]))
     if not SCALE_RANGE[0] <= scale <= SCALE_RANGE[1]:
         print(f"probe: DeepSpeed's host work not measured (ZeRO-3 over ZeRO-2 {over * 1e3:.1f} ms: "
               f"{scale:.2f} of the constants, outside {SCALE_RANGE})")
