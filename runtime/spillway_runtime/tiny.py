@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 _NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
 
@@ -53,6 +54,25 @@ def write_chat_dataset(path: Path, count: int = 2000, seed: int = 0) -> Path:
     return path
 
 
+def tiny_llama_config(hidden_size: int = 128, layers: int = 4, heads: int = 4, vocab_size: int = 512,
+                      **extra: Any) -> Any:
+    """The tiny models' `LlamaConfig` (`build_tiny_model`'s; `engine_probe`'s micro model is the
+    default one, bench_offload_overhead's --model tiny: 39 tensors, 0.75M parameters)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        **extra,
+    )
+
+
 def build_tiny_model(
     out_dir: Path,
     *,
@@ -66,7 +86,7 @@ def build_tiny_model(
     """A Llama-architecture causal LM and its tokenizer in Hugging Face format."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
     out_dir.mkdir(parents=True, exist_ok=True)
     corpus = texts or synthetic_texts(500, seed)
@@ -86,19 +106,8 @@ def build_tiny_model(
     tokenizer.save_pretrained(out_dir)
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-    )
+    config = tiny_llama_config(hidden_size, layers, heads, len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model = LlamaForCausalLM(config)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir

@@ -48,7 +48,6 @@ def test_dry_run_writes_every_stage(tmp_path):
     report = json.loads((out / "gpu_kit.json").read_text())
     stages = report["stages"]
     assert report["dry_run"] is True and report["hardware"]["cpu_memory_bytes"] >= 120 << 30  # --host-memory-gib
-    assert report["hardware"]["host_work_scale"] > 0  # engine_probe ran DeepSpeed's two stages here
 
     resident = stages["a_gpu_resident"]
     measured(resident["largest"])

@@ -437,7 +437,7 @@ def _engine_seconds(placement: PlacementInputs, per_tensor: float, per_param_on_
     seconds = placement.shape.parameter_tensors * per_tensor * micro_steps
     if not placement.on_gpu:
         seconds += params * per_param_on_cpu * placement.ranks_per_node * (micro_steps if copies is None else copies)
-    return seconds * (placement.hw.host_work_scale or 1.0)
+    return seconds * placement.hw.host_work
 
 
 def gradient_partition_held(accumulation: int, dtype: DType, zenflow: bool) -> bool:
@@ -543,7 +543,7 @@ def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSetting
         compute=compute,
         gather_release=gather,
         gradients=gradients,
-        host_work_scale=hw.host_work_scale or 1.0,
+        host_work_scale=hw.host_work,
         host_device=host_device,
         nvme=param_nvme + opt_nvme,
         parameter_nvme=param_nvme,

@@ -44,6 +44,9 @@ UNLIMITED = "unlimited"
 # "bf16@256=4100000000,bf16@1024=3900000000,fp32@256=...". One annotation, as the figures are one curve.
 CPU_MATMUL_ANNOTATION = "spillway.dev/cpu-matmul-flops-per-second"
 HOST_WORK_ANNOTATION = "spillway.dev/host-work-scale"  # NodeHardware.host_work_scale, a ratio
+# What `engine_probe` keeps of its ratio: outside it a measurement failed (a neighbour took the
+# machine for half of it), and a figure set by hand or in an annotation is refused.
+HOST_WORK_SCALE_RANGE = (0.2, 5.0)
 GFD_PRODUCT = "nvidia.com/gpu.product"
 GFD_MEMORY_MIB = "nvidia.com/gpu.memory"
 GFD_COUNT = "nvidia.com/gpu.count"
@@ -155,8 +158,9 @@ class NodeHardware(BaseModel):
     torch_adamw_params_per_s: float | None = None
     host_device_bytes_per_s: float | None = None
     host_work_scale: float | None = Field(
-        None, description="DeepSpeed's host work here (hooks, host copies) over the machine the step-time model's "
-        "host constants were fitted on: ZeRO-3's time over ZeRO-2 on a micro model, measured over predicted "
+        None, ge=HOST_WORK_SCALE_RANGE[0], le=HOST_WORK_SCALE_RANGE[1],
+        description="DeepSpeed's host work here (hooks, host copies) over the machine the step-time model's host "
+        "constants were fitted on: ZeRO-3's time over ZeRO-2 on a micro model, measured over predicted "
         "(`engine_probe`); None: the constants as they are")
     cpu_matmul: list[MatmulRate] = Field(
         default_factory=list, description="Measured on nodes without GPUs, where training runs on the CPU"
@@ -189,6 +193,11 @@ class NodeHardware(BaseModel):
             + ("" if self.memlock_bytes is None else f"/memlock{self.memlock_bytes >> 10}Ki")
         )
 
+    @property
+    def host_work(self) -> float:
+        """What the step-time model's host constants are multiplied by here: `host_work_scale`, 1 unmeasured."""
+        return self.host_work_scale or 1.0
+
     def to_annotations(self) -> dict[str, str]:
         out = {key: str(int(v)) for key, field in ANNOTATIONS.items() if (v := getattr(self, field)) is not None}
         if self.aio is not None:
@@ -210,13 +219,14 @@ def _int(value: Any) -> int | None:
         return None
 
 
-def _scale(value: str | None) -> float | None:
-    """`HOST_WORK_ANNOTATION`'s ratio; None for absent and for what is not a positive finite figure."""
+def host_work_scale_from_annotation(value: str | None) -> float | None:
+    """`HOST_WORK_ANNOTATION`'s ratio; None for absent and for what is not a figure in HOST_WORK_SCALE_RANGE."""
     try:
         scale = float(value) if value is not None else None
     except ValueError:
         return None
-    return scale if scale is not None and 0 < scale < math.inf else None
+    low, high = HOST_WORK_SCALE_RANGE
+    return scale if scale is not None and low <= scale <= high else None
 
 
 def memlock_from_annotation(value: str | None) -> int | None:
@@ -269,7 +279,7 @@ def hardware_from_node(node: dict[str, Any]) -> NodeHardware:
         nvme_path=annotations.get(NVME_PATH_ANNOTATION),
         aio=aio_from_annotations(annotations),
         cpu_matmul=matmul_from_annotation(annotations.get(CPU_MATMUL_ANNOTATION)),
-        host_work_scale=_scale(annotations.get(HOST_WORK_ANNOTATION)),
+        host_work_scale=host_work_scale_from_annotation(annotations.get(HOST_WORK_ANNOTATION)),
         memlock_bytes=memlock_from_annotation(annotations.get(MEMLOCK_ANNOTATION)),
         **{k: v for k, v in values.items() if v is not None},
     )

@@ -1,0 +1,100 @@
+"""The child process of `engine_probe.measure_engine_host_work`:
+`python -m spillway_runtime.training.host_work` prints one RESULT line of JSON.
+
+DeepSpeed's engine as the runtime sets it up (`recipe.Recipe._setup_distributed` and
+`_setup_engine`: NUMA asked once, Muon imported without compiling, `deepspeed_fixes`, the
+DeepSpeed config `dsconfig` builds from the planner's plan) trains the micro model
+(`tiny.tiny_llama_config()`) under ZeRO-2 and then ZeRO-3, with the optimizer and the
+parameters on the accelerator; each stage's median step is reported, each step timed as
+the lesser of its wall and the process's CPU seconds (on a busy machine wall time counts the
+neighbours' turns too; under a load of 5 on 2 cores wall time made ZeRO-3's extra 7-16x the
+constants). ZeRO-2 goes first: ZeRO-3 changes torch's functions for the rest of the process
+it ran in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+from spillway_runtime.training import startup
+from spillway_runtime.training.processes import free_port
+
+RESULT = "ENGINE_PROBE "
+MICRO_BATCH, SEQUENCE = 4, 64
+WARMUP_STEPS, TIMED_STEPS = 3, 12
+
+
+def _engine(stage: int) -> tuple[Any, Any, int]:
+    """(DeepSpeed engine, the plan it was configured from, the model's vocabulary) at ZeRO `stage`."""
+    import deepspeed
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from spillway_runtime import deepspeed_fixes
+    from spillway_runtime.core.planner import ModelShape, PlanInputs, plan_placement
+    from spillway_runtime.core.spec import FineTuneJobSpec
+    from spillway_runtime.probe import probe_basic
+    from spillway_runtime.tiny import tiny_llama_config
+    from spillway_runtime.training.dsconfig import build_deepspeed_config
+
+    config = tiny_llama_config(use_cache=False)
+    spec = FineTuneJobSpec.model_validate({
+        "model": {"uri": "random-init", "dtype": "bf16"}, "dataset": {"uri": "random-tokens"},
+        "training": {"microBatchSize": MICRO_BATCH, "sequenceLength": SEQUENCE, "maxSteps": 10},
+        "offload": {"optimizer": "gpu", "parameters": "gpu", "deepspeed": {"zero_optimization": {"stage": stage}}},
+    })
+    plan = plan_placement(PlanInputs.of_spec(spec, ModelShape.from_hf_config(config.to_dict(), name="micro")),
+                          probe_basic())
+    deepspeed_fixes.apply(plan)
+    torch.manual_seed(0)
+    model: torch.nn.Module = LlamaForCausalLM(config)
+    model = model.to(torch.bfloat16)
+    startup.import_muon_without_compiling()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
+                                      config=build_deepspeed_config(plan, spec))
+    return engine, plan, int(config.vocab_size)
+
+
+def _step_seconds(stage: int) -> tuple[float, int, int, str]:
+    """(median seconds of a training step, parameter tensors, parameters, accelerator) at ZeRO `stage`."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    engine, plan, vocab = _engine(stage)
+    accelerator = get_accelerator()
+    device = accelerator.device_name(0)
+    generator = torch.Generator().manual_seed(0)
+    times = []
+    for _ in range(WARMUP_STEPS + TIMED_STEPS):
+        ids = torch.randint(vocab, (MICRO_BATCH, SEQUENCE), generator=generator).to(device)
+        wall, cpu = time.perf_counter(), time.process_time()
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        accelerator.synchronize()
+        # the process's own seconds: on a busy machine wall time counts the neighbours' turns too
+        times.append(min(time.perf_counter() - wall, time.process_time() - cpu))
+    engine.destroy()
+    return statistics.median(times[WARMUP_STEPS:]), plan.model.parameter_tensors, plan.model.params, plan.accelerator
+
+
+def main() -> None:
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    startup.ask_cpuinfo_once()
+    startup.ask_numa_once()
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    deepspeed.init_distributed(dist_backend="gloo" if get_accelerator().device_name() == "cpu" else "nccl")
+    zero2, tensors, params, accelerator = _step_seconds(2)
+    zero3, _, _, _ = _step_seconds(3)
+    print(RESULT + json.dumps({"zero2_seconds": zero2, "zero3_seconds": zero3, "tensors": tensors,
+                               "params": params, "accelerator": accelerator}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
