@@ -161,7 +161,7 @@ def node_hardware(settings: Settings) -> Any:
     from spillway_runtime.probe import probe_basic
 
     hw = probe_basic(settings.work / "nvme")
-    hw.host_work_scale = measure_engine_host_work()
+    hw.host_work_scale = measure_engine_host_work(hw.cpu_cores)
     if settings.cap_bytes and hw.gpu_count:
         hw = hw.model_copy(update={"gpu_memory_bytes": min(hw.gpu_memory_bytes, settings.cap_bytes)})
     if settings.host_memory_bytes and settings.host_memory_bytes > hw.cpu_memory_bytes:

@@ -64,12 +64,14 @@ def _measure_once(env: dict[str, str]) -> tuple[float | None, str]:
     return scale_from(json.loads(lines[-1][len(RESULT):]))
 
 
-def measure_engine_host_work() -> float | None:
+def measure_engine_host_work(cores: int) -> float | None:
     """`NodeHardware.host_work_scale`, the median of MEASUREMENTS children; None where none
-    could measure (said why). Each child runs one thread: the host work is one thread's (Python
-    and the hooks), the compute is the same in both stages, and on a busy 2-core machine a
-    second OpenMP thread spinning for its turn made ZeRO-2's step 7x slower."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    could measure (said why). Each child has the threads one training process on this node
+    has (`cores`, as `spillway run` gives it): with one thread ZeRO-3's extra on the micro model
+    was 26-32 ms on a 2-core VM, with two 54-56 ms, as the runtime's own steps had it. On a
+    busy machine it reads high (under a load of 5 on 2 cores, 7-16x the constants): outside
+    HOST_WORK_SCALE_RANGE it is no figure, and the plan keeps the fitted constants."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, cores)))}
     scales, why = [], ""
     for _ in range(MEASUREMENTS):
         scale, why = _measure_once(env)

@@ -356,7 +356,7 @@ def probe(nvme_path: str | Path | None = None, *, quick: bool = False, aio_budge
         )
     hw.cpu_adam_params_per_s, hw.torch_adamw_params_per_s = measure_cpu_adam()
     hw.host_device_bytes_per_s = measure_host_device()
-    hw.host_work_scale = measure_engine_host_work()
+    hw.host_work_scale = measure_engine_host_work(hw.cpu_cores)
     if not hw.gpu_count:
         # training here runs on the CPU accelerator: its step time is these layers
         hw.cpu_matmul = measure_cpu_matmul(hw.cpu_cores, budget_seconds=4.0)

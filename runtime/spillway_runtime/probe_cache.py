@@ -347,7 +347,7 @@ def measure_compute(basic: NodeHardware, budget_seconds: float) -> NodeHardware:
     ds_rate, torch_rate = measure_cpu_adam(4_000_000, 2, torch_too=False)
     update["cpu_adam_params_per_s"] = ds_rate or torch_rate
     update["torch_adamw_params_per_s"] = torch_rate
-    update["host_work_scale"] = measure_engine_host_work()
+    update["host_work_scale"] = measure_engine_host_work(basic.cpu_cores)
     return basic.model_copy(update=update)
 
 

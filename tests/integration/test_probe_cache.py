@@ -155,7 +155,7 @@ def test_a_run_that_keeps_nothing_on_nvme_measures_nothing(make_job, tmp_path, c
 
 @pytest.mark.integration
 def test_the_first_run_measures_the_machines_compute_rates_and_the_plan_uses_them(make_job, tmp_path, cache,
-                                                                                  monkeypatch) -> None:
+                                                                                  monkeypatch, capsys) -> None:
     """Every plan needs them, NVMe or not: a job kept in RAM measures them too, once per machine."""
     monkeypatch.setenv("SPILLWAY_PROBE_COMPUTE", "1")
     monkeypatch.setenv("SPILLWAY_PROBE_COMPUTE_SECONDS", "0.3")
@@ -171,9 +171,14 @@ def test_the_first_run_measures_the_machines_compute_rates_and_the_plan_uses_the
     assert step.flops_source.startswith("measured: bf16 decoder layers at hidden size"), step.flops_source
     assert step.flops_per_s == matmul_rate_at(rates, "bf16", shape.hidden_size)
     assert step.compute == pytest.approx(step.flops / step.flops_per_s)
-    # DeepSpeed's own engine ran both stages (`engine_probe`) and the host terms carry its ratio
+    # DeepSpeed's own engine ran both stages (`engine_probe`) and the host terms carry its ratio;
+    # on a machine too busy to time it (the gate's other workers) it is refused, and said
     scale = entry.hardware.host_work_scale
-    assert scale is not None and step.host_work_scale == scale, entry.hardware
+    said = capsys.readouterr().out
+    if scale is None:
+        assert "DeepSpeed's host work not measured (ZeRO-3 over ZeRO-2" in said and step.host_work_scale == 1, said
+    else:
+        assert step.host_work_scale == scale, entry.hardware
 
     second = prepare_local_run(make_job("again", offload={"policy": "none"}), run_dir=tmp_path / "run2")
     assert ComputeEntry.model_validate_json(path.read_bytes()).measured_at == entry.measured_at  # not measured again

@@ -5,11 +5,8 @@ DeepSpeed's engine as the runtime sets it up (`recipe.Recipe._setup_distributed`
 `_setup_engine`: NUMA asked once, Muon imported without compiling, `deepspeed_fixes`, the
 DeepSpeed config `dsconfig` builds from the planner's plan) trains the micro model
 (`tiny.tiny_llama_config()`) under ZeRO-2 and then ZeRO-3, with the optimizer and the
-parameters on the accelerator; each stage's median step is reported, each step timed as
-the lesser of its wall and the process's CPU seconds (on a busy machine wall time counts the
-neighbours' turns too; under a load of 5 on 2 cores wall time made ZeRO-3's extra 7-16x the
-constants). ZeRO-2 goes first: ZeRO-3 changes torch's functions for the rest of the process
-it ran in.
+parameters on the accelerator; each stage's median step (wall time) is reported. ZeRO-2
+goes first: ZeRO-3 changes torch's functions for the rest of the process it ran in.
 """
 
 from __future__ import annotations
@@ -71,12 +68,11 @@ def _step_seconds(stage: int) -> tuple[float, int, int, str]:
     times = []
     for _ in range(WARMUP_STEPS + TIMED_STEPS):
         ids = torch.randint(vocab, (MICRO_BATCH, SEQUENCE), generator=generator).to(device)
-        wall, cpu = time.perf_counter(), time.process_time()
+        start = time.perf_counter()
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
         accelerator.synchronize()
-        # the process's own seconds: on a busy machine wall time counts the neighbours' turns too
-        times.append(min(time.perf_counter() - wall, time.process_time() - cpu))
+        times.append(time.perf_counter() - start)
     engine.destroy()
     return statistics.median(times[WARMUP_STEPS:]), plan.model.parameter_tensors, plan.model.params, plan.accelerator
 
