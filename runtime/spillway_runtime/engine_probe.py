@@ -24,7 +24,7 @@ from typing import Any
 
 from spillway_runtime.core.hardware import HOST_WORK_SCALE_RANGE
 
-RESULT = "ENGINE_PROBE "  # training.host_work's result line
+RESULT = "ENGINE_PROBE "  # the result line of the child, training.host_work
 TIMEOUT_SECONDS = 180.0
 MEASUREMENTS = 2
 

@@ -17,16 +17,16 @@ import statistics
 import time
 from typing import Any
 
+from spillway_runtime.engine_probe import RESULT
 from spillway_runtime.training import startup
 from spillway_runtime.training.processes import free_port
 
-RESULT = "ENGINE_PROBE "
 MICRO_BATCH, SEQUENCE = 4, 64
 WARMUP_STEPS, TIMED_STEPS = 3, 12
 
 
-def _engine(stage: int) -> tuple[Any, Any, int]:
-    """(DeepSpeed engine, the plan it was configured from, the model's vocabulary) at ZeRO `stage`."""
+def _engine(stage: int, hw: Any) -> tuple[Any, Any, int]:
+    """(DeepSpeed engine, the plan it was configured from on `hw`, the model's vocabulary) at ZeRO `stage`."""
     import deepspeed
     import torch
     from transformers import LlamaForCausalLM
@@ -34,7 +34,6 @@ def _engine(stage: int) -> tuple[Any, Any, int]:
     from spillway_runtime import deepspeed_fixes
     from spillway_runtime.core.planner import ModelShape, PlanInputs, plan_placement
     from spillway_runtime.core.spec import FineTuneJobSpec
-    from spillway_runtime.probe import probe_basic
     from spillway_runtime.tiny import tiny_llama_config
     from spillway_runtime.training.dsconfig import build_deepspeed_config
 
@@ -45,7 +44,7 @@ def _engine(stage: int) -> tuple[Any, Any, int]:
         "offload": {"optimizer": "gpu", "parameters": "gpu", "deepspeed": {"zero_optimization": {"stage": stage}}},
     })
     plan = plan_placement(PlanInputs.of_spec(spec, ModelShape.from_hf_config(config.to_dict(), name="micro")),
-                          probe_basic())
+                          hw)
     deepspeed_fixes.apply(plan)
     torch.manual_seed(0)
     model: torch.nn.Module = LlamaForCausalLM(config)
@@ -56,12 +55,12 @@ def _engine(stage: int) -> tuple[Any, Any, int]:
     return engine, plan, int(config.vocab_size)
 
 
-def _step_seconds(stage: int) -> tuple[float, int, int, str]:
+def _step_seconds(stage: int, hw: Any) -> tuple[float, int, int, str]:
     """(median seconds of a training step, parameter tensors, parameters, accelerator) at ZeRO `stage`."""
     import torch
     from deepspeed.accelerator import get_accelerator
 
-    engine, plan, vocab = _engine(stage)
+    engine, plan, vocab = _engine(stage, hw)
     accelerator = get_accelerator()
     device = accelerator.device_name(0)
     generator = torch.Generator().manual_seed(0)
@@ -85,9 +84,12 @@ def main() -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    from spillway_runtime.probe import probe_basic
+
     deepspeed.init_distributed(dist_backend="gloo" if get_accelerator().device_name() == "cpu" else "nccl")
-    zero2, tensors, params, accelerator = _step_seconds(2)
-    zero3, _, _, _ = _step_seconds(3)
+    hw = probe_basic()  # both stages' plans: the capacities are read once
+    zero2, tensors, params, accelerator = _step_seconds(2, hw)
+    zero3, _, _, _ = _step_seconds(3, hw)
     print(RESULT + json.dumps({"zero2_seconds": zero2, "zero3_seconds": zero3, "tensors": tensors,
                                "params": params, "accelerator": accelerator}), flush=True)
 
