@@ -69,8 +69,8 @@ def run(
     run_dir: Annotated[Path | None, typer.Option(help="Where checkpoints, events and the export go")] = None,
     processes: Annotated[int, typer.Option(help="Training processes (ranks) on a CPU-only machine")] = 1,
     reprobe: Annotated[bool, typer.Option(
-        "--reprobe", help="Measure the NVMe disk's async I/O again instead of using the cached sweep "
-        "(also SPILLWAY_PROBE_REFRESH=1)")] = False,
+        "--reprobe", help="Measure this machine again (the NVMe disk's async I/O, the compute rates and "
+        "DeepSpeed's host work) instead of using the cached probe (also SPILLWAY_PROBE_REFRESH=1)")] = False,
     verbose: Annotated[bool, typer.Option(
         "--verbose", "-v", help="On a terminal, show every event's full record above the progress bar (as "
         "logs get them) and the Hugging Face Hub's progress bars")] = False,
@@ -126,11 +126,14 @@ def run(
         raise typer.Exit(ExitCode.PLAN_INFEASIBLE if isinstance(error, PlanningError) else ExitCode.BAD_INPUT)
     if code == 0 and local.config is not None:
         from spillway_runtime.training.reporting import read_events, where_state_lived
+        from spillway_runtime.training.step_times import step_time_line
 
         config = local.config
         events = read_events(Path(config.events_path))
-        for line in where_state_lived(config.plan, events, config.nvme_dir if config.plan.uses_nvme else None):
-            Console().print(line, highlight=False)
+        lines = where_state_lived(config.plan, events, config.nvme_dir if config.plan.uses_nvme else None)
+        for line in [*lines, step_time_line(config.plan.predicted_step_seconds, events)]:
+            if line:
+                Console().print(line, highlight=False)
         Console().print(f"[green]done[/green]: model exported to {config.export_dir}")
     raise typer.Exit(code)
 

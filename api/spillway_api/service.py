@@ -45,7 +45,7 @@ from spillway_runtime.core.contract import (
 )
 from spillway_runtime.core.planner import plan_summary
 from spillway_runtime.core.spec import FineTuneJob
-from spillway_runtime.core.status import CheckpointRecord, Progress
+from spillway_runtime.core.status import CheckpointRecord, Progress, step_time_fields
 
 log = logging.getLogger(__name__)
 
@@ -357,7 +357,7 @@ class JobService:
                                            source_key=key, attempt=job.attempt or None))
                 self.record_step(job, point.step, point.loss)
             stepped = Progress(step=point.step, loss=point.loss, tokens_per_second=point.tokens_per_second,
-                               eta_seconds=point.eta_seconds)
+                               eta_seconds=point.eta_seconds, **step_time_fields(event))
             job.progress = {**(job.progress or {}), **stepped.model_dump(exclude_unset=True)}
         elif kind == "eval":
             self.add_evaluation(job, event.get("step"), event.get("eval_loss"), event.get("tokens"), key, at,

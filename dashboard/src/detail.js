@@ -164,7 +164,7 @@ export function detailPage(main, ns, name) {
     }
 
     els.tiers.replaceChildren(tierBars(plan));
-    els.reasons.replaceChildren(reasons(plan));
+    els.reasons.replaceChildren(reasons(plan, p));
     const ck = `${ckpts.map((c) => c.name).join(",")}|${job.phase}|${pending}`;
     if (ck !== ckptKey) {
       ckptKey = ck;
@@ -272,10 +272,17 @@ export function tierBars(plan) {
   }));
 }
 
-export function reasons(plan) {
+/** The plan's reasons; `progress` adds the steps' measured time beside the prediction. */
+export function reasons(plan, progress = {}) {
   if (!plan.reasons) return h("p", { class: "muted" }, "No plan yet.");
+  const measured = progress.stepSeconds != null
+    ? h("span", { id: "step-measured", "data-seconds": progress.stepSeconds, "data-vs-plan": progress.stepTimeVsPlan ?? "" },
+      ` · measured ${stepSeconds(progress.stepSeconds)}/step`,
+      progress.stepTimeVsPlan != null ? ` (${num(progress.stepTimeVsPlan, 3)}x)` : "")
+    : null;
   return h("div", {},
-    h("p", {}, h("span", { class: "mono" }, planLabel(plan)), ` · predicted ${stepSeconds(plan.predictedStepSeconds)}/step`),
+    h("p", {}, h("span", { class: "mono" }, planLabel(plan)), ` · predicted ${stepSeconds(plan.predictedStepSeconds)}/step`,
+      measured),
     h("h3", {}, "Why"), h("ul", { id: "plan-reasons" }, plan.reasons.map((r) => h("li", {}, r))),
     h("h3", {}, "Rejected alternatives"),
     plan.rejected?.length

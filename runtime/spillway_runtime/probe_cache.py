@@ -83,6 +83,11 @@ class ProbeCacheSettings(BaseSettings):
         True, description="0: no compute entry (CPU matmul, CPU Adam, host-device copy): the planner's assumed "
         "rates. Measuring one takes ~2 s of decoder layers plus loading DeepSpeed's CPU Adam op, once per machine",
     )
+    host_work_retry_hours: float = Field(
+        1.0, ge=0, description="Hours after which a compute entry without DeepSpeed's host work (the reading was "
+        "out of range on a busy machine, or its child failed) measures that again, alone, instead of planning "
+        "with the fitted constants until the entry is a week old",
+    )
     compute_seconds: float = Field(
         2.0, gt=0, description="Budget of the CPU decoder-layer curve on a miss: on two cores with AMX it reaches "
         "hidden size 2048 in bf16 and 1024 in fp32; `spillway probe` measures longer",
@@ -142,6 +147,8 @@ class ComputeEntry(BaseModel):
     measured_at: float = Field(description="Unix seconds")
     probe_seconds: float
     hardware: NodeHardware = Field(description="Only COMPUTE_FIELDS are reused")
+    host_work_tried_at: float | None = Field(
+        None, description="When DeepSpeed's host work was last measured, if not at measured_at (Unix seconds)")
 
 
 class ProbeEntry(BaseModel):
@@ -332,6 +339,14 @@ def _compute_staleness(entry: ComputeEntry | None, fp: ComputeFingerprint, setti
     return None
 
 
+def _host_work_due(entry: ComputeEntry | None, settings: ProbeCacheSettings) -> bool:
+    """A cached entry without DeepSpeed's host work whose last try is old enough to try again."""
+    if entry is None or entry.hardware.host_work_scale is not None:
+        return False
+    tried = entry.host_work_tried_at or entry.measured_at
+    return time.time() - tried > settings.host_work_retry_hours * 3600
+
+
 def measure_compute(basic: NodeHardware, budget_seconds: float) -> NodeHardware:
     """`basic` with what the step time is made of measured: without GPUs the CPU matmul curve
     (the CPU accelerator's compute), the CPU optimizer step, with GPUs the host-device copy, and
@@ -359,7 +374,7 @@ def with_compute_rates(basic: NodeHardware, settings: ProbeCacheSettings) -> Nod
     fp = compute_fingerprint(basic)
     path = compute_entry_path(settings, fp)
     entry = _read(path, ComputeEntry)
-    if _compute_staleness(entry, fp, settings) is not None:
+    if _compute_staleness(entry, fp, settings) is not None or _host_work_due(entry, settings):
         with _locked(path):
             entry = _read(path, ComputeEntry)
             if _compute_staleness(entry, fp, settings) is not None:
@@ -371,6 +386,15 @@ def with_compute_rates(basic: NodeHardware, settings: ProbeCacheSettings) -> Nod
                     return basic
                 entry = ComputeEntry(fingerprint=fp, measured_at=time.time(),
                                      probe_seconds=round(time.monotonic() - started, 2), hardware=measured)
+                with contextlib.suppress(OSError):
+                    store_entry(path, entry)
+            elif entry is not None and _host_work_due(entry, settings):
+                from spillway_runtime.engine_probe import measure_engine_host_work
+
+                scale = measure_engine_host_work(basic.cpu_cores)
+                entry = entry.model_copy(update={
+                    "host_work_tried_at": time.time(),
+                    "hardware": entry.hardware.model_copy(update={"host_work_scale": scale})})
                 with contextlib.suppress(OSError):
                     store_entry(path, entry)
     assert entry is not None

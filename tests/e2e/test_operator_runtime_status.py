@@ -28,11 +28,14 @@ def test_runtime_publishes_progress_and_checkpoints_beside_operator_fields(clust
         "patch", "ftj", "pub", "-n", namespace, "--subresource=status", "--type=merge", "-p", '{"status":{"phase":"Running"}}'
     )
     sink = k8s_status.StatusPublisher("pub", namespace, 100, k8s_status._server_side_apply("pub", namespace))
-    sink({"event": "step", "step": 7, "loss": 3.7709308862686157, "lr": 1e-5, "tokens_per_s": 900.0, "time": 1.7e9})
+    sink({"event": "step", "step": 7, "loss": 3.7709308862686157, "lr": 1e-5, "tokens_per_s": 900.0, "time": 1.7e9,
+          "step_seconds": 2.5, "step_seconds_median": 2.25, "step_time_vs_plan": 1.125})
     sink({"event": "checkpoint", "name": "step-00007", "step": 7, "loss": 2.5, "sizeBytes": 10, "sha256": "ab"})
     job = cluster.get("finetunejob", "pub", namespace)
     assert job["status"]["phase"] == "Running"
     assert job["status"]["progress"]["step"] == 7
+    # the step time beside the plan's, kept by the CRD's schema
+    assert (job["status"]["progress"]["stepSeconds"], job["status"]["progress"]["stepTimeVsPlan"]) == (2.25, 1.125)
     assert job["status"]["checkpoints"][0]["name"] == "step-00007"
     full = cluster.kubectl_json("get", "ftj", "pub", "-n", namespace, "--show-managed-fields")
     managers = {m["manager"] for m in full["metadata"]["managedFields"]}

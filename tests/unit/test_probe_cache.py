@@ -199,3 +199,40 @@ def test_compute_rates_are_stale_when_torch_changed_or_asked_once_a_run_and_abse
     assert _compute_staleness(just_now, compute_fingerprint(basic), refresh) is None
     hw, _ = hardware_for_run(tmp_path / "nvme", measure=False, settings=settings)  # compute=False
     assert hw.cpu_matmul == [] and hw.cpu_adam_params_per_s is None
+
+
+def test_a_host_work_figure_not_measured_is_tried_again_alone_after_an_hour(
+    tmp_path: Path, settings: ProbeCacheSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A busy machine's out-of-range reading leaves the entry without the figure: the next run
+    after host_work_retry_hours measures it alone (the engine probe, faked here: its children are
+    the integration tier's), keeps the other rates and their date, and records the try."""
+    import spillway_runtime.engine_probe as engine_probe
+    from spillway_runtime.probe_cache import _read, with_compute_rates
+
+    readings = [None, 1.9]
+    tries: list[int] = []
+
+    def measure(cores: int) -> float | None:
+        tries.append(cores)
+        return readings[len(tries) - 1]
+
+    monkeypatch.setattr(engine_probe, "measure_engine_host_work", measure)
+    settings = settings.model_copy(update={"compute": True})
+    basic = probe_basic(tmp_path / "nvme")
+    path = store_compute(settings, basic)
+    entry = _read(path, ComputeEntry)
+    assert entry is not None and entry.hardware.host_work_scale is None
+    measured_at = entry.measured_at
+    assert with_compute_rates(basic, settings).host_work_scale is None and tries == []  # measured just now
+    store_entry(path, entry.model_copy(update={"measured_at": measured_at - 2 * 3600}))
+    assert with_compute_rates(basic, settings).host_work_scale is None and tries == [basic.cpu_cores]
+    again = _read(path, ComputeEntry)
+    assert again is not None and again.host_work_tried_at is not None and again.hardware.cpu_matmul == RATES
+    assert with_compute_rates(basic, settings).host_work_scale is None and len(tries) == 1  # tried within the hour
+    store_entry(path, again.model_copy(update={"host_work_tried_at": time.time() - 2 * 3600}))
+    hw = with_compute_rates(basic, settings)
+    assert hw.host_work_scale == 1.9 and hw.cpu_matmul == RATES and len(tries) == 2
+    kept = _read(path, ComputeEntry)
+    assert kept is not None and kept.measured_at == measured_at - 2 * 3600 and kept.hardware.host_work_scale == 1.9
+    assert with_compute_rates(basic, settings).host_work_scale == 1.9 and len(tries) == 2  # a figure is kept

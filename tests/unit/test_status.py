@@ -11,7 +11,7 @@ from spillway_api.service import phase_for_exit
 from spillway_operator.crd import build_crd
 from spillway_operator.pod_outcomes import classify_pod
 from spillway_runtime.core.contract import ExitCode, exit_outcome
-from spillway_runtime.core.status import CheckpointRecord, FineTuneJobStatus, Progress, read_status
+from spillway_runtime.core.status import CheckpointRecord, FineTuneJobStatus, Progress, read_status, step_time_fields
 from spillway_runtime.training.k8s_status import StatusPublisher
 
 # code: (what it means in a cluster, the phase a local run ends in). 3 and 130 differ on purpose
@@ -57,6 +57,12 @@ def test_exit_zero_in_a_failed_pod_is_a_failure() -> None:
 def test_progress_and_checkpoints_have_one_name_per_field() -> None:
     progress = Progress(step=3, eta_seconds=12.5, tokens_per_second=9.0).model_dump(exclude_unset=True)
     assert progress == {"step": 3, "etaSeconds": 12.5, "tokensPerSecond": 9.0}
+    # a step event's step time (none on a process's first step, nor from junk)
+    timed = {"event": "step", "step_seconds": 2.5, "step_seconds_median": 2, "step_time_vs_plan": 1.125}
+    assert Progress(**step_time_fields(timed)).model_dump(exclude_unset=True) == {
+        "stepSeconds": 2.0, "stepTimeVsPlan": 1.125}
+    assert step_time_fields({"event": "step", "step_seconds": 9.0}) == {}
+    assert step_time_fields({"step_seconds_median": True, "step_time_vs_plan": "fast"}) == {}
     record = CheckpointRecord.model_validate({"name": "c-3", "step": 3, "sizeBytes": 10, "time": 0, "x": 1})
     assert record.size_bytes == 10 and record.time == "1970-01-01T00:00:00Z"
     assert record.model_dump(exclude_unset=True) == {"name": "c-3", "step": 3, "sizeBytes": 10,

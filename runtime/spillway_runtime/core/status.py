@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
 from pydantic.alias_generators import to_camel
@@ -93,6 +93,12 @@ class Progress(OpenRecord):
     loss_display: str = Field("", description="The loss in 4 digits, what `kubectl get ftj` prints")
     learning_rate: float | None = Field(None, description="The last step's learning rate")
     tokens_per_second: float | None = Field(None, description="Tokens trained per second, every rank together")
+    step_seconds: float | None = Field(
+        None, description="The median of the last 20 steps' seconds (a step's micro-batches and optimizer step, "
+        "not its checkpoint; each process's first step left out)")
+    step_time_vs_plan: float | None = Field(
+        None, description="stepSeconds over status.plan.predictedStepSeconds: how well the plan's step-time model "
+        "holds on this node (it holds to 0.75-1.33 on a quiet machine)")
     eta_seconds: float | None = Field(None, description="Predicted seconds to the last step")
     bytes: dict[str, int] = Field(default_factory=dict, description="Bytes in use per tier (gpu, cpu, nvme)")
     updated_at: str | None = Field(None, description="When the step ended (RFC 3339)")
@@ -101,6 +107,23 @@ class Progress(OpenRecord):
     preference: dict[str, float] = Field(
         default_factory=dict, description="Preference tuning (DPO): the last step's rewards and log-probabilities "
         "under TRL's names (rewards/margins, rewards/accuracies, ...), and the last evaluation's (eval_...)")
+
+
+class StepTimeFields(TypedDict, total=False):
+    step_seconds: float
+    step_time_vs_plan: float
+
+
+def step_time_fields(event: dict[str, Any]) -> StepTimeFields:
+    """A runtime step event's step time as `Progress` fields, where it has them (`training.step_times`:
+    none on a process's first step)."""
+    out = StepTimeFields()
+    median, ratio = event.get("step_seconds_median"), event.get("step_time_vs_plan")
+    if isinstance(median, int | float) and not isinstance(median, bool):
+        out["step_seconds"] = float(median)
+    if isinstance(ratio, int | float) and not isinstance(ratio, bool):
+        out["step_time_vs_plan"] = float(ratio)
+    return out
 
 
 class Mirror(OpenRecord):

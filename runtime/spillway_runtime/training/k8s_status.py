@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from spillway_runtime.core.contract import JOB_NAME_ENV, JOB_NAMESPACE_ENV, PREFERENCE_METRICS
-from spillway_runtime.core.status import CheckpointRecord, Mirror, Progress
+from spillway_runtime.core.status import CheckpointRecord, Mirror, Progress, step_time_fields
 
 FIELD_MANAGER = "spillway-runtime"
 GROUP, VERSION, PLURAL = "spillway.dev", "v1alpha1", "finetunejobs"
@@ -110,6 +110,7 @@ class StatusPublisher:
                     loss_display="" if loss is None else f"{loss:.4g}",
                     learning_rate=_num(record.get("lr")),
                     tokens_per_second=_num(record.get("tokens_per_s")),
+                    **step_time_fields(record),
                     eta_seconds=_num(record.get("eta_seconds")),
                     bytes=record.get("bytes") or {},
                     updated_at=_iso(record.get("time")),

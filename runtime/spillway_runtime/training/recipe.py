@@ -33,6 +33,7 @@ from spillway_runtime.training.reporting import Reporter
 from spillway_runtime.training.run import Ranks, RunFailed
 from spillway_runtime.training.runconfig import RuntimeConfig
 from spillway_runtime.training.schedule import DivergencePolicy, EarlyStopping, learning_rate
+from spillway_runtime.training.step_times import StepClock
 from spillway_runtime.training.tracking import build_listeners
 
 # checkpoint.mirror: how long the end of training waits for the last upload (the object
@@ -64,6 +65,7 @@ class FineTuneRecipe:
                                  if self.spec.offload.overlap == "zenflow" else 0)
         self.last_saved_step = -1
         self.last_eval: tuple[int, float] | None = None  # (step, held-out loss)
+        self.step_clock = StepClock(self.plan.predicted_step_seconds)  # measured against the plan
         self.checkpoints = Checkpointing(self)
         self.reporter = Reporter(
             Path(config.events_path), self.spec.training.max_steps, enabled=self.rank == 0,
@@ -399,6 +401,7 @@ class FineTuneRecipe:
                 loss=loss,  # full precision: users check determinism with it
                 lr=self.current_lr,
                 step_seconds=round(elapsed, 4),
+                **self.step_clock.record(elapsed),
                 tokens_per_s=round(tokens_per_step / max(elapsed, 1e-9), 1),
                 eta_seconds=round(rate * (t.max_steps - self.step), 1),
                 data_position=self.data_position,

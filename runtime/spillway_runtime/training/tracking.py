@@ -60,7 +60,8 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
     out: dict[str, float] = {}
     if kind == "step":
         for name, key in (("loss", "loss"), ("learning_rate", "lr"), ("tokens_per_s", "tokens_per_s"),
-                          ("step_seconds", "step_seconds"), *((n, n) for n in PREFERENCE_METRICS)):
+                          ("step_seconds", "step_seconds"), ("step_time_vs_plan", "step_time_vs_plan"),
+                          *((n, n) for n in PREFERENCE_METRICS)):
             if isinstance(record.get(key), int | float):
                 out[name] = float(record[key])
         for tier, count in (record.get("bytes") or {}).items():
@@ -329,6 +330,8 @@ class PrometheusListener:
         "learning_rate": ("spillway_learning_rate", "Learning rate of the last step"),
         "tokens_per_s": ("spillway_tokens_per_second", "Tokens per second of the last step"),
         "step_seconds": ("spillway_step_seconds", "Seconds the last step took"),
+        "step_time_vs_plan": ("spillway_step_time_vs_plan", "The median of the last 20 steps' seconds over the "
+                              "plan's predicted step time (the step-time model holds to 0.75-1.33)"),
         "rewards/margins": ("spillway_dpo_reward_margin", "DPO: mean chosen minus rejected reward of the last step"),
         "rewards/accuracies": ("spillway_dpo_reward_accuracy",
                                "DPO: share of the last step's pairs whose chosen reward is the higher"),

@@ -11,6 +11,7 @@ A missing Chromium or Playwright fails the test: nothing here is skipped."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,15 @@ def test_dashboard_jobs_detail_rollback_and_plan(server: dict[str, Any], browser
     assert page.locator("#plan-reasons li").count() == len(job["plan"]["reasons"])
     assert page.locator("#plan-rejected li").count() == len(job["plan"]["rejected"])
     assert page.locator("#cost-accrued").inner_text() == f"${cost['usd']:.4f}"
+    # the steps' measured time beside the plan's prediction (the median of the last steps, each
+    # process's first left out), as the run's events gave it
+    progress = job["progress"]
+    assert progress["stepSeconds"] > 0
+    assert abs(progress["stepTimeVsPlan"] - progress["stepSeconds"] / job["plan"]["predictedStepSeconds"]) < 2e-3
+    measured = page.locator("#step-measured")
+    assert float(measured.get_attribute("data-seconds")) == progress["stepSeconds"]
+    [shown] = re.findall(r"\(([0-9.]+)x\)", measured.inner_text())
+    assert abs(float(shown) - progress["stepTimeVsPlan"]) <= 0.005 * progress["stepTimeVsPlan"], measured.inner_text()
     shot(page, "2-detail")
 
     # -- rollback: keyboard-reachable button, confirmation, reason required --------------------
