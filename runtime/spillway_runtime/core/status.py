@@ -98,7 +98,7 @@ class Progress(OpenRecord):
         "not its checkpoint; each process's first step left out)")
     step_time_vs_plan: float | None = Field(
         None, description="stepSeconds over status.plan.predictedStepSeconds: how well the plan's step-time model "
-        "holds on this node (it holds to 0.75-1.33 on a quiet machine)")
+        "holds on this node (outside 0.75-1.33 it missed: docs/one-machine.md, \"Every run checks the model\")")
     eta_seconds: float | None = Field(None, description="Predicted seconds to the last step")
     bytes: dict[str, int] = Field(default_factory=dict, description="Bytes in use per tier (gpu, cpu, nvme)")
     updated_at: str | None = Field(None, description="When the step ended (RFC 3339)")
