@@ -29,7 +29,7 @@ def test_runtime_publishes_progress_and_checkpoints_beside_operator_fields(clust
     )
     sink = k8s_status.StatusPublisher("pub", namespace, 100, k8s_status._server_side_apply("pub", namespace))
     sink({"event": "step", "step": 7, "loss": 3.7709308862686157, "lr": 1e-5, "tokens_per_s": 900.0, "time": 1.7e9,
-          "step_seconds": 2.5, "step_seconds_median": 2.25, "step_time_vs_plan": 1.125})
+          "step_seconds": 2.5, "step_seconds_mean": 2.25, "step_time_vs_plan": 1.125})
     sink({"event": "checkpoint", "name": "step-00007", "step": 7, "loss": 2.5, "sizeBytes": 10, "sha256": "ab"})
     job = cluster.get("finetunejob", "pub", namespace)
     assert job["status"]["phase"] == "Running"

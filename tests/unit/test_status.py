@@ -58,11 +58,11 @@ def test_progress_and_checkpoints_have_one_name_per_field() -> None:
     progress = Progress(step=3, eta_seconds=12.5, tokens_per_second=9.0).model_dump(exclude_unset=True)
     assert progress == {"step": 3, "etaSeconds": 12.5, "tokensPerSecond": 9.0}
     # a step event's step time (none on a process's first step, nor from junk)
-    timed = {"event": "step", "step_seconds": 2.5, "step_seconds_median": 2, "step_time_vs_plan": 1.125}
+    timed = {"event": "step", "step_seconds": 2.5, "step_seconds_mean": 2, "step_time_vs_plan": 1.125}
     assert Progress(**step_time_fields(timed)).model_dump(exclude_unset=True) == {
         "stepSeconds": 2.0, "stepTimeVsPlan": 1.125}
     assert step_time_fields({"event": "step", "step_seconds": 9.0}) == {}
-    assert step_time_fields({"step_seconds_median": True, "step_time_vs_plan": "fast"}) == {}
+    assert step_time_fields({"step_seconds_mean": True, "step_time_vs_plan": "fast"}) == {}
     record = CheckpointRecord.model_validate({"name": "c-3", "step": 3, "sizeBytes": 10, "time": 0, "x": 1})
     assert record.size_bytes == 10 and record.time == "1970-01-01T00:00:00Z"
     assert record.model_dump(exclude_unset=True) == {"name": "c-3", "step": 3, "sizeBytes": 10,

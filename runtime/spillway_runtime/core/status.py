@@ -94,7 +94,7 @@ class Progress(OpenRecord):
     learning_rate: float | None = Field(None, description="The last step's learning rate")
     tokens_per_second: float | None = Field(None, description="Tokens trained per second, every rank together")
     step_seconds: float | None = Field(
-        None, description="The median of the last 20 steps' seconds (a step's micro-batches and optimizer step, "
+        None, description="The mean of the last 20 steps' seconds (a step's micro-batches and optimizer step, "
         "not its checkpoint; each process's first step left out)")
     step_time_vs_plan: float | None = Field(
         None, description="stepSeconds over status.plan.predictedStepSeconds: how well the plan's step-time model "
@@ -118,9 +118,9 @@ def step_time_fields(event: dict[str, Any]) -> StepTimeFields:
     """A runtime step event's step time as `Progress` fields, where it has them (`training.step_times`:
     none on a process's first step)."""
     out = StepTimeFields()
-    median, ratio = event.get("step_seconds_median"), event.get("step_time_vs_plan")
-    if isinstance(median, int | float) and not isinstance(median, bool):
-        out["step_seconds"] = float(median)
+    mean, ratio = event.get("step_seconds_mean"), event.get("step_time_vs_plan")
+    if isinstance(mean, int | float) and not isinstance(mean, bool):
+        out["step_seconds"] = float(mean)
     if isinstance(ratio, int | float) and not isinstance(ratio, bool):
         out["step_time_vs_plan"] = float(ratio)
     return out

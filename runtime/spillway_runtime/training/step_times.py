@@ -3,9 +3,11 @@
 A step event carries the step's own seconds: its micro-batches and optimizer step, not the
 checkpoint or the evaluation after it. A process's first step is left out: it pays what
 happens once (DeepSpeed's swap buffers and first swap-ins, the allocator's first pages).
-The status shows the median of the last `WINDOW` steps and that median over the plan's
+The status shows the mean of the last `WINDOW` steps and that mean over the plan's
 `predicted_step_seconds` (`progress.stepSeconds`, `progress.stepTimeVsPlan`), and
-`spillway run` ends with the whole run's median beside the prediction. Outside `BAND` (the
+`spillway run` ends with the whole run's mean beside the prediction. The mean, not the
+median: the prediction is a step's share of the run (ZenFlow's CPU step comes once in its
+interval, and the median of its steps would leave it out). Outside `BAND` (the
 step-time model's promise, docs/one-machine.md) the line says so and how to measure the
 machine again.
 """
@@ -16,7 +18,7 @@ import statistics
 from collections import deque
 from typing import Any
 
-WINDOW = 20  # steps in the status's median: a minute of a slow run, a moment of a tiny one
+WINDOW = 20  # steps in the status's mean: a minute of a slow run, a moment of a tiny one
 BAND = (0.75, 1.33)  # measured/predicted the step-time model holds to (bench_offload_overhead.py)
 
 
@@ -38,9 +40,9 @@ class StepClock:
         if self._seen == 1:
             return {}
         self._recent.append(seconds)
-        median = statistics.median(self._recent)
-        ratio = vs_plan(median, self.predicted)
-        return {"step_seconds_median": round(median, 4), **({} if ratio is None else {"step_time_vs_plan": ratio})}
+        mean = statistics.fmean(self._recent)
+        ratio = vs_plan(mean, self.predicted)
+        return {"step_seconds_mean": round(mean, 4), **({} if ratio is None else {"step_time_vs_plan": ratio})}
 
 
 def timed_steps(events: list[dict[str, Any]]) -> list[float]:
@@ -60,14 +62,14 @@ def timed_steps(events: list[dict[str, Any]]) -> list[float]:
 
 
 def step_time_line(predicted_step_seconds: float | None, events: list[dict[str, Any]]) -> str | None:
-    """`spillway run`'s last word on speed: the measured median beside the plan's prediction."""
+    """`spillway run`'s last word on speed: the measured mean beside the plan's prediction."""
     steps = timed_steps(events)
     if not steps:
         return None
-    median = statistics.median(steps)
-    line = f"step time: {median:.3g} s, the median of {len(steps)} step{'s' if len(steps) != 1 else ''} " \
+    mean = statistics.fmean(steps)
+    line = f"step time: {mean:.3g} s on average over {len(steps)} step{'s' if len(steps) != 1 else ''} " \
            "(each launch's first left out)"
-    ratio = vs_plan(median, predicted_step_seconds)
+    ratio = vs_plan(mean, predicted_step_seconds)
     if ratio is None:
         return line
     line += f"; the plan predicted {predicted_step_seconds:.3g} s: {ratio:.2f}x"

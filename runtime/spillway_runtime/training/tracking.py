@@ -330,7 +330,7 @@ class PrometheusListener:
         "learning_rate": ("spillway_learning_rate", "Learning rate of the last step"),
         "tokens_per_s": ("spillway_tokens_per_second", "Tokens per second of the last step"),
         "step_seconds": ("spillway_step_seconds", "Seconds the last step took"),
-        "step_time_vs_plan": ("spillway_step_time_vs_plan", "The median of the last 20 steps' seconds over the "
+        "step_time_vs_plan": ("spillway_step_time_vs_plan", "The mean of the last 20 steps' seconds over the "
                               "plan's predicted step time (outside 0.75-1.33 the step-time model missed)"),
         "rewards/margins": ("spillway_dpo_reward_margin", "DPO: mean chosen minus rejected reward of the last step"),
         "rewards/accuracies": ("spillway_dpo_reward_accuracy",

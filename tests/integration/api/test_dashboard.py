@@ -149,7 +149,7 @@ def test_dashboard_jobs_detail_rollback_and_plan(server: dict[str, Any], browser
     assert page.locator("#plan-reasons li").count() == len(job["plan"]["reasons"])
     assert page.locator("#plan-rejected li").count() == len(job["plan"]["rejected"])
     assert page.locator("#cost-accrued").inner_text() == f"${cost['usd']:.4f}"
-    # the steps' measured time beside the plan's prediction (the median of the last steps, each
+    # the steps' measured time beside the plan's prediction (the mean of the last steps, each
     # process's first left out), as the run's events gave it
     progress = job["progress"]
     assert progress["stepSeconds"] > 0
