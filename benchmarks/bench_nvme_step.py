@@ -112,7 +112,8 @@ def run_once(model: str, steps: int, accumulation: int, optimizer: str) -> dict[
         "bytes": statistics.median(r["bytes"] for r in rows),
         "predicted": plan.predicted_step_seconds, "predicted_optimizer": plan.step.optimizer_phase,
         "predicted_bytes": plan.step.nvme_bytes, "compute": plan.step.compute,
-        "disk_s_per_byte": plan.step.optimizer_nvme / plan.step.nvme_bytes if plan.step.nvme_bytes else None,
+        "disk_s_per_byte": ((plan.step.optimizer_nvme + plan.step.gradient_nvme) / plan.step.nvme_bytes
+                            if plan.step.nvme_bytes else None),
         "params": plan.model.trainable, "label": plan.label, "load": os.getloadavg()[0],
         "named": plan.amortizing_accumulation,
         "parts": {label: [statistics.median(r["parts"][label][0] for r in rows), rows[-1]["parts"][label][1]]
@@ -163,7 +164,7 @@ def main() -> None:
     disk = f"{1 / per_byte / 1e6:.0f} MB/s" if per_byte else "nothing swapped"
     print(f"model {args.model}: {first['params'] / 1e6:.1f}M parameters, {first['label']} beside Z3 opt:cpu par:gpu; "
           f"{args.steps} steps each, median of steps 3+; the probe's disk: {disk} "
-          "(read and write averaged as the planner does)")
+          "(read, write and the cost per transfer averaged as the planner counts them)")
     for accumulation, pair in results.items():
         cpu, nvme = pair["cpu"], pair["nvme"]
         bound = max(cpu["total"], nvme["bytes"] * per_byte)

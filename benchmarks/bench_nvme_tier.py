@@ -144,10 +144,11 @@ def main() -> None:
     from spillway_runtime.probe import measure_aio
 
     started = time.monotonic()
-    best_read, best_write, tuned = measure_aio(args.nvme_path, args.aio_seconds, io_bytes=args.io_mib << 20)
-    defaults = deepspeed_defaults()
+    swept = measure_aio(args.nvme_path, args.aio_seconds, io_bytes=args.io_mib << 20)
+    tuned, defaults = swept.settings, deepspeed_defaults()
+    cost = "" if swept.transfer_seconds is None else f", {swept.transfer_seconds * 1e3:.1f} ms a transfer"
     print(f"sweep on {args.nvme_path} in {time.monotonic() - started:.1f} s: best {describe(tuned)}, "
-          f"read {best_read / 1e9:.2f} GB/s, write {best_write / 1e9:.2f} GB/s")
+          f"read {swept.read_bps / 1e9:.2f} GB/s, write {swept.write_bps / 1e9:.2f} GB/s{cost}")
     print(f"DeepSpeed's defaults: {describe(defaults)}"
           + ("  (the sweep chose them: the ratios below measure noise)" if tuned == defaults else ""))
 
@@ -174,7 +175,7 @@ def main() -> None:
               + ", ".join(f"{r['swapper_s']:.2f} s of {r['wall_s']:.2f} s" for r in results)
               + f"; {throughput[label] / 1e9:.2f} GB/s (median)")
     tuned_run = runs["tuned"][0]
-    ideal = tuned_run["read"] / best_read + tuned_run["written"] / best_write
+    ideal = tuned_run["read"] / swept.read_bps + tuned_run["written"] / swept.write_bps
     print(f"RATIO async I/O tuned / defaults = {mix(*raw['tuned']) / mix(*raw['defaults']):.2f}  "
           "(harmonic mean of read and write)")
     print(f"RATIO swapper tuned / defaults = {throughput['tuned'] / throughput['defaults']:.2f}  (> 1: tuning pays)")

@@ -57,8 +57,8 @@ def main() -> None:
         rows.append({"share": share, "seconds": median_step_seconds(events), "read": read, "written": written,
                      "predicted": plan.predicted_step_seconds, "predicted_bytes": plan.step.nvme_bytes,
                      "kept": plan.swap.cpu_resident_fraction, "sub_groups": plan.swap.sub_group_size,
-                     "disk_s_per_byte": (plan.step.optimizer_nvme / plan.step.nvme_bytes) if plan.step.nvme_bytes
-                     else None, "load": os.getloadavg()[0], "params": plan.model.trainable,
+                     "disk_s_per_byte": ((plan.step.optimizer_nvme + plan.step.gradient_nvme) / plan.step.nvme_bytes)
+                     if plan.step.nvme_bytes else None, "load": os.getloadavg()[0], "params": plan.model.trainable,
                      "host_work": plan.step.host_work_scale})
         for done in (BENCH_DIR / name, BENCH_DIR / "nvme" / name):  # GBs of checkpoints and swap files each
             shutil.rmtree(done, ignore_errors=True)
@@ -67,9 +67,9 @@ def main() -> None:
     state = 12 * rows[0]["params"]
     print(f"model {args.model}: {rows[0]['params'] / 1e6:.1f}M trainable parameters, optimizer state "
           f"{state / 2**20:.0f} MiB (a RAM budget of half of it: {state / 2 / 2**20:.0f} MiB); {args.steps} steps "
-          f"each, median of steps 3+; disk time at the probe's bandwidth {1 / per_byte / 1e6:.0f} MB/s (read and "
-          f"write averaged as the planner does); DeepSpeed's host work measured at {rows[0]['host_work']:.2f}x the "
-          "step-time model's constants (`engine_probe`)")
+          f"each, median of steps 3+; disk time at the probe's figures {1 / per_byte / 1e6:.0f} MB/s (read and "
+          "write and the cost per transfer averaged as the planner counts them); DeepSpeed's host work measured at "
+          f"{rows[0]['host_work']:.2f}x the step-time model's constants (`engine_probe`)")
     for r in rows:
         moved = r["read"] + r["written"]
         bound = max(compute, moved * per_byte)

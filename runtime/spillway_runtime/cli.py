@@ -85,8 +85,9 @@ def probe(
     }
     if hw.nvme_read_bytes_per_s and hw.nvme_write_bytes_per_s and hw.aio:
         rows["NVMe speed"] = (
-            f"read {hw.nvme_read_bytes_per_s / 1e9:.2f} GB/s, write {hw.nvme_write_bytes_per_s / 1e9:.2f} GB/s "
-            f"(block {hw.aio.block_size >> 20} MiB, depth {hw.aio.queue_depth}, parallel {hw.aio.intra_op_parallelism})"
+            f"read {hw.nvme_read_bytes_per_s / 1e9:.2f} GB/s, write {hw.nvme_write_bytes_per_s / 1e9:.2f} GB/s"
+            + ("" if hw.nvme_transfer_seconds is None else f", {hw.nvme_transfer_seconds * 1e3:.1f} ms a transfer")
+            + f" (block {hw.aio.block_size >> 20} MiB, depth {hw.aio.queue_depth}, parallel {hw.aio.intra_op_parallelism})"
         )
     if hw.cpu_adam_params_per_s or hw.torch_adamw_params_per_s:
         rows["CPU Adam"] = (

@@ -18,7 +18,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
 
@@ -165,15 +165,49 @@ def measure_aio_setting(aio: Any, path: str, settings: AioSettings, io_bytes: in
     return io_bytes / read_s, io_bytes / write_s
 
 
+class AioMeasurement(NamedTuple):
+    """What the async-I/O sweep found: the disk's bandwidth and its cost per transfer with the
+    best settings (`fit_transfer_cost`)."""
+
+    read_bps: float
+    write_bps: float
+    settings: AioSettings
+    transfer_seconds: float | None
+
+
+def fit_transfer_cost(small_bytes: int, small: tuple[float, float], large_bytes: int,
+                      large: tuple[float, float]) -> tuple[float, float, float]:
+    """(read B/s, write B/s, seconds per transfer) of a line `seconds = cost + bytes / rate` through
+    (read B/s, write B/s) measured at two transfer sizes, the cost the mean of the read's and the
+    write's. A direction whose two points do not make a line of positive cost and rate (noise on
+    a disk without such a cost) keeps its rate at `large_bytes` and adds no cost."""
+    rates, costs = [], []
+    for small_bps, large_bps in zip(small, large, strict=True):
+        small_s, large_s = small_bytes / small_bps, large_bytes / large_bps
+        per_byte = (large_s - small_s) / (large_bytes - small_bytes)
+        cost = small_s - small_bytes * per_byte
+        if per_byte <= 0 or cost <= 0:
+            rates.append(large_bps)
+            costs.append(0.0)
+        else:
+            rates.append(1 / per_byte)
+            costs.append(cost)
+    return rates[0], rates[1], sum(costs) / len(costs)
+
+
 def measure_aio(
     directory: Path, budget_seconds: float = 30.0, io_bytes: int = 256 << 20, cores: int | None = None
-) -> tuple[float, float, AioSettings]:
-    """Sweep DeepSpeed async I/O settings on `directory`: (read B/s, write B/s, best settings).
+) -> AioMeasurement:
+    """Sweep DeepSpeed async I/O settings on `directory`: the best settings, and with them the
+    disk's bandwidth and cost per transfer.
 
     The grid follows `ds_nvme_tune` (block 1M/8M x queue depth 8/32/128 x parallelism),
     in an order that tries the usually-best settings first, and stops when the budget
     is spent. The scored figure is the harmonic mean of read and write, since optimizer
-    swapping does both every step.
+    swapping does both every step. The best settings are then timed at a quarter of
+    `io_bytes` and at `io_bytes` again: a disk may pay a fixed cost per transfer (on the VM this was written on,
+    about 15 ms, a quarter of a 64 MiB transfer's time), which the swapper pays once per
+    sub-group, whatever its size.
     """
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
@@ -203,11 +237,18 @@ def measure_aio(
             score = 2 / (1 / r_bps + 1 / w_bps)
             if best is None or score > best[0]:
                 best = (score, r_bps, w_bps, settings)
+        assert best is not None
+        small_bytes = max(MIN_AIO_BYTES, best[3].block_size, io_bytes // 4 // MIN_AIO_BYTES * MIN_AIO_BYTES)
+        if small_bytes >= io_bytes:
+            return AioMeasurement(best[1], best[2], best[3], None)
+        # both sizes again, one after the other: the sweep's figure is its winner's luckiest
+        small = measure_aio_setting(aio, path, best[3], small_bytes)
+        large = measure_aio_setting(aio, path, best[3], io_bytes)
     finally:
         if os.path.exists(path):
             os.remove(path)
-    assert best is not None
-    return best[1], best[2], best[3]
+    read_bps, write_bps, cost = fit_transfer_cost(small_bytes, small, io_bytes, large)
+    return AioMeasurement(read_bps, write_bps, best[3], cost)
 
 
 # Hidden sizes the CPU compute curve is measured at, smallest first (the planner interpolates
@@ -351,9 +392,9 @@ def probe(nvme_path: str | Path | None = None, *, quick: bool = False, aio_budge
     if quick:
         return hw
     if hw.nvme_path:
-        hw.nvme_read_bytes_per_s, hw.nvme_write_bytes_per_s, hw.aio = measure_aio(
-            Path(hw.nvme_path), aio_budget_seconds, cores=hw.cpu_cores
-        )
+        measured = measure_aio(Path(hw.nvme_path), aio_budget_seconds, cores=hw.cpu_cores)
+        hw.nvme_read_bytes_per_s, hw.nvme_write_bytes_per_s = measured.read_bps, measured.write_bps
+        hw.aio, hw.nvme_transfer_seconds = measured.settings, measured.transfer_seconds
     hw.cpu_adam_params_per_s, hw.torch_adamw_params_per_s = measure_cpu_adam()
     hw.host_device_bytes_per_s = measure_host_device()
     hw.host_work_scale = measure_engine_host_work(hw.cpu_cores)

@@ -39,7 +39,7 @@ from spillway_runtime.core.hardware import COMPUTE_PROBE_VERSION, AioSettings, N
 
 # What an entry contributes to a run's hardware: figures measured once, not capacities.
 MEASURED_FIELDS = (
-    "nvme_read_bytes_per_s", "nvme_write_bytes_per_s", "aio",
+    "nvme_read_bytes_per_s", "nvme_write_bytes_per_s", "nvme_transfer_seconds", "aio",
     "cpu_adam_params_per_s", "torch_adamw_params_per_s", "host_device_bytes_per_s", "cpu_matmul",
     "host_work_scale",
 )
@@ -47,6 +47,10 @@ MEASURED_FIELDS = (
 COMPUTE_FIELDS = ("cpu_matmul", "cpu_adam_params_per_s", "torch_adamw_params_per_s", "host_device_bytes_per_s",
                   "host_work_scale")
 DAY_SECONDS = 86_400
+# What the disk's sweep measures; an entry measured another way is measured again. 1: the best
+# settings' read and write rates at one size. 2: and the disk's cost per transfer
+# (`probe.fit_transfer_cost`), the rates its bandwidth.
+AIO_PROBE_VERSION = 2
 EntryT = TypeVar("EntryT", bound=BaseModel)
 _IMPORTED_AT = time.time()
 
@@ -153,6 +157,7 @@ class ComputeEntry(BaseModel):
 
 class ProbeEntry(BaseModel):
     fingerprint: MachineFingerprint
+    probe: int = Field(1, description="What the sweep measured (AIO_PROBE_VERSION)")
     measured_at: float = Field(description="Unix seconds")
     probe_seconds: float = Field(description="How long the measurement took")
     hardware: NodeHardware = Field(description="The probe as measured; only MEASURED_FIELDS are reused")
@@ -168,6 +173,7 @@ class ProbeRecord(BaseModel):
     aio: AioSettings | None = None
     nvme_read_bytes_per_s: float | None = None
     nvme_write_bytes_per_s: float | None = None
+    nvme_transfer_seconds: float | None = None
     measured_at: float | None = None
     age_seconds: float | None = None
     probe_seconds: float | None = None
@@ -181,6 +187,8 @@ class ProbeRecord(BaseModel):
         if self.nvme_read_bytes_per_s and self.nvme_write_bytes_per_s:
             speed = (f"; read {self.nvme_read_bytes_per_s / 1e9:.2f} GB/s, "
                      f"write {self.nvme_write_bytes_per_s / 1e9:.2f} GB/s")
+            if self.nvme_transfer_seconds is not None:
+                speed += f", {self.nvme_transfer_seconds * 1e3:.1f} ms a transfer"
         if self.source == "cached":
             when = f"measured {_age(self.age_seconds or 0)} ago, cached in {self.cache_file}"
         else:
@@ -244,6 +252,8 @@ def staleness(entry: ProbeEntry | None, fp: MachineFingerprint, settings: ProbeC
         return "no cached probe of this disk"
     if entry.hardware.aio is None:
         return "the cached probe did not measure async I/O"
+    if entry.probe != AIO_PROBE_VERSION:
+        return "the cached probe did not measure the disk's cost per transfer"
     changed = entry.fingerprint.changes(fp)
     if changed:
         return f"the machine changed since the cached probe ({', '.join(changed)})"
@@ -279,7 +289,8 @@ def _record(source: Literal["cached", "measured", "unmeasured"], why: str, path:
     hw = entry.hardware
     return ProbeRecord(
         source=source, why=why, cache_file=str(path), aio=hw.aio, nvme_read_bytes_per_s=hw.nvme_read_bytes_per_s,
-        nvme_write_bytes_per_s=hw.nvme_write_bytes_per_s, measured_at=entry.measured_at,
+        nvme_write_bytes_per_s=hw.nvme_write_bytes_per_s, nvme_transfer_seconds=hw.nvme_transfer_seconds,
+        measured_at=entry.measured_at,
         age_seconds=round(time.time() - entry.measured_at, 1), probe_seconds=entry.probe_seconds,
     )
 
@@ -297,11 +308,11 @@ def _sweep(nvme_dir: Path, basic: NodeHardware, fp: MachineFingerprint, settings
     from spillway_runtime.probe import measure_aio
 
     started = time.monotonic()
-    read_bps, write_bps, aio = measure_aio(nvme_dir, settings.aio_seconds, io_bytes=settings.aio_io_mib << 20,
-                                           cores=basic.cpu_cores)
-    hw = basic.model_copy(update={"nvme_read_bytes_per_s": read_bps, "nvme_write_bytes_per_s": write_bps, "aio": aio})
-    return ProbeEntry(fingerprint=fp, measured_at=time.time(), probe_seconds=round(time.monotonic() - started, 2),
-                      hardware=hw)
+    measured = measure_aio(nvme_dir, settings.aio_seconds, io_bytes=settings.aio_io_mib << 20, cores=basic.cpu_cores)
+    hw = basic.model_copy(update={"nvme_read_bytes_per_s": measured.read_bps, "nvme_write_bytes_per_s": measured.write_bps,
+                                  "nvme_transfer_seconds": measured.transfer_seconds, "aio": measured.settings})
+    return ProbeEntry(fingerprint=fp, probe=AIO_PROBE_VERSION, measured_at=time.time(),
+                      probe_seconds=round(time.monotonic() - started, 2), hardware=hw)
 
 
 def _version(package: str) -> str | None:
@@ -445,6 +456,6 @@ def store_probe(nvme_dir: Path, hw: NodeHardware, settings: ProbeCacheSettings |
     fp = fingerprint(nvme_dir, hw)
     path = entry_path(settings, fp)
     with _locked(path):
-        store_entry(path, ProbeEntry(fingerprint=fp, measured_at=time.time(), probe_seconds=hw.probe_seconds or 0.0,
-                                     hardware=hw))
+        store_entry(path, ProbeEntry(fingerprint=fp, probe=AIO_PROBE_VERSION, measured_at=time.time(),
+                                     probe_seconds=hw.probe_seconds or 0.0, hardware=hw))
     return path

@@ -13,6 +13,7 @@ from spillway_runtime.core.hardware import AioSettings, matmul_rate_at
 from spillway_runtime.local import prepare_local_run
 from spillway_runtime.probe import probe_basic
 from spillway_runtime.probe_cache import (
+    AIO_PROBE_VERSION,
     DAY_SECONDS,
     ComputeEntry,
     ProbeCacheSettings,
@@ -90,7 +91,7 @@ def test_a_cached_entry_is_the_runs_aio_until_the_machine_changes_or_it_ages(mak
 
     def seed(**update) -> float:
         at = time.time() - 3600
-        entry = ProbeEntry(fingerprint=fp, measured_at=at, probe_seconds=2.0,
+        entry = ProbeEntry(fingerprint=fp, probe=AIO_PROBE_VERSION, measured_at=at, probe_seconds=2.0,
                            hardware=hw.model_copy(update={"aio": seeded, "nvme_read_bytes_per_s": 5e9,
                                                           "nvme_write_bytes_per_s": 4e9}))
         store_entry(path, entry.model_copy(update=update))
@@ -108,13 +109,23 @@ def test_a_cached_entry_is_the_runs_aio_until_the_machine_changes_or_it_ages(mak
     entry = read_entry(path)
     assert entry is not None and entry.fingerprint == fp and entry.hardware.aio != seeded
     assert aio_block(changed) == tuple(getattr(entry.hardware.aio, k) for k in AIO_KEYS)
+    # the sweep's winner timed at a quarter of its 8 MiB too: the disk's cost per transfer, fitted
+    # (none where an 8 MiB block leaves no smaller size to time)
+    assert entry.probe == AIO_PROBE_VERSION
+    cost = entry.hardware.nvme_transfer_seconds
+    assert (cost is None) is (entry.hardware.aio.block_size >= 8 << 20) and (cost is None or 0 <= cost < 1)
+    assert changed.probe.nvme_transfer_seconds == cost
+
+    seed(probe=1)  # swept by a Spillway that fitted no cost per transfer
+    older = prepare_local_run(job, run_dir=tmp_path / "run")
+    assert older.probe is not None and older.probe.source == "measured" and "cost per transfer" in older.probe.why
 
     old = seed(measured_at=time.time() - 8 * DAY_SECONDS)
     aged = prepare_local_run(job, run_dir=tmp_path / "run")
     assert aged.probe is not None and aged.probe.source == "measured" and "days old" in aged.probe.why
     entry = read_entry(path)
     assert entry is not None and entry.measured_at > old
-    assert [e["source"] for e in probe_events(aged.run_dir)] == ["cached", "measured", "measured"]
+    assert [e["source"] for e in probe_events(aged.run_dir)] == ["cached", "measured", "measured", "measured"]
 
 
 @pytest.mark.integration
@@ -128,7 +139,8 @@ def test_a_resumed_job_keeps_the_block_size_its_checkpoints_were_written_under(m
     path = entry_path(ProbeCacheSettings(), fp)
 
     def seed(block: int) -> None:
-        store_entry(path, ProbeEntry(fingerprint=fp, measured_at=time.time(), probe_seconds=1.0, hardware=hw.model_copy(
+        store_entry(path, ProbeEntry(fingerprint=fp, probe=AIO_PROBE_VERSION, measured_at=time.time(),
+                                     probe_seconds=1.0, hardware=hw.model_copy(
             update={"aio": AioSettings(block_size=block, queue_depth=48, intra_op_parallelism=3)})))
 
     seed(1 << 20)

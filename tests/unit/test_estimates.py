@@ -38,7 +38,8 @@ def test_the_step_time_reason_states_the_sum_that_is_computed(ram_gib: int, offl
     # ZeRO-3 on a GPU: the hooks of every tensor, every micro-step
     assert s.gather_release == pytest.approx(0.67e-3 * (9 * P13.num_layers + 3) * TRAIN.gradient_accumulation)
     assert s.gradients == pytest.approx(0.24e-3 * (9 * P13.num_layers + 3) * TRAIN.gradient_accumulation)
-    forward_backward = max(s.compute + s.gradients + s.gather_release, s.host_device, s.parameter_nvme)
+    forward_backward = max(s.compute + s.gradients + s.gather_release, s.host_device,
+                           s.parameter_nvme + s.gradient_nvme)
     if pipelined:  # over n swapped sub-groups: the longer whole, the shorter where nothing hides it
         n, stepped = s.swapped_sub_groups, s.cpu_optimizer * (1 - s.resident_share)
         groups = sub_group_cut(P13, 1, plan.swap.sub_group_size, MIN_AIO_BYTES)  # finer than 1e9 elements: more to overlap
@@ -49,10 +50,13 @@ def test_the_step_time_reason_states_the_sum_that_is_computed(ram_gib: int, offl
     else:
         optimizer_phase = s.cpu_optimizer + s.optimizer_nvme
     assert s.total == pytest.approx(forward_backward + optimizer_phase)
-    assert s.nvme == pytest.approx(s.parameter_nvme + s.optimizer_nvme)
+    assert s.nvme == pytest.approx(s.parameter_nvme + s.gradient_nvme + s.optimizer_nvme)
     [reason] = [r for r in plan.reasons if r.startswith("step ")]
     assert (f"step {s.total:.3g} s = max(compute {s.compute:.3g} + gradients {s.gradients:.3g} + ZeRO-3 "
             f"gather/release {s.gather_release:.3g}, host-device {s.host_device:.3g}, ") in reason
+    if s.gradient_nvme:
+        assert (f"parameter NVMe {s.parameter_nvme:.3g} + gradients' NVMe writes {s.gradient_nvme:.3g})"
+                in reason)
     if pipelined:
         assert (f"+ optimizer phase {optimizer_phase:.3g} (pipelined swap over {n} sub-groups" in reason
                 and f"max(step {stepped:.3g}, optimizer NVMe {s.optimizer_nvme:.3g}) + the shorter / {n})" in reason)
@@ -215,3 +219,43 @@ def test_the_gradient_partition_is_held_where_micro_batches_accumulate_fp16_scal
     bf16 = [plan_tiers(model, gpu_node(256), t, zero3).bytes.cpu for t in (one, two)]
     fp32 = [plan_tiers(model, gpu_node(256), t, zero3, dtype="fp32").bytes.cpu for t in (one, two)]
     assert (bf16[1] - bf16[0], fp32[1] - fp32[0]) == (2 * model.params, 4 * model.params)
+
+
+def test_the_optimizers_swap_pays_the_disks_cost_per_transfer_and_writes_its_gradients_in_the_backward() -> None:
+    """With the optimizer on NVMe each swapped sub-group's fp32 gradients (4 B/param) go out in
+    the backward, beside the compute, and its state and gradient come in (16 B/param) and its
+    state goes out (12 B/param) in the optimizer phase: bytes at the disk's bandwidth, and per
+    sub-group three transfers at the disk's cost per transfer (the probe's fit)."""
+    from spillway_runtime.core.estimates import GRADIENT_SWAP_BYTES_PER_PARAM, OPTIMIZER_SWAP_BYTES_PER_PARAM
+
+    model = ModelShape.from_param_count(3_000_000_000)
+    one = TRAIN.model_copy(update={"gradient_accumulation": 1})
+    costs = gpu_node(256).model_copy(update={"nvme_transfer_seconds": 0.015})
+    # the planner's own cut: fewer, larger sub-groups where each transfer costs
+    chosen = [plan_tiers(model, hw, one, Offload(optimizer="nvme", parameters="cpu", cpu_resident_fraction=0.5))
+              for hw in (gpu_node(256), costs)]
+    assert chosen[1].swap.sub_group_size > chosen[0].swap.sub_group_size
+    offload = Offload(optimizer="nvme", parameters="cpu", cpu_resident_fraction=0.5,
+                      deepspeed={"zero_optimization": {"sub_group_size": 100_000_000}})
+    free, costly = (plan_tiers(model, hw, one, offload) for hw in (gpu_node(256), costs))
+    assert costly.swap == free.swap  # the same cut, for the comparison
+    n = costly.step.swapped_sub_groups
+    assert n > 0 and 0 < costly.step.resident_share < 1
+    swapped = model.params * (1 - costly.step.resident_share)
+    state = OPTIMIZER_SWAP_BYTES_PER_PARAM * swapped
+    gradients = GRADIENT_SWAP_BYTES_PER_PARAM * swapped
+    assert free.step.gradient_nvme == pytest.approx(gradients / 3.0e9, rel=1e-3)
+    assert free.step.optimizer_nvme == pytest.approx(state / 3.5e9 + (state - gradients) / 3.0e9, rel=1e-3)
+    assert costly.step.gradient_nvme == pytest.approx(free.step.gradient_nvme + n * 0.015)
+    assert costly.step.optimizer_nvme == pytest.approx(free.step.optimizer_nvme + 2 * n * 0.015)
+    assert costly.step.nvme_bytes == free.step.nvme_bytes == pytest.approx(2 * state, rel=1e-3)
+    for plan in (free, costly):  # at one micro-batch a step the writes outlast this GPU's backward
+        s = plan.step
+        assert s.parameter_nvme + s.gradient_nvme > s.compute + s.gradients + s.gather_release
+        assert s.total == pytest.approx(max(s.host_device, s.parameter_nvme + s.gradient_nvme) + s.optimizer_phase)
+    # at eight they hide behind it, and only the optimizer phase pays the cost per transfer
+    free, costly = (plan_tiers(model, hw, TRAIN, offload) for hw in (gpu_node(256), costs))
+    assert costly.step.compute > costly.step.parameter_nvme + costly.step.gradient_nvme
+    assert costly.predicted_step_seconds - free.predicted_step_seconds == pytest.approx(
+        costly.step.optimizer_phase - free.step.optimizer_phase)
+    assert costly.step.optimizer_phase > free.step.optimizer_phase

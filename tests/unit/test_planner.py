@@ -322,6 +322,21 @@ def test_the_probed_host_work_round_trips_through_node_annotations_and_junk_read
     assert "spillway.dev/host-work-scale" not in rtx4090(64).to_annotations()  # the quick probe measures none
 
 
+def test_the_disks_cost_per_transfer_round_trips_through_node_annotations_and_junk_reads_as_unmeasured():
+    hw = rtx4090(64).model_copy(update={"nvme_transfer_seconds": 0.0153})
+    annotations = hw.to_annotations()
+    assert annotations["spillway.dev/nvme-transfer-microseconds"] == "15300"
+    node = {"metadata": {"name": "n", "annotations": annotations},
+            "status": {"allocatable": {"cpu": "16", "memory": "64Gi"}}}
+    assert hardware_from_node(node).nvme_transfer_seconds == 0.0153
+    for junk in ("slow", "-5", "2000000", "inf", "nan"):  # 2 s is no disk's latency
+        annotations["spillway.dev/nvme-transfer-microseconds"] = junk
+        assert hardware_from_node(node).nvme_transfer_seconds is None, junk
+    assert "spillway.dev/nvme-transfer-microseconds" not in rtx4090(64).to_annotations()
+    with pytest.raises(ValueError, match="nvme_transfer_seconds"):
+        NodeHardware.model_validate({**rtx4090(64).model_dump(), "nvme_transfer_seconds": 2.0})
+
+
 def test_a_node_with_part_of_the_aio_annotations_plans_with_the_defaults():
     """Half a measurement is not a setting anyone measured; a garbled value is not one either."""
     annotations = {"spillway.dev/aio-block-size": str(8 << 20), "spillway.dev/aio-queue-depth": "128"}

@@ -14,6 +14,7 @@ from spillway_runtime.core.hardware import AioSettings, MatmulRate, NodeHardware
 from spillway_runtime.core.planner import ModelShape, plan_tiers
 from spillway_runtime.probe import probe_basic
 from spillway_runtime.probe_cache import (
+    AIO_PROBE_VERSION,
     DAY_SECONDS,
     ComputeEntry,
     ProbeCacheSettings,
@@ -54,6 +55,15 @@ def test_a_stored_probe_is_merged_over_fresh_capacities(tmp_path: Path, settings
     assert hw.nvme_free_bytes > 1  # capacities are today's, not the cached ones
     assert hw.nvme_path == str((tmp_path / "other-run" / "nvme").resolve())
     assert "8192 KiB, queue depth 128, parallelism 2" in record.describe()
+    assert "a transfer" not in record.describe()  # none measured
+
+
+def test_the_disks_cost_per_transfer_is_kept_and_said(tmp_path: Path, settings: ProbeCacheSettings) -> None:
+    nvme = tmp_path / "nvme"
+    store_probe(nvme, measured(nvme).model_copy(update={"nvme_transfer_seconds": 0.0153}), settings)
+    hw, record = hardware_for_run(nvme, measure=False, settings=settings)
+    assert hw.nvme_transfer_seconds == 0.0153 and record.nvme_transfer_seconds == 0.0153
+    assert "read 3.00 GB/s, write 2.00 GB/s, 15.3 ms a transfer" in record.describe()
 
 
 def test_with_the_sweep_off_a_run_plans_with_the_defaults_beside_a_fresh_entry(
@@ -74,8 +84,13 @@ def test_an_entry_is_stale_when_old_when_the_machine_changed_or_when_asked(
         tmp_path: Path, settings: ProbeCacheSettings) -> None:
     hw = measured(tmp_path)
     fp = fingerprint(tmp_path, hw)
-    entry = ProbeEntry(fingerprint=fp, measured_at=time.time(), probe_seconds=3.0, hardware=hw)
+    entry = ProbeEntry(fingerprint=fp, probe=AIO_PROBE_VERSION, measured_at=time.time(), probe_seconds=3.0,
+                       hardware=hw)
     assert staleness(entry, fp, settings) is None
+    # swept before the sweep fitted the disk's cost per transfer: its rates were 64 MiB transfers'
+    older = ProbeEntry.model_validate_json(json.dumps({k: v for k, v in json.loads(entry.model_dump_json()).items()
+                                                       if k != "probe"}))
+    assert "did not measure the disk's cost per transfer" in (staleness(older, fp, settings) or "")
     assert "no cached probe" in (staleness(None, fp, settings) or "")
     old = entry.model_copy(update={"measured_at": time.time() - 8 * DAY_SECONDS})
     assert "8.0 days old (max 7)" in (staleness(old, fp, settings) or "")
@@ -93,7 +108,7 @@ def test_a_stale_entry_is_not_used_and_nothing_is_measured_without_nvme(
     fp = fingerprint(tmp_path, hw)
     path = entry_path(settings, fp)
     store_entry(path, ProbeEntry(fingerprint=fp.model_copy(update={"cpu_count": fp.cpu_count + 64}),
-                                 measured_at=time.time(), probe_seconds=3.0, hardware=hw))
+                                 probe=AIO_PROBE_VERSION, measured_at=time.time(), probe_seconds=3.0, hardware=hw))
     before = path.read_bytes()
     fresh, record = hardware_for_run(tmp_path, measure=False, settings=settings)
     assert record.source == "unmeasured" and "cpu_count" in record.why and "keeps nothing on NVMe" in record.why
@@ -236,3 +251,24 @@ def test_a_host_work_figure_not_measured_is_tried_again_alone_after_an_hour(
     kept = _read(path, ComputeEntry)
     assert kept is not None and kept.measured_at == measured_at - 2 * 3600 and kept.hardware.host_work_scale == 1.9
     assert with_compute_rates(basic, settings).host_work_scale == 1.9 and len(tries) == 2  # a figure is kept
+
+
+def test_the_sweeps_two_sizes_fit_the_disks_bandwidth_and_cost_per_transfer() -> None:
+    """`probe.fit_transfer_cost`: times on the line cost + bytes / rate give the rate and the
+    cost back (the cost the mean of the read's and the write's); a direction whose points make
+    no such line (noise on a disk without the cost) keeps its rate at the larger size."""
+    from spillway_runtime.probe import fit_transfer_cost
+
+    small, large = 16 << 20, 64 << 20
+
+    def rate(size: int, bandwidth: float, cost: float) -> float:
+        return size / (cost + size / bandwidth)
+
+    read_bps, write_bps, cost = fit_transfer_cost(
+        small, (rate(small, 1.74e9, 0.015), rate(small, 2.83e9, 0.017)),
+        large, (rate(large, 1.74e9, 0.015), rate(large, 2.83e9, 0.017)))
+    assert (read_bps, write_bps, cost) == pytest.approx((1.74e9, 2.83e9, 0.016))
+    # the small transfer a hair faster per byte than the large one: no cost, the large one's rate
+    read_bps, write_bps, cost = fit_transfer_cost(small, (3.1e9, rate(small, 2.83e9, 0.002)),
+                                                  large, (3.0e9, rate(large, 2.83e9, 0.002)))
+    assert (read_bps, write_bps, cost) == pytest.approx((3.0e9, 2.83e9, 0.001))

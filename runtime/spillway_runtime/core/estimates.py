@@ -39,6 +39,11 @@ CPU_FLOPS_PER_CORE = 25e9
 # in CPU RAM, which on tiny models leaves 12 B/param (measured on a 0.75M-parameter model).
 OPTIMIZER_SWAP_BYTES_PER_PARAM = 16
 OPTIMIZER_SWAP_BYTES_PER_PARAM_NO_GRADS = 12
+# Of the 16 written, the fp32 gradient's 4 go out in the backward (stage 3's gradient swapper, as
+# each sub-group's gradients are partitioned), the state's 12 in the optimizer phase. Each
+# swapped sub-group is one read and one write in the phase and one write in the backward, each
+# paying the disk's cost per transfer (`NodeHardware.nvme_transfer_seconds`).
+GRADIENT_SWAP_BYTES_PER_PARAM = 4
 # DeepSpeed swaps a tensor only when it holds at least max(1 MiB, aio block) bytes
 # (OptimizerSwapper.is_swappable_tensor); smaller ones stay in CPU RAM.
 MIN_AIO_BYTES = 1 << 20
@@ -72,9 +77,12 @@ class StepTime(BaseModel):
     host_work_scale: float = Field(1.0, description="gradients and gather_release: the fitted constants times this "
                                    "(NodeHardware.host_work_scale, as the node's probe measured it)")
     host_device: float
-    nvme: float = Field(description="parameter_nvme + optimizer_nvme")
+    nvme: float = Field(description="parameter_nvme + gradient_nvme + optimizer_nvme")
     parameter_nvme: float = 0.0
-    optimizer_nvme: float = 0.0
+    optimizer_nvme: float = Field(0.0, description="The optimizer phase's reads and writes: each swapped sub-group's "
+                                  "state and gradient in, its state out")
+    gradient_nvme: float = Field(0.0, description="The swapped sub-groups' fp32 gradients written in the backward, "
+                                 "beside the compute")
     nvme_bytes: int = Field(0, description="Read and written per step and node, parameters and optimizer")
     cpu_optimizer: float = Field(description="The optimizer step: on the CPU, or fused Adam on the GPU")
     zenflow_interval: int = Field(0, description="offload.overlap zenflow: the CPU step every this many steps")
@@ -95,8 +103,9 @@ class StepTime(BaseModel):
             f" + ZeRO-3 gather/release {self.gather_release:.3g}" if self.gather_release else "") + (
             f" (DeepSpeed's host work measured at {self.host_work_scale:.2f}x the fitted constants)"
             if self.host_work_scale != 1.0 else "")
-        forward_backward = (f"max({compute}, host-device {self.host_device:.3g}, "
-                            f"parameter NVMe {self.parameter_nvme:.3g})")
+        disk = f"parameter NVMe {self.parameter_nvme:.3g}" + (
+            f" + gradients' NVMe writes {self.gradient_nvme:.3g}" if self.gradient_nvme else "")
+        forward_backward = f"max({compute}, host-device {self.host_device:.3g}, {disk})"
         if self.pipelined and self.swapped_sub_groups and self.optimizer_nvme:
             swapped_step = self.cpu_optimizer * (1 - self.resident_share)
             optimizer_phase = (f"optimizer phase {self.optimizer_phase:.3g} (pipelined swap over "
@@ -348,9 +357,23 @@ def compute_rate(placement: PlacementInputs) -> tuple[float, str]:
     )
 
 
-def _nvme_seconds(placement: PlacementInputs, swap: SwapSettings) -> tuple[float, float, float]:
-    """Seconds per step of the parameters' NVMe reads and writes, of the optimizer state's,
-    and the bytes of both, per node."""
+@dataclass(frozen=True)
+class NvmeSeconds:
+    """Seconds per step and node of each part's NVMe reads and writes, and their bytes."""
+
+    parameters: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    nvme_bytes: float = 0.0
+
+
+def _nvme_seconds(placement: PlacementInputs, swap: SwapSettings) -> NvmeSeconds:
+    """The parameters' NVMe reads and writes, the optimizer's gradients written in the backward
+    and its state read and written in the optimizer phase: bytes at the disk's bandwidth, and
+    for the optimizer the disk's cost per transfer, three a swapped sub-group (its gradients
+    out in the backward; its state and gradient in and its state out in the phase) on each of
+    the node's processes. The parameters' transfers (a module's tensors, fetched as it runs) are
+    counted by their bytes alone."""
     hw, parameters, optimizer, nodes = placement.hw, placement.parameters, placement.optimizer, placement.nodes
     p, t = placement.shape.params, placement.shape.trainable
     micro_steps = placement.training.gradient_accumulation
@@ -362,15 +385,20 @@ def _nvme_seconds(placement: PlacementInputs, swap: SwapSettings) -> tuple[float
     if parameters == "nvme":
         param_nvme = (fetches * 2 * p / nodes * micro_steps) / read_bps + (2 * t / nodes) / write_bps
         nvme_bytes += fetches * 2 * p / nodes * micro_steps + 2 * t / nodes
-    opt_nvme = 0.0
+    grad_nvme = opt_nvme = 0.0
     if optimizer == "nvme":
         # the sub-groups kept in RAM (`swap.cpu_resident_fraction` of them, whole) and those under
         # the minimum swap size are never read or written
         cut = placement_cut(placement, swap)
-        half = OPTIMIZER_SWAP_BYTES_PER_PARAM * t / nodes * sum(cut.swapped(swap.cpu_resident_fraction)) / cut.total
-        opt_nvme = half / read_bps + half / write_bps
+        swapped = cut.swapped(swap.cpu_resident_fraction)
+        per_param = t / nodes * sum(swapped) / cut.total
+        half = OPTIMIZER_SWAP_BYTES_PER_PARAM * per_param
+        gradients = GRADIENT_SWAP_BYTES_PER_PARAM * per_param
+        transfer = (hw.nvme_transfer_seconds or 0.0) * len(swapped) * placement.ranks_per_node
+        grad_nvme = gradients / write_bps + transfer
+        opt_nvme = half / read_bps + (half - gradients) / write_bps + 2 * transfer
         nvme_bytes += 2 * half
-    return param_nvme, opt_nvme, nvme_bytes
+    return NvmeSeconds(param_nvme, grad_nvme, opt_nvme, nvme_bytes)
 
 
 def optimizer_phase(step: float, nvme: float, resident: float, swapped: int, pipelined: bool) -> float:
@@ -518,7 +546,7 @@ def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSetting
         # fetch for forward and backward (and DPO's reference forward), and the 16-bit grads down
         # where a buffer holds them, every micro-step
         host_device += ((2 + placement.reference_forwards) * 2 * p + partition * t) / ranks * micro_steps / pcie
-    param_nvme, opt_nvme, nvme_bytes = _nvme_seconds(placement, swap)
+    disk = _nvme_seconds(placement, swap)
     cpu_adam = hw.cpu_adam_params_per_s or DEFAULT_CPU_ADAM_PARAMS_PER_S
     # fused Adam on a GPU streams ~16 B/param three times at HBM speed (~2 TB/s)
     on_hbm = optimizer == "gpu" and placement.on_gpu
@@ -536,19 +564,20 @@ def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSetting
         zenflow = placement.zenflow_topk * per_step
         optimizer_step = optimizer_step / placement.zenflow_interval + zenflow
     gather, gradients = gather_release(placement), gradient_handling(placement)
-    forward_backward = max(compute + gradients + gather, host_device, param_nvme)
+    forward_backward = max(compute + gradients + gather, host_device, disk.parameters + disk.gradients)
     swapped, kept = swapped_sub_groups(placement, swap)
-    phase = optimizer_phase(optimizer_step, opt_nvme, kept, swapped, swap.pipeline)
+    phase = optimizer_phase(optimizer_step, disk.optimizer, kept, swapped, swap.pipeline)
     return StepTime(
         compute=compute,
         gather_release=gather,
         gradients=gradients,
         host_work_scale=hw.host_work,
         host_device=host_device,
-        nvme=param_nvme + opt_nvme,
-        parameter_nvme=param_nvme,
-        optimizer_nvme=opt_nvme,
-        nvme_bytes=int(nvme_bytes),
+        nvme=disk.parameters + disk.gradients + disk.optimizer,
+        parameter_nvme=disk.parameters,
+        gradient_nvme=disk.gradients,
+        optimizer_nvme=disk.optimizer,
+        nvme_bytes=int(disk.nvme_bytes),
         cpu_optimizer=optimizer_step,
         zenflow_interval=placement.zenflow_interval,
         zenflow_selective=zenflow,

@@ -44,6 +44,11 @@ UNLIMITED = "unlimited"
 # "bf16@256=4100000000,bf16@1024=3900000000,fp32@256=...". One annotation, as the figures are one curve.
 CPU_MATMUL_ANNOTATION = "spillway.dev/cpu-matmul-flops-per-second"
 HOST_WORK_ANNOTATION = "spillway.dev/host-work-scale"  # NodeHardware.host_work_scale, a ratio
+# NodeHardware.nvme_transfer_seconds in whole microseconds
+NVME_TRANSFER_ANNOTATION = "spillway.dev/nvme-transfer-microseconds"
+# What a cost per transfer may be: beyond a second it is not a disk's latency but a measurement
+# that went wrong, refused by hand and ignored in an annotation.
+MAX_TRANSFER_SECONDS = 1.0
 # What `engine_probe` keeps of its ratio: outside it a measurement failed (a neighbour took the
 # machine for half of it), and a figure set by hand or in an annotation is refused.
 HOST_WORK_SCALE_RANGE = (0.2, 5.0)
@@ -153,6 +158,11 @@ class NodeHardware(BaseModel):
     nvme_free_bytes: int = Field(0, ge=0)
     nvme_read_bytes_per_s: float | None = None
     nvme_write_bytes_per_s: float | None = None
+    nvme_transfer_seconds: float | None = Field(
+        None, ge=0, le=MAX_TRANSFER_SECONDS,
+        description="The NVMe disk's fixed cost per async-I/O transfer (one submission and its wait, whatever its "
+        "size), beside its read and write bandwidth: the probe's fit of two transfer sizes. None: not measured, "
+        "counted as none")
     aio: AioSettings | None = None
     cpu_adam_params_per_s: float | None = None
     torch_adamw_params_per_s: float | None = None
@@ -208,6 +218,8 @@ class NodeHardware(BaseModel):
             out[CPU_MATMUL_ANNOTATION] = matmul_annotation(self.cpu_matmul)
         if self.host_work_scale:
             out[HOST_WORK_ANNOTATION] = f"{self.host_work_scale:.3f}"
+        if self.nvme_transfer_seconds is not None:
+            out[NVME_TRANSFER_ANNOTATION] = str(round(self.nvme_transfer_seconds * 1e6))
         out[MEMLOCK_ANNOTATION] = UNLIMITED if self.memlock_bytes is None else str(self.memlock_bytes)
         return out
 
@@ -227,6 +239,15 @@ def host_work_scale_from_annotation(value: str | None) -> float | None:
         return None
     low, high = HOST_WORK_SCALE_RANGE
     return scale if scale is not None and low <= scale <= high else None
+
+
+def transfer_seconds_from_annotation(value: str | None) -> float | None:
+    """`NVME_TRANSFER_ANNOTATION`'s microseconds as seconds; None for absent and for what is not
+    a figure from 0 to MAX_TRANSFER_SECONDS."""
+    micros = _int(value) if value is not None else None
+    if micros is None or not 0 <= micros <= MAX_TRANSFER_SECONDS * 1e6:
+        return None
+    return micros / 1e6
 
 
 def memlock_from_annotation(value: str | None) -> int | None:
@@ -280,6 +301,7 @@ def hardware_from_node(node: dict[str, Any]) -> NodeHardware:
         aio=aio_from_annotations(annotations),
         cpu_matmul=matmul_from_annotation(annotations.get(CPU_MATMUL_ANNOTATION)),
         host_work_scale=host_work_scale_from_annotation(annotations.get(HOST_WORK_ANNOTATION)),
+        nvme_transfer_seconds=transfer_seconds_from_annotation(annotations.get(NVME_TRANSFER_ANNOTATION)),
         memlock_bytes=memlock_from_annotation(annotations.get(MEMLOCK_ANNOTATION)),
         **{k: v for k, v in values.items() if v is not None},
     )
