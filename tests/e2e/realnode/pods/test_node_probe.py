@@ -16,6 +16,8 @@ from spillway_runtime.core.hardware import (
     HOST_WORK_SCALE_RANGE,
     MEMLOCK_ANNOTATION,
     NVME_PATH_ANNOTATION,
+    NVME_TRANSFER_ANNOTATION,
+    transfer_seconds_from_annotation,
 )
 from tests.e2e.cluster import REPO_ROOT, Cluster
 from tests.e2e.realnode.real_jobs import POD_TIMEOUT_S, RUNTIME_UID, RealNode
@@ -70,6 +72,9 @@ def test_the_node_probe_daemonset_measures_and_annotates_the_real_node(
         else:
             assert HOST_WORK_SCALE_RANGE[0] <= float(scale) <= HOST_WORK_SCALE_RANGE[1], annotations
         assert int(annotations["spillway.dev/nvme-capacity-bytes"]) == shutil.disk_usage(nvme).total
+        # the disk's cost per transfer, fitted to the sweep winner's two sizes (under 8 MiB of memlock
+        # both fit): microseconds, 0 on a disk without one
+        assert transfer_seconds_from_annotation(annotations.get(NVME_TRANSFER_ANNOTATION)) is not None, annotations
         # what a training pod may lock, as the probe's container (non-root, no capability) found it:
         # this machine's containers get 8 MiB (hack/CLUSTER.md); the operator plans the swap under it
         assert annotations[MEMLOCK_ANNOTATION] == str(8 << 20), annotations
