@@ -205,9 +205,9 @@ def measure_aio(
     in an order that tries the usually-best settings first, and stops when the budget
     is spent. The scored figure is the harmonic mean of read and write, since optimizer
     swapping does both every step. The best settings are then timed at a quarter of
-    `io_bytes` and at `io_bytes` again: a disk may pay a fixed cost per transfer (on the VM this was written on,
-    about 15 ms, a quarter of a 64 MiB transfer's time), which the swapper pays once per
-    sub-group, whatever its size.
+    `io_bytes` and at `io_bytes` again: a disk may pay a fixed cost per transfer (one VM's disk
+    took about 15 ms, a quarter of a 64 MiB transfer's time; another's none), which the
+    swapper pays once per sub-group, whatever its size.
     """
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
