@@ -10,7 +10,7 @@ from spillway_runtime.core.estimates import (
     resident_sub_groups,
     sub_group_cut,
 )
-from spillway_runtime.core.hardware import DEFAULT_HOST_DEVICE_BPS, AioSettings, NodeHardware, hardware_from_node
+from spillway_runtime.core.hardware import DEFAULT_HOST_DEVICE_BPS, NodeHardware
 from spillway_runtime.core.largest import largest_model
 from spillway_runtime.core.plan_summary import PlanSummary
 from spillway_runtime.core.planner import (
@@ -274,78 +274,6 @@ def test_step_time_and_cost_are_predicted():
 def test_gpus_requested_beyond_the_node_are_refused():
     with pytest.raises(ValueError, match="gpusPerNode is 4"):
         plan_tiers(P13, rtx4090(64), TRAIN, gpus_per_node=4)
-
-
-def test_node_hardware_from_labels_and_annotations_round_trips():
-    hw = rtx4090(64)
-    hw.cpu_adam_params_per_s = 2.0e9
-    node = {
-        "metadata": {
-            "name": "gpu-1",
-            "labels": {"nvidia.com/gpu.product": "NVIDIA GeForce RTX 4090", "nvidia.com/gpu.memory": "24564",
-                       "nvidia.com/gpu.count": "1"},
-            "annotations": hw.to_annotations(),
-        },
-        "status": {"allocatable": {"nvidia.com/gpu": "1", "cpu": "16", "memory": "64Gi"}},
-    }
-    back = hardware_from_node(node)
-    assert back.gpu_count == 1 and back.gpu_memory_bytes == hw.gpu_memory_bytes
-    assert back.cpu_memory_bytes == 64 * GiB
-    assert back.nvme_free_bytes == hw.nvme_free_bytes
-    assert back.cpu_adam_params_per_s == 2.0e9
-    assert plan_tiers(P13, back, TRAIN).label == plan_tiers(P13, hw, TRAIN).label
-
-
-def test_the_probed_aio_settings_round_trip_through_node_annotations():
-    hw = rtx4090(64)
-    hw.aio = AioSettings(block_size=8 << 20, queue_depth=128, intra_op_parallelism=4)
-    annotations = hw.to_annotations()
-    assert annotations["spillway.dev/aio-block-size"] == str(8 << 20)
-    assert annotations["spillway.dev/aio-queue-depth"] == "128"
-    assert annotations["spillway.dev/aio-intra-op-parallelism"] == "4"
-    back = hardware_from_node({"metadata": {"name": "n", "annotations": annotations},
-                               "status": {"allocatable": {"cpu": "16", "memory": "64Gi"}}})
-    assert back.aio == hw.aio
-    assert plan_tiers(P13, back, TRAIN).aio == hw.aio
-
-
-def test_the_probed_host_work_round_trips_through_node_annotations_and_junk_reads_as_unmeasured():
-    hw = rtx4090(64).model_copy(update={"host_work_scale": 1.8765})
-    annotations = hw.to_annotations()
-    assert annotations["spillway.dev/host-work-scale"] == "1.877"
-    node = {"metadata": {"name": "n", "annotations": annotations},
-            "status": {"allocatable": {"cpu": "16", "memory": "64Gi"}}}
-    assert hardware_from_node(node).host_work_scale == 1.877
-    for junk in ("fast", "0", "-2", "inf", "nan"):
-        annotations["spillway.dev/host-work-scale"] = junk
-        assert hardware_from_node(node).host_work_scale is None, junk
-    assert "spillway.dev/host-work-scale" not in rtx4090(64).to_annotations()  # the quick probe measures none
-
-
-def test_the_disks_cost_per_transfer_round_trips_through_node_annotations_and_junk_reads_as_unmeasured():
-    hw = rtx4090(64).model_copy(update={"nvme_transfer_seconds": 0.0153})
-    annotations = hw.to_annotations()
-    assert annotations["spillway.dev/nvme-transfer-microseconds"] == "15300"
-    node = {"metadata": {"name": "n", "annotations": annotations},
-            "status": {"allocatable": {"cpu": "16", "memory": "64Gi"}}}
-    assert hardware_from_node(node).nvme_transfer_seconds == 0.0153
-    for junk in ("slow", "-5", "2000000", "inf", "nan"):  # 2 s is no disk's latency
-        annotations["spillway.dev/nvme-transfer-microseconds"] = junk
-        assert hardware_from_node(node).nvme_transfer_seconds is None, junk
-    assert "spillway.dev/nvme-transfer-microseconds" not in rtx4090(64).to_annotations()
-    with pytest.raises(ValueError, match="nvme_transfer_seconds"):
-        NodeHardware.model_validate({**rtx4090(64).model_dump(), "nvme_transfer_seconds": 2.0})
-
-
-def test_a_node_with_part_of_the_aio_annotations_plans_with_the_defaults():
-    """Half a measurement is not a setting anyone measured; a garbled value is not one either."""
-    annotations = {"spillway.dev/aio-block-size": str(8 << 20), "spillway.dev/aio-queue-depth": "128"}
-    for extra in ({}, {"spillway.dev/aio-intra-op-parallelism": "many"},
-                  {"spillway.dev/aio-intra-op-parallelism": "0"}):
-        node = {"metadata": {"name": "n", "annotations": {**annotations, **extra}},
-                "status": {"allocatable": {"cpu": "16", "memory": "64Gi"}}}
-        assert hardware_from_node(node).aio is None
-    assert "spillway.dev/aio-block-size" not in rtx4090(64).to_annotations()  # the quick probe writes none
 
 
 def test_the_plan_summary_is_one_camel_case_shape_and_reads_back_what_was_stored():

@@ -7,9 +7,9 @@ The status shows the mean of the last `WINDOW` steps and that mean over the plan
 `predicted_step_seconds` (`progress.stepSeconds`, `progress.stepTimeVsPlan`), and
 `spillway run` ends with the whole run's mean beside the prediction. The mean, not the
 median: the prediction is a step's share of the run (ZenFlow's CPU step comes once in its
-interval, and the median of its steps would leave it out). Outside `BAND` (the
-step-time model's promise, docs/one-machine.md) the line says so and how to measure the
-machine again.
+interval, and the median of its steps would leave it out). Outside `BAND` (where the
+step-time model held on a quiet machine, docs/one-machine.md: outside it the model missed) the
+line says so and how to measure the machine again.
 """
 
 from __future__ import annotations
