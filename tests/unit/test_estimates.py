@@ -9,7 +9,7 @@ from spillway_runtime.core.estimates import (
     sub_group_cut,
 )
 from spillway_runtime.core.hardware import DEFAULT_HOST_DEVICE_BPS, MatmulRate, NodeHardware, hardware_from_node, matmul_rate_at
-from spillway_runtime.core.planner import ModelShape, plan_tiers
+from spillway_runtime.core.planner import ModelShape, over_in_ram, plan_tiers
 from spillway_runtime.core.spec import Offload, Training
 from spillway_runtime.core.units import GiB
 
@@ -253,6 +253,10 @@ def test_the_optimizers_swap_pays_the_disks_cost_per_transfer_and_writes_its_gra
         s = plan.step
         assert s.parameter_nvme + s.gradient_nvme > s.compute + s.gradients + s.gather_release
         assert s.total == pytest.approx(max(s.host_device, s.parameter_nvme + s.gradient_nvme) + s.optimizer_phase)
+        # the same step with the optimizer in RAM (the amortizing-accumulation hint's) has no writes
+        in_ram = max(s.compute + s.gradients + s.gather_release, s.host_device, s.parameter_nvme)
+        assert in_ram < s.parameter_nvme + s.gradient_nvme
+        assert over_in_ram(s) == pytest.approx(s.total / (in_ram + s.cpu_optimizer))
     # at eight they hide behind it, and only the optimizer phase pays the cost per transfer
     free, costly = (plan_tiers(model, hw, TRAIN, offload) for hw in (gpu_node(256), costs))
     assert costly.step.compute > costly.step.parameter_nvme + costly.step.gradient_nvme

@@ -97,6 +97,14 @@ class StepTime(BaseModel):
     flops_per_s: float = Field(0.0, description="Of one GPU; on the CPU accelerator, of all the node's cores")
     flops_source: str = ""
 
+    def forward_backward(self, gradient_writes: bool = True) -> float:
+        """The forward and backward passes: max(compute + gradients + ZeRO-3's gather and release,
+        host-device, parameter NVMe + the gradients' NVMe writes), since the transfers overlap the
+        compute (prefetch); `gradient_writes=False` leaves the writes out (the same step with the
+        optimizer in RAM, `planner.over_in_ram`)."""
+        disk = self.parameter_nvme + (self.gradient_nvme if gradient_writes else 0.0)
+        return max(self.compute + self.gradients + self.gather_release, self.host_device, disk)
+
     def formula(self) -> str:
         """The sum `total` is, with the figures in it, as the plan's reasons state it."""
         compute = f"compute {self.compute:.3g} + gradients {self.gradients:.3g}" + (
@@ -509,9 +517,9 @@ def offloaded_zero3_bytes(trainable: int, gpu_share: float, parameters: Tier, mi
 
 
 def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSettings) -> StepTime:
-    """Seconds per optimizer step: max(compute + the engine's gradient handling + ZeRO-3's
-    gather and release, host-device, parameter NVMe) for the forward and backward passes,
-    since parameter transfers overlap with compute (prefetch); then the optimizer phase
+    """Seconds per optimizer step: the forward and backward passes (`StepTime.forward_backward`:
+    max(compute + the engine's gradient handling + ZeRO-3's gather and release, host-device,
+    parameter NVMe + the gradients' NVMe writes), the transfers overlapping the compute); then the optimizer phase
     (`optimizer_phase`: the optimizer step and its NVMe I/O, overlapped when the swapper is
     pipelined, else added)."""
     shape, hw, training = placement.shape, placement.hw, placement.training
@@ -563,14 +571,12 @@ def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSetting
         per_step = 48 * t / 2e12 if placement.on_gpu else t / nodes / cpu_adam  # whole matrices on every rank
         zenflow = placement.zenflow_topk * per_step
         optimizer_step = optimizer_step / placement.zenflow_interval + zenflow
-    gather, gradients = gather_release(placement), gradient_handling(placement)
-    forward_backward = max(compute + gradients + gather, host_device, disk.parameters + disk.gradients)
     swapped, kept = swapped_sub_groups(placement, swap)
     phase = optimizer_phase(optimizer_step, disk.optimizer, kept, swapped, swap.pipeline)
-    return StepTime(
+    step = StepTime(
         compute=compute,
-        gather_release=gather,
-        gradients=gradients,
+        gather_release=gather_release(placement),
+        gradients=gradient_handling(placement),
         host_work_scale=hw.host_work,
         host_device=host_device,
         nvme=disk.parameters + disk.gradients + disk.optimizer,
@@ -586,8 +592,9 @@ def step_time(placement: PlacementInputs, checkpointing: bool, swap: SwapSetting
         swapped_sub_groups=swapped,
         resident_share=kept if placement.optimizer == "nvme" else 0.0,
         optimizer_phase=phase,
-        total=forward_backward + phase,
+        total=0.0,
         flops=flops,
         flops_per_s=flops_per_s,
         flops_source=flops_source,
     )
+    return step.model_copy(update={"total": step.forward_backward() + phase})

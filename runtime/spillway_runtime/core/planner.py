@@ -435,8 +435,7 @@ def over_in_ram(step: StepTime) -> float:
     """A step over the same step without the optimizer's NVMe I/O (what the pipelined Adam step
     does not hide, and the gradients' writes where they outlast the backward): 1 unless the
     optimizer is on NVMe. Positive: the Adam step takes time."""
-    in_ram = max(step.compute + step.gradients + step.gather_release, step.host_device, step.parameter_nvme)
-    return step.total / (in_ram + step.cpu_optimizer)
+    return step.total / (step.forward_backward(gradient_writes=False) + step.cpu_optimizer)
 
 
 def amortizing_accumulation(plan: OffloadPlan, placement: PlacementInputs,
