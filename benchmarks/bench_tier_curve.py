@@ -13,6 +13,11 @@ own process, in turns, in the same session. Per share it prints:
   the planner used);
 - RATIO step / step at 100%, and measured / bound.
 
+Each share is planned with the machine's rates measured just before its run (the probe is
+run afresh for each: about 30 s), since on a shared VM they drift within minutes: DeepSpeed's
+host work read 1.92x, 1.81x and 1.57x the step-time model's constants in three probes within
+ten minutes on 2026-12-06.
+
 The model's optimizer state (12 B/param: fp32 master weights and two moments) is printed
 with the RAM a 2x budget would give it: at 50% the run holds what such a machine holds.
 """
@@ -51,7 +56,7 @@ def main() -> None:
         offload: dict[str, Any] = {"optimizer": "nvme", "parameters": "gpu", "cpuResidentFraction": share,
                                    "nvme": {"path": str(BENCH_DIR / "nvme" / name)}}
         job = write_job(name, args.model, steps=args.steps, stage=3, offload=offload)
-        config, events = run_job(job, BENCH_DIR / name)
+        config, events = run_job(job, BENCH_DIR / name, reprobe=True)
         plan = config.plan
         read, written = io_per_step(events)
         rows.append({"share": share, "seconds": median_step_seconds(events), "read": read, "written": written,
@@ -67,19 +72,21 @@ def main() -> None:
     state = 12 * rows[0]["params"]
     print(f"model {args.model}: {rows[0]['params'] / 1e6:.1f}M trainable parameters, optimizer state "
           f"{state / 2**20:.0f} MiB (a RAM budget of half of it: {state / 2 / 2**20:.0f} MiB); {args.steps} steps "
-          f"each, median of steps 3+; disk time at the probe's figures {1 / per_byte / 1e6:.0f} MB/s (read and "
-          "write and the cost per transfer averaged as the planner counts them); DeepSpeed's host work measured at "
-          f"{rows[0]['host_work']:.2f}x the step-time model's constants (`engine_probe`)")
+          f"each, median of steps 3+; disk time at each share's probe figures (the first: {1 / per_byte / 1e6:.0f} "
+          "MB/s, read and write and the cost per transfer averaged as the planner counts them); each share planned with "
+          "the rates "
+          "measured just before it, DeepSpeed's host work as a multiple of the step-time model's constants "
+          "(`engine_probe`) on each row")
     for r in rows:
         moved = r["read"] + r["written"]
-        bound = max(compute, moved * per_byte)
+        bound = max(compute, moved * (r["disk_s_per_byte"] or per_byte))  # at the disk's rates of this share's probe
         predicted_bytes = f"{r['predicted_bytes'] / 2**20:7.1f}"
         bytes_ratio = f"{moved / r['predicted_bytes']:.2f}" if r["predicted_bytes"] else "  - "
         print(f"  resident {r['share']:4.0%}: step {r['seconds'] * 1000:7.1f} ms (predicted {r['predicted'] * 1000:7.1f},"
               f" measured/predicted {r['seconds'] / r['predicted']:.2f})   NVMe {moved / 2**20:7.1f} MiB/step"
               f" (predicted {predicted_bytes}, measured/predicted {bytes_ratio})   bound {bound * 1000:7.1f} ms"
               f"   RATIO vs 100% = {r['seconds'] / compute:.2f}   measured/bound = {r['seconds'] / bound:.2f}"
-              f"   (load {r['load']:.1f} on {os.cpu_count()} CPUs)")
+              f"   (host work {r['host_work']:.2f}x, load {r['load']:.1f} on {os.cpu_count()} CPUs)")
 
 
 if __name__ == "__main__":

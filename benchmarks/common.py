@@ -11,6 +11,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -81,15 +82,25 @@ def write_job(name: str, model: str, *, steps: int, offload: dict[str, Any], sta
     return path
 
 
-def run_job(job: Path, run_dir: Path) -> tuple[Any, list[dict[str, Any]]]:
-    """Run the job as `spillway run` would; returns (RuntimeConfig, events)."""
+def run_job(job: Path, run_dir: Path, reprobe: bool = False) -> tuple[Any, list[dict[str, Any]]]:
+    """Run the job as `spillway run` would; returns (RuntimeConfig, events). `reprobe`: planned
+    with the machine's rates measured afresh for this run (in a process of its own: the probe
+    cache measures again at most once a process)."""
     import shutil
 
     from spillway_runtime.local import prepare_local_run, runtime_command, runtime_env
     from spillway_runtime.training.reporting import read_events
+    from spillway_runtime.training.runconfig import RuntimeConfig
 
     shutil.rmtree(run_dir, ignore_errors=True)
-    config = prepare_local_run(job, run_dir=run_dir)
+    if reprobe:
+        plan = ("import sys; from pathlib import Path; from spillway_runtime.local import prepare_local_run; "
+                "prepare_local_run(Path(sys.argv[1]), run_dir=Path(sys.argv[2]))")
+        subprocess.run([sys.executable, "-c", plan, str(job), str(run_dir)], check=True,
+                       env={**os.environ, "SPILLWAY_PROBE_REFRESH": "1"})
+        config = RuntimeConfig.read(run_dir / "runtime.json")
+    else:
+        config = prepare_local_run(job, run_dir=run_dir)
     os.environ.pop("SPILLWAY_PROBE_REFRESH", None)  # measured afresh at most once (`model_arguments`)
     result = subprocess.run(runtime_command(run_dir / "runtime.json", 1), env=runtime_env(config),
                             capture_output=True, text=True)
