@@ -74,8 +74,7 @@ def main() -> None:
           f"{state / 2**20:.0f} MiB (a RAM budget of half of it: {state / 2 / 2**20:.0f} MiB); {args.steps} steps "
           f"each, median of steps 3+; disk time at each share's probe figures (the first: {1 / per_byte / 1e6:.0f} "
           "MB/s, read and write and the cost per transfer averaged as the planner counts them); each share planned with "
-          "the rates "
-          "measured just before it, DeepSpeed's host work as a multiple of the step-time model's constants "
+          "the rates measured just before it, DeepSpeed's host work as a multiple of the step-time model's constants "
           "(`engine_probe`) on each row")
     for r in rows:
         moved = r["read"] + r["written"]
