@@ -155,13 +155,16 @@ class Settings:
 # ----------------------------------------------------------------------------- planning (c)
 
 def node_hardware(settings: Settings) -> Any:
-    """The capacities, and DeepSpeed's host work on this machine's accelerator (`engine_probe`,
-    ~10 s): stage c's predictions carry it, and the report's hardware holds it."""
+    """The capacities, DeepSpeed's host work on this machine's accelerator (`engine_probe`, ~10 s)
+    and on a GPU its decoder-layer curve (`probe.measure_gpu_decoder`, ~6 s): stage c's
+    predictions carry them, and the report's hardware holds them."""
     from spillway_runtime.engine_probe import measure_engine_host_work
-    from spillway_runtime.probe import probe_basic
+    from spillway_runtime.probe import measure_gpu_decoder, probe_basic
 
     hw = probe_basic(settings.work / "nvme")
     hw.host_work_scale = measure_engine_host_work(hw.cpu_cores)
+    if hw.gpu_count:
+        hw.gpu_decoder = measure_gpu_decoder()
     if settings.cap_bytes and hw.gpu_count:
         hw = hw.model_copy(update={"gpu_memory_bytes": min(hw.gpu_memory_bytes, settings.cap_bytes)})
     if settings.host_memory_bytes and settings.host_memory_bytes > hw.cpu_memory_bytes:
@@ -193,6 +196,7 @@ def plan_for(settings: Settings, hw: Any, config: dict[str, Any], placement: Pla
 def prediction(plan: Any) -> dict[str, Any]:
     return {"label": plan.label, "feasible": plan.feasible, "params": plan.model.params,
             "bytes": plan.bytes.model_dump(), "step_seconds": plan.predicted_step_seconds,
+            "compute": plan.step.compute_rate(),
             "activation_checkpointing": plan.activation_checkpointing,
             "shortfalls": [s.describe() for s in plan.shortfalls]}
 
@@ -219,6 +223,9 @@ def measure(settings: Settings, hw: Any, config: dict[str, Any], placement: Plac
 
     plan, spec = plan_for(settings, hw, config, placement)
     row: dict[str, Any] = {"placement": plan.label, "predicted": prediction(plan)}
+    if hw.gpu_decoder:  # beside it, the step at a share of the GPU's peak, as planned before the GPU was measured
+        assumed = plan_for(settings, hw.model_copy(update={"gpu_decoder": []}), config, placement)[0]
+        row["predicted"]["step_seconds_at_peak_share"] = assumed.predicted_step_seconds
     missing = settings.missing_op(placement[1])
     if missing:
         return {**row, "skipped": missing}

@@ -44,20 +44,23 @@ class Report:
 
     def markdown(self) -> str:
         lines = ["| stage | placement | params | step s | tokens/s | peak GPU GiB | peak RSS GiB | swap GiB "
-                 "| ratio gpu / cpu / nvme / step |", "|---|---|---|---|---|---|---|---|---|"]
+                 "| ratio gpu / cpu / nvme / step | step / planned at 35% of peak |", "|---|---|---|---|---|---|---|---|---|---|"]
         for stage, r in self.rows():
             m = r.get("measured")
             if not m:
                 why = r.get("error") or r.get("skipped") or ""
                 lines.append(f"| {stage} | {r['placement']} | {r['predicted']['params']:,} | {why[:60]!r} "
-                             "| | | | | |")
+                             "| | | | | | |")
                 continue
             ratio = r["ratio"]
             gib = [f"{v / GiB:.2f}" if v is not None else "-" for v in
                    (m["peak_gpu_bytes"], m["peak_rss_bytes"], m["swap_bytes"])]
+            # the step planned without the GPU's measured decoder layers (`probe.measure_gpu_decoder`)
+            at_peak = r["predicted"].get("step_seconds_at_peak_share")
             lines.append(f"| {stage} | {r['placement']} | {r['predicted']['params']:,} | {m['step_seconds']} | "
                          f"{m['tokens_per_second']} | {' | '.join(gib)} | "
-                         f"{' / '.join(str(ratio[k]) for k in ('gpu', 'cpu', 'nvme', 'step'))} |")
+                         f"{' / '.join(str(ratio[k]) for k in ('gpu', 'cpu', 'nvme', 'step'))} | "
+                         f"{round(m['step_seconds'] / at_peak, 3) if at_peak else '-'} |")
         for key, what in (("d_resume", "SIGKILL and resume"), ("f_twin_flow_resume", "Twin-Flow, SIGKILL and resume")):
             if self.stages.get(key):
                 lines += ["", f"{what}: {json.dumps(self.stages[key])}"]

@@ -5,7 +5,8 @@ measured: NVMe read/write with DeepSpeed's async I/O over a short sweep of
 block size, queue depth and parallelism (the best settings are kept for the
 plan's `aio` block), the CPU optimizer step of DeepSpeedCPUAdam and torch's
 fused AdamW, host-device copies when a GPU is present, and without one the
-CPU's matmul rate per dtype and hidden size (the CPU accelerator's compute), and DeepSpeed's
+CPU's matmul rate per dtype and hidden size (the CPU accelerator's compute; with one, a GPU's
+decoder layers), and DeepSpeed's
 host work around the compute (`engine_probe`). Every measurement
 is bounded in time; `quick=True` skips the speed measurements.
 """
@@ -256,6 +257,11 @@ def measure_aio(
 MATMUL_HIDDEN_SIZES = (128, 256, 512, 1024, 2048, 4096)
 MATMUL_TOKENS = 256
 MATMUL_DTYPES = ("fp32", "bf16")  # fp32 first: it is quick, and leaves bf16 the rest of the budget
+# On a GPU: the widths of models that need offloading, a micro-batch of 4 x 1024 tokens (the GPU
+# kit's), and the 16-bit dtypes GPUs train in (fp32: a share of the peak, as before measuring).
+GPU_DECODER_HIDDEN_SIZES = (1024, 2048, 4096, 8192)
+GPU_DECODER_BATCH, GPU_DECODER_SEQUENCE = 4, 1024
+GPU_DECODER_DTYPES = ("bf16", "fp16")
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -273,9 +279,10 @@ def _cpu_seconds_best(fn: Callable[[], None], repeats: int) -> float:
     return max(best, 1e-9)
 
 
-def _decoder_layer(hidden: int, dtype: Any) -> tuple[Callable[[], None], int]:
-    """(forward and backward of one Llama decoder layer on MATMUL_TOKENS tokens, the layer's
-    parameters): heads of 64, a SwiGLU of 8/3 the width."""
+def _decoder_layer(hidden: int, dtype: Any, device: str = "cpu", batch: int = 1,
+                   seq: int = MATMUL_TOKENS) -> tuple[Callable[[], None], int]:
+    """(forward and backward of one Llama decoder layer on `batch` sequences of `seq` tokens on
+    `device`, the layer's parameters): heads of 64, a SwiGLU of 8/3 the width."""
     import torch
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -283,19 +290,19 @@ def _decoder_layer(hidden: int, dtype: Any) -> tuple[Callable[[], None], int]:
     heads = max(1, hidden // 64)
     config = LlamaConfig(hidden_size=hidden, intermediate_size=-(-8 * hidden // 3 // 64) * 64,
                          num_attention_heads=heads, num_key_value_heads=heads, num_hidden_layers=1,
-                         vocab_size=256, max_position_embeddings=MATMUL_TOKENS)
+                         vocab_size=256, max_position_embeddings=seq)
     config._attn_implementation = "sdpa"
     with torch.device("meta"):  # no random init: at hidden 4096 it took longer than the timing
         layer = LlamaDecoderLayer(config, layer_idx=0)
-    layer = layer.to_empty(device="cpu").to(dtype)
+    layer = layer.to_empty(device=device).to(dtype)
     with torch.no_grad():
         for p in layer.parameters():
             p.fill_(0.02)  # any finite value: the time of a matmul does not depend on it
-    x = torch.randn(1, MATMUL_TOKENS, hidden, dtype=dtype, requires_grad=True)
-    positions = torch.arange(MATMUL_TOKENS)[None]
-    rotary = LlamaRotaryEmbedding(config)
+    x = torch.randn(batch, seq, hidden, dtype=dtype, device=device, requires_grad=True)
+    positions = torch.arange(seq, device=device)[None]
+    rotary = LlamaRotaryEmbedding(config).to(device)
     cos, sin = (t.to(dtype) for t in rotary(x, positions))
-    grad = torch.randn(1, MATMUL_TOKENS, hidden, dtype=dtype)
+    grad = torch.randn(batch, seq, hidden, dtype=dtype, device=device)
 
     def forward_backward() -> None:
         out = layer(x, position_embeddings=(cos, sin), position_ids=positions)
@@ -304,41 +311,88 @@ def _decoder_layer(hidden: int, dtype: Any) -> tuple[Callable[[], None], int]:
     return forward_backward, sum(p.numel() for p in layer.parameters())
 
 
+def _decoder_curve(sizes: tuple[int, ...], dtypes: tuple[str, ...], budget_seconds: float,
+                   layer: Callable[[int, Any], tuple[Callable[[], None], int]], tokens: int,
+                   seconds_best: Callable[[Callable[[], None], int], float]) -> list[MatmulRate]:
+    """FLOP/s (6 x `tokens` x the layer's parameters a forward and backward) of `layer(hidden,
+    dtype)` per dtype at `sizes` from the smallest, until each dtype's share of the budget is
+    spent: a slow machine gets the small sizes, and the planner holds the largest measured rate
+    for larger models."""
+    import torch
+
+    rates: list[MatmulRate] = []
+    end = time.monotonic() + budget_seconds
+    for done, name in enumerate(dtypes):
+        # an equal share of what is left: time one dtype did not use goes to the next
+        deadline = time.monotonic() + (end - time.monotonic()) / (len(dtypes) - done)
+        dtype = getattr(torch, _TORCH_DTYPES[name])
+        for hidden in sizes:
+            try:
+                forward_backward, params = layer(hidden, dtype)
+                forward_backward()  # first call: allocation and kernel selection, not timed
+                seconds = seconds_best(forward_backward, 1)
+                if 3 * seconds < deadline - time.monotonic():
+                    seconds = min(seconds, seconds_best(forward_backward, 2))
+                del forward_backward  # the layer's memory, before the next is built
+            except torch.cuda.OutOfMemoryError:
+                break  # a GPU that holds no layer this wide: the largest measured stands for it
+            rates.append(MatmulRate(dtype=name, hidden_size=hidden, flops_per_s=6 * tokens * params / seconds))
+            # twice the hidden size is four times the work, twice over (first call and timed)
+            if time.monotonic() + 8 * seconds > deadline:
+                break
+    return rates
+
+
 def measure_cpu_matmul(threads: int, budget_seconds: float = 1.0,
                        dtypes: tuple[str, ...] = MATMUL_DTYPES) -> list[MatmulRate]:
     """FLOP/s of a Llama decoder layer's forward and backward (6 x tokens x its parameters,
     MATMUL_TOKENS tokens: what the planner counts, at the rate the layer really runs, its norms,
     attention and activations included) with `threads` threads, per dtype at
-    MATMUL_HIDDEN_SIZES from the smallest, until each dtype's share of the budget is spent: a
-    slow CPU gets the small sizes, and the planner holds the largest measured rate for larger
-    models. Forward and backward, because a CPU without native 16-bit instructions runs the
-    backward's matmuls several times slower than the forward's."""
+    MATMUL_HIDDEN_SIZES (`_decoder_curve`). Forward and backward, because a CPU without native
+    16-bit instructions runs the backward's matmuls several times slower than the forward's."""
     import torch
     import transformers.models.llama.modeling_llama  # noqa: F401  imported before the clock starts
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
-    rates: list[MatmulRate] = []
     try:
-        end = time.monotonic() + budget_seconds
-        for done, name in enumerate(dtypes):
-            # an equal share of what is left: time one dtype did not use goes to the next
-            deadline = time.monotonic() + (end - time.monotonic()) / (len(dtypes) - done)
-            dtype = getattr(torch, _TORCH_DTYPES[name])
-            for hidden in MATMUL_HIDDEN_SIZES:
-                forward_backward, params = _decoder_layer(hidden, dtype)
-                forward_backward()  # first call: allocation and kernel selection, not timed
-                seconds = _cpu_seconds_best(forward_backward, 1)
-                if 3 * seconds < deadline - time.monotonic():
-                    seconds = min(seconds, _cpu_seconds_best(forward_backward, 2))
-                flops = 6 * MATMUL_TOKENS * params
-                rates.append(MatmulRate(dtype=name, hidden_size=hidden, flops_per_s=flops / seconds))
-                # twice the hidden size is four times the work, twice over (first call and timed)
-                if time.monotonic() + 8 * seconds > deadline:
-                    break
+        return _decoder_curve(MATMUL_HIDDEN_SIZES, dtypes, budget_seconds, _decoder_layer, MATMUL_TOKENS,
+                              _cpu_seconds_best)
     finally:
         torch.set_num_threads(previous)
-    return rates
+
+
+def measure_gpu_decoder(budget_seconds: float = 6.0, dtypes: tuple[str, ...] = GPU_DECODER_DTYPES,
+                        device: str = "cuda", sizes: tuple[int, ...] = GPU_DECODER_HIDDEN_SIZES) -> list[MatmulRate]:
+    """The same curve on one GPU (`NodeHardware.gpu_decoder`): GPU_DECODER_BATCH sequences of
+    GPU_DECODER_SEQUENCE tokens a call, since a GPU's rate depends on the tokens it is given (few
+    and the kernel launches bound it), timed to the GPU's completion. [] without CUDA. `device`:
+    "cpu" runs the same code where there is no GPU (the suite)."""
+    import torch
+    import transformers.models.llama.modeling_llama  # noqa: F401  imported before the clock starts
+
+    if device == "cuda" and not torch.cuda.is_available():
+        return []
+
+    def layer(hidden: int, dtype: Any) -> tuple[Callable[[], None], int]:
+        return _decoder_layer(hidden, dtype, device, GPU_DECODER_BATCH, GPU_DECODER_SEQUENCE)
+
+    def synced(fn: Callable[[], None], repeats: int) -> float:
+        def call() -> None:
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+        return _time_best(call, repeats)
+
+    try:
+        return _decoder_curve(sizes, dtypes, budget_seconds, layer, GPU_DECODER_BATCH * GPU_DECODER_SEQUENCE, synced)
+    except Exception as err:  # another transformers' layer, a driver error: the rest of the probe stands
+        print(f"probe: the GPU's decoder layers not measured ({type(err).__name__}: {err}); the plan assumes "
+              "a share of its peak")
+        return []
+    finally:
+        if device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def measure_cpu_adam(params: int = 20_000_000, steps: int = 3,
@@ -401,5 +455,7 @@ def probe(nvme_path: str | Path | None = None, *, quick: bool = False, aio_budge
     if not hw.gpu_count:
         # training here runs on the CPU accelerator: its step time is these layers
         hw.cpu_matmul = measure_cpu_matmul(hw.cpu_cores, budget_seconds=4.0)
+    else:
+        hw.gpu_decoder = measure_gpu_decoder()
     hw.probe_seconds = round(time.monotonic() - started, 2)
     return hw

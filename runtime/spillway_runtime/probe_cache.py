@@ -41,10 +41,10 @@ from spillway_runtime.core.hardware import COMPUTE_PROBE_VERSION, AioSettings, N
 MEASURED_FIELDS = (
     "nvme_read_bytes_per_s", "nvme_write_bytes_per_s", "nvme_transfer_seconds", "aio",
     "cpu_adam_params_per_s", "torch_adamw_params_per_s", "host_device_bytes_per_s", "cpu_matmul",
-    "host_work_scale",
+    "gpu_decoder", "host_work_scale",
 )
 # What the compute entry holds: the machine's rates the step time is made of, whatever the disk.
-COMPUTE_FIELDS = ("cpu_matmul", "cpu_adam_params_per_s", "torch_adamw_params_per_s", "host_device_bytes_per_s",
+COMPUTE_FIELDS = ("cpu_matmul", "gpu_decoder", "cpu_adam_params_per_s", "torch_adamw_params_per_s", "host_device_bytes_per_s",
                   "host_work_scale")
 DAY_SECONDS = 86_400
 # What the disk's sweep measures; an entry measured another way is measured again. 1: the best
@@ -360,14 +360,15 @@ def _host_work_due(entry: ComputeEntry | None, settings: ProbeCacheSettings) -> 
 
 def measure_compute(basic: NodeHardware, budget_seconds: float) -> NodeHardware:
     """`basic` with what the step time is made of measured: without GPUs the CPU matmul curve
-    (the CPU accelerator's compute), the CPU optimizer step, with GPUs the host-device copy, and
-    DeepSpeed's host work (`engine_probe`)."""
+    (the CPU accelerator's compute), the CPU optimizer step, with GPUs the host-device copy and
+    the GPU's decoder-layer curve, and DeepSpeed's host work (`engine_probe`)."""
     from spillway_runtime.engine_probe import measure_engine_host_work
-    from spillway_runtime.probe import measure_cpu_adam, measure_cpu_matmul, measure_host_device
+    from spillway_runtime.probe import measure_cpu_adam, measure_cpu_matmul, measure_gpu_decoder, measure_host_device
 
     update: dict[str, object] = {}
     if basic.gpu_count:
         update["host_device_bytes_per_s"] = measure_host_device(64 << 20)
+        update["gpu_decoder"] = measure_gpu_decoder(budget_seconds)
     else:
         update["cpu_matmul"] = measure_cpu_matmul(basic.cpu_cores, budget_seconds)
     ds_rate, torch_rate = measure_cpu_adam(4_000_000, 2, torch_too=False)

@@ -126,6 +126,40 @@ def test_the_matmul_rates_round_trip_through_a_node_annotation() -> None:
     assert hardware_from_node(node).cpu_matmul == [MatmulRate(dtype="bf16", hidden_size=256, flops_per_s=2.5e9)]
 
 
+def test_a_gpus_measured_decoder_layers_replace_the_share_of_its_peak() -> None:
+    """On a GPU node the probe's decoder-layer curve, measured on the GPU, times the compute;
+    without one (or in a dtype it did not measure) the plan keeps 35% of the product's peak."""
+    shape = P13.model_copy(update={"hidden_size": 5120})
+    assumed = plan_tiers(shape, gpu_node(256), TRAIN, Offload(optimizer="cpu", parameters="gpu"))
+    curve = [MatmulRate(dtype="bf16", hidden_size=4096, flops_per_s=2.0e14),
+             MatmulRate(dtype="bf16", hidden_size=8192, flops_per_s=3.2e14)]
+    measured_node = gpu_node(256).model_copy(update={"gpu_decoder": curve})
+    measured = plan_tiers(shape, measured_node, TRAIN, Offload(optimizer="cpu", parameters="gpu"))
+    assert assumed.step.flops_per_s == pytest.approx(0.35 * gpu_node(256).peak_tflops * 1e12)
+    assert measured.step.flops_per_s == pytest.approx(matmul_rate_at(curve, "bf16", 5120))
+    assert 2.0e14 < measured.step.flops_per_s < 3.2e14
+    assert measured.step.compute == pytest.approx(measured.step.flops / measured.step.flops_per_s)
+    assert measured.step.flops_source == "measured: bf16 decoder layers at hidden size 5120, interpolated on the GPU"
+    assert any("measured: bf16 decoder layers at hidden size 5120, interpolated on the GPU" in r for r in measured.reasons)
+    fp16 = plan_tiers(shape, measured_node, TRAIN, Offload(optimizer="cpu", parameters="gpu"), dtype="fp16")
+    assert fp16.step.flops_per_s == assumed.step.flops_per_s  # not measured in fp16: the peak's share
+    # a CPU node's curve is not the GPU's, nor the other way round
+    cpu_curve = gpu_node(256).model_copy(update={"cpu_matmul": curve})
+    assert plan_tiers(shape, cpu_curve, TRAIN, Offload(optimizer="cpu")).step.flops_per_s == assumed.step.flops_per_s
+
+
+def test_a_gpus_decoder_curve_round_trips_through_its_own_node_annotation() -> None:
+    hw = gpu_node(64).model_copy(update={"gpu_decoder": [MatmulRate(dtype="bf16", hidden_size=1024, flops_per_s=9e13)]})
+    annotations = hw.to_annotations()
+    assert annotations["spillway.dev/gpu-decoder-flops-per-second"] == "bf16@1024=90000000000000"
+    assert "spillway.dev/cpu-matmul-flops-per-second" not in annotations
+    node = {"metadata": {"name": "gpu-1", "annotations": annotations},
+            "status": {"allocatable": {"cpu": "16", "memory": "64Gi", "nvidia.com/gpu": "1"}}}
+    assert hardware_from_node(node).gpu_decoder == hw.gpu_decoder
+    node["status"]["allocatable"].pop("nvidia.com/gpu")  # a node without GPUs has no GPU curve to plan with
+    assert hardware_from_node(node).gpu_decoder == []
+
+
 def test_zero3_gathers_and_releases_every_tensor_on_the_computes_path() -> None:
     """ZeRO-3's per-tensor hooks (and, on the CPU accelerator, its host-memory copies of the
     16-bit weights) add to the compute of every micro-step's forward and backward; ZeRO-2 has

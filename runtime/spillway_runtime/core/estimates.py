@@ -27,7 +27,9 @@ from spillway_runtime.core.placement_inputs import ModelShape, PlacementInputs, 
 from spillway_runtime.core.spec import Training
 from spillway_runtime.core.spec_types import DType, Tier
 
-# Share of peak FLOPs a fine-tune reaches on one GPU (dense decoder, bf16, good kernels).
+# Share of peak FLOPs a fine-tune reaches on one GPU (dense decoder, bf16, good kernels), where
+# the probe measured no decoder layers on it (`NodeHardware.gpu_decoder`). The GPU kit's first
+# H200 run (2026-12-04) found a 778M model's GPU-resident step 3.9x what this predicted.
 MODEL_FLOPS_UTILISATION = 0.35
 # CPU "accelerator" (DS_ACCELERATOR=cpu): FLOP/s per core assumed when the probe measured no
 # decoder layers (`NodeHardware.cpu_matmul`). Real rates span 100x: fp32 on AVX2 reaches ~15-50
@@ -341,24 +343,26 @@ def activation_bytes(shape: ModelShape, training: Training, dtype: DType, checkp
 
 
 def compute_rate(placement: PlacementInputs) -> tuple[float, str]:
-    """(FLOP/s of one GPU or of the CPU accelerator's node, where the figure comes from): a GPU's share of its peak; on the CPU
-    accelerator the probe's matmul rate in the training dtype at the model's hidden size, else
-    an assumed rate per core."""
+    """(FLOP/s of one GPU or of the CPU accelerator's node, where the figure comes from): the
+    probe's decoder-layer rate in the training dtype at the model's hidden size, on the GPU
+    (`NodeHardware.gpu_decoder`) or the CPU (`cpu_matmul`); where it measured none, a GPU's share
+    of its peak or an assumed rate per core."""
     hw = placement.hw
-    if placement.on_gpu:
-        per_gpu = hw.peak_tflops * 1e12 * MODEL_FLOPS_UTILISATION
-        return per_gpu, f"{MODEL_FLOPS_UTILISATION:.0%} of the GPU's {hw.peak_tflops:g} TFLOPS peak"
     hidden, dtype = placement.shape.hidden_size, placement.dtype
-    measured = matmul_rate_at(hw.cpu_matmul, dtype, hidden)
+    curve = hw.gpu_decoder if placement.on_gpu else hw.cpu_matmul
+    measured = matmul_rate_at(curve, dtype, hidden)
     if measured is not None:
-        sizes = sorted(r.hidden_size for r in hw.cpu_matmul if r.dtype == dtype)
+        sizes = sorted(r.hidden_size for r in curve if r.dtype == dtype)
         if hidden > sizes[-1]:
             at = f"at hidden size {sizes[-1]}, the largest measured (the model's is {hidden})"
         elif hidden < sizes[0]:
             at = f"at hidden size {sizes[0]}, the smallest measured (the model's is {hidden})"
         else:
             at = f"at hidden size {hidden}" + ("" if hidden in sizes else ", interpolated")
-        return measured, f"measured: {dtype} decoder layers {at} on the CPU"
+        return measured, f"measured: {dtype} decoder layers {at} on the {'GPU' if placement.on_gpu else 'CPU'}"
+    if placement.on_gpu:
+        per_gpu = hw.peak_tflops * 1e12 * MODEL_FLOPS_UTILISATION
+        return per_gpu, f"{MODEL_FLOPS_UTILISATION:.0%} of the GPU's {hw.peak_tflops:g} TFLOPS peak"
     return CPU_FLOPS_PER_CORE * hw.cpu_cores, (
         f"assumed: {CPU_FLOPS_PER_CORE / 1e9:g} GFLOP/s per core x {hw.cpu_cores}; the probe measured no "
         f"{dtype} decoder layers"

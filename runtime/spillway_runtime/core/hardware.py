@@ -43,6 +43,9 @@ UNLIMITED = "unlimited"
 # The probe's CPU matmul rates (`NodeHardware.cpu_matmul`), one entry per dtype and hidden size:
 # "bf16@256=4100000000,bf16@1024=3900000000,fp32@256=...". One annotation, as the figures are one curve.
 CPU_MATMUL_ANNOTATION = "spillway.dev/cpu-matmul-flops-per-second"
+# The same curve measured on one of a GPU node's GPUs (`NodeHardware.gpu_decoder`), written by a
+# node probe given the GPUs (`nodeProbe.measureGpu`).
+GPU_DECODER_ANNOTATION = "spillway.dev/gpu-decoder-flops-per-second"
 HOST_WORK_ANNOTATION = "spillway.dev/host-work-scale"  # NodeHardware.host_work_scale, a ratio
 # NodeHardware.nvme_transfer_seconds in whole microseconds
 NVME_TRANSFER_ANNOTATION = "spillway.dev/nvme-transfer-microseconds"
@@ -97,14 +100,16 @@ class AioSettings(BaseModel):
 # matmuls ran at 868 GFLOP/s (bf16, hidden 768, 2 cores) where a whole step of a model that
 # wide reached 500: norms, rotary embeddings, attention, activations and residuals are a third
 # of a layer's time at that width, less the wider the layer. 3: DeepSpeed's host work too
-# (`engine_probe`: `NodeHardware.host_work_scale`).
-COMPUTE_PROBE_VERSION = 3
+# (`engine_probe`: `NodeHardware.host_work_scale`). 4: on a GPU machine, decoder layers on the GPU
+# (`NodeHardware.gpu_decoder`).
+COMPUTE_PROBE_VERSION = 4
 
 
 class MatmulRate(BaseModel):
     """FLOP/s of a Llama decoder layer's forward and backward pass (6 x tokens x its parameters)
-    on the CPU, with the threads of one training process that has the node to itself: what the
-    CPU accelerator's step spends its time on, its matmuls and everything between them."""
+    on the CPU, with the threads of one training process that has the node to itself (or on one
+    GPU, `NodeHardware.gpu_decoder`): what the step spends its time on, its matmuls and
+    everything between them, kernel launches included."""
 
     dtype: str = Field(description="bf16, fp16 or fp32: the training dtype it was measured in")
     hidden_size: int = Field(gt=0, description="The layer's hidden size")
@@ -175,6 +180,9 @@ class NodeHardware(BaseModel):
     cpu_matmul: list[MatmulRate] = Field(
         default_factory=list, description="Measured on nodes without GPUs, where training runs on the CPU"
     )
+    gpu_decoder: list[MatmulRate] = Field(
+        default_factory=list, description="Measured on one of a GPU node's GPUs (`probe.GPU_DECODER_TOKENS` tokens a "
+        "call); empty: the planner assumes a share of the GPU's peak")
     memlock_bytes: int | None = Field(
         None, ge=0, description="RLIMIT_MEMLOCK of a training process (what DeepSpeed's swap buffers may lock): "
         "None where unlimited, or not probed")
@@ -216,6 +224,8 @@ class NodeHardware(BaseModel):
             out[NVME_PATH_ANNOTATION] = self.nvme_path
         if self.cpu_matmul:
             out[CPU_MATMUL_ANNOTATION] = matmul_annotation(self.cpu_matmul)
+        if self.gpu_decoder:
+            out[GPU_DECODER_ANNOTATION] = matmul_annotation(self.gpu_decoder)
         if self.host_work_scale:
             out[HOST_WORK_ANNOTATION] = f"{self.host_work_scale:.3f}"
         if self.nvme_transfer_seconds is not None:
@@ -300,6 +310,7 @@ def hardware_from_node(node: dict[str, Any]) -> NodeHardware:
         nvme_path=annotations.get(NVME_PATH_ANNOTATION),
         aio=aio_from_annotations(annotations),
         cpu_matmul=matmul_from_annotation(annotations.get(CPU_MATMUL_ANNOTATION)),
+        gpu_decoder=matmul_from_annotation(annotations.get(GPU_DECODER_ANNOTATION)) if gpu_count else [],
         host_work_scale=host_work_scale_from_annotation(annotations.get(HOST_WORK_ANNOTATION)),
         nvme_transfer_seconds=transfer_seconds_from_annotation(annotations.get(NVME_TRANSFER_ANNOTATION)),
         memlock_bytes=memlock_from_annotation(annotations.get(MEMLOCK_ANNOTATION)),
