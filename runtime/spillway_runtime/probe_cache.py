@@ -93,8 +93,8 @@ class ProbeCacheSettings(BaseSettings):
         "with the fitted constants until the entry is a week old",
     )
     compute_seconds: float = Field(
-        2.0, gt=0, description="Budget of the CPU decoder-layer curve on a miss: on two cores with AMX it reaches "
-        "hidden size 2048 in bf16 and 1024 in fp32; `spillway probe` measures longer",
+        2.0, gt=0, description="Budget of the decoder-layer curve on a miss (the CPU's; on a GPU machine the GPU's): "
+        "on two cores with AMX it reaches hidden size 2048 in bf16 and 1024 in fp32; `spillway probe` measures longer",
     )
 
     @property
