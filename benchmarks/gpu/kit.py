@@ -12,8 +12,9 @@ models, every stage still run: tests/integration/test_gpu_kit.py). Stages:
   b. a ~3x larger model under the same cap with ZeRO-3 and the optimizer on the CPU
      (DeepSpeedCPUAdam), then the optimizer on NVMe with the parameters on the CPU;
   c. beside every measurement, the planner's prediction for the same shape on this machine
-     (plan_placement on probe_basic's NodeHardware, with engine_probe's host work): bytes per
-     tier and step time as ratios;
+     (plan_placement on the hardware `spillway run` measures: the disk's sweep, CPU Adam, the
+     copies, the GPU's decoder layers, DeepSpeed's host work): bytes per tier and step time as
+     ratios;
   e. stage a's smallest shape as plain ZeRO-Offload, with Twin-Flow keeping 30% of the
      optimizer on the GPU, and with ZenFlow: step time, peak GPU memory, losses (both ZeRO-3
      variants cut into ~16 sub-groups since 2026-12-05: not comparable with earlier runs);
@@ -154,23 +155,25 @@ class Settings:
 
 # ----------------------------------------------------------------------------- planning (c)
 
-def node_hardware(settings: Settings) -> Any:
-    """The capacities, DeepSpeed's host work on this machine's accelerator (`engine_probe`, ~10 s)
-    and on a GPU its decoder-layer curve (`probe.measure_gpu_decoder`, ~6 s): stage c's
-    predictions carry them, and the report's hardware holds them."""
-    from spillway_runtime.engine_probe import measure_engine_host_work
-    from spillway_runtime.probe import measure_gpu_decoder, probe_basic
+def node_hardware(settings: Settings) -> tuple[Any, Any]:
+    """This machine as `spillway run` plans on it (`probe_cache.hardware_for_run`, measured afresh
+    into the work folder, about 25 s): the capacities, the disk's async-I/O sweep, the CPU Adam
+    rate, on a GPU the host-device copy and its decoder-layer curve (`probe.measure_gpu_decoder`),
+    and DeepSpeed's host work on this accelerator (`engine_probe`). Stage c's predictions carry
+    them, and the report holds them and how they were measured. Until 2026-12-07 the kit planned
+    with the planner's assumed disk, CPU Adam and copy rates: the first H200 run's 0.51 for the
+    NVMe step was against those."""
+    from spillway_runtime.probe_cache import ProbeCacheSettings, hardware_for_run
 
-    hw = probe_basic(settings.work / "nvme")
-    hw.host_work_scale = measure_engine_host_work(hw.cpu_cores)
-    if hw.gpu_count:
-        hw.gpu_decoder = measure_gpu_decoder()
+    measured = ProbeCacheSettings(cache_dir=settings.work / "probe-cache", sweep=True, compute=True,
+                                  compute_seconds=2.0 if settings.dry_run else 6.0)
+    hw, record = hardware_for_run(settings.work / "nvme", measure=True, settings=measured)
     if settings.cap_bytes and hw.gpu_count:
         hw = hw.model_copy(update={"gpu_memory_bytes": min(hw.gpu_memory_bytes, settings.cap_bytes)})
     if settings.host_memory_bytes and settings.host_memory_bytes > hw.cpu_memory_bytes:
         hw = hw.model_copy(update={"cpu_memory_bytes": settings.host_memory_bytes,
                                    "cpu_memory_available_bytes": settings.host_memory_bytes})
-    return hw
+    return hw, record
 
 
 def plan_for(settings: Settings, hw: Any, config: dict[str, Any], placement: Placement) -> tuple[Any, Any]:
@@ -637,8 +640,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["DS_ACCELERATOR"] = "cpu"
     os.environ.setdefault("SPILLWAY_PROBE_SWEEP", "0")
     settings = Settings.make(args)
-    hw = node_hardware(settings)
-    report = Report(settings, hw.model_dump())
+    hw, probed = node_hardware(settings)
+    report = Report(settings, {**hw.model_dump(), "probe": probed.model_dump()})
 
     def terminated(signum: int, _frame: Any) -> None:  # timeout's SIGTERM: end the children, keep the report
         for pgid in list(CHILDREN):
