@@ -163,11 +163,18 @@ def node_hardware(settings: Settings) -> tuple[Any, Any]:
     them, and the report holds them and how they were measured. Until 2026-12-07 the kit planned
     with the planner's assumed disk, CPU Adam and copy rates: the first H200 run's 0.51 for the
     NVMe step was against those."""
+    from spillway_runtime.engine_probe import measure_engine_host_work
+    from spillway_runtime.probe import probe_basic
     from spillway_runtime.probe_cache import ProbeCacheSettings, hardware_for_run
 
     measured = ProbeCacheSettings(cache_dir=settings.work / "probe-cache", sweep=True, compute=True,
                                   compute_seconds=2.0 if settings.dry_run else 6.0)
-    hw, record = hardware_for_run(settings.work / "nvme", measure=True, settings=measured)
+    try:
+        hw, record = hardware_for_run(settings.work / "nvme", measure=True, settings=measured)
+    except Exception as err:  # the one GPU call goes on with the capacities and the host work, as before
+        hw = probe_basic(settings.work / "nvme")
+        hw.host_work_scale = measure_engine_host_work(hw.cpu_cores)
+        record = {"source": "unmeasured", "why": f"hardware_for_run failed: {type(err).__name__}: {err}"}
     if settings.cap_bytes and hw.gpu_count:
         hw = hw.model_copy(update={"gpu_memory_bytes": min(hw.gpu_memory_bytes, settings.cap_bytes)})
     if settings.host_memory_bytes and settings.host_memory_bytes > hw.cpu_memory_bytes:
@@ -641,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("SPILLWAY_PROBE_SWEEP", "0")
     settings = Settings.make(args)
     hw, probed = node_hardware(settings)
-    report = Report(settings, {**hw.model_dump(), "probe": probed.model_dump()})
+    report = Report(settings, {**hw.model_dump(), "probe": probed if isinstance(probed, dict) else probed.model_dump()})
 
     def terminated(signum: int, _frame: Any) -> None:  # timeout's SIGTERM: end the children, keep the report
         for pgid in list(CHILDREN):
