@@ -155,7 +155,7 @@ class Settings:
 
 # ----------------------------------------------------------------------------- planning (c)
 
-def node_hardware(settings: Settings) -> tuple[Any, Any]:
+def node_hardware(settings: Settings) -> tuple[Any, dict[str, Any]]:
     """This machine as `spillway run` plans on it (`probe_cache.hardware_for_run`, measured afresh
     into the work folder, about 25 s): the capacities, the disk's async-I/O sweep, the CPU Adam
     rate, on a GPU the host-device copy and its decoder-layer curve (`probe.measure_gpu_decoder`),
@@ -170,7 +170,8 @@ def node_hardware(settings: Settings) -> tuple[Any, Any]:
     measured = ProbeCacheSettings(cache_dir=settings.work / "probe-cache", sweep=True, compute=True,
                                   compute_seconds=2.0 if settings.dry_run else 6.0)
     try:
-        hw, record = hardware_for_run(settings.work / "nvme", measure=True, settings=measured)
+        hw, probed = hardware_for_run(settings.work / "nvme", measure=True, settings=measured)
+        record = probed.model_dump()
     except Exception as err:  # the one GPU call goes on with the capacities and the host work, as before
         hw = probe_basic(settings.work / "nvme")
         hw.host_work_scale = measure_engine_host_work(hw.cpu_cores)
@@ -648,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("SPILLWAY_PROBE_SWEEP", "0")
     settings = Settings.make(args)
     hw, probed = node_hardware(settings)
-    report = Report(settings, {**hw.model_dump(), "probe": probed if isinstance(probed, dict) else probed.model_dump()})
+    report = Report(settings, {**hw.model_dump(), "probe": probed})
 
     def terminated(signum: int, _frame: Any) -> None:  # timeout's SIGTERM: end the children, keep the report
         for pgid in list(CHILDREN):

@@ -282,7 +282,8 @@ def _cpu_seconds_best(fn: Callable[[], None], repeats: int) -> float:
 def _decoder_layer(hidden: int, dtype: Any, device: str = "cpu", batch: int = 1,
                    seq: int = MATMUL_TOKENS) -> tuple[Callable[[], None], int]:
     """(forward and backward of one Llama decoder layer on `batch` sequences of `seq` tokens on
-    `device`, the layer's parameters): heads of 64, a SwiGLU of 8/3 the width."""
+    `device`, its FLOPs as the planner counts them: 6 x tokens x parameters): heads of 64, a
+    SwiGLU of 8/3 the width."""
     import torch
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -308,16 +309,15 @@ def _decoder_layer(hidden: int, dtype: Any, device: str = "cpu", batch: int = 1,
         out = layer(x, position_embeddings=(cos, sin), position_ids=positions)
         (out[0] if isinstance(out, tuple) else out).backward(grad)
 
-    return forward_backward, sum(p.numel() for p in layer.parameters())
+    return forward_backward, 6 * batch * seq * sum(p.numel() for p in layer.parameters())
 
 
 def _decoder_curve(sizes: tuple[int, ...], dtypes: tuple[str, ...], budget_seconds: float,
-                   layer: Callable[[int, Any], tuple[Callable[[], None], int]], tokens: int,
+                   layer: Callable[[int, Any], tuple[Callable[[], None], int]],
                    seconds_best: Callable[[Callable[[], None], int], float]) -> list[MatmulRate]:
-    """FLOP/s (6 x `tokens` x the layer's parameters a forward and backward) of `layer(hidden,
-    dtype)` per dtype at `sizes` from the smallest, until each dtype's share of the budget is
-    spent: a slow machine gets the small sizes, and the planner holds the largest measured rate
-    for larger models."""
+    """FLOP/s of `layer(hidden, dtype)` (a forward and backward, and its FLOPs) per dtype at
+    `sizes` from the smallest, until each dtype's share of the budget is spent: a slow machine
+    gets the small sizes, and the planner holds the largest measured rate for larger models."""
     import torch
 
     rates: list[MatmulRate] = []
@@ -328,7 +328,7 @@ def _decoder_curve(sizes: tuple[int, ...], dtypes: tuple[str, ...], budget_secon
         dtype = getattr(torch, _TORCH_DTYPES[name])
         for hidden in sizes:
             try:
-                forward_backward, params = layer(hidden, dtype)
+                forward_backward, flops = layer(hidden, dtype)
                 forward_backward()  # first call: allocation and kernel selection, not timed
                 seconds = seconds_best(forward_backward, 1)
                 if 3 * seconds < deadline - time.monotonic():
@@ -336,7 +336,7 @@ def _decoder_curve(sizes: tuple[int, ...], dtypes: tuple[str, ...], budget_secon
                 del forward_backward  # the layer's memory, before the next is built
             except torch.cuda.OutOfMemoryError:
                 break  # a GPU that holds no layer this wide: the largest measured stands for it
-            rates.append(MatmulRate(dtype=name, hidden_size=hidden, flops_per_s=6 * tokens * params / seconds))
+            rates.append(MatmulRate(dtype=name, hidden_size=hidden, flops_per_s=flops / seconds))
             # twice the hidden size is four times the work, twice over (first call and timed)
             if time.monotonic() + 8 * seconds > deadline:
                 break
@@ -356,8 +356,7 @@ def measure_cpu_matmul(threads: int, budget_seconds: float = 1.0,
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _decoder_curve(MATMUL_HIDDEN_SIZES, dtypes, budget_seconds, _decoder_layer, MATMUL_TOKENS,
-                              _cpu_seconds_best)
+        return _decoder_curve(MATMUL_HIDDEN_SIZES, dtypes, budget_seconds, _decoder_layer, _cpu_seconds_best)
     finally:
         torch.set_num_threads(previous)
 
@@ -385,7 +384,7 @@ def measure_gpu_decoder(budget_seconds: float = 6.0, dtypes: tuple[str, ...] = G
         return _time_best(call, repeats)
 
     try:
-        return _decoder_curve(sizes, dtypes, budget_seconds, layer, GPU_DECODER_BATCH * GPU_DECODER_SEQUENCE, synced)
+        return _decoder_curve(sizes, dtypes, budget_seconds, layer, synced)
     except Exception as err:  # another transformers' layer, a driver error: the rest of the probe stands
         print(f"probe: the GPU's decoder layers not measured ({type(err).__name__}: {err}); the plan assumes "
               "a share of its peak")

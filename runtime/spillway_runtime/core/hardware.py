@@ -181,8 +181,8 @@ class NodeHardware(BaseModel):
         default_factory=list, description="Measured on nodes without GPUs, where training runs on the CPU"
     )
     gpu_decoder: list[MatmulRate] = Field(
-        default_factory=list, description="Measured on one of a GPU node's GPUs (`probe.GPU_DECODER_TOKENS` tokens a "
-        "call); empty: the planner assumes a share of the GPU's peak")
+        default_factory=list, description="Measured on one of a GPU node's GPUs (`probe.GPU_DECODER_BATCH` sequences of "
+        "`probe.GPU_DECODER_SEQUENCE` tokens a call); empty: the planner assumes a share of the GPU's peak")
     memlock_bytes: int | None = Field(
         None, ge=0, description="RLIMIT_MEMLOCK of a training process (what DeepSpeed's swap buffers may lock): "
         "None where unlimited, or not probed")
