@@ -239,10 +239,10 @@ def plan(
         elif job is not None and job.spec.model.config is not None:
             shape = ModelShape.from_hf_config(job.spec.model.config)
         elif job is not None and job_file is not None:
-            from spillway_runtime.meta_shape import shape_from_config
+            from spillway_runtime.meta_shape import model_shape
             from spillway_runtime.training.runconfig import resolve_uri
 
-            shape = shape_from_config(resolve_uri(job.spec.model.uri, job_file.resolve().parent))
+            shape = model_shape(resolve_uri(job.spec.model.uri, job_file.resolve().parent))
         else:
             raise _fail("give a job file with a local model directory, or --params N")
         spec = job.spec if job else None

@@ -74,10 +74,10 @@ def _check_mirror(spec: Any, job_path: Path) -> None:
 
 def plan_for_job(job: FineTuneJob, hw: NodeHardware, model_dir: Path, processes: int = 1,
                  price_per_hour: float | None = None) -> OffloadPlan:
-    from spillway_runtime.meta_shape import shape_from_config
+    from spillway_runtime.meta_shape import model_shape
 
     spec = job.spec
-    shape = shape_from_config(model_dir)
+    shape = model_shape(model_dir)
     gpus = min(hw.gpu_count, spec.resources.gpus_per_node or hw.gpu_count)
     plan = plan_placement(PlanInputs.of_spec(spec, shape, gpus_per_node=gpus, price_per_hour=price_per_hour,
                                              cpu_processes=processes), hw)
@@ -178,7 +178,11 @@ def prepare_local_run(
         _check_writable_dir(nvme_dir, "spec.offload.nvme.path", job_path)
     ds_config = build_deepspeed_config(plan, spec, nvme_path=str(nvme_dir) if plan.uses_nvme else None,
                                        world_size=plan.world_size)
-    validate_deepspeed_config(ds_config)
+    if spec.offload.deepspeed:
+        # The job's own DeepSpeed keys, refused by DeepSpeed's parser before anything runs. A
+        # config of Spillway's alone is parsed by the runtime's `deepspeed.initialize`: importing
+        # DeepSpeed here for it would be 2 s of every `spillway run` (bench_startup.py).
+        validate_deepspeed_config(ds_config)
     config = RuntimeConfig(
         job=job,
         plan=plan,

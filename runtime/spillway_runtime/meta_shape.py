@@ -1,8 +1,11 @@
 """Model shape from a Hugging Face `config.json`, without loading weights.
 
-The model is instantiated on torch's meta device, so a 70B config costs no
-memory; parameters are counted per module to find DeepSpeed's "largest layer".
-Imports torch and transformers lazily: the planner itself does not need them.
+`model_shape` is what `spillway run` and `spillway plan` use: arithmetic from the config
+(`ModelShape.from_hf_config`, as the operator plans a cluster job) for every family
+`core.param_counts` knows, and otherwise `shape_from_config`, which instantiates the model
+on torch's meta device, so a 70B config costs no memory, and counts parameters per module to
+find DeepSpeed's "largest layer". That one imports torch and transformers (lazily: the
+planner itself does not need them), about 4 s of CPU before anything else happens.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from spillway_runtime.core.param_counts import HFConfigError
 from spillway_runtime.core.planner import ModelShape
 
 
@@ -30,6 +34,20 @@ def _read_config(model_dir: Path) -> dict[str, object]:
     if not isinstance(data, dict) or "model_type" not in data:
         raise ModelConfigError(f"{config_path}: missing model_type; is this a Hugging Face config.json?")
     return data
+
+
+def model_shape(model_dir: str | Path) -> ModelShape:
+    """The planner's shape of the model in `model_dir` (or of that config.json): counted from
+    the config where its family is one `param_counts` knows (the unit tests hold the count
+    equal to the model transformers builds, family by family), built on the meta device where
+    it is not, or where a key the count needs is missing or odd (transformers then says
+    whether it can build the model at all)."""
+    path = Path(model_dir)
+    raw = _read_config(path)
+    try:
+        return ModelShape.from_hf_config(raw, name=str(raw.get("_name_or_path") or path.name or "model"))
+    except HFConfigError:
+        return shape_from_config(path)
 
 
 def shape_from_config(model_dir: str | Path) -> ModelShape:

@@ -52,8 +52,19 @@ def _cgroup_memory_limit() -> int | None:
     return None
 
 
+# What a GPU's driver leaves on a machine, loaded or installed: without any of them CUDA (or
+# ROCm, or WSL's GPU) has nothing to find, and asking torch is 1.5 s of importing it for a 0.
+GPU_DRIVER_SIGNS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
+def _no_gpu_driver() -> bool:
+    return not any(Path(sign).exists() for sign in GPU_DRIVER_SIGNS) and shutil.which("nvidia-smi") is None
+
+
 def probe_gpus() -> tuple[int, str | None, int]:
     """(count, product, memory per GPU in bytes); (0, None, 0) without GPUs."""
+    if _no_gpu_driver():
+        return 0, None, 0
     try:
         import torch
 

@@ -2,6 +2,8 @@
 builds from the same config, and against the parameter counts the model makers publish."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +120,44 @@ def test_analytic_shape_equals_the_model_transformers_builds(name: str, tmp_path
     assert ours.linear_in_out == built.linear_in_out
     assert (ours.hidden_size, ours.num_layers, ours.vocab_size, ours.num_attention_heads) == (
         built.hidden_size, built.num_layers, built.vocab_size, built.num_attention_heads)
+
+
+SHAPE_AND_IMPORTS = """
+import sys
+from spillway_runtime.meta_shape import model_shape
+shape = model_shape(sys.argv[1])
+print(shape.model_dump_json())
+print(sorted(m for m in ("torch", "transformers", "deepspeed") if m in sys.modules))
+"""
+
+
+def test_spillway_run_shapes_a_known_family_by_arithmetic_and_another_on_the_meta_device(tmp_path: Path) -> None:
+    """`spillway run` and `spillway plan` shape a job's model with `meta_shape.model_shape`: a
+    family the count knows without importing torch or transformers (about 4 s of CPU before
+    each run), the same shape as the model transformers builds with the output head's tying
+    known; a family it does not know (GPT-2) on the meta device, as every run did before."""
+    pytest.importorskip("transformers")
+    from spillway_runtime.meta_shape import model_shape, shape_from_config
+
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps(SMALL["llama3-gqa-128k"]))
+    child = subprocess.run([sys.executable, "-c", SHAPE_AND_IMPORTS, str(llama)], capture_output=True, text=True,
+                           check=True)
+    shape_json, imported = child.stdout.splitlines()
+    assert imported == "[]", child.stdout
+    counted = ModelShape.model_validate_json(shape_json)
+    built = shape_from_config(llama)
+    assert counted.tied_embeddings is False and built.tied_embeddings is None  # the config says; the build does not
+    assert counted.model_copy(update={"tied_embeddings": None}) == built
+
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 1000, "n_embd": 64,
+                                                  "n_layer": 2, "n_head": 4, "n_positions": 128}))
+    with pytest.raises(HFConfigError):
+        ModelShape.from_hf_config(json.loads((gpt2 / "config.json").read_text()))
+    assert model_shape(gpt2) == shape_from_config(gpt2) and model_shape(gpt2).params > 64 * 1000
 
 
 # Families whose tensors the shape lists exactly, in order: no biases, two norms a layer, no experts.
