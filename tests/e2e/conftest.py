@@ -90,11 +90,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _hack_cluster(
-    command: str, state_dir: Path | None, timeout: float, log_file: Path | None = None
+    command: str, state_dir: Path | None, timeout: float, log_file: Path | None = None,
+    images_dir: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     if state_dir is not None:
         env["SPILLWAY_CLUSTER_DIR"] = str(state_dir)
+    if images_dir is not None:
+        env["SPILLWAY_CLUSTER_IMAGES_DIR"] = str(images_dir)
     try:
         if log_file is None:
             return subprocess.run(
@@ -182,11 +185,11 @@ def _env_with_tools(kubeconfig: Path) -> dict[str, str]:
     return env
 
 
-def _start_cluster(state_dir: Path) -> None:
+def _start_cluster(state_dir: Path, images_dir: Path | None) -> None:
     # With a real NetworkPolicy enforcer (kube-router's firewall, for real node 1's pods):
     # the policies the chart and the operator make are enforced, not only stored.
     os.environ.setdefault("SPILLWAY_CLUSTER_NETWORK_POLICY", "1")
-    proc = _hack_cluster("up", state_dir, timeout=UP_TIMEOUT_S)
+    proc = _hack_cluster("up", state_dir, timeout=UP_TIMEOUT_S, images_dir=images_dir)
     if proc.returncode != 0:
         _hack_cluster("down", state_dir, timeout=60)
         pytest.fail(
@@ -197,7 +200,15 @@ def _start_cluster(state_dir: Path) -> None:
 
 
 @pytest.fixture(scope="session")
-def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster_images_dir() -> Path | None:
+    """Where the cluster's real nodes keep the images imported into them: None, in the
+    session's own state dir (tests/e2e/realnode overrides it)."""
+    return None
+
+
+@pytest.fixture(scope="session")
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+            cluster_images_dir: Path | None) -> Iterator[Cluster]:
     """A control plane for the whole session (see module docstring)."""
     failure = request.config.stash.get(_BUILD_FAILURE, None)
     if failure:
@@ -222,7 +233,7 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         # Backstop for a session that dies without running fixture teardown;
         # `down` is a no-op once the teardown below has run it.
         atexit.register(_hack_cluster, "down", state_dir, 120)
-        _start_cluster(state_dir)
+        _start_cluster(state_dir, cluster_images_dir)
         kubeconfig = state_dir / "kubeconfig"
 
     env = _env_with_tools(kubeconfig)
