@@ -62,9 +62,12 @@ def shape_from_config(model_dir: str | Path) -> ModelShape:
         config = AutoConfig.from_pretrained(str(config_path.parent))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-    except (ValueError, KeyError, TypeError, OSError) as err:
-        # transformers' own words, which name neither the file nor what to change.
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    except Exception as err:  # huggingface_hub's StrictDataclassError is no ValueError
+        # transformers' own words, which name neither the file nor what to change (a config
+        # class's validator says what it refused on the last of its lines).
+        lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+        first = (lines[-1] if len(lines) > 1 and "validation error" in lines[0] else lines[0]) if lines else (
+            type(err).__name__)
         raise ModelConfigError(
             f"{config_path}: transformers cannot build a causal language model from it ({first}); "
             "model.uri must point at a Hugging Face causal LM directory"

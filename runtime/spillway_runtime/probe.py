@@ -54,7 +54,9 @@ def _cgroup_memory_limit() -> int | None:
 
 # What a GPU's driver leaves on a machine, loaded or installed: without any of them CUDA (or
 # ROCm, or WSL's GPU) has nothing to find, and asking torch is 1.5 s of importing it for a 0.
-GPU_DRIVER_SIGNS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+# (The NVIDIA container toolkit and device plugin give a GPU pod /dev/nvidiactl.)
+GPU_DRIVER_SIGNS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg",
+                    "/dev/nvmap", "/dev/nvgpu")  # the last two: Jetson's integrated GPU
 
 
 def _no_gpu_driver() -> bool:

@@ -96,6 +96,8 @@ def _hack_cluster(
     env = dict(os.environ)
     if state_dir is not None:
         env["SPILLWAY_CLUSTER_DIR"] = str(state_dir)
+    # Only the cluster given it keeps its images there (one cluster at a time on those roots)
+    env.pop("SPILLWAY_CLUSTER_IMAGES_DIR", None)
     if images_dir is not None:
         env["SPILLWAY_CLUSTER_IMAGES_DIR"] = str(images_dir)
     try:

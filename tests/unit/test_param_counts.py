@@ -97,6 +97,7 @@ def test_the_largest_tensor_is_the_embedding_or_an_experts_tensor() -> None:
     ({**SMALL["mistral"], "hidden_size": "4096"}, "hidden_size", "positive integer"),
     ({k: v for k, v in SMALL["mixtral-moe"].items() if k != "num_local_experts"}, "num_local_experts", "missing"),
     ({**SMALL["qwen2-moe-shared"], "mlp_only_layers": "0"}, "mlp_only_layers", "list"),
+    ({**SMALL["llama-biases"], "hidden_size": 100, "num_attention_heads": 3}, "num_attention_heads", "must divide"),
 ])
 def test_an_unusable_config_names_the_key(config: dict[str, Any], field: str, words: str) -> None:
     problems = config_problems(config)
@@ -106,14 +107,21 @@ def test_an_unusable_config_names_the_key(config: dict[str, Any], field: str, wo
         ModelShape.from_hf_config(config)
 
 
+# Keys a hand-written config.json may leave out, which transformers then fills in from its
+# config class (Mistral's 8 key/value heads, Qwen3's head_dim of 128), not from the others
+DEFAULTED = ("num_key_value_heads", "head_dim")
+
+
+@pytest.mark.parametrize("keys", ["as given", "defaulted"])
 @pytest.mark.parametrize("name", sorted(SMALL))
-def test_analytic_shape_equals_the_model_transformers_builds(name: str, tmp_path: Path) -> None:
+def test_analytic_shape_equals_the_model_transformers_builds(name: str, keys: str, tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     from spillway_runtime.meta_shape import shape_from_config
 
-    (tmp_path / "config.json").write_text(json.dumps(SMALL[name]))
+    config = SMALL[name] if keys == "as given" else {k: v for k, v in SMALL[name].items() if k not in DEFAULTED}
+    (tmp_path / "config.json").write_text(json.dumps(config))
     built = shape_from_config(tmp_path)
-    ours = ModelShape.from_hf_config(SMALL[name])
+    ours = ModelShape.from_hf_config(config)
     assert ours.params == built.params
     assert ours.largest_param_numel == built.largest_param_numel
     assert ours.largest_layer_params == built.largest_layer_params
@@ -137,7 +145,7 @@ def test_spillway_run_shapes_a_known_family_by_arithmetic_and_another_on_the_met
     each run), the same shape as the model transformers builds with the output head's tying
     known; a family it does not know (GPT-2) on the meta device, as every run did before."""
     pytest.importorskip("transformers")
-    from spillway_runtime.meta_shape import model_shape, shape_from_config
+    from spillway_runtime.meta_shape import ModelConfigError, model_shape, shape_from_config
 
     llama = tmp_path / "llama"
     llama.mkdir()
@@ -158,6 +166,14 @@ def test_spillway_run_shapes_a_known_family_by_arithmetic_and_another_on_the_met
     with pytest.raises(HFConfigError):
         ModelShape.from_hf_config(json.loads((gpt2 / "config.json").read_text()))
     assert model_shape(gpt2) == shape_from_config(gpt2) and model_shape(gpt2).params > 64 * 1000
+
+    # a config of a known family that transformers refuses is refused before a run, naming the
+    # file and transformers' reason (its validator's error is no ValueError)
+    (llama / "config.json").write_text(json.dumps({**SMALL["llama-biases"], "hidden_size": 100,
+                                                   "num_attention_heads": 3}))
+    with pytest.raises(ModelConfigError, match=r"config\.json: transformers cannot build .*hidden size \(100\) is not "
+                                               r"a multiple of the number of attention heads \(3\)"):
+        model_shape(llama)
 
 
 # Families whose tensors the shape lists exactly, in order: no biases, two norms a layer, no experts.

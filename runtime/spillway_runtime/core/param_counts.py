@@ -6,11 +6,13 @@
 
 Where this sits: below the planner and the spec, importing only the standard library,
 because the operator's image has neither torch nor transformers and plans a cluster job
-from `spec.model.config` alone. `meta_shape.shape_from_config` counts the same things by
-building the model on torch's meta device (local runs use it); the unit tests hold the two
-equal for every family named here, as transformers 5 builds them: mixture-of-experts
-layers keep all experts in two 3-D tensors (gate_up_proj, down_proj), so the largest
-single tensor of a MoE model is an experts tensor, not a matrix.
+from `spec.model.config` alone, and `spillway run` and `spillway plan` plan with it too
+(`meta_shape.model_shape`). `meta_shape.shape_from_config` counts the same things by
+building the model on torch's meta device (local runs of a family not named here use it);
+the unit tests hold the two equal for every family named here, as transformers 5 builds
+them, with and without the keys transformers fills in from its config classes' defaults:
+mixture-of-experts layers keep all experts in two 3-D tensors (gate_up_proj, down_proj), so
+the largest single tensor of a MoE model is an experts tensor, not a matrix.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ class Family:
     label: str
     tied_default: bool = False
     head_dim_default: int | None = None  # None: hidden_size // num_attention_heads
+    # A config.json without num_key_value_heads gets its class's default (None: as many as
+    # num_attention_heads): a hand-written Mistral config without it has 8, not 32
+    kv_heads_default: int | None = None
     qkv_bias: BiasRule = False
     o_bias: BiasRule = False
     mlp_bias: BiasRule = False
@@ -45,20 +50,21 @@ class Family:
 _ATTENTION_BIAS = ("attention_bias", False)
 FAMILIES: dict[str, Family] = {
     "llama": Family("Llama", qkv_bias=_ATTENTION_BIAS, o_bias=_ATTENTION_BIAS, mlp_bias=("mlp_bias", False)),
-    "mistral": Family("Mistral"),
-    "qwen2": Family("Qwen2", qkv_bias=True),
-    "qwen3": Family("Qwen3", qkv_bias=_ATTENTION_BIAS, o_bias=_ATTENTION_BIAS, qk_norm=True),
-    "gemma": Family("Gemma", tied_default=True, head_dim_default=256, qkv_bias=_ATTENTION_BIAS,
-                    o_bias=_ATTENTION_BIAS),
-    "gemma2": Family("Gemma 2", tied_default=True, head_dim_default=256, qkv_bias=_ATTENTION_BIAS,
-                     o_bias=_ATTENTION_BIAS, norms_per_layer=4),
-    "gemma3_text": Family("Gemma 3", tied_default=True, head_dim_default=256, qkv_bias=_ATTENTION_BIAS,
-                          o_bias=_ATTENTION_BIAS, qk_norm=True, norms_per_layer=4),
+    "mistral": Family("Mistral", kv_heads_default=8),
+    "qwen2": Family("Qwen2", qkv_bias=True, kv_heads_default=32),
+    "qwen3": Family("Qwen3", head_dim_default=128, kv_heads_default=32, qkv_bias=_ATTENTION_BIAS,
+                    o_bias=_ATTENTION_BIAS, qk_norm=True),
+    "gemma": Family("Gemma", tied_default=True, head_dim_default=256, kv_heads_default=16,
+                    qkv_bias=_ATTENTION_BIAS, o_bias=_ATTENTION_BIAS),
+    "gemma2": Family("Gemma 2", tied_default=True, head_dim_default=256, kv_heads_default=4,
+                     qkv_bias=_ATTENTION_BIAS, o_bias=_ATTENTION_BIAS, norms_per_layer=4),
+    "gemma3_text": Family("Gemma 3", tied_default=True, head_dim_default=256, kv_heads_default=4,
+                          qkv_bias=_ATTENTION_BIAS, o_bias=_ATTENTION_BIAS, qk_norm=True, norms_per_layer=4),
     "phi3": Family("Phi-3", fused=True),
-    "mixtral": Family("Mixtral", expert_keys=("num_local_experts", "num_experts")),
-    "qwen2_moe": Family("Qwen2-MoE", qkv_bias=("qkv_bias", True), expert_keys=("num_experts",),
+    "mixtral": Family("Mixtral", kv_heads_default=8, expert_keys=("num_local_experts", "num_experts")),
+    "qwen2_moe": Family("Qwen2-MoE", qkv_bias=("qkv_bias", True), kv_heads_default=16, expert_keys=("num_experts",),
                         expert_size_key="moe_intermediate_size", shared_expert=True, sparse_step=True),
-    "qwen3_moe": Family("Qwen3-MoE", qkv_bias=_ATTENTION_BIAS, o_bias=_ATTENTION_BIAS, qk_norm=True,
+    "qwen3_moe": Family("Qwen3-MoE", qkv_bias=_ATTENTION_BIAS, o_bias=_ATTENTION_BIAS, qk_norm=True, kv_heads_default=4,
                         expert_keys=("num_experts", "num_local_experts"), expert_size_key="moe_intermediate_size",
                         sparse_step=True),
 }
@@ -174,7 +180,11 @@ def count_decoder(config: Mapping[str, Any]) -> DecoderCounts:
     """Count a decoder-only causal LM's parameters from its config, as transformers builds it."""
     family = family_of(config)
     vocab, h, layers, heads = (_positive_int(config, key) for key in _REQUIRED)
-    kv_heads = _optional_int(config, "num_key_value_heads", heads)
+    kv_heads = _optional_int(config, "num_key_value_heads", family.kv_heads_default or heads)
+    if config.get("head_dim") is None and family.head_dim_default is None and h % heads:
+        # transformers refuses it too (its validate_architecture), when the model is built
+        raise HFConfigError("num_attention_heads", f"must divide hidden_size ({h}) where head_dim is not given",
+                            heads)
     head_dim = _optional_int(config, "head_dim", family.head_dim_default or h // heads)
     tied = _flag(config, ("tie_word_embeddings", family.tied_default))
     qkv_bias, o_bias, mlp_bias = (_flag(config, r) for r in (family.qkv_bias, family.o_bias, family.mlp_bias))

@@ -112,6 +112,7 @@ def test_down_leaves_no_process_mount_namespace_or_cgroup(cluster: Cluster, shor
     must remove every trace of it and leave the session's cluster alone."""
     state = short_tmp / "second"
     env = dict(os.environ, SPILLWAY_CLUSTER_DIR=str(state))
+    env.pop("SPILLWAY_CLUSTER_IMAGES_DIR", None)  # the session's cluster's roots are its own
     up = subprocess.run([str(HACK_CLUSTER), "up"], env=env, capture_output=True, text=True, timeout=300)
     assert up.returncode == 0, up.stderr[-3000:]
     second = Cluster(kubeconfig=state / "kubeconfig", env=dict(cluster.env, KUBECONFIG=str(state / "kubeconfig")),
