@@ -49,9 +49,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 class ClusterOnOneWorker(LoadScopeScheduling):
-    """xdist's scope scheduling with three kinds of unit: tests/e2e/realnode (real pods on a
+    """xdist's scope scheduling with four kinds of unit: tests/e2e/realnode (real pods on a
     cluster of their own, whose start and training image are paid once), the rest of
-    tests/e2e (kwok nodes, one cluster), and each other test alone. The largest units go out
+    tests/e2e (kwok nodes, one cluster), the modules in UNITS whose tests share a module
+    fixture's run or server, and each other test alone. The largest units go out
     first (xdist orders units by size), so each cluster's tests start at once on a worker of
     their own, which takes no other test until they are nearly done; the other workers take
     the integration tests one at a time. Each worker that holds a unit starts its own
@@ -59,7 +60,14 @@ class ClusterOnOneWorker(LoadScopeScheduling):
     chart's cluster-wide webhook and policies, installed by a test for its duration, never
     meet another worker's test."""
 
-    UNITS = ("tests/e2e/realnode/", "tests/e2e/")
+    UNITS = ("tests/e2e/realnode/", "tests/e2e/",
+             # Modules whose tests share what a module fixture starts: run apart, each worker
+             # that took one of them (and any test of another module between two of them, which
+             # tears module fixtures down) started it again.
+             "tests/integration/test_tiered_optimizer.py::",  # the 28-step tiered reference run
+             "tests/integration/test_faults.py::",  # the finished runs its tests damage copies of
+             "tests/integration/api/test_dashboard.py::",  # the API server and Chromium
+             "tests/integration/api/test_client.py::")  # the API server
 
     def _split_scope(self, nodeid: str) -> str:
         return next((unit for unit in self.UNITS if nodeid.startswith(unit)), nodeid)

@@ -1,12 +1,17 @@
-"""Divergence rollback, preemption, damaged checkpoints and a full disk, on real DeepSpeed."""
+"""Divergence rollback, damaged checkpoints, a full disk and a rollback asked for, on real
+DeepSpeed. Preemption (SIGTERM: a checkpoint of the current step, exit 75, the resume) is
+test_exact_resume.py's suspend test, which also checks the resume to the bit; a malformed
+dataset line is test_run_bad_input.py's."""
 
-import signal
+import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from spillway_runtime.checkpoints.store import CheckpointStore
 from spillway_runtime.core.contract import ExitCode
+from spillway_runtime.training.reporting import read_events
 from spillway_runtime.training.runconfig import FaultInjection
 
 from .conftest import run_job
@@ -50,24 +55,30 @@ def test_too_many_rollbacks_fail_with_the_reason(tmp_path, make_job):
     assert len(run.of("rollback")) == 1 and run.of("diverged")
 
 
-def test_sigterm_checkpoints_the_current_step_and_exits_preempted(tmp_path, make_job):
-    job = make_job(training={"maxSteps": 12}, checkpoint={"everySteps": 100})
-    run = run_job(job, tmp_path / "run", faults=FaultInjection(step_sleep_seconds=0.4), signal_at_step=3,
-                  sig=signal.SIGTERM)
-    assert run.returncode == ExitCode.PREEMPTED, run.log[-3000:]
-    [preempted] = run.of("preempted")
-    [checkpoint] = run.of("checkpoint")
-    assert checkpoint["step"] == preempted["step"] >= 3
-    resumed = run_job(job, tmp_path / "run")
-    assert resumed.returncode == 0
-    assert resumed.of("resumed")[-1]["step"] == preempted["step"]
-    assert max(resumed.losses()) == 12
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """Where this module keeps the finished six-step runs its tests each damage or roll back a
+    copy of (tests/conftest.py keeps the module's tests on one worker), and their NVMe folders:
+    a folder is part of the DeepSpeed config a checkpoint holds, so a copy resumes with it."""
+    return tmp_path_factory.mktemp("finished")
 
 
-def test_damaged_latest_checkpoint_falls_back_to_previous(tmp_path, make_job):
+def finished_copy(finished: Path, key: str, job: Path, target: Path) -> dict[int, float]:
+    """JOB run once for the module (under FINISHED/KEY) and its folder copied to TARGET: the
+    losses of its steps."""
+    source = finished / key
+    if not (finished / f"{key}.done").exists():
+        shutil.rmtree(source, ignore_errors=True)
+        first = run_job(job, source)
+        assert first.returncode == 0, first.log[-3000:]
+        (finished / f"{key}.done").touch()
+    shutil.copytree(source, target)
+    return {e["step"]: e["loss"] for e in read_events(target / "events.jsonl") if e["event"] == "step"}
+
+
+def test_damaged_latest_checkpoint_falls_back_to_previous(tmp_path, make_job, finished):
     job = make_job(training={"maxSteps": 6}, checkpoint={"everySteps": 2})
-    first = run_job(job, tmp_path / "run")
-    assert first.returncode == 0
+    finished_copy(finished, "six-steps", job, tmp_path / "run")
     ckpts = tmp_path / "run" / "checkpoints"
     shard = next((ckpts / "step-00000006" / "ds").glob("*model_states.pt"))
     shard.write_bytes(shard.read_bytes()[:-7] + b"garbage")
@@ -84,15 +95,15 @@ def test_damaged_latest_checkpoint_falls_back_to_previous(tmp_path, make_job):
     ("nvme", "offloaded_tensors/*/[0-9]*.tensor.swp"),  # the fp32 masters: checked as they are cast
 ], ids=["cpu", "nvme-moment", "nvme-masters"])
 def test_a_flipped_bit_in_a_tensor_file_is_found_as_it_is_read_and_the_previous_checkpoint_used(
-        tmp_path, make_job, optimizer, pattern):
+        tmp_path, make_job, finished, optimizer, pattern):
     """The large files are checked while they are loaded, not read twice: one bit flipped in
     the optimizer state (the ZeRO file's tensors, or a swap file with the optimizer on NVMe)
-    rejects that checkpoint and the restart resumes from the one before."""
-    offload = {"optimizer": optimizer, "nvme": {"path": str(tmp_path / "nvme")},
+    rejects that checkpoint and the restart resumes from the one before. The two NVMe cases
+    damage copies of one run."""
+    offload = {"optimizer": optimizer, "nvme": {"path": str(finished / f"nvme-{optimizer}")},
                "deepspeed": {"zero_optimization": {"stage": 3}}}
     job = make_job(training={"maxSteps": 6}, checkpoint={"everySteps": 2}, offload=offload)
-    first = run_job(job, tmp_path / "run")
-    assert first.returncode == 0, first.log[-3000:]
+    finished_copy(finished, f"z3-opt_{optimizer}", job, tmp_path / "run")
     latest = tmp_path / "run" / "checkpoints" / "step-00000006"
     [damaged] = list((latest / "ds").glob(pattern))
     data = bytearray(damaged.read_bytes())
@@ -104,17 +115,6 @@ def test_a_flipped_bit_in_a_tensor_file_is_found_as_it_is_read_and_the_previous_
     assert again.of("resumed")[-1]["checkpoint"] == "step-00000004"
     rejected = [e["message"] for e in again.of("log") if "step-00000006 rejected" in e.get("message", "")]
     assert rejected and f"{damaged.name} does not match its checksum" in rejected[0]
-
-
-def test_malformed_dataset_names_file_and_line(tmp_path, make_job, tiny_model):
-    data = tmp_path / "broken.jsonl"
-    data.write_text('{"text": "fine"}\n{"text": "fine"}\nnot json at all\n')
-    job = make_job()
-    text = job.read_text().replace(str(tiny_model["data"]), str(data))
-    job.write_text(text)
-    run = run_job(job, tmp_path / "run")
-    assert run.returncode == 2
-    assert f"{data}:3: not valid JSON" in run.of("failed")[0]["reason"]
 
 
 def test_full_disk_during_checkpoint_keeps_the_last_good_one(tmp_path, make_job):
@@ -140,10 +140,9 @@ def test_full_disk_during_checkpoint_keeps_the_last_good_one(tmp_path, make_job)
         subprocess.run(["umount", str(small)], check=False)
 
 
-def test_resume_from_rolls_back_once_and_keeps_the_abandoned_timeline(tmp_path, make_job):
-    first = run_job(make_job(training={"maxSteps": 6}, checkpoint={"everySteps": 2}), tmp_path / "run")
-    assert first.returncode == 0
-    losses_before = first.losses()
+def test_resume_from_rolls_back_once_and_keeps_the_abandoned_timeline(tmp_path, make_job, finished):
+    job = make_job(training={"maxSteps": 6}, checkpoint={"everySteps": 2})
+    losses_before = finished_copy(finished, "six-steps", job, tmp_path / "run")
 
     rollback_job = make_job(training={"maxSteps": 8}, checkpoint={"everySteps": 2})
     text = rollback_job.read_text().replace("spec:\n", "spec:\n  resumeFrom: step-00000002\n", 1)

@@ -126,22 +126,6 @@ def test_a_run_created_again_by_the_clients_retry_is_one_run(tracking_server: Ml
     assert [m.value for m in client.get_metric_history(found[0].info.run_id, "loss")] == [2.5]
 
 
-def test_an_unreachable_mlflow_server_is_one_warning_and_training_goes_on(tmp_path, tiny_model):
-    (closed,) = _free_ports(1)  # nothing listens there once the probe socket is closed
-    uri = f"http://127.0.0.1:{closed}"
-    job = _job(tmp_path, tiny_model, "untracked", tracking={"mlflow": {"trackingUri": uri}})
-    started = time.monotonic()
-    run = run_job(job, tmp_path / "run")
-    assert run.returncode == 0, run.log[-3000:]
-    assert [e["step"] for e in run.of("step")] == [1, 2, 3, 4, 5, 6]
-    warnings = run.of("warning")
-    assert len(warnings) == 1, warnings
-    assert uri in warnings[0]["message"] and "training goes on" in warnings[0]["message"]
-    assert "experiment 'default'" in warnings[0]["message"]  # the job's namespace, by default
-    assert run.of("finished")
-    assert time.monotonic() - started < 120
-
-
 def _scrape(port: int) -> dict[str, float]:
     """The unlabelled samples of /metrics, and spillway_tier_bytes by tier."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -156,13 +140,17 @@ def _scrape(port: int) -> dict[str, float]:
     return out
 
 
-def test_metrics_endpoint_serves_the_step_and_loss_during_the_run(tmp_path, tiny_model, monkeypatch):
-    (port,) = _free_ports(1)
+def test_metrics_serve_the_step_and_loss_during_the_run_and_an_unreachable_mlflow_is_one_warning(
+        tmp_path, tiny_model, monkeypatch):
+    """One run for both: /metrics answers during the run with each step's loss, exactly, and an
+    MLflow server nothing listens on is one warning, the run otherwise as without it."""
+    port, closed = _free_ports(2)  # nothing listens on `closed` once the probe socket is closed
+    uri = f"http://127.0.0.1:{closed}"
     monkeypatch.setenv(METRICS_PORT_ENV, str(port))
     run_dir = tmp_path / "run"
     # Slow steps, so that the scrapes below see the run between steps on a loaded machine too.
-    config = prepare_local_run(_job(tmp_path, tiny_model, "scraped"), run_dir=run_dir,
-                               faults=FaultInjection(step_sleep_seconds=0.6))
+    job = _job(tmp_path, tiny_model, "scraped", tracking={"mlflow": {"trackingUri": uri}})
+    config = prepare_local_run(job, run_dir=run_dir, faults=FaultInjection(step_sleep_seconds=0.6))
     scrapes: list[dict[str, float]] = []
     child = subprocess.Popen(runtime_command(run_dir / "runtime.json", 1), env=runtime_env(config),
                              stdout=(run_dir / "runtime.log").open("w"), stderr=subprocess.STDOUT,
@@ -178,7 +166,14 @@ def test_metrics_endpoint_serves_the_step_and_loss_during_the_run(tmp_path, tiny
             child.send_signal(signal.SIGKILL)
         child.wait()
     assert child.returncode == 0, (run_dir / "runtime.log").read_text()[-3000:]
-    losses = {e["step"]: e["loss"] for e in read_events(run_dir / "events.jsonl") if e["event"] == "step"}
+    events = read_events(run_dir / "events.jsonl")
+    losses = {e["step"]: e["loss"] for e in events if e["event"] == "step"}
+    assert list(losses) == [1, 2, 3, 4, 5, 6]
+    warnings = [e for e in events if e["event"] == "warning"]
+    assert len(warnings) == 1, warnings
+    assert uri in warnings[0]["message"] and "training goes on" in warnings[0]["message"]
+    assert "experiment 'default'" in warnings[0]["message"]  # the job's namespace, by default
+    assert any(e["event"] == "finished" for e in events)
     during = [s for s in scrapes if s.get("spillway_step", 0) >= 1]
     assert len({s["spillway_step"] for s in during}) >= 2, scrapes[-3:]  # seen moving
     for sample in during:
