@@ -26,8 +26,12 @@ def test_the_child_trains_the_fitted_micro_model_under_both_zero_stages() -> Non
     # 26.5 ms over ZeRO-2 was fitted, as the planner counts it
     assert (result["tensors"], result["params"], result["accelerator"]) == (39, 787_584, "cpu")
     assert predicted_gather_seconds(39, 787_584, on_gpu=False) == pytest.approx(0.0270, abs=5e-4)
-    # ZeRO-3 gathers and releases its tensors around the same compute: its step is the longer
-    assert 0 < result["zero2_seconds"] < result["zero3_seconds"] < 10, result
+    # DeepSpeed built one engine at each stage, and each stepped. Which step is the longer is what
+    # the probe measures (ZeRO-3 gathers and releases its tensors around the same compute), not
+    # asserted here: under the gate's load the two differ by less than the noise (the gate of
+    # 7877cce read ZeRO-2 at 0.114 s and ZeRO-3 at 0.105 s). bench_offload_overhead prints the ratio.
+    assert result["stages"] == [2, 3], result
+    assert 0 < result["zero2_seconds"] < 10 and 0 < result["zero3_seconds"] < 10, result
 
 
 @pytest.mark.integration

@@ -55,8 +55,9 @@ def _engine(stage: int, hw: Any) -> tuple[Any, Any, int]:
     return engine, plan, int(config.vocab_size)
 
 
-def _step_seconds(stage: int, hw: Any) -> tuple[float, int, int, str]:
-    """(median seconds of a training step, parameter tensors, parameters, accelerator) at ZeRO `stage`."""
+def _step_seconds(stage: int, hw: Any) -> tuple[float, int, int, str, int]:
+    """(median seconds of a training step, parameter tensors, parameters, accelerator, the ZeRO
+    stage the engine was built with) at ZeRO `stage`."""
     import torch
     from deepspeed.accelerator import get_accelerator
 
@@ -72,8 +73,10 @@ def _step_seconds(stage: int, hw: Any) -> tuple[float, int, int, str]:
         engine.step()
         accelerator.synchronize()
         times.append(time.perf_counter() - start)
+    built = int(engine.zero_optimization_stage())
     engine.destroy()
-    return statistics.median(times[WARMUP_STEPS:]), plan.model.parameter_tensors, plan.model.params, plan.accelerator
+    return (statistics.median(times[WARMUP_STEPS:]), plan.model.parameter_tensors, plan.model.params,
+            plan.accelerator, built)
 
 
 def main() -> None:
@@ -88,10 +91,11 @@ def main() -> None:
 
     deepspeed.init_distributed(dist_backend="gloo" if get_accelerator().device_name() == "cpu" else "nccl")
     hw = probe_basic()  # both stages' plans: the capacities are read once
-    zero2, tensors, params, accelerator = _step_seconds(2, hw)
-    zero3, _, _, _ = _step_seconds(3, hw)
+    zero2, tensors, params, accelerator, built2 = _step_seconds(2, hw)
+    zero3, _, _, _, built3 = _step_seconds(3, hw)
     print(RESULT + json.dumps({"zero2_seconds": zero2, "zero3_seconds": zero3, "tensors": tensors,
-                               "params": params, "accelerator": accelerator}), flush=True)
+                               "params": params, "accelerator": accelerator, "stages": [built2, built3]}),
+          flush=True)
 
 
 if __name__ == "__main__":
