@@ -11,7 +11,6 @@ import sys
 
 import pytest
 
-from spillway_runtime import engine_probe
 from spillway_runtime.engine_probe import RESULT, measure_engine_host_work, predicted_gather_seconds
 
 
@@ -37,7 +36,7 @@ def test_the_child_trains_the_fitted_micro_model_under_both_zero_stages() -> Non
 @pytest.mark.integration
 def test_a_probe_that_cannot_run_deepspeed_leaves_the_constants_and_says_why(monkeypatch, capsys) -> None:
     monkeypatch.setenv("DS_ACCELERATOR", "abacus")  # DeepSpeed refuses an accelerator it does not know
-    monkeypatch.setattr(engine_probe, "MEASUREMENTS", 1)  # each child would fail the same way
+    monkeypatch.setattr("spillway_runtime.engine_probe.MEASUREMENTS", 1)  # each child would fail the same way
     assert measure_engine_host_work(2) is None
     said = capsys.readouterr().out
     assert "probe: DeepSpeed's host work not measured (exit 1:" in said and "abacus" in said, said

@@ -15,7 +15,7 @@ from spillway_runtime.checkpoints.store import MANIFEST, checkpoint_name
 from spillway_runtime.training.lora import MERGED_DIR
 from spillway_runtime.training.runconfig import FaultInjection
 
-from .conftest import run_job
+from .conftest import Run, run_job
 
 pytestmark = pytest.mark.integration
 
@@ -126,7 +126,7 @@ def test_lora_resume_after_sigkill_is_bit_identical_with_the_base_on_nvme(tmp_pa
     resumed_after_sigkill_is_bit_identical(make_job, tmp_path, reference, placement)
 
 
-def resumed_after_sigkill_is_bit_identical(make_job: Any, tmp_path: Path, reference: Any,
+def resumed_after_sigkill_is_bit_identical(make_job: Any, tmp_path: Path, reference: Run,
                                            placement: tuple[str, str]) -> None:
     """The job of REFERENCE's placement, SIGKILLed after its first checkpoint and run again:
     from that checkpoint on, REFERENCE's losses to the bit."""

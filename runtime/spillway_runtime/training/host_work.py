@@ -15,7 +15,7 @@ import json
 import os
 import statistics
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from spillway_runtime.engine_probe import RESULT
 from spillway_runtime.training import startup
@@ -23,6 +23,16 @@ from spillway_runtime.training.processes import free_port
 
 MICRO_BATCH, SEQUENCE = 4, 64
 WARMUP_STEPS, TIMED_STEPS = 3, 12
+
+
+class StageStep(NamedTuple):
+    """One ZeRO stage's engine on the micro model: its median step and what it was built as."""
+
+    seconds: float
+    tensors: int
+    params: int
+    accelerator: str
+    stage: int  # the ZeRO stage DeepSpeed built the engine with
 
 
 def _engine(stage: int, hw: Any) -> tuple[Any, Any, int]:
@@ -55,9 +65,8 @@ def _engine(stage: int, hw: Any) -> tuple[Any, Any, int]:
     return engine, plan, int(config.vocab_size)
 
 
-def _step_seconds(stage: int, hw: Any) -> tuple[float, int, int, str, int]:
-    """(median seconds of a training step, parameter tensors, parameters, accelerator, the ZeRO
-    stage the engine was built with) at ZeRO `stage`."""
+def _step(stage: int, hw: Any) -> StageStep:
+    """The median seconds of a training step at ZeRO `stage`, and the engine's shape."""
     import torch
     from deepspeed.accelerator import get_accelerator
 
@@ -75,8 +84,8 @@ def _step_seconds(stage: int, hw: Any) -> tuple[float, int, int, str, int]:
         times.append(time.perf_counter() - start)
     built = int(engine.zero_optimization_stage())
     engine.destroy()
-    return (statistics.median(times[WARMUP_STEPS:]), plan.model.parameter_tensors, plan.model.params,
-            plan.accelerator, built)
+    return StageStep(statistics.median(times[WARMUP_STEPS:]), plan.model.parameter_tensors, plan.model.params,
+                     plan.accelerator, built)
 
 
 def main() -> None:
@@ -91,11 +100,10 @@ def main() -> None:
 
     deepspeed.init_distributed(dist_backend="gloo" if get_accelerator().device_name() == "cpu" else "nccl")
     hw = probe_basic()  # both stages' plans: the capacities are read once
-    zero2, tensors, params, accelerator, built2 = _step_seconds(2, hw)
-    zero3, _, _, _, built3 = _step_seconds(3, hw)
-    print(RESULT + json.dumps({"zero2_seconds": zero2, "zero3_seconds": zero3, "tensors": tensors,
-                               "params": params, "accelerator": accelerator, "stages": [built2, built3]}),
-          flush=True)
+    zero2, zero3 = _step(2, hw), _step(3, hw)
+    print(RESULT + json.dumps({"zero2_seconds": zero2.seconds, "zero3_seconds": zero3.seconds,
+                               "tensors": zero2.tensors, "params": zero2.params, "accelerator": zero2.accelerator,
+                               "stages": [zero2.stage, zero3.stage]}), flush=True)
 
 
 if __name__ == "__main__":
